@@ -1,0 +1,1 @@
+"""The agent that runs on every VM: rendezvous, preemption watchers, torchrun launch."""

@@ -1,0 +1,419 @@
+"""The ``redis`` rendezvous handler: torch's dynamic rendezvous, fixed for spot fleets.
+
+It subclasses torch's ``DynamicRendezvousHandler`` and keeps its join/leave state machine,
+changing four things (each pinned by ``tests/unit/test_torch_internals.py`` where it leans on
+torch's private behaviour):
+
+* **Liveness** is a sorted set of heartbeats stamped by the Redis clock (see
+  :mod:`.backend`), not timestamps inside the pickled state; dead members are removed from
+  every list and recorded as *gone*.
+* **Prompt restarts.** torch's agent restarts healthy workers only when
+  ``num_nodes_waiting()`` is non-zero. Ours is also non-zero when a member of the current
+  round died or left, or when this node itself was dropped, so survivors stop waiting in a
+  collective whose peer will never answer.
+* **No split brain.** A member declared dead is *gone* for good: its heartbeats are refused,
+  and when it wakes it sees that, restarts its workers and rejoins under a fresh identity,
+  as a new member of a new round.
+* **Explicit leave.** :func:`leave_node` (or :meth:`RedisRendezvousHandler.leave`) removes a
+  member at once, so the others re-form without waiting for its heartbeat to expire; the
+  node's own torchrun then stops its workers and exits. torch's ``shutdown()`` closes the
+  rendezvous for everyone, which is not what a preempted VM wants.
+
+The rendezvous round is exposed as a fencing number: :attr:`round`, the environment variable
+``SPOTTRAIN_RDZV_ROUND`` that every worker inherits, and the run's ``rdzv:view`` key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import redis
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousInfo,
+    RendezvousParameters,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousSettings,
+    RendezvousTimeout,
+    _BackendRendezvousStateHolder,
+    _DistributedRendezvousOpExecutor,
+    _NodeDesc,
+    _remove_participant_epilogue,
+    _RendezvousExitOp,
+)
+
+from spottrain.redis_conn import connect, describe_error
+
+from .backend import MemberGoneError, RedisRendezvousBackend
+from .config import RedisRendezvousConfig, parse_config
+from .membership import GONE_DEAD, GONE_FINISHED, GONE_LEFT
+from .store import RedisStore
+
+log = logging.getLogger(__name__)
+
+ROUND_ENV = "SPOTTRAIN_RDZV_ROUND"
+MEMBER_ENV = "SPOTTRAIN_RDZV_MEMBER"
+
+
+def member_name(node: _NodeDesc) -> str:
+    """The string a member is known by in Redis (torch's ``addr_pid_localid``)."""
+    return repr(node)
+
+
+class RedisStateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder, with liveness read from the Redis heartbeat set.
+
+    After every sync it removes members that are gone or whose heartbeat is older than
+    ``dead_after_s`` (by the Redis clock), and lets a round complete as soon as every live node
+    has joined instead of sitting out the whole last call.
+    """
+
+    def __init__(
+        self,
+        backend: RedisRendezvousBackend,
+        settings: RendezvousSettings,
+        dead_after_s: float,
+        cache_duration: int = 1,
+    ) -> None:
+        super().__init__(backend, settings, cache_duration)
+        self._redis = backend
+        self._dead_after_s = dead_after_s
+        self.own_node: _NodeDesc | None = None
+        self.live_count: int | None = None
+
+    def _sanitize(self) -> None:
+        state = self._state
+        now = datetime.now(UTC)
+        # torch's join op writes a keep-alive into the state blob whenever our entry there is
+        # older than the interval. Liveness lives in the heartbeat set instead, so keep our
+        # own entry fresh locally and spare the blob those writes.
+        if self.own_node is not None and self.own_node in state.last_heartbeats:
+            state.last_heartbeats[self.own_node] = now
+        try:
+            live = self._redis.read_liveness(self._dead_after_s)
+        except RendezvousConnectionError:
+            self._dead_nodes = []
+            return
+        # A node that could not reach Redis itself cannot tell a dead peer from a peer that
+        # was cut off too: after an outage, wait one full timeout before judging anyone.
+        judge = self._redis.seconds_since_failure() >= self._dead_after_s
+        members = (
+            set(state.participants)
+            | state.wait_list
+            | state.redundancy_list
+            | set(state.last_heartbeats)
+        )
+        dead = [
+            node
+            for node in members
+            if member_name(node) in live.gone or (judge and member_name(node) in live.stale)
+        ]
+        newly_dead = [member_name(n) for n in dead if member_name(n) not in live.gone]
+        if newly_dead:
+            # If this write fails the next sync records it; removing them locally is what
+            # matters now.
+            with contextlib.suppress(RendezvousConnectionError):
+                self._redis.mark_gone(newly_dead, GONE_DEAD)
+            log.warning("rendezvous %s: no heartbeat from %s", self._settings.run_id, newly_dead)
+        removed_participant = False
+        for node in dead:
+            state.last_heartbeats.pop(node, None)
+            if state.participants.pop(node, None) is not None:
+                removed_participant = True
+            state.wait_list.discard(node)
+            state.redundancy_list.discard(node)
+        if removed_participant:
+            _remove_participant_epilogue(state, self._settings)
+        if dead:
+            # Write the removal with the next sync, so that nobody waits on a gone member.
+            self.mark_dirty()
+        self._dead_nodes = dead
+        self.live_count = live.live_count
+        if (
+            state.round > 0
+            and not state.complete
+            and state.deadline is not None
+            and len(state.participants) >= max(self._settings.min_nodes, live.live_count)
+        ):
+            # Every live node has joined: move the last call's deadline to now (locally; the
+            # participant that sees it marks the round complete and writes that). Not in the
+            # first round: at launch, nodes come up over several seconds and some have not
+            # beaten yet, while after a loss the survivors are all up already.
+            state.deadline = min(state.deadline, now - timedelta(microseconds=1))
+
+
+class RedisRendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic handler on Redis, with prompt restarts, fencing and explicit leave.
+
+    Build it with :func:`create_handler`; torchrun does so through the ``redis`` entry point.
+    """
+
+    _holder: RedisStateHolder
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        settings: RendezvousSettings,
+        store: RedisStore,
+        state_holder: RedisStateHolder,
+        backend: RedisRendezvousBackend,
+        config: RedisRendezvousConfig,
+        local_addr: str | None,
+    ) -> None:
+        super().__init__(node, settings, backend.name, store, state_holder)
+        self._holder = state_holder
+        self._backend = backend
+        self._config = config
+        self._local_addr = local_addr
+        self._joined_round: int | None = None
+        self._joined_members: frozenset[_NodeDesc] = frozenset()
+        self._gone_reason: str | None = None
+        self._finished = False
+        self._last_reason: str | None = None
+        self._beat_stop = threading.Event()
+        self._beat_thread: threading.Thread | None = None
+        self._holder.own_node = node
+        self._backend.register_member(config.node_id, self.member)
+        self._ensure_beating()
+
+    # -- identity ------------------------------------------------------------------------------
+    @property
+    def member(self) -> str:
+        """This handler's current member name in Redis."""
+        return member_name(self._this_node)
+
+    @property
+    def round(self) -> int | None:
+        """The round this node last joined: the fencing number for checkpoint commits."""
+        return self._joined_round
+
+    @property
+    def config(self) -> RedisRendezvousConfig:
+        return self._config
+
+    @property
+    def use_agent_store(self) -> bool:
+        # Workers build their own store on rank 0's node each round: torch's shared agent
+        # store breaks rejoining after the first round.
+        return False
+
+    def _renew_identity(self) -> None:
+        old = self.member
+        self._this_node = self._node_desc_generator.generate(self._local_addr)
+        self._op_executor = _DistributedRendezvousOpExecutor(
+            self._this_node, self._holder, self._settings
+        )
+        self._holder.own_node = self._this_node
+        self._gone_reason = None
+        self._joined_round = None
+        self._joined_members = frozenset()
+        self._backend.register_member(self._config.node_id, self.member)
+        log.warning(
+            "rendezvous %s: %s rejoins as new member %s", self.get_run_id(), old, self.member
+        )
+
+    # -- heartbeats ----------------------------------------------------------------------------
+    def _ensure_beating(self) -> None:
+        if self._beat_thread is not None and self._beat_thread.is_alive():
+            return
+        self._beat_stop.clear()
+        self._beat_thread = threading.Thread(
+            target=self._beat_loop, name=f"spottrain-rdzv-heartbeat-{self.member}", daemon=True
+        )
+        self._beat_thread.start()
+
+    def _beat_once(self) -> None:
+        if self._gone_reason is not None:
+            return
+        try:
+            self._backend.heartbeat(self.member)
+        except MemberGoneError as exc:
+            self._gone_reason = exc.reason
+            log.warning("rendezvous %s: %s", self.get_run_id(), exc)
+
+    def _beat_loop(self) -> None:
+        interval = self._config.keep_alive_interval_s
+        failing_since: float | None = None
+        while not self._beat_stop.is_set():
+            try:
+                self._beat_once()
+                if failing_since is not None:
+                    log.warning(
+                        "rendezvous %s: Redis reachable again after %.1f s",
+                        self.get_run_id(),
+                        time.monotonic() - failing_since,
+                    )
+                failing_since = None
+            except RendezvousConnectionError as exc:
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning("rendezvous %s: heartbeat failed: %s", self.get_run_id(), exc)
+            self._beat_stop.wait(interval)
+
+    def _start_heartbeats(self) -> None:
+        self._ensure_beating()
+
+    def _stop_heartbeats(self) -> None:
+        # torch stops its keep-alive timer for the duration of a join; ours must go on
+        # beating through it, or a slow round would get this node declared dead.
+        pass
+
+    def _stop_beating(self) -> None:
+        self._beat_stop.set()
+        if self._beat_thread is not None and self._beat_thread is not threading.current_thread():
+            self._beat_thread.join(timeout=5)
+
+    # -- the handler API -----------------------------------------------------------------------
+    def next_rendezvous(self) -> RendezvousInfo:
+        # Beat now: it tells us at once whether we were declared dead or asked to leave.
+        with contextlib.suppress(RendezvousConnectionError):  # the join reports an outage
+            self._beat_once()
+        if self._gone_reason == GONE_LEFT:
+            raise SignalException(
+                f"node {self._config.node_id} left the rendezvous; stopping", signal.SIGTERM
+            )
+        if self._gone_reason is not None:
+            self._renew_identity()
+        # Each round's workers get their own store on the new rank 0 (see use_agent_store).
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        self._ensure_beating()
+        info = super().next_rendezvous()
+        state = self._holder.state
+        self._joined_round = state.round
+        self._joined_members = frozenset(state.participants)
+        self._last_reason = None
+        os.environ[ROUND_ENV] = str(state.round)
+        os.environ[MEMBER_ENV] = self.member
+        try:
+            ordered = sorted(state.participants, key=lambda n: state.participants[n])
+            self._backend.publish_view(
+                state.round, len(state.participants), [member_name(n) for n in ordered]
+            )
+        except RendezvousConnectionError as exc:
+            log.warning("rendezvous %s: could not publish the view: %s", self.get_run_id(), exc)
+        return info
+
+    def _membership_change(self) -> str | None:
+        """Why this node's workers must restart now, or None."""
+        if self._gone_reason == GONE_DEAD:
+            return "this node was declared dead; it rejoins as a new member"
+        if self._joined_round is None:
+            return None
+        state = self._holder.state
+        if state.round != self._joined_round:
+            return f"round {state.round} replaced round {self._joined_round}"
+        if self._this_node not in state.participants:
+            return "this node is no longer a participant"
+        missing = self._joined_members - set(state.participants)
+        if missing:
+            return "member(s) left or died: " + ", ".join(sorted(member_name(n) for n in missing))
+        return None
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join, or at least 1 when the current round lost a member.
+
+        torch's agent polls this between worker health checks and restarts its healthy
+        workers when it is non-zero. A Redis outage answers 0: a training that is not
+        changing membership goes on without Redis.
+
+        Raises:
+            SignalException: this node was made to leave; torchrun stops its workers.
+        """
+        try:
+            with self._heartbeat_lock:
+                self._holder.sync()
+        except RendezvousConnectionError:
+            return 0
+        if self._gone_reason == GONE_LEFT:
+            self._stop_beating()
+            raise SignalException(
+                f"node {self._config.node_id} left the rendezvous; stopping", signal.SIGTERM
+            )
+        waiting = len(self._holder.state.wait_list)
+        reason = self._membership_change()
+        if reason is not None:
+            if reason != self._last_reason:
+                log.warning("rendezvous %s: restarting workers: %s", self.get_run_id(), reason)
+                self._last_reason = reason
+            return max(waiting, 1)
+        return waiting
+
+    def leave(self) -> None:
+        """Leave the rendezvous now: the others re-form without waiting for a timeout.
+
+        This node never rejoins under this identity; its torchrun stops its workers at its
+        next health check.
+        """
+        leave_member(self._backend, self.member)
+        self._gone_reason = GONE_LEFT
+        try:
+            with self._heartbeat_lock:
+                self._op_executor.run(
+                    _RendezvousExitOp(), time.monotonic() + self._config.close_timeout_s
+                )
+        except RendezvousConnectionError:
+            pass  # the others drop us anyway: we are marked gone
+        self._stop_beating()
+
+    def shutdown(self) -> bool:
+        """Close the rendezvous (the job is over), unless this node left it."""
+        if self._gone_reason == GONE_LEFT:
+            self._stop_beating()
+            return True
+        ok = bool(super().shutdown())
+        self._stop_beating()
+        with contextlib.suppress(RendezvousConnectionError):
+            self._backend.mark_gone([self.member], GONE_FINISHED)
+        return ok
+
+
+def leave_member(backend: RedisRendezvousBackend, member: str) -> None:
+    """Mark ``member`` as having left: peers drop it at their next sync (within about 1 s)."""
+    backend.mark_gone([member], GONE_LEFT)
+
+
+def create_handler(params: RendezvousParameters) -> RedisRendezvousHandler:
+    """Build the handler from torchrun's parameters (the ``redis`` backend's creator).
+
+    Raises:
+        RendezvousConfigError: a malformed endpoint or conf value.
+        RendezvousConnectionError: Redis is unreachable or refused our credentials.
+    """
+    conf: dict[str, Any] = dict(params.config)
+    config = parse_config(endpoint=params.endpoint, run_id=params.run_id, conf=conf)
+    client = connect(config.redis)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise RendezvousConnectionError(describe_error(exc, config.redis)) from None
+    keys = config.keys
+    backend = RedisRendezvousBackend(client, config.redis, keys, config.ttl_s)
+    store = RedisStore(
+        client, config.redis, keys, config.ttl_s, timedelta(seconds=config.read_timeout_s)
+    )
+    settings = RendezvousSettings(
+        params.run_id,
+        params.min_nodes,
+        params.max_nodes,
+        RendezvousTimeout(
+            join=timedelta(seconds=config.join_timeout_s),
+            last_call=timedelta(seconds=config.last_call_timeout_s),
+            close=timedelta(seconds=config.close_timeout_s),
+            heartbeat=timedelta(seconds=config.heartbeat_timeout_s),
+        ),
+        keep_alive_interval=timedelta(seconds=config.keep_alive_interval_s),
+        keep_alive_max_attempt=config.keep_alive_max_attempt,
+    )
+    holder = RedisStateHolder(backend, settings, config.dead_after_s)
+    node = RedisRendezvousHandler._node_desc_generator.generate(params.local_addr)
+    return RedisRendezvousHandler(node, settings, store, holder, backend, config, params.local_addr)

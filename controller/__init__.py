@@ -1,0 +1,1 @@
+"""The controller: job spec, fleet state in Redis, the planner and the reconcile loop."""

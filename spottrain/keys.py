@@ -1,0 +1,156 @@
+"""The Redis key schema of a job: every part of spottrain builds its keys here.
+
+All keys of one run share the prefix ``{prefix}:{<run_id>}:``. The braces are a Redis Cluster
+hash tag, so every key of a run lands in one slot and the multi-key Lua scripts stay legal on
+a cluster.
+
+A run id is the job's name plus its launch epoch (``train-gpt-1732270000``): a relaunch under
+the same name gets fresh keys and never meets the old run's closed rendezvous or stale nodes.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "spottrain"
+
+_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?\Z")
+_RUN_ID_RE = re.compile(r"^(?P<name>[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?)-(?P<epoch>[0-9]{9,12})\Z")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
+# torchrun hands us whatever --rdzv-id says; keep it safe for keys, logs and file names.
+_ANY_RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}\Z")
+
+
+def validate_job_name(name: str) -> str:
+    """Check a job name: lowercase letters, digits and dashes, 1-48 characters.
+
+    The same rule as cloud labels (GCP labels are the strictest), so the name can tag VMs.
+
+    Raises:
+        ValueError: the name does not fit, with the rule in the message.
+    """
+    if not _NAME_RE.match(name):
+        raise ValueError(
+            f"job name {name!r} is not allowed: use 1-48 lowercase letters, digits and dashes, "
+            "starting and ending with a letter or digit (it becomes a cloud label)"
+        )
+    return name
+
+
+def make_run_id(name: str, epoch: int | None = None) -> str:
+    """Return the run id of a launch of job ``name``: ``<name>-<unix seconds>``."""
+    validate_job_name(name)
+    if epoch is None:
+        epoch = int(time.time())
+    if not 100_000_000 <= epoch < 10**12:
+        raise ValueError(f"launch epoch must be unix seconds (9-12 digits), got {epoch}")
+    return f"{name}-{epoch}"
+
+
+def parse_run_id(run_id: str) -> tuple[str, int]:
+    """Split a run id made by :func:`make_run_id` into (job name, launch epoch).
+
+    Raises:
+        ValueError: ``run_id`` was not made by :func:`make_run_id`.
+    """
+    m = _RUN_ID_RE.match(run_id)
+    if not m:
+        raise ValueError(f"{run_id!r} is not a spottrain run id (<job-name>-<launch epoch>)")
+    return m.group("name"), int(m.group("epoch"))
+
+
+def validate_run_id(run_id: str) -> str:
+    """Check any run id used as a key component (torchrun's ``--rdzv-id`` included)."""
+    if not _ANY_RUN_ID_RE.match(run_id):
+        raise ValueError(
+            f"run id {run_id!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-'"
+        )
+    return run_id
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The keys of one run. Build it once per run and ask it for names; never format keys
+    anywhere else."""
+
+    run_id: str
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        validate_run_id(self.run_id)
+        if not _PREFIX_RE.match(self.prefix):
+            raise ValueError(
+                f"key prefix {self.prefix!r} is not allowed: use 1-64 letters, digits, "
+                "'.', '_' or '-'"
+            )
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}:{{{self.run_id}}}"
+
+    # -- rendezvous ---------------------------------------------------------------------------
+    @property
+    def rdzv_state(self) -> str:
+        """Hash {state, token}: torch's pickled rendezvous state and its fencing token."""
+        return f"{self.base}:rdzv:state"
+
+    @property
+    def rdzv_presence(self) -> str:
+        """Sorted set member -> last heartbeat (Redis server time, ms)."""
+        return f"{self.base}:rdzv:presence"
+
+    @property
+    def rdzv_gone(self) -> str:
+        """Hash member -> why it is gone ("left", "dead"); a gone member never beats again and
+        may only rejoin under a new identity."""
+        return f"{self.base}:rdzv:gone"
+
+    @property
+    def rdzv_members(self) -> str:
+        """Hash node id -> rendezvous member, so an agent can make its own node leave."""
+        return f"{self.base}:rdzv:members"
+
+    @property
+    def rdzv_view(self) -> str:
+        """Hash: the membership view of the newest complete round (round, world size,
+        participants). The round is the fencing number for checkpoint commits."""
+        return f"{self.base}:rdzv:view"
+
+    def store_key(self, key: str) -> str:
+        """A key of the run's ``torch.distributed.Store``."""
+        return f"{self.base}:store:{key}"
+
+    @property
+    def store_pattern(self) -> str:
+        return f"{self.base}:store:*"
+
+    # -- fleet --------------------------------------------------------------------------------
+    @property
+    def nodes(self) -> str:
+        """Set of node ids that registered with this run."""
+        return f"{self.base}:nodes"
+
+    def node(self, node_id: str) -> str:
+        """Hash: a node's record (cloud, zone, instance type, GPUs, address, state)."""
+        return f"{self.base}:node:{node_id}"
+
+    def heartbeat(self, node_id: str) -> str:
+        """A node's heartbeat, a key with a TTL: gone means the node stopped beating."""
+        return f"{self.base}:hb:{node_id}"
+
+    @property
+    def events(self) -> str:
+        """Stream of structured events (``spottrain logs`` reads it)."""
+        return f"{self.base}:events"
+
+    @property
+    def progress(self) -> str:
+        """Hash: step, loss, world size, tokens/s, updated by rank 0."""
+        return f"{self.base}:progress"
+
+    @property
+    def pattern(self) -> str:
+        """Matches every key of this run (for cleanup and ``down``)."""
+        return f"{self.base}:*"

@@ -1,0 +1,42 @@
+"""Shared fixtures: a real Redis server on 127.0.0.1 and a free port, and per-test run ids
+whose keys are removed afterwards."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from spottrain.embedded_redis import RedisServer
+from spottrain.keys import RunKeys
+from spottrain.redis_conn import RedisSettings
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis_server.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def redis_settings(redis_server: RedisServer) -> RedisSettings:
+    return RedisSettings(host=redis_server.host, port=redis_server.port)
+
+
+@pytest.fixture
+def run_keys(redis_client: redis.Redis) -> Iterator[RunKeys]:
+    """A fresh run id for one test; every key under it is deleted afterwards."""
+    keys = RunKeys(f"t-{uuid.uuid4().hex[:12]}")
+    yield keys
+    stale = list(redis_client.scan_iter(match=keys.pattern, count=1000))
+    if stale:
+        redis_client.delete(*stale)
