@@ -155,34 +155,38 @@ class RedisStore(_TorchStore):
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         names = [self._k(k) for k in keys]
-        deadline = time.monotonic() + self._timeout.total_seconds()
+        limit = self._timeout.total_seconds()
+        deadline = time.monotonic() + limit
         delay = _POLL_START_S
         while True:
             values = self._call(lambda: self._client.mget(names))
             if all(v is not None for v in values):
                 return [bytes(v) for v in values]
-            missing = [k for k, v in zip(keys, values, strict=True) if v is None]
-            if time.monotonic() + delay > deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [k for k, v in zip(keys, values, strict=True) if v is None]
                 raise dist.DistStoreError(
-                    f"Redis store: timed out after {self._timeout.total_seconds():.0f} s waiting "
-                    f"for key(s) {missing[:5]}"
+                    f"Redis store: timed out after {limit:.3g} s waiting for key(s) {missing[:5]}"
                 )
-            time.sleep(delay)
+            # Sleep at most until the deadline, so the last look happens right at it.
+            time.sleep(min(delay, remaining))
             delay = min(delay * 2, _POLL_CAP_S)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         if not keys:
             return
         names = [self._k(k) for k in keys]
-        limit = (timeout or self._timeout).total_seconds()
+        limit = (self._timeout if timeout is None else timeout).total_seconds()
         deadline = time.monotonic() + limit
         delay = _POLL_START_S
+        # EXISTS counts a key once per time it is named.
         while int(self._call(lambda: self._client.exists(*names))) < len(names):
-            if time.monotonic() + delay > deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise dist.DistStoreError(
-                    f"Redis store: timed out after {limit:.1f} s waiting for key(s) {keys[:5]}"
+                    f"Redis store: timed out after {limit:.3g} s waiting for key(s) {keys[:5]}"
                 )
-            time.sleep(delay)
+            time.sleep(min(delay, remaining))
             delay = min(delay * 2, _POLL_CAP_S)
 
     def num_keys(self) -> int:

@@ -131,14 +131,6 @@ def backend(request: pytest.FixtureRequest) -> Iterator[StoreUnderTest]:
         yield from _redis_store_under_test(request)
 
 
-def expect_redisstore_bug(
-    backend: StoreUnderTest, request: pytest.FixtureRequest, why: str
-) -> None:
-    """Mark this run an expected failure on RedisStore only (a known difference from TCPStore)."""
-    if backend.name == "redis":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=why))
-
-
 def later(delay_s: float, action: Callable[[], object]) -> threading.Timer:
     timer = threading.Timer(delay_s, action)
     timer.daemon = True
@@ -216,7 +208,6 @@ def test_get_of_a_missing_key_raises_dist_store_error_after_the_store_timeout(
 def test_get_never_gives_up_before_the_store_timeout_has_passed(
     backend: StoreUnderTest, request: pytest.FixtureRequest
 ) -> None:
-    expect_redisstore_bug(backend, request, EARLY_TIMEOUT_BUG)
     timeout = timedelta(seconds=0.2)
     backend.store.set_timeout(timeout)
     # Three tries, so a lucky poll that lands just past the deadline cannot hide the bug.
@@ -380,7 +371,6 @@ def test_wait_raises_when_only_some_of_the_keys_exist(backend: StoreUnderTest) -
 def test_wait_never_gives_up_before_its_explicit_timeout_has_passed(
     backend: StoreUnderTest, request: pytest.FixtureRequest
 ) -> None:
-    expect_redisstore_bug(backend, request, EARLY_TIMEOUT_BUG)
     timeout = timedelta(seconds=0.2)
     elapsed = [
         timed_failure(lambda: backend.store.wait(["never-set"], timeout), dist.DistStoreError)
@@ -392,7 +382,6 @@ def test_wait_never_gives_up_before_its_explicit_timeout_has_passed(
 def test_wait_with_a_zero_timeout_fails_at_once_for_a_missing_key(
     backend: StoreUnderTest, request: pytest.FixtureRequest
 ) -> None:
-    expect_redisstore_bug(backend, request, ZERO_TIMEOUT_BUG)
     backend.store.set_timeout(timedelta(seconds=0.6))
     elapsed = timed_failure(
         lambda: backend.store.wait(["never-set"], timedelta(0)), dist.DistStoreError
