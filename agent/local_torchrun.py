@@ -9,14 +9,21 @@ shut it down (SIGTERM, as systemd does).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+import redis
+
+from spottrain.keys import RunKeys
 
 
 def torchrun_command(
@@ -52,8 +59,41 @@ def torchrun_command(
     return [*cmd, script, *script_args]
 
 
+def child_pids() -> dict[int, list[int]]:
+    """Map each process id on this machine to its children (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue  # exited meanwhile
+        # The command name is in parentheses and may itself contain spaces or parentheses.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid``, nearest first."""
+    tree = child_pids()
+    out: list[int] = []
+    todo = list(tree.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(tree.get(p, []))
+    return out
+
+
 class LocalNode:
-    """One node: a torchrun process and its workers, in a process group of their own.
+    """One node: a torchrun process and its workers, the way a VM holds them.
+
+    torchrun starts each worker in a session of its own, so signalling torchrun's process
+    group alone would leave the workers running: every signal here goes to torchrun's group
+    and to each of its descendants, as a VM's death would.
 
     Args:
         node_id: The node's name (exported as ``SPOTTRAIN_NODE_ID``).
@@ -78,6 +118,7 @@ class LocalNode:
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
+        self._seen: set[int] = set()
 
     def start(self) -> LocalNode:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,9 +140,34 @@ class LocalNode:
             raise RuntimeError(f"node {self.node_id} was never started")
         return self.proc.pid  # session leader: pgid == pid
 
+    def pids(self) -> list[int]:
+        """torchrun's pid and those of all its descendants (workers included)."""
+        if self.proc is None:
+            return []
+        return [self.proc.pid, *descendants(self.proc.pid)]
+
     def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to every process of the node."""
+        targets = self.pids()
+        self._seen.update(targets)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pgid, sig)
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def leftover_pids(self) -> list[int]:
+        """Processes this node ever had that are still running (zombies excluded)."""
+        alive = []
+        for pid in sorted(self._seen | set(self.pids())):
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    stat = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            if stat[stat.rfind(")") + 2 :].split()[0] != "Z":
+                alive.append(pid)
+        return alive
 
     def kill(self) -> None:
         """Every process of the node dies at once, as when a VM is taken without notice."""
@@ -116,7 +182,7 @@ class LocalNode:
         self.signal_group(signal.SIGCONT)
 
     def terminate(self, timeout: float = 60) -> int | None:
-        """SIGTERM to the whole group, as systemd does at shutdown; SIGKILL after timeout."""
+        """SIGTERM to every process, as systemd does at shutdown; SIGKILL after timeout."""
         self.signal_group(signal.SIGTERM)
         code = self.wait(timeout)
         if code is None:
@@ -155,3 +221,137 @@ class LocalNode:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class Record:
+    t: float
+    node: str
+    rank: int
+    world: int
+    round: int
+    step: int
+
+
+class LocalElasticJob:
+    """Nodes of one elastic run on this machine, their progress, and their cleanup.
+
+    The training script must accept ``--steps --step-time --ckpt-dir --progress`` and append
+    one JSON line per step and worker to the progress file, as ``examples/elastic_train.py``
+    does.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        endpoint: str,
+        run_id: str,
+        *,
+        script: str,
+        nnodes: str = "1:3",
+        backend: str = "redis",
+        rdzv_conf: Mapping[str, object] | None = None,
+        steps: int = 100_000,
+        step_time: float = 0.1,
+    ) -> None:
+        self.workdir = workdir
+        self.script = script
+        self.endpoint = endpoint
+        self.run_id = run_id
+        self.nnodes = nnodes
+        self.backend = backend
+        self.rdzv_conf = dict(rdzv_conf or {})
+        self.steps = steps
+        self.step_time = step_time
+        self.progress = workdir / "progress.jsonl"
+        self.ckpt = workdir / "ckpt"
+        self.ckpt.mkdir(parents=True, exist_ok=True)
+        self.nodes: dict[str, LocalNode] = {}
+        self.extra_env: dict[str, str] = {}
+
+    def start_node(self, node_id: str) -> LocalNode:
+        cmd = torchrun_command(
+            script=self.script,
+            script_args=[
+                "--steps",
+                str(self.steps),
+                "--step-time",
+                str(self.step_time),
+                "--ckpt-dir",
+                str(self.ckpt),
+                "--progress",
+                str(self.progress),
+            ],
+            rdzv_endpoint=self.endpoint,
+            run_id=self.run_id,
+            nnodes=self.nnodes,
+            backend=self.backend,
+            rdzv_conf=self.rdzv_conf,
+        )
+        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.extra_env}
+        node = LocalNode(node_id, cmd, self.workdir / f"{node_id}.log", env=env, cwd=self.workdir)
+        self.nodes[node_id] = node.start()
+        return node
+
+    def records(self) -> list[Record]:
+        if not self.progress.exists():
+            return []
+        out = []
+        for line in self.progress.read_text().splitlines():
+            try:
+                d: dict[str, Any] = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written right now
+            out.append(Record(d["t"], d["node"], d["rank"], d["world"], d["round"], d["step"]))
+        return out
+
+    def wait_for(
+        self, pred: Callable[[list[Record]], bool], timeout: float, what: str
+    ) -> list[Record]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            recs = self.records()
+            if pred(recs):
+                return recs
+            dead = [n for n, node in self.nodes.items() if node.proc and node.proc.poll() == 1]
+            if dead and all(not node.alive() for node in self.nodes.values()):
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.diagnose()}")
+
+    def wait_for_world(
+        self, world: int, timeout: float, since: float = 0.0, steps: int = 3
+    ) -> float:
+        """Wait until `steps` steps ran at world size `world` after time `since`; return the
+        time of the first of them."""
+
+        def ok(recs: list[Record]) -> bool:
+            hits = {r.step for r in recs if r.t >= since and r.world == world and r.rank == 0}
+            return len(hits) >= steps
+
+        recs = self.wait_for(ok, timeout, f"{steps} steps at world size {world}")
+        return min(r.t for r in recs if r.t >= since and r.world == world)
+
+    def rank0_node(self) -> str:
+        recs = [r for r in self.records() if r.rank == 0]
+        return recs[-1].node
+
+    def diagnose(self) -> str:
+        tail = self.records()[-6:]
+        logs = "\n".join(
+            f"--- {n} (alive={node.alive()}) ---\n{node.log_text()[-2500:]}"
+            for n, node in self.nodes.items()
+        )
+        return f"last records: {tail}\n{logs}"
+
+    def close(self, client: redis.Redis | None = None) -> None:
+        for node in self.nodes.values():
+            node.close()
+        for node in self.nodes.values():
+            left = node.leftover_pids()
+            if left:
+                raise AssertionError(f"node {node.node_id} left processes behind: {left}")
+        if client is not None:
+            keys = list(client.scan_iter(match=RunKeys(self.run_id).pattern, count=1000))
+            if keys:
+                client.delete(*keys)

@@ -54,6 +54,16 @@ end
 return {2, token, state}
 """
 
+# KEYS[1] state hash. ARGV[1] the token the caller holds ('' = none).
+# Returns {} when nothing is stored, {token} when the caller's token is current (its copy of
+# the state is too: no need to send the state again), else {token, state}.
+_GET_IF_CHANGED = """
+local cur = redis.call('HMGET', KEYS[1], 'token', 'state')
+if not cur[1] and not cur[2] then return {} end
+if cur[1] and cur[2] and cur[1] == ARGV[1] then return {cur[1]} end
+return {cur[1] or '', cur[2] or ''}
+"""
+
 # KEYS: presence zset, gone hash, then every other key of the rendezvous whose TTL to refresh.
 # ARGV: member, ttl ms. Returns server time in ms, or the reason the member is gone.
 _BEAT = """
@@ -66,8 +76,10 @@ for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
 return {1, now}
 """
 
-# KEYS: presence zset, gone hash. ARGV: dead-after ms, prune-after ms.
-# Returns {now ms, live count, {stale members}, {gone member, reason, ...}}.
+# KEYS: presence zset, gone hash. ARGV: dead-after ms, prune-after ms, the gone hash's
+# version the caller holds. The gone hash only grows, with a version counter in its field
+# '#v', so it is sent only when it changed since the caller last read it.
+# Returns {now ms, live count, {stale members}, version, {gone member, reason, ...} or {}}.
 _LIVENESS = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -75,17 +87,22 @@ local cutoff = now - tonumber(ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - tonumber(ARGV[2])))
 local stale = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. cutoff)
 local live = redis.call('ZCOUNT', KEYS[1], cutoff, '+inf')
-return {now, live, stale, redis.call('HGETALL', KEYS[2])}
+local version = redis.call('HGET', KEYS[2], '#v') or '0'
+local gone = {}
+if version ~= ARGV[3] then gone = redis.call('HGETALL', KEYS[2]) end
+return {now, live, stale, version, gone}
 """
 
 # KEYS: presence zset, gone hash. ARGV: reason, ttl ms, members...
 _MARK_GONE = """
+local added = 0
 for i = 3, #ARGV do
-  redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[1])
+  added = added + redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[1])
   redis.call('ZREM', KEYS[1], ARGV[i])
 end
+if added > 0 then redis.call('HINCRBY', KEYS[2], '#v', 1) end
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
-return #ARGV - 2
+return added
 """
 
 # KEYS: view hash. ARGV: round, world size, participants (JSON), ttl ms.
@@ -136,12 +153,17 @@ class RedisRendezvousBackend(RendezvousBackend):
         self._keys = keys
         self._ttl_ms = ttl_s * 1000
         self._cas = client.register_script(_CAS)
+        self._get_if_changed = client.register_script(_GET_IF_CHANGED)
         self._beat = client.register_script(_BEAT)
         self._liveness = client.register_script(_LIVENESS)
         self._mark_gone = client.register_script(_MARK_GONE)
         self._publish_view = client.register_script(_PUBLISH_VIEW)
         self._lock = threading.Lock()
         self._last_failure = float("-inf")
+        # The last state and gone map read, so that unchanged ones are not sent again.
+        self._known: tuple[bytes, int] | None = None
+        self._gone_version = ""
+        self._gone: dict[str, str] = {}
 
     @property
     def name(self) -> str:
@@ -162,13 +184,27 @@ class RedisRendezvousBackend(RendezvousBackend):
 
     # -- torch's backend contract -------------------------------------------------------------
     def get_state(self) -> tuple[bytes, Any] | None:
-        """See torch's ``RendezvousBackend.get_state``; the token is an int."""
-        token, state = self._call(
-            lambda: self._client.hmget(self._keys.rdzv_state, ["token", "state"])
+        """See torch's ``RendezvousBackend.get_state``; the token is an int.
+
+        Every node polls the state about once a second; the state travels only when its
+        token moved since this backend last saw it.
+        """
+        known = self._known
+        reply = self._call(
+            lambda: self._get_if_changed(
+                keys=[self._keys.rdzv_state], args=[str(known[1]) if known else ""]
+            )
         )
-        if token is None and state is None:
+        if not reply:
+            self._known = None
             return None
-        return state, self._parse_token(token, state)
+        if len(reply) == 1 and known is not None:
+            return known
+        token, state = reply[0] or None, reply[1] or None
+        parsed = self._parse_token(token, state)
+        assert state is not None  # _parse_token refuses a missing state
+        self._known = (state, parsed)
+        return self._known
 
     def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
         """See torch's ``RendezvousBackend.set_state``.
@@ -190,8 +226,11 @@ class RedisRendezvousBackend(RendezvousBackend):
         if code == 0:
             return None
         if code == 1:
+            self._known = (state, int(reply[1]))
             return state, int(reply[1]), True
-        return reply[2], self._parse_token(reply[1], reply[2]), False
+        current = (reply[2], self._parse_token(reply[1], reply[2]))
+        self._known = current
+        return current[0], current[1], False
 
     @staticmethod
     def _parse_token(token: bytes | None, state: bytes | None) -> int:
@@ -231,15 +270,20 @@ class RedisRendezvousBackend(RendezvousBackend):
         reply = self._call(
             lambda: self._liveness(
                 keys=[self._keys.rdzv_presence, self._keys.rdzv_gone],
-                args=[dead_ms, max(dead_ms * 20, 60_000)],
+                args=[dead_ms, max(dead_ms * 20, 60_000), self._gone_version],
             )
         )
-        flat = [_text(x) for x in reply[3]]
+        version = _text(reply[3])
+        if version != self._gone_version:
+            flat = [_text(x) for x in reply[4]]
+            gone = dict(zip(flat[::2], flat[1::2], strict=True))
+            gone.pop("#v", None)
+            self._gone, self._gone_version = gone, version
         return Liveness(
             now_ms=int(reply[0]),
             live_count=int(reply[1]),
             stale=frozenset(_text(m) for m in reply[2]),
-            gone=dict(zip(flat[::2], flat[1::2], strict=True)),
+            gone=dict(self._gone),
         )
 
     def mark_gone(self, members: Iterable[str], reason: str) -> None:

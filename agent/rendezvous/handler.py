@@ -235,11 +235,15 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
     def _beat_once(self) -> None:
         if self._gone_reason is not None:
             return
+        member = self.member
         try:
-            self._backend.heartbeat(self.member)
+            self._backend.heartbeat(member)
         except MemberGoneError as exc:
-            self._gone_reason = exc.reason
-            log.warning("rendezvous %s: %s", self.get_run_id(), exc)
+            # The identity may have been renewed while this beat was in flight: only the
+            # current member's fate counts.
+            if member == self.member:
+                self._gone_reason = exc.reason
+                log.warning("rendezvous %s: %s", self.get_run_id(), exc)
 
     def _beat_loop(self) -> None:
         interval = self._config.keep_alive_interval_s

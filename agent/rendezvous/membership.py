@@ -12,8 +12,12 @@ GONE_LEFT = "left"
 GONE_DEAD = "dead"
 GONE_FINISHED = "finished"
 
+# Same effect as the backend's mark_gone (see backend.py): record the member as gone, bump
+# the gone hash's version so peers re-read it, and drop its heartbeat.
 _LEAVE = """
-redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
+if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 1 then
+  redis.call('HINCRBY', KEYS[2], '#v', 1)
+end
 redis.call('ZREM', KEYS[1], ARGV[1])
 return 1
 """

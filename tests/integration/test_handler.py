@@ -192,7 +192,7 @@ def test_node_wrongly_declared_dead_rejoins_as_a_new_member_without_split_brain(
     assert survivors_round > old_round
 
     thaw(c)  # the VM wakes up and believes it is still in round `old_round`
-    wait_until(lambda: c.num_nodes_waiting() > 0, 5)  # ... but it is told to restart
+    wait_until(lambda: c.num_nodes_waiting() > 0, 15)  # ... but it is told to restart
     assert c._membership_change() is not None
 
     results: dict[str, Any] = {}
@@ -206,10 +206,10 @@ def test_node_wrongly_declared_dead_rejoins_as_a_new_member_without_split_brain(
     t = threading.Thread(target=rejoin)
     t.start()
     # The woken node waits to join as a new member; the survivors see it waiting.
-    wait_until(lambda: a.num_nodes_waiting() > 0, 10)
+    wait_until(lambda: a.num_nodes_waiting() > 0, 20)
     assert c.member != old_member
     infos = join_all([a, b])
-    t.join(30)
+    t.join(60)
     assert "error" not in results, results.get("error")
     assert {i.world_size for i in [*infos, results["c"]]} == {3}
     participants = {repr(n) for n in a._holder.state.participants}
