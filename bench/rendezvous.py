@@ -29,7 +29,6 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from spottrain.agent.local_torchrun import LocalElasticJob
 from spottrain.agent.rendezvous.membership import leave_node
@@ -53,9 +52,10 @@ def first_step_at(job: LocalElasticJob, world: int, since: float, cap: float) ->
 
 
 def run_once(
-    backend: str, workdir: Path, redis_endpoint: str, cap: float, share_store: bool = False
+    backend: str, workdir: Path, server: RedisServer, cap: float, share_store: bool = False
 ) -> dict[str, float | None]:
-    endpoint = redis_endpoint if backend == "redis" else f"127.0.0.1:{free_port()}"
+    endpoint = server.endpoint if backend == "redis" else f"127.0.0.1:{free_port()}"
+    redis_client = server.client()
     job = LocalElasticJob(
         workdir,
         endpoint,
@@ -91,7 +91,7 @@ def run_once(
 
         if backend == "redis" and out["join_s"] is not None:
             t0 = time.time()
-            leave_node(RedisServer_client(redis_endpoint), RunKeys(job.run_id), "d")
+            leave_node(redis_client, RunKeys(job.run_id), "d")
             out["leave_s"] = first_step_at(job, 2, t0, cap)
             job.nodes["d"].wait(timeout=60)
             time.sleep(2.0)
@@ -105,13 +105,6 @@ def run_once(
         return out
     finally:
         job.close()
-
-
-def RedisServer_client(endpoint: str) -> Any:
-    import redis
-
-    host, port = endpoint.rsplit(":", 1)
-    return redis.Redis(host=host, port=int(port))
 
 
 def median(values: list[float | None]) -> float | None:
@@ -136,12 +129,12 @@ def main() -> None:
     with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             for backend in ("c10d", "redis"):
-                r = run_once(backend, Path(tmp) / f"{backend}-{rep}", server.endpoint, args.cap)
+                r = run_once(backend, Path(tmp) / f"{backend}-{rep}", server, args.cap)
                 results[backend].append(r)
                 print(f"rep {rep} {backend:5s} {json.dumps(r)}", flush=True)
         shared: dict[str, float | None] | None = None
         if args.c10d_share_store:
-            shared = run_once("c10d", Path(tmp) / "c10d-shared", server.endpoint, args.cap, True)
+            shared = run_once("c10d", Path(tmp) / "c10d-shared", server, args.cap, True)
             print(f"c10d with the shared agent store: {json.dumps(shared)}", flush=True)
 
     def med(backend: str, key: str) -> float | None:

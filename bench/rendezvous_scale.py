@@ -164,6 +164,7 @@ class _Worker:
             lg.addHandler(self.logs)
             lg.propagate = False
         self.thread_errors: Counter[str] = Counter()
+        self.requests = 0  # commands our clients sent (a script call counts once)
         threading.excepthook = self._thread_error
 
     def _thread_error(self, args: Any) -> None:
@@ -190,6 +191,16 @@ class _Worker:
         # attribute shadows the class's method for the holder and the handler alike.
         backend.set_state = set_state
 
+    def _count_requests(self, client: Any) -> None:
+        original = client.execute_command
+
+        def execute_command(*args: Any, **options: Any) -> Any:
+            with self.lock:
+                self.requests += 1
+            return original(*args, **options)
+
+        client.execute_command = execute_command
+
     def create(self) -> dict[str, Any]:
         from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
@@ -211,6 +222,7 @@ class _Worker:
             if h._holder._backend is not h._backend or h._state_holder is not h._holder:
                 raise RuntimeError("the handler and its state holder use different backends")
             self._count_set_state(h._backend)
+            self._count_requests(h._backend.client)
             self.nodes.append(_Node(idx, h))
         for node in self.nodes:
             t = threading.Thread(target=self._form_one, args=(node,), daemon=True)
@@ -378,7 +390,7 @@ def _own_cpu() -> float:
 def _worker_main(conn: Connection, args: dict[str, Any]) -> None:
     try:
         worker = _Worker(**args)
-        conn.send(("ok", {**worker.create(), "cpu": _own_cpu()}))
+        conn.send(("ok", {**worker.create(), "cpu": _own_cpu(), "requests": worker.requests}))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         conn.close()
@@ -408,7 +420,9 @@ def _worker_main(conn: Connection, args: dict[str, Any]) -> None:
                 os._exit(0)
             else:
                 raise ValueError(f"unknown command {cmd!r}")
-            conn.send(("ok", {**reply, "cpu": _own_cpu()}))
+            if cmd in ("form", "await_reform"):  # in case a later "stats" gets no answer
+                reply["stats"] = worker.stats()
+            conn.send(("ok", {**reply, "cpu": _own_cpu(), "requests": worker.requests}))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
 
@@ -567,6 +581,7 @@ def _snapshot(client: redis.Redis, replies: list[dict[str, Any]]) -> dict[str, A
         "calls": {k.removeprefix("cmdstat_"): v["calls"] for k, v in cmd.items()},
         "machine": _cpu_times(),
         "fleet_cpu": sum(r["cpu"] for r in replies) + _own_cpu(),
+        "requests": sum(r["requests"] for r in replies),
     }
 
 
@@ -630,7 +645,7 @@ def run_size(
     run_id = f"bench-n{n}-{int(time.time())}-{os.getpid()}"
     keys = RunKeys(run_id)
     lost = max(1, n // 100)
-    form_timeout = args.form_timeout or min(300.0, max(60.0, 0.25 * n))
+    form_timeout = args.form_timeout or min(200.0, max(60.0, 0.25 * n))
     reform_timeout = args.reform_timeout or min(240.0, max(120.0, 0.5 * n))
     conf = {
         # The first round (min_nodes=1) closes at the end of the last call with whoever has
@@ -646,6 +661,7 @@ def run_size(
     t_size = time.monotonic()
     fleet = _Fleet(n, procs, server.endpoint, run_id, conf, not args.as_is)
     stats: list[dict[str, Any]] = []
+    last_stats: list[dict[str, Any]] = []
     try:
         created = fleet.gather("create handlers", 60 + 0.2 * n)
         members = {int(i): m for c in created for i, m in c["members"].items()}
@@ -658,6 +674,7 @@ def run_size(
         snap0 = _snapshot(client, created)
         try:
             formed = fleet.ask("form", form_timeout, form_timeout + 30)
+            last_stats = [f["stats"] for f in formed]
         finally:
             res["form_state"] = _state_summary(client, keys)
         snap1 = _snapshot(client, formed)
@@ -695,9 +712,9 @@ def run_size(
         res["steady_usage"] = _usage(before, after, cores)
         calls = {k: after["calls"].get(k, 0) - before["calls"].get(k, 0) for k in after["calls"]}
         res["commands_per_s"] = (after["commands"] - before["commands"]) / dt
-        # What the clients sent: script calls and plain reads (the commands that the
-        # scripts run inside Redis are in commands_per_s, not here).
-        res["requests_per_s"] = sum(calls.get(k, 0) for k in ("evalsha", "hmget")) / dt
+        # What the clients sent, counted at the clients: a script call is one request (the
+        # commands that scripts run inside Redis are in commands_per_s, not here).
+        res["requests_per_s"] = (after["requests"] - before["requests"]) / dt
         res["steady_calls_per_s"] = {
             k: round(v / dt, 1) for k, v in sorted(calls.items(), key=lambda kv: -kv[1]) if v
         }
@@ -725,6 +742,7 @@ def run_size(
         res["_reform_from"] = t_freeze
         try:
             reformed = fleet.ask("await_reform", reform_timeout, reform_timeout + 30)
+            last_stats = [f["stats"] for f in reformed]
         finally:
             res["reform_state"] = _state_summary(client, keys)
         snap1 = _snapshot(client, reformed)
@@ -768,9 +786,10 @@ def run_size(
     finally:
         monitor.stop.set()
         try:
-            stats = fleet.ask("stats", None, 30)
+            stats = fleet.ask("stats", None, 60)
         except Exception as exc:
-            res.setdefault("failure", f"stats: {exc}")
+            res["stats_error"] = f"{exc} (figures below from the last phase's replies)"
+            stats = last_stats
         fleet.close()
         monitor.join(2)
     if stats:
@@ -930,15 +949,20 @@ def print_report(results: list[dict[str, Any]], runtime: float, cores: int, as_i
             f"{r.get('spurious_restarts')} {r.get('spurious_reasons') or ''}; poll errors "
             f"{r.get('poll_errors')}"
         )
+        if r.get("stats_error"):
+            print(f"    stats: {r['stats_error']}")
         if r.get("wrongly_declared_dead"):
             print(
                 f"    -> live nodes were declared dead: their heartbeat threads went up to "
                 f"{max(r['max_heartbeat_age_s'].values()):.1f} s without running on this "
-                f"oversubscribed machine. {r.get('told_dead')} of them learned it from their "
-                "own heartbeat while inside next_rendezvous() and went on joining under the "
-                "dead identity; identities renewed: "
-                f"{r.get('identity_changes')}."
+                "oversubscribed machine."
             )
+            if r.get("told_dead") is not None:
+                print(
+                    f"       {r['told_dead']} of them learned it from their own heartbeat while "
+                    "inside next_rendezvous() and went on joining under the dead identity "
+                    f"(identities renewed: {r.get('identity_changes')})."
+                )
         if r.get("log_warnings"):
             for msg, count in r["log_warnings"].items():
                 print(f"    log x{count}: {msg[:90]}")
@@ -1052,7 +1076,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-seconds", type=float, default=5.0)
     ap.add_argument("--warmup", type=float, default=2.0, help="polling before measuring")
     ap.add_argument(
-        "--form-timeout", type=float, default=0.0, help="default N/4 s within [60, 300]"
+        "--form-timeout", type=float, default=0.0, help="default N/4 s within [60, 200]"
     )
     ap.add_argument(
         "--reform-timeout", type=float, default=0.0, help="default N/2 s within [120, 240]"

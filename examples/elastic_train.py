@@ -97,7 +97,7 @@ def main() -> None:
                 "world": world,
                 "round": rdzv_round,
                 "step": step + 1,
-                "loss": round(float(loss), 6),
+                "loss": round(loss.item(), 6),
             },
         )
         time.sleep(args.step_time)

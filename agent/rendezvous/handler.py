@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -38,6 +39,7 @@ import redis
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousInfo,
     RendezvousParameters,
 )
@@ -59,6 +61,10 @@ from .config import RedisRendezvousConfig, parse_config
 from .membership import GONE_DEAD, GONE_FINISHED, GONE_LEFT
 from .store import RedisStore
 
+# Backoff after a lost compare-and-set: up to 10 ms after the first, doubling up to 1 s.
+_BACKOFF_BASE_S = 0.005
+_BACKOFF_CAP_S = 1.0
+
 log = logging.getLogger(__name__)
 
 ROUND_ENV = "SPOTTRAIN_RDZV_ROUND"
@@ -68,6 +74,18 @@ MEMBER_ENV = "SPOTTRAIN_RDZV_MEMBER"
 def member_name(node: _NodeDesc) -> str:
     """The string a member is known by in Redis (torch's ``addr_pid_localid``)."""
     return repr(node)
+
+
+class OwnMemberGoneError(RendezvousError):
+    """This node's own member was declared dead (or left) while it was joining a round."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"this node's rendezvous member is gone ({reason})")
+        self.reason = reason
+
+
+class BrokenRoundError(RendezvousError):
+    """The round completed, then lost a member before it started: its ranks have a gap."""
 
 
 class RedisStateHolder(_BackendRendezvousStateHolder):
@@ -88,8 +106,27 @@ class RedisStateHolder(_BackendRendezvousStateHolder):
         super().__init__(backend, settings, cache_duration)
         self._redis = backend
         self._dead_after_s = dead_after_s
+        self._conflicts = 0
+        self._rng = random.Random()
         self.own_node: _NodeDesc | None = None
+        self.own_gone_reason: str | None = None
+        # Set while the handler runs torch's join or exit: finding our own member gone then
+        # must abort the operation (torch would re-add the dead identity at once, forever).
+        self.joining = False
         self.live_count: int | None = None
+
+    def sync(self) -> bool | None:
+        has_set = super().sync()
+        if has_set is False:
+            # Our compare-and-set lost to another node's. When many nodes change the round at
+            # once (a fleet forming, a mass re-form), retrying at once makes every attempt
+            # collide again; jittered exponential backoff lets them through one by one.
+            self._conflicts += 1
+            cap = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** min(self._conflicts, 10))
+            time.sleep(self._rng.uniform(0, cap))
+        elif has_set:
+            self._conflicts = 0
+        return has_set
 
     def _sanitize(self) -> None:
         state = self._state
@@ -118,6 +155,10 @@ class RedisStateHolder(_BackendRendezvousStateHolder):
             for node in members
             if member_name(node) in live.gone or (judge and member_name(node) in live.stale)
         ]
+        own_reason: str | None = None
+        if self.own_node is not None:
+            own = member_name(self.own_node)
+            own_reason = live.gone.get(own) or (GONE_DEAD if judge and own in live.stale else None)
         newly_dead = [member_name(n) for n in dead if member_name(n) not in live.gone]
         if newly_dead:
             # If this write fails the next sync records it; removing them locally is what
@@ -135,8 +176,12 @@ class RedisStateHolder(_BackendRendezvousStateHolder):
         if removed_participant:
             _remove_participant_epilogue(state, self._settings)
         if dead:
-            # Write the removal with the next sync, so that nobody waits on a gone member.
-            self.mark_dirty()
+            # Every node drops gone members from its own copy at once; one of them writes the
+            # removal back (the first remaining participant, by rank), so a loss in a large
+            # fleet is one compare-and-set, not one per node racing for it.
+            ranked = sorted((rank, node) for node, rank in state.participants.items())
+            if not ranked or ranked[0][1] == self.own_node:
+                self.mark_dirty()
         self._dead_nodes = dead
         self.live_count = live.live_count
         if (
@@ -150,6 +195,12 @@ class RedisStateHolder(_BackendRendezvousStateHolder):
             # first round: at launch, nodes come up over several seconds and some have not
             # beaten yet, while after a loss the survivors are all up already.
             state.deadline = min(state.deadline, now - timedelta(microseconds=1))
+        if own_reason is not None:
+            # Raised last, once the local state no longer holds the gone identity: the
+            # handler starts the join over under a new one.
+            self.own_gone_reason = own_reason
+            if self.joining:
+                raise OwnMemberGoneError(own_reason)
 
 
 class RedisRendezvousHandler(DynamicRendezvousHandler):
@@ -214,6 +265,8 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
             self._this_node, self._holder, self._settings
         )
         self._holder.own_node = self._this_node
+        self._holder.own_gone_reason = None
+        self._holder._last_sync_time = -1  # read (and sanitize) afresh before joining again
         self._gone_reason = None
         self._joined_round = None
         self._joined_members = frozenset()
@@ -279,19 +332,39 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
 
     # -- the handler API -----------------------------------------------------------------------
     def next_rendezvous(self) -> RendezvousInfo:
-        # Beat now: it tells us at once whether we were declared dead or asked to leave.
-        with contextlib.suppress(RendezvousConnectionError):  # the join reports an outage
-            self._beat_once()
-        if self._gone_reason == GONE_LEFT:
-            raise SignalException(
-                f"node {self._config.node_id} left the rendezvous; stopping", signal.SIGTERM
-            )
-        if self._gone_reason is not None:
-            self._renew_identity()
         # Each round's workers get their own store on the new rank 0 (see use_agent_store).
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        self._ensure_beating()
-        info = super().next_rendezvous()
+        while True:
+            # Beat now: it tells us at once whether we were declared dead or asked to leave.
+            with contextlib.suppress(RendezvousConnectionError):  # the join reports an outage
+                self._beat_once()
+            if self._holder.own_gone_reason is not None and self._gone_reason is None:
+                self._gone_reason = self._holder.own_gone_reason
+            if self._gone_reason == GONE_LEFT:
+                raise SignalException(
+                    f"node {self._config.node_id} left the rendezvous; stopping", signal.SIGTERM
+                )
+            if self._gone_reason is not None:
+                self._renew_identity()
+            self._ensure_beating()
+            self._holder.joining = True
+            try:
+                info = super().next_rendezvous()
+            except OwnMemberGoneError as exc:
+                # Declared dead while joining (a stall longer than the heartbeat timeout):
+                # start over under a new identity.
+                self._gone_reason = exc.reason
+                continue
+            except BrokenRoundError as exc:
+                log.warning("rendezvous %s: %s; re-forming", self.get_run_id(), exc)
+                with self._heartbeat_lock:
+                    self._op_executor.run(
+                        _RendezvousExitOp(), time.monotonic() + self._config.close_timeout_s
+                    )
+                continue
+            finally:
+                self._holder.joining = False
+            break
         state = self._holder.state
         self._joined_round = state.round
         self._joined_members = frozenset(state.participants)
@@ -306,6 +379,18 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
         except RendezvousConnectionError as exc:
             log.warning("rendezvous %s: could not publish the view: %s", self.get_run_id(), exc)
         return info
+
+    def _get_world(self) -> tuple[int, int]:
+        # torch keeps the ranks of a complete round when a member is dropped from it, so a
+        # round that lost a member between completing and starting has a gap (rank 1 of a
+        # world of 1, say) and its rank 0 may never publish the workers' address. Re-form it.
+        state = self._holder.state
+        ranks = sorted(state.participants.values())
+        if ranks != list(range(len(ranks))):
+            raise BrokenRoundError(
+                f"round {state.round} lost a member before it started (ranks {ranks})"
+            )
+        return super()._get_world()
 
     def _membership_change(self) -> str | None:
         """Why this node's workers must restart now, or None."""
@@ -338,6 +423,8 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
                 self._holder.sync()
         except RendezvousConnectionError:
             return 0
+        if self._gone_reason is None and self._holder.own_gone_reason is not None:
+            self._gone_reason = self._holder.own_gone_reason
         if self._gone_reason == GONE_LEFT:
             self._stop_beating()
             raise SignalException(

@@ -4,6 +4,7 @@ formation, prompt restarts on loss, explicit leave, no split brain, fencing, Red
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousInfo,
     RendezvousParameters,
 )
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 from spottrain.agent.rendezvous.config import RendezvousConfigError
 from spottrain.agent.rendezvous.handler import ROUND_ENV, RedisRendezvousHandler, create_handler
@@ -293,3 +295,69 @@ def test_malformed_endpoint_or_conf_is_a_one_line_config_error(
     with pytest.raises(RendezvousConfigError) as info:
         make_handler(endpoint, "x-2", "n", **conf)
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_node_declared_dead_while_joining_starts_over_as_a_new_member(
+    redis_server: RedisServer, run_keys: RunKeys, handlers: list[RedisRendezvousHandler]
+) -> None:
+    a, b = spawn(handlers, redis_server.endpoint, run_keys.run_id, 2, max_nodes=2)
+    writes = []
+    original = a._backend.set_state
+
+    def counting_set_state(state: bytes, token: Any = None) -> Any:
+        writes.append(token)
+        return original(state, token)
+
+    a._backend.set_state = counting_set_state  # type: ignore[method-assign]
+    results: dict[str, Any] = {}
+
+    def join_a() -> None:
+        try:
+            results["a"] = a.next_rendezvous()
+        except Exception as exc:  # surfaced by the assertion below
+            results["error"] = exc
+
+    t = threading.Thread(target=join_a)
+    t.start()
+    wait_until(lambda: len(writes) > 0, 10)  # a is inside torch's join, waiting for a peer
+    old_member = a.member
+    # What its peers do when a stalls for longer than the heartbeat timeout mid-join:
+    a._backend.mark_gone([old_member], "dead")
+    wait_until(lambda: a.member != old_member, 10)
+    info_b = b.next_rendezvous()
+    t.join(30)
+    assert "error" not in results, results.get("error")
+    assert {info_b.world_size, results["a"].world_size} == {2}
+    assert old_member not in {repr(n) for n in b._holder.state.participants}
+    # It started over once; it did not spin re-adding its dead identity.
+    assert len(writes) < 50
+
+
+def test_lost_compare_and_set_backs_off_before_retrying(
+    redis_server: RedisServer, run_keys: RunKeys, handlers: list[RedisRendezvousHandler]
+) -> None:
+    (h,) = spawn(handlers, redis_server.endpoint, run_keys.run_id, 1, max_nodes=1)
+    holder = h._holder
+    # Another node wrote the state; this holder's writes carry no token, so each one loses.
+    holder._backend.set_state(pickle.dumps(_RendezvousState()))
+    start = time.monotonic()
+    for _ in range(6):
+        holder._dirty, holder._token = True, None
+        assert holder.sync() is False
+    assert holder._conflicts == 6
+    assert time.monotonic() - start > 0.05  # jittered, doubling pauses add up
+
+
+def test_a_round_with_a_gap_in_its_ranks_is_refused_before_workers_start(
+    redis_server: RedisServer, run_keys: RunKeys, handlers: list[RedisRendezvousHandler]
+) -> None:
+    from spottrain.agent.rendezvous.handler import BrokenRoundError
+
+    (h,) = spawn(handlers, redis_server.endpoint, run_keys.run_id, 1)
+    state = h._holder.state
+    state.complete = True
+    state.participants[h._this_node] = 1  # rank 0 was dropped after the round completed
+    with pytest.raises(BrokenRoundError, match="ranks \\[1\\]"):
+        h._get_world()
+    state.participants[h._this_node] = 0
+    assert h._get_world() == (0, 1)

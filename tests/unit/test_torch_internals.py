@@ -130,6 +130,8 @@ def test_handler_attributes_and_hooks_the_subclass_overrides_exist() -> None:
     init = inspect.getsource(dr.DynamicRendezvousHandler.__init__)
     for attr in ("_this_node", "_op_executor", "_heartbeat_lock", "_state_holder", "_settings"):
         assert f"self.{attr} =" in init, attr
+    assert src.index("self._get_world()") < src.index("RendezvousStoreInfo.build")
+    assert "self._last_sync_time" in inspect.getsource(dr._BackendRendezvousStateHolder.sync)
     params = inspect.signature(dr._DistributedRendezvousOpExecutor).parameters
     assert list(params) == ["node", "state_holder", "settings"]
     assert inspect.signature(dr._RendezvousExitOp.__call__).parameters.keys() >= {"ctx"}
