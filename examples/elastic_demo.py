@@ -37,6 +37,7 @@ class Demo:
     def __init__(self, job: LocalElasticJob) -> None:
         self.job = job
         self.last_line = ""
+        self.last_shown = 0.0
         self.costs: list[tuple[str, float]] = []
 
     def status(self) -> tuple[int, int, int]:
@@ -47,12 +48,14 @@ class Demo:
         return r.step, r.world, r.round
 
     def show(self) -> None:
+        """Print progress when membership changes, and every couple of seconds otherwise."""
         step, world, rnd = self.status()
         alive = sorted(n for n, node in self.job.nodes.items() if node.alive())
-        line = f"step {step:4d}  world size {world}  round {rnd}  nodes up: {', '.join(alive)}"
-        if line != self.last_line:
-            say(line)
-            self.last_line = line
+        shape = f"world size {world}  round {rnd}  nodes up: {', '.join(alive)}"
+        now = time.monotonic()
+        if shape != self.last_line or now - self.last_shown >= 2.0:
+            say(f"step {step:4d}  {shape}")
+            self.last_line, self.last_shown = shape, now
 
     def run_until(self, pred: object, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

@@ -61,9 +61,10 @@ from .config import RedisRendezvousConfig, parse_config
 from .membership import GONE_DEAD, GONE_FINISHED, GONE_LEFT
 from .store import RedisStore
 
-# Backoff after a lost compare-and-set: up to 10 ms after the first, doubling up to 1 s.
-_BACKOFF_BASE_S = 0.005
-_BACKOFF_CAP_S = 1.0
+# Backoff after a lost compare-and-set: up to 2 ms after the first, doubling up to 100 ms
+# (measured: a 1 s cap halved conflicts at 256 nodes but slowed forming and re-forming).
+_BACKOFF_BASE_S = 0.001
+_BACKOFF_CAP_S = 0.1
 
 log = logging.getLogger(__name__)
 
