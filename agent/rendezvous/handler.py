@@ -347,7 +347,12 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
                 )
             if self._gone_reason is not None:
                 self._renew_identity()
+                # Be live under the new identity before joining, so that peers completing
+                # a round wait for this node instead of leaving it for the next one.
+                with contextlib.suppress(RendezvousConnectionError):
+                    self._beat_once()
             self._ensure_beating()
+            self._dissolve_round()
             self._holder.joining = True
             try:
                 info = super().next_rendezvous()
@@ -380,6 +385,40 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
         except RendezvousConnectionError as exc:
             log.warning("rendezvous %s: could not publish the view: %s", self.get_run_id(), exc)
         return info
+
+    def _dissolve_round(self) -> None:
+        """End the round this node trained in, for every member, in one write.
+
+        A node that calls ``next_rendezvous`` again restarts its workers, which breaks every
+        collective of its round, so all its members must re-form. torch makes each of them
+        leave the round on its own, wait for the next one, then join it: about three
+        contended writes of the whole state per member, which grows quadratically with the
+        fleet. Instead the first member to get here closes the round for all (clears its
+        participants and moves to the next round); the others then join the new round with
+        one write each.
+        """
+        if self._joined_round is None:
+            return  # a node that never trained here has no round to end
+        deadline = time.monotonic() + self._config.close_timeout_s
+        while time.monotonic() < deadline:
+            with self._heartbeat_lock:
+                self._holder._last_sync_time = -1  # read afresh
+                self._holder.sync()
+                state = self._holder.state
+                if not state.complete or state.round != self._joined_round:
+                    return  # someone else already ended it
+                state.participants.clear()
+                state.complete = False
+                state.deadline = None
+                state.round += 1
+                self._holder.mark_dirty()
+                if self._holder.sync():
+                    log.info(
+                        "rendezvous %s: ended round %d for all its members",
+                        self.get_run_id(),
+                        self._joined_round,
+                    )
+                    return
 
     def _get_world(self) -> tuple[int, int]:
         # torch keeps the ranks of a complete round when a member is dropped from it, so a

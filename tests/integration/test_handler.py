@@ -341,11 +341,12 @@ def test_lost_compare_and_set_backs_off_before_retrying(
     # Another node wrote the state; this holder's writes carry no token, so each one loses.
     holder._backend.set_state(pickle.dumps(_RendezvousState()))
     start = time.monotonic()
-    for _ in range(6):
+    for _ in range(12):
         holder._dirty, holder._token = True, None
         assert holder.sync() is False
-    assert holder._conflicts == 6
-    assert time.monotonic() - start > 0.05  # jittered, doubling pauses add up
+    assert holder._conflicts == 12
+    # Jittered pauses doubling up to 100 ms: about 0.35 s expected over 12 losses.
+    assert time.monotonic() - start > 0.05
 
 
 def test_a_round_with_a_gap_in_its_ranks_is_refused_before_workers_start(
@@ -361,3 +362,25 @@ def test_a_round_with_a_gap_in_its_ranks_is_refused_before_workers_start(
         h._get_world()
     state.participants[h._this_node] = 0
     assert h._get_world() == (0, 1)
+
+
+def test_first_member_to_restart_ends_the_round_for_all_in_one_write(
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    run_keys: RunKeys,
+    handlers: list[RedisRendezvousHandler],
+) -> None:
+    a, b, c = spawn(handlers, redis_server.endpoint, run_keys.run_id, 3)
+    join_all([a, b, c])
+    old_round = a.round
+    assert old_round is not None
+    leave_node(redis_client, run_keys, "node2")
+    token_before = int(redis_client.hget(run_keys.rdzv_state, "token") or 0)
+    a._dissolve_round()
+    state = pickle.loads(redis_client.hget(run_keys.rdzv_state, "state") or b"")
+    assert (state.round, state.complete, state.participants) == (old_round + 1, False, {})
+    token_after = int(redis_client.hget(run_keys.rdzv_state, "token") or 0)
+    assert token_after == token_before + 1
+    b._dissolve_round()  # already ended: nothing to write
+    assert int(redis_client.hget(run_keys.rdzv_state, "token") or 0) == token_after
+    assert {i.world_size for i in join_all([a, b])} == {2}
