@@ -26,6 +26,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from spottrain.keys import RunKeys
 from spottrain.redis_conn import RedisSettings, describe_error
 
+from .membership import MARK_GONE_LUA
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -93,18 +95,6 @@ if version ~= ARGV[3] then gone = redis.call('HGETALL', KEYS[2]) end
 return {now, live, stale, version, gone}
 """
 
-# KEYS: presence zset, gone hash. ARGV: reason, ttl ms, members...
-_MARK_GONE = """
-local added = 0
-for i = 3, #ARGV do
-  added = added + redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[1])
-  redis.call('ZREM', KEYS[1], ARGV[i])
-end
-if added > 0 then redis.call('HINCRBY', KEYS[2], '#v', 1) end
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
-return added
-"""
-
 # KEYS: view hash. ARGV: round, world size, participants (JSON), ttl ms.
 # Only a newer round replaces the view, so racing publishers cannot move it backwards.
 _PUBLISH_VIEW = """
@@ -156,7 +146,7 @@ class RedisRendezvousBackend(RendezvousBackend):
         self._get_if_changed = client.register_script(_GET_IF_CHANGED)
         self._beat = client.register_script(_BEAT)
         self._liveness = client.register_script(_LIVENESS)
-        self._mark_gone = client.register_script(_MARK_GONE)
+        self._mark_gone = client.register_script(MARK_GONE_LUA)
         self._publish_view = client.register_script(_PUBLISH_VIEW)
         self._lock = threading.Lock()
         self._last_failure = float("-inf")

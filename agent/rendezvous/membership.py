@@ -12,15 +12,23 @@ GONE_LEFT = "left"
 GONE_DEAD = "dead"
 GONE_FINISHED = "finished"
 
-# Same effect as the backend's mark_gone (see backend.py): record the member as gone, bump
-# the gone hash's version so peers re-read it, and drop its heartbeat.
-_LEAVE = """
-if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 1 then
-  redis.call('HINCRBY', KEYS[2], '#v', 1)
+# KEYS: presence zset, gone hash. ARGV: reason, ttl ms, members... Records each member as
+# gone (the first reason sticks), bumps the gone hash's version '#v' so peers re-read it, and
+# drops the member's heartbeat. The backend and leave_node both run this one script.
+MARK_GONE_LUA = """
+local added = 0
+for i = 3, #ARGV do
+  added = added + redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[1])
+  redis.call('ZREM', KEYS[1], ARGV[i])
 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-return 1
+if added > 0 then redis.call('HINCRBY', KEYS[2], '#v', 1) end
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return added
 """
+
+# How long a gone record outlives its last write when leave_node, which does not know the
+# run's rdzv conf, writes it: the rendezvous' default TTL.
+_LEAVE_TTL_MS = 24 * 3600 * 1000
 
 
 def member_of(client: redis.Redis, keys: RunKeys, node_id: str) -> str | None:
@@ -44,5 +52,7 @@ def leave_node(client: redis.Redis, keys: RunKeys, node_id: str) -> str:
     member = member_of(client, keys, node_id)
     if member is None:
         raise LookupError(f"node {node_id!r} has no rendezvous member in run {keys.run_id!r}")
-    client.eval(_LEAVE, 2, keys.rdzv_presence, keys.rdzv_gone, member, GONE_LEFT)
+    client.eval(
+        MARK_GONE_LUA, 2, keys.rdzv_presence, keys.rdzv_gone, GONE_LEFT, _LEAVE_TTL_MS, member
+    )
     return member
