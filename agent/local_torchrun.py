@@ -348,7 +348,10 @@ class LocalElasticJob:
         for node in self.nodes.values():
             node.close()
         for node in self.nodes.values():
-            left = node.leftover_pids()
+            # A SIGKILLed process takes a moment to die: look again before calling it left.
+            deadline = time.monotonic() + 10
+            while (left := node.leftover_pids()) and time.monotonic() < deadline:
+                time.sleep(0.1)
             if left:
                 raise AssertionError(f"node {node.node_id} left processes behind: {left}")
         if client is not None:
