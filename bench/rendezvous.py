@@ -11,8 +11,9 @@ CPU, gloo) per backend and does to it, in order:
   (c) SIGKILL the node that hosts c10d's TCP store (the first one started; redis has no such
       node): seconds to the first step at the smaller size, capped; null if never.
 
-c10d runs with torch's defaults except TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without which its
-nodes cannot rejoin after the first round at all (shown once with --c10d-share-store).
+c10d runs with torch's defaults except TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch's shared
+agent store is known to break rejoining after the first round (--c10d-share-store adds one run
+with it, reported apart).
 
     .venv/bin/python bench/rendezvous.py [--reps 3] [--cap 120]
 
