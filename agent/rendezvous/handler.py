@@ -14,10 +14,10 @@ torch's private behaviour):
 * **No split brain.** A member declared dead is *gone* for good: its heartbeats are refused,
   and when it wakes it sees that, restarts its workers and rejoins under a fresh identity,
   as a new member of a new round.
-* **Explicit leave.** :func:`leave_node` (or :meth:`RedisRendezvousHandler.leave`) removes a
-  member at once, so the others re-form without waiting for its heartbeat to expire; the
-  node's own torchrun then stops its workers and exits. torch's ``shutdown()`` closes the
-  rendezvous for everyone, which is not what a preempted VM wants.
+* **Explicit leave.** :func:`.membership.leave_node` (or :meth:`~RedisRendezvousHandler.leave`)
+  removes a member at once, so the others re-form without waiting for its heartbeat to
+  expire; the node's own torchrun then stops its workers and exits. torch's ``shutdown()``
+  closes the rendezvous for everyone, which is not what a preempted VM wants.
 
 The rendezvous round is exposed as a fencing number: :attr:`round`, the environment variable
 ``SPOTTRAIN_RDZV_ROUND`` that every worker inherits, and the run's ``rdzv:view`` key.
@@ -229,7 +229,6 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
         self._local_addr = local_addr
         self._joined_round: int | None = None
         self._joined_members: frozenset[_NodeDesc] = frozenset()
-        self._gone_reason: str | None = None
         self._finished = False
         self._last_reason: str | None = None
         self._beat_stop = threading.Event()
@@ -259,6 +258,23 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
         # store breaks rejoining after the first round.
         return False
 
+    @property
+    def _gone_reason(self) -> str | None:
+        """Why this node's current member is gone (left, dead), or None. One record, shared
+        with the state holder, which learns it from a sync as the heartbeat does from a beat."""
+        return self._holder.own_gone_reason
+
+    @_gone_reason.setter
+    def _gone_reason(self, reason: str | None) -> None:
+        self._holder.own_gone_reason = reason
+
+    def _left_signal(self) -> SignalException:
+        """What stops torchrun's workers once this node has left: torch's agent handles it as
+        a termination signal and does not close the rendezvous."""
+        return SignalException(
+            f"node {self._config.node_id} left the rendezvous; stopping", signal.SIGTERM
+        )
+
     def _renew_identity(self) -> None:
         old = self.member
         self._this_node = self._node_desc_generator.generate(self._local_addr)
@@ -266,9 +282,8 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
             self._this_node, self._holder, self._settings
         )
         self._holder.own_node = self._this_node
-        self._holder.own_gone_reason = None
-        self._holder._last_sync_time = -1  # read (and sanitize) afresh before joining again
         self._gone_reason = None
+        self._holder._last_sync_time = -1  # read (and sanitize) afresh before joining again
         self._joined_round = None
         self._joined_members = frozenset()
         self._backend.register_member(self._config.node_id, self.member)
@@ -339,12 +354,8 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
             # Beat now: it tells us at once whether we were declared dead or asked to leave.
             with contextlib.suppress(RendezvousConnectionError):  # the join reports an outage
                 self._beat_once()
-            if self._holder.own_gone_reason is not None and self._gone_reason is None:
-                self._gone_reason = self._holder.own_gone_reason
             if self._gone_reason == GONE_LEFT:
-                raise SignalException(
-                    f"node {self._config.node_id} left the rendezvous; stopping", signal.SIGTERM
-                )
+                raise self._left_signal()
             if self._gone_reason is not None:
                 self._renew_identity()
                 # Be live under the new identity before joining, so that peers completing
@@ -463,13 +474,9 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
                 self._holder.sync()
         except RendezvousConnectionError:
             return 0
-        if self._gone_reason is None and self._holder.own_gone_reason is not None:
-            self._gone_reason = self._holder.own_gone_reason
         if self._gone_reason == GONE_LEFT:
             self._stop_beating()
-            raise SignalException(
-                f"node {self._config.node_id} left the rendezvous; stopping", signal.SIGTERM
-            )
+            raise self._left_signal()
         waiting = len(self._holder.state.wait_list)
         reason = self._membership_change()
         if reason is not None:
@@ -485,7 +492,7 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
         This node never rejoins under this identity; its torchrun stops its workers at its
         next health check.
         """
-        leave_member(self._backend, self.member)
+        self._backend.mark_gone([self.member], GONE_LEFT)
         self._gone_reason = GONE_LEFT
         try:
             with self._heartbeat_lock:
@@ -506,11 +513,6 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
         with contextlib.suppress(RendezvousConnectionError):
             self._backend.mark_gone([self.member], GONE_FINISHED)
         return ok
-
-
-def leave_member(backend: RedisRendezvousBackend, member: str) -> None:
-    """Mark ``member`` as having left: peers drop it at their next sync (within about 1 s)."""
-    backend.mark_gone([member], GONE_LEFT)
 
 
 def create_handler(params: RendezvousParameters) -> RedisRendezvousHandler:
