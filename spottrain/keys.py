@@ -126,6 +126,24 @@ class RunKeys:
     def store_pattern(self) -> str:
         return f"{self.base}:store:*"
 
+    # -- checkpoints --------------------------------------------------------------------------
+    @property
+    def ckpt_requests(self) -> str:
+        """Hash node id -> JSON checkpoint request (id, drain, deadline, at), written by the
+        node's agent on a notice; rank 0 of the trainers polls it."""
+        return f"{self.base}:ckpt:requests"
+
+    @property
+    def ckpt_request_seq(self) -> str:
+        """Counter that numbers checkpoint requests."""
+        return f"{self.base}:ckpt:request-seq"
+
+    @property
+    def ckpt_last(self) -> str:
+        """Hash: the newest committed checkpoint (step, round, kind, drain, request_id, path,
+        at), written by the committing rank; the agents wait on it."""
+        return f"{self.base}:ckpt:last"
+
     # -- fleet --------------------------------------------------------------------------------
     @property
     def nodes(self) -> str:

@@ -188,6 +188,30 @@ def resolve_password(
     return None
 
 
+def settings_from_url(
+    url: str,
+    *,
+    password_file: str | None = None,
+    password_env: str | None = DEFAULT_PASSWORD_ENV,
+    socket_timeout: float = 5.0,
+) -> RedisSettings:
+    """Settings for ``HOST:PORT`` or ``redis[s]://HOST:PORT[/DB]``, the password resolved
+    from ``password_file`` or the environment.
+
+    Raises:
+        RedisConfigError: the endpoint or the password file is wrong.
+    """
+    host, port, tls, db = parse_endpoint(url)
+    return RedisSettings(
+        host=host,
+        port=port,
+        db=db or 0,
+        tls=bool(tls),
+        password=resolve_password(password_env, password_file),
+        socket_timeout=socket_timeout,
+    )
+
+
 def connect(settings: RedisSettings, *, retries: int = 3) -> redis.Redis:
     """Return a client for ``settings``; nothing is sent until the first command.
 

@@ -1,0 +1,296 @@
+"""Writing and reading checkpoints with torch.distributed.checkpoint (DCP).
+
+DCP plans who writes what: replicated tensors are written once, and the writing is spread
+over the ranks. Its file system layer is where this module hooks in: every file is
+checksummed (CRC32) as its bytes go out, on a helper thread while the same bytes are being
+written, so the manifest never needs a second read of the data. torch's own per-record CRC
+inside each file is then redundant and costs almost half the write speed, so it is off while
+spottrain saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import shutil
+import threading
+import time
+import zlib
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch.distributed as dist
+import torch.utils.serialization.config as _serialization_config
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from .directory import CheckpointDir, CheckpointDirError, StaleCommitError, describe_os_error
+from .failpoints import armed, failpoint
+from .manifest import FileSum, Manifest
+
+log = logging.getLogger(__name__)
+
+# Checksumming a buffer on a second thread overlaps it with the write of the same buffer;
+# both release the GIL. Small writes are checksummed inline (a thread hop costs more).
+_OVERLAP_MIN = 1 << 20
+_crc_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="spottrain-crc")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A save failed on some rank; the previous checkpoint is intact."""
+
+
+class _ChecksumFile(io.RawIOBase):
+    """A write-only file that keeps the CRC32 and size of everything written to it."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.crc = 0
+        self.size = 0
+        self._tear = armed().startswith("shard") and path.suffix == ".distcp"
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def tell(self) -> int:
+        return self.size
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = len(view)
+        if self._tear and n > 1:
+            self._write_all(view[: n // 2])
+            failpoint("shard")
+        if n >= _OVERLAP_MIN:
+            fut: Future[int] = _crc_pool.submit(zlib.crc32, view, self.crc)
+            self._write_all(view)
+            self.crc = fut.result()
+        else:
+            self.crc = zlib.crc32(view, self.crc)
+            self._write_all(view)
+        self.size += n
+        return n
+
+    def _write_all(self, view: memoryview) -> None:
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+class ChecksumFileSystem(FileSystem):
+    """DCP's local file system, recording the size and CRC32 of every file it writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: dict[str, FileSum] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def create_stream(
+        self, path: str | os.PathLike[str], mode: str
+    ) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        f = _ChecksumFile(Path(path))
+        try:
+            yield cast(io.IOBase, f)
+        finally:
+            f.close()
+            with self._lock:
+                self.sums[f.path.name] = FileSum(f.size, f.crc)
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if (s := self.sums.pop(Path(path).name, None)) is not None:
+                self.sums[Path(new_path).name] = s
+
+
+class ChecksumWriter(FileSystemWriter):
+    def __init__(self, path: Path, thread_count: int) -> None:
+        super().__init__(
+            path, single_file_per_rank=True, sync_files=True, thread_count=thread_count
+        )
+        self.fs: ChecksumFileSystem = ChecksumFileSystem()
+
+
+@contextlib.contextmanager
+def _without_torch_crc() -> Iterator[None]:
+    cfg = _serialization_config.save
+    before = cfg.compute_crc32
+    cfg.compute_crc32 = False
+    try:
+        yield
+    finally:
+        cfg.compute_crc32 = before
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    step: int
+    path: Path | None  # None when the commit was refused
+    manifest: Manifest | None
+    refused: str | None
+    write_s: float
+    commit_s: float
+
+    @property
+    def committed(self) -> bool:
+        return self.path is not None
+
+
+def _dist_on(group: Any) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank(group: Any) -> int:
+    return dist.get_rank(group) if _dist_on(group) else 0
+
+
+def _bcast(obj: Any, group: Any) -> Any:
+    if not _dist_on(group):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    return box[0]
+
+
+def save(
+    state: dict[str, Any],
+    ckdir: CheckpointDir,
+    *,
+    step: int,
+    round_: int,
+    kind: str,
+    request_id: int = 0,
+    extra: dict[str, Any] | None = None,
+    group: Any = None,
+    fence: Callable[[int], str | None] | None = None,
+    thread_count: int = 4,
+    keep: int = 3,
+) -> SaveResult:
+    """Save ``state`` as checkpoint ``step`` on every rank of ``group`` and commit it.
+
+    Every rank calls this at the same step. Rank 0 of the group commits (manifest, rename,
+    ``latest``) and prunes; every rank returns the same result.
+
+    Raises:
+        CheckpointWriteError: a rank could not write (disk full, read-only, ...). The
+            temporary directory is removed and the previous checkpoint stays as it was.
+    """
+    on = _dist_on(group)
+    rank = _rank(group)
+    world = dist.get_world_size(group) if on else 1
+    tmp = ckdir.tmp_path(step, round_)
+    t0 = time.monotonic()
+    error = None
+    if rank == 0:
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # a crashed attempt of this round at this step
+            tmp.mkdir()
+        except OSError as exc:
+            error = describe_os_error(exc, ckdir.root, f"creating {tmp.name}")
+    error = _bcast(error, group)
+    if error is not None:
+        raise CheckpointWriteError(error)
+
+    writer = ChecksumWriter(tmp, thread_count)
+    try:
+        with _without_torch_crc():
+            dcp_save(state, storage_writer=writer, process_group=group, no_dist=not on)
+    except Exception as exc:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(_describe_save_failure(exc, ckdir, step)) from exc
+    failpoint("before-manifest")
+    write_s = time.monotonic() - t0
+
+    sums: dict[str, FileSum] = dict(writer.fs.sums)
+    if on:
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dst = dist.get_global_rank(group, 0) if group else 0
+        dist.gather_object(sums, gathered, dst=dst, group=group)
+        if gathered is not None:
+            for part in gathered:
+                sums.update(part)
+
+    outcome: tuple[str, str | None, Manifest | None]
+    if rank == 0:
+        manifest = Manifest(
+            step=step,
+            world_size=world,
+            round=round_,
+            kind=kind,
+            created_at=time.time(),
+            files=sums,
+            request_id=request_id,
+            extra=dict(extra or {}),
+        )
+        try:
+            path = ckdir.commit(tmp, manifest, fence)
+            outcome = ("committed", str(path), manifest)
+            with contextlib.suppress(OSError):
+                ckdir.prune(keep, round_)
+        except StaleCommitError as exc:
+            outcome = ("refused", str(exc), None)
+        except CheckpointDirError as exc:
+            outcome = ("failed", exc.strerror, None)
+    else:
+        outcome = ("", None, None)
+    status, text, manifest_out = _bcast(outcome, group)
+    commit_s = time.monotonic() - t0 - write_s
+    if status == "failed":
+        raise CheckpointWriteError(str(text))
+    if status == "refused":
+        log.warning("%s", text)
+        return SaveResult(step, None, None, text, write_s, commit_s)
+    assert text is not None
+    return SaveResult(step, Path(text), manifest_out, None, write_s, commit_s)
+
+
+def _describe_save_failure(exc: Exception, ckdir: CheckpointDir, step: int) -> str:
+    # DCP wraps each rank's failure; find an OSError to name the cause plainly.
+    seen: list[BaseException] = [exc]
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        seen += [f for f in failures.values() if isinstance(f, BaseException)]
+    for e in list(seen):
+        cause = e.__cause__ or e.__context__
+        while cause is not None:
+            seen.append(cause)
+            cause = cause.__cause__ or cause.__context__
+    for e in seen:
+        if isinstance(e, OSError) and e.errno:
+            return describe_os_error(e, ckdir.root, f"writing step {step}") + (
+                "; the previous checkpoint is intact"
+            )
+    return f"saving step {step} to {ckdir.root} failed: {exc}; the previous checkpoint is intact"
+
+
+def load(state: dict[str, Any], path: Path, *, group: Any = None) -> None:
+    """Load checkpoint ``path`` into ``state`` in place (any world size; DCP reshards)."""
+    dcp_load(
+        state,
+        storage_reader=FileSystemReader(path),
+        process_group=group,
+        no_dist=not _dist_on(group),
+    )

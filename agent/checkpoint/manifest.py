@@ -1,0 +1,130 @@
+"""The manifest that makes a checkpoint directory a checkpoint.
+
+Written last, inside the temporary directory, before the rename that commits it. It names
+every file with its size and CRC32 (computed while the file was written, never by reading it
+back), the step, the world size, and the rendezvous round that wrote it. It carries its own
+checksum, so a torn or edited manifest is caught rather than trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "MANIFEST.json"
+FORMAT = 1
+_READ_CHUNK = 8 << 20
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be trusted: missing, torn, or its own checksum fails."""
+
+
+@dataclass(frozen=True)
+class FileSum:
+    size: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    world_size: int
+    round: int
+    kind: str  # "periodic", "emergency", "final", "requested"
+    created_at: float
+    files: dict[str, FileSum]
+    request_id: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def _body(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["files"] = {k: asdict(v) for k, v in sorted(self.files.items())}
+        d["format"] = FORMAT
+        return d
+
+    def to_bytes(self) -> bytes:
+        body = self._body()
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        body["manifest_crc32"] = zlib.crc32(canonical)
+        return (json.dumps(body, sort_keys=True, indent=1) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Manifest:
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"manifest is not JSON (torn write?): {exc}") from exc
+        if not isinstance(body, dict):
+            raise ManifestError("manifest is not a JSON object")
+        claimed = body.pop("manifest_crc32", None)
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        if claimed != zlib.crc32(canonical):
+            raise ManifestError("manifest checksum does not match its content")
+        if body.get("format") != FORMAT:
+            raise ManifestError(f"manifest format {body.get('format')!r} is not {FORMAT}")
+        try:
+            return cls(
+                step=int(body["step"]),
+                world_size=int(body["world_size"]),
+                round=int(body["round"]),
+                kind=str(body["kind"]),
+                created_at=float(body["created_at"]),
+                files={
+                    str(k): FileSum(int(v["size"]), int(v["crc32"]))
+                    for k, v in body["files"].items()
+                },
+                request_id=int(body.get("request_id", 0)),
+                extra=dict(body.get("extra") or {}),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ManifestError(f"manifest lacks or mangles a field: {exc!r}") from exc
+
+    @classmethod
+    def read(cls, directory: Path) -> Manifest:
+        path = directory / MANIFEST_NAME
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError as exc:
+            raise ManifestError(f"no {MANIFEST_NAME}") from exc
+        except OSError as exc:
+            raise ManifestError(f"cannot read {MANIFEST_NAME}: {exc.strerror}") from exc
+        return cls.from_bytes(raw)
+
+
+def file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_READ_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def verify_files(directory: Path, manifest: Manifest, *, checksums: bool = True) -> list[str]:
+    """What is wrong with the files of a checkpoint against its manifest (empty: all good)."""
+    problems: list[str] = []
+    present = {p.name for p in directory.iterdir() if p.name != MANIFEST_NAME}
+    for name in sorted(present - set(manifest.files)):
+        problems.append(f"{name} is not in the manifest")
+    for name, want in sorted(manifest.files.items()):
+        path = directory / name
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+            continue
+        if size != want.size:
+            problems.append(f"{name} has {size} bytes, the manifest says {want.size}")
+        elif checksums and file_crc32(path) != want.crc32:
+            problems.append(f"{name} fails its CRC32 (the manifest says {want.crc32:#010x})")
+    return problems

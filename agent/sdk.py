@@ -1,0 +1,688 @@
+"""The trainer SDK: what a training script calls so that a preemption loses no progress.
+
+A script restores the newest complete checkpoint (or starts fresh), then tells the SDK after
+every optimizer step::
+
+    session = TrainSession(every_steps=100)
+    state = {"model": ModelState(model, optimizer, scheduler), "rng": RngState()}
+    step = session.restore(state)
+    batch = GlobalBatch(global_size=256, micro_size=8, world=session.world, rank=session.rank)
+    while step < total:
+        for samples in batch.micro_ranges(step):
+            ...                                   # forward/backward on those samples
+        ...                                       # all-reduce, optimizer step
+        step += 1
+        session.step(step, state, loss=loss.item())
+    session.finish(step, state)
+
+**Agreeing on the step.** Every call of :meth:`TrainSession.step` starts one tiny all-reduce
+(MAX of five integers) on a gloo group of its own and waits, at the next call, for the one
+it started at the previous call. The reduce runs while the step computes, so it costs
+almost nothing, and every rank decides from the same reduced numbers, so all ranks save at
+the same step. A request is acted on one step after a rank sees it. The cheaper-looking
+alternatives are wrong: each rank polling Redis on its own sees a request at different
+steps, and a step chosen ahead ("save at step s+2") can already be behind a rank that is
+fast. ``bench/checkpoint.py`` measures the cost.
+
+**Where requests come from.** A rank that gets SIGTERM (a VM shutting down, torchrun
+stopping its workers) raises the drain flag itself; rank 0 polls the run's checkpoint
+requests in Redis, which the agent writes when its watchers see a notice. After an
+emergency save for a drain, ranks that got SIGTERM exit 0; the others hold, without
+training, until their torchrun stops them for the new round (or ``hold_timeout`` passes).
+
+**Commit and fencing.** See :mod:`spottrain.agent.checkpoint`. A save is committed by rank 0
+only if its rendezvous round (``SPOTTRAIN_RDZV_ROUND``, set by the Redis rendezvous) is still
+the newest: a node frozen mid-save and woken after its peers moved on cannot overwrite their
+progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pickle
+import random
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from spottrain.keys import RunKeys
+
+from .checkpoint import dcp_io
+from .checkpoint.directory import CheckpointDir
+from .checkpoint.manifest import Manifest
+
+log = logging.getLogger("spottrain.sdk")
+
+ENV_CKPT_DIR = "SPOTTRAIN_CKPT_DIR"
+ENV_REDIS = "SPOTTRAIN_REDIS"
+ENV_ROUND = "SPOTTRAIN_RDZV_ROUND"
+ENV_NODE = "SPOTTRAIN_NODE_ID"
+
+# Positions in the agreement vector (all-reduced with MAX).
+_DRAIN, _EARLY, _PERIODIC, _REQUEST, _SIGTERM = range(5)
+_NFLAGS = 5
+
+
+# -- the global batch ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GlobalBatch:
+    """A global batch that stays the same whatever the world size.
+
+    Each optimizer step consumes samples ``[step * global_size, (step + 1) * global_size)``
+    of the (deterministic) sample order, split into micro-batches across ranks; gradient
+    accumulation takes up the slack when the world shrinks. The data position is therefore
+    global (it is the step), and no sample is skipped or repeated across a resize.
+
+    Raises:
+        ValueError: ``global_size`` is not a multiple of ``micro_size * world``.
+    """
+
+    global_size: int
+    micro_size: int
+    world: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.global_size <= 0 or self.micro_size <= 0 or self.world <= 0:
+            raise ValueError(
+                f"global batch {self.global_size}, micro batch {self.micro_size} and world "
+                f"size {self.world} must all be positive"
+            )
+        per_pass = self.micro_size * self.world
+        if self.global_size % per_pass:
+            raise ValueError(
+                f"global batch {self.global_size} is not a multiple of micro batch "
+                f"{self.micro_size} x world size {self.world} = {per_pass}: pick a global "
+                "batch divisible by micro batch x every world size the job can have (for "
+                "nnodes 1:4 with 8 GPUs each, a multiple of micro x 8 x lcm(1, 2, 3, 4))"
+            )
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world}")
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches each rank runs per optimizer step."""
+        return self.global_size // (self.micro_size * self.world)
+
+    def micro_ranges(self, step: int) -> list[range]:
+        """This rank's micro-batches of ``step``, as ranges of global sample indices."""
+        base = step * self.global_size
+        out = []
+        for m in range(self.accum_steps):
+            start = base + (m * self.world + self.rank) * self.micro_size
+            out.append(range(start, start + self.micro_size))
+        return out
+
+
+# -- state ------------------------------------------------------------------------------------
+class ModelState(Stateful):
+    """Model, optimizer and LR schedule as one DCP item; sharded (FSDP) and replicated
+    (DDP or plain) models both work, through torch's distributed state-dict helpers."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if self.optimizer is not None:
+            out["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+        if self.scheduler is not None:
+            out["sched"] = self.scheduler.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict["model"])
+        if self.optimizer is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, state_dict["optim"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state_dict["sched"])
+
+
+class RngState(Stateful):
+    """The default random generators (torch CPU and CUDA, Python, NumPy if present).
+
+    Saved once for the job (rank 0's copy wins the dedup of a replicated item). Randomness
+    that must not depend on the world size belongs to the samples: seed it from the global
+    sample index (see ``examples/gpt_train.py``).
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": pickle.dumps(random.getstate()),
+        }
+        if torch.cuda.is_available():
+            out["cuda"] = torch.cuda.get_rng_state()
+        np = sys.modules.get("numpy")
+        if np is not None:
+            out["numpy"] = pickle.dumps(np.random.get_state())
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        torch.set_rng_state(state_dict["torch"])
+        random.setstate(pickle.loads(state_dict["python"]))
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state_dict["cuda"])
+        np = sys.modules.get("numpy")
+        if "numpy" in state_dict and np is not None:
+            np.random.set_state(pickle.loads(state_dict["numpy"]))
+
+
+# -- the session ------------------------------------------------------------------------------
+class TrainSession:
+    """Checkpointing for one worker of an elastic job (every rank makes one).
+
+    Args:
+        ckpt_dir: The shared checkpoint directory (default ``$SPOTTRAIN_CKPT_DIR``). It must
+            exist and be writable: a missing mount is an error, not an empty new directory.
+        every_steps: Save every this many steps (0: never by count).
+        every_seconds: Save when this many seconds passed since the last save (0: never).
+        keep: Committed checkpoints to keep.
+        thread_count: Writer threads per rank.
+        hold_timeout: After an emergency save for a drain, how long a rank that was not
+            told to stop waits for its torchrun to restart it before training on.
+        stuck_grace: After SIGTERM, a worker whose training loop makes no progress for this
+            long (or three median steps, if longer) is stuck in a collective with a dead peer
+            and exits at once rather than making torchrun wait.
+        redis_url: The job's Redis (default ``$SPOTTRAIN_REDIS``); without it there are no
+            injected requests, no progress reports and no round check in Redis.
+        run_id: Default ``$TORCHELASTIC_RUN_ID`` (torchrun's ``--rdzv-id``).
+        install_signal_handlers: Catch SIGTERM (set False if the script handles it).
+    """
+
+    def __init__(
+        self,
+        ckpt_dir: str | os.PathLike[str] | None = None,
+        *,
+        every_steps: int = 0,
+        every_seconds: float = 0.0,
+        keep: int = 3,
+        thread_count: int = 4,
+        hold_timeout: float = 180.0,
+        stuck_grace: float = 5.0,
+        redis_url: str | None = None,
+        run_id: str | None = None,
+        poll_interval: float = 0.2,
+        install_signal_handlers: bool = True,
+    ) -> None:
+        root = ckpt_dir if ckpt_dir is not None else os.environ.get(ENV_CKPT_DIR)
+        if not root:
+            raise ValueError(
+                f"no checkpoint directory: pass ckpt_dir= or set ${ENV_CKPT_DIR} to the shared "
+                "checkpoint mount"
+            )
+        if keep < 1:
+            raise ValueError(f"keep={keep}: keep at least 1 checkpoint")
+        self.ckdir = CheckpointDir(root)
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.keep = keep
+        self.thread_count = thread_count
+        self.hold_timeout = hold_timeout
+        self.stuck_grace = stuck_grace
+        self.round = int(os.environ.get(ENV_ROUND, "-1"))
+        self.node = os.environ.get(ENV_NODE, socket.gethostname())
+
+        self._dist = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._dist else 0
+        self.world = dist.get_world_size() if self._dist else 1
+        # Collectives of our own never interleave with the script's: a separate gloo group.
+        self._group: Any = None
+        if self._dist:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
+
+        if self.rank == 0:
+            self.ckdir.check_writable()  # fail before any training, not at the first save
+
+        self._sigterm = threading.Event()
+        self._holding = threading.Event()
+        self._phase = "starting"
+        self._last_progress = time.monotonic()
+        self._step_times: deque[float] = deque(maxlen=20)
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._last_save_step = -1
+        self._last_save_time = time.monotonic()
+        self._served_request = 0
+        self._last_step = 0
+        self.saves: list[dcp_io.SaveResult] = []
+        self.last_restored: Manifest | None = None
+
+        self._requests = _RequestPoller(
+            redis_url if redis_url is not None else os.environ.get(ENV_REDIS),
+            run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SPOTTRAIN_RUN_ID"),
+            poll_interval,
+            active=self.rank == 0,
+        )
+        self._watchdog: _SignalWatch | None = None
+        if install_signal_handlers:
+            self._watchdog = _SignalWatch(self)
+
+    # -- restore ----------------------------------------------------------------------------
+    def restore(self, state: dict[str, Any]) -> int:
+        """Load the newest checkpoint whose manifest verifies into ``state``; return its step
+        (0 when there is none). Each newer checkpoint that fails is logged and skipped."""
+        self._phase = "restoring"
+        choice: tuple[str, Manifest] | None = None
+        if self.rank == 0:
+            found = self.ckdir.find_restorable()
+            for name, why in found.skipped if found else []:
+                log.warning("restore skipped %s: %s", name, why)
+            if found is not None:
+                choice = (str(found.path), found.manifest)
+        choice = self._bcast(choice)
+        step = 0
+        if choice is not None:
+            path, manifest = choice
+            dcp_io.load(state, Path(path), group=self._group)
+            step = manifest.step
+            self._served_request = manifest.request_id
+            self._last_save_step = step
+            self.last_restored = manifest
+            log.info(
+                "restored step %d from %s (saved by world size %d, round %d)",
+                step,
+                path,
+                manifest.world_size,
+                manifest.round,
+            )
+        self._last_step = step
+        self._phase = "training"
+        self._mark()
+        return step
+
+    # -- every step -------------------------------------------------------------------------
+    def step(self, step: int, state: dict[str, Any], **metrics: float) -> None:
+        """Tell the SDK that ``step`` optimizer steps are done; it may save here.
+
+        Every rank must call it after every step. It returns at once unless a save is due;
+        after an emergency save for a drain it does not return (the worker exits or holds
+        until torchrun restarts it).
+        """
+        now = time.monotonic()
+        self._step_times.append(now - self._last_progress)
+        self._mark()
+        self._last_step = step
+        if self.rank == 0 and metrics:
+            self._requests.report_progress(step, self.world, self.round, metrics)
+        flags = self._exchange()
+        kind = None
+        if flags[_DRAIN] or flags[_SIGTERM]:
+            kind = "emergency"
+        elif flags[_EARLY]:
+            kind = "requested"
+        elif (self.every_steps and step % self.every_steps == 0) or flags[_PERIODIC]:
+            kind = "periodic"
+        if kind is not None and step != self._last_save_step:
+            self._save(step, state, kind, request_id=flags[_REQUEST], drain=bool(flags[_DRAIN]))
+        if kind == "emergency":
+            self._after_drain_save(step)
+        self._mark()
+
+    def finish(self, step: int, state: dict[str, Any]) -> None:
+        """Save the final state (unless step ``step`` is saved already) and stop the SDK's
+        threads. Every rank calls it once, after the last step."""
+        self._drain_pending()
+        if step != self._last_save_step:
+            self._save(step, state, "final", request_id=0, drain=False)
+        self.close()
+
+    def close(self) -> None:
+        self._requests.stop()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._phase = "closed"
+
+    @property
+    def last_step_time(self) -> float:
+        """Median seconds per step over the recent steps."""
+        return statistics.median(self._step_times) if self._step_times else 0.0
+
+    # -- internals --------------------------------------------------------------------------
+    def _mark(self) -> None:
+        self._last_progress = time.monotonic()
+
+    def _local_flags(self) -> list[int]:
+        flags = [0] * _NFLAGS
+        if self._sigterm.is_set():
+            flags[_SIGTERM] = 1
+        req = self._requests.pending(self._served_request)
+        if req is not None:
+            req_id, drain = req
+            flags[_REQUEST] = req_id
+            flags[_DRAIN if drain else _EARLY] = 1
+        if (
+            self.rank == 0
+            and self.every_seconds > 0
+            and time.monotonic() - self._last_save_time >= self.every_seconds
+        ):
+            flags[_PERIODIC] = 1
+        return flags
+
+    def _exchange(self) -> list[int]:
+        """Wait for the reduce started at the previous step; start the next one."""
+        self._phase = "agreeing"
+        if not self._dist:
+            self._phase = "training"
+            return self._local_flags()
+        flags = [0] * _NFLAGS
+        if self._pending is not None:
+            work, buf = self._pending
+            work.wait()
+            flags = [int(v) for v in buf.tolist()]
+        self._pending = None
+        buf = torch.tensor(self._local_flags(), dtype=torch.int64)
+        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (work, buf)
+        self._phase = "training"
+        return flags
+
+    def _drain_pending(self) -> None:
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+    def _save(
+        self, step: int, state: dict[str, Any], kind: str, *, request_id: int, drain: bool
+    ) -> None:
+        # The reduce in flight was started before this save: finish it first so that the
+        # save's own collectives on the group come after it on every rank.
+        pending = self._pending
+        self._drain_pending()
+        self._phase = "saving"
+        t0 = time.monotonic()
+        try:
+            result = dcp_io.save(
+                state,
+                self.ckdir,
+                step=step,
+                round_=self.round,
+                kind=kind,
+                request_id=request_id,
+                extra={"node": self.node, "drain": drain},
+                group=self._group,
+                fence=self._requests.fence,
+                thread_count=self.thread_count,
+                keep=self.keep,
+            )
+        except dcp_io.CheckpointWriteError as exc:
+            log.error("%s checkpoint at step %d failed: %s", kind, step, exc)
+            self._last_save_time = time.monotonic()
+            self._restart_exchange(pending)
+            return
+        finally:
+            self._phase = "training"
+        self.saves.append(result)
+        self._last_save_step = step
+        self._last_save_time = time.monotonic()
+        self._served_request = max(self._served_request, request_id)
+        if result.committed and self.rank == 0:
+            log.warning(
+                "%s checkpoint step %d committed in %.2f s (%s)",
+                kind,
+                step,
+                time.monotonic() - t0,
+                result.path,
+            )
+            self._requests.report_commit(result, kind, drain, request_id)
+        self._restart_exchange(pending)
+
+    def _restart_exchange(self, pending: Any) -> None:
+        # The reduce drained before the save carried flags raised before this step; they
+        # are served by this save, so the next reduce starts from the current flags.
+        if pending is not None and self._dist:
+            buf = torch.tensor(self._local_flags(), dtype=torch.int64)
+            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+            self._pending = (work, buf)
+
+    def _after_drain_save(self, step: int) -> None:
+        if self._sigterm.is_set():
+            _exit_clean(f"stopping after the emergency checkpoint at step {step}")
+        self._holding.set()
+        log.warning(
+            "holding after the emergency checkpoint at step %d until torchrun restarts this "
+            "worker (at most %.0f s)",
+            step,
+            self.hold_timeout,
+        )
+        deadline = time.monotonic() + self.hold_timeout
+        while time.monotonic() < deadline:
+            if self._sigterm.wait(0.05):
+                _exit_clean(f"stopped while holding at step {step}")
+        self._holding.clear()
+        log.warning("no restart came within %.0f s: training on", self.hold_timeout)
+        self._served_request = max(self._served_request, self._requests.newest_id())
+
+    def _bcast(self, obj: Any) -> Any:
+        if not self._dist:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def _stuck(self) -> bool:
+        """Whether the training loop looks stuck (SIGTERM is pending, no save running)."""
+        if self._phase in ("saving", "restoring", "closed"):
+            return False
+        limit = max(self.stuck_grace, 3 * self.last_step_time)
+        return time.monotonic() - self._last_progress > limit
+
+
+def _exit_clean(why: str) -> None:
+    log.warning("%s", why)
+    logging.shutdown()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    # The checkpoint is committed; skipping interpreter teardown avoids hanging in a
+    # process-group shutdown whose peers are already gone.
+    os._exit(0)
+
+
+class _SignalWatch:
+    """SIGTERM handling that works even when the main thread is stuck in a collective.
+
+    The Python handler only sets a flag (the main thread acts on it at the next step). The
+    signal also wakes a thread through ``signal.set_wakeup_fd``, which runs even while the
+    main thread is blocked in C++: if the loop is holding it exits at once, and if the loop
+    is stuck (a peer died mid-collective) it exits after the grace, so torchrun's restart is
+    not held up.
+    """
+
+    def __init__(self, session: TrainSession) -> None:
+        self.session = session
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(True)
+        self._w.setblocking(False)
+        self._stopped = False
+        signal.signal(signal.SIGTERM, self._on_signal)
+        self._prev_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._run, name="spottrain-sigterm", daemon=True)
+        self._thread.start()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.session._sigterm.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            try:
+                data = self._r.recv(64)
+            except OSError:
+                return
+            if not data or self._stopped:
+                return
+            if signal.SIGTERM not in data:
+                continue
+            self.session._sigterm.set()
+            while not self._stopped:
+                if self.session._holding.is_set():
+                    _exit_clean("SIGTERM while holding after the emergency checkpoint")
+                if self.session._stuck():
+                    log.error(
+                        "SIGTERM and the training loop has not moved for %.1f s (a peer is "
+                        "gone mid-collective): exiting without a checkpoint",
+                        time.monotonic() - self.session._last_progress,
+                    )
+                    logging.shutdown()
+                    os._exit(143)
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stopped = True
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(self._prev_fd)
+        with contextlib.suppress(OSError):
+            self._w.send(b"\0")
+        self._r.close()
+        self._w.close()
+
+
+class _RequestPoller:
+    """Rank 0's link to Redis: polls checkpoint requests, reports progress and commits,
+    and answers the fencing question. Redis being away never stops training."""
+
+    def __init__(self, url: str | None, run_id: str | None, interval: float, active: bool) -> None:
+        self.client: Any = None
+        self.keys: RunKeys | None = None
+        self._lock = threading.Lock()
+        self._requests: dict[str, dict[str, Any]] = {}
+        self._progress: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._warned = False
+        if url and run_id:
+            from spottrain.redis_conn import connect, settings_from_url
+
+            self.client = connect(settings_from_url(url, socket_timeout=2.0), retries=1)
+            self.keys = RunKeys(run_id)
+        self._thread: threading.Thread | None = None
+        if active and self.client is not None:
+            self._thread = threading.Thread(
+                target=self._run, args=(interval,), name="spottrain-requests", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self, interval: float) -> None:
+        assert self.keys is not None
+        while not self._stop.wait(interval):
+            try:
+                raw = self.client.hgetall(self.keys.ckpt_requests)
+                reqs = {}
+                for node, body in raw.items():
+                    with contextlib.suppress(ValueError, TypeError):
+                        reqs[node.decode()] = json.loads(body)
+                with self._lock:
+                    self._requests = reqs
+                    progress, self._progress = self._progress, None
+                if progress is not None:
+                    self.client.hset(self.keys.progress, mapping=progress)
+                self._warned = False
+            except Exception as exc:
+                if not self._warned:
+                    log.warning("cannot reach Redis for checkpoint requests: %s", exc)
+                    self._warned = True
+
+    def pending(self, served: int) -> tuple[int, bool] | None:
+        """(newest unserved request id, whether any of them drains), or None."""
+        now = time.time()
+        with self._lock:
+            live = [
+                r
+                for r in self._requests.values()
+                if int(r.get("id", 0)) > served
+                and (r.get("deadline") is None or float(r["deadline"]) > now - 5)
+            ]
+        if not live:
+            return None
+        return max(int(r["id"]) for r in live), any(bool(r.get("drain")) for r in live)
+
+    def newest_id(self) -> int:
+        with self._lock:
+            return max((int(r.get("id", 0)) for r in self._requests.values()), default=0)
+
+    def report_progress(
+        self, step: int, world: int, round_: int, metrics: dict[str, float]
+    ) -> None:
+        with self._lock:
+            self._progress = {
+                "step": step,
+                "world_size": world,
+                "round": round_,
+                "at": time.time(),
+                **{k: float(v) for k, v in metrics.items()},
+            }
+
+    def report_commit(
+        self, result: dcp_io.SaveResult, kind: str, drain: bool, request_id: int
+    ) -> None:
+        if self.client is None or self.keys is None or result.manifest is None:
+            return
+        record = {
+            "step": result.step,
+            "round": result.manifest.round,
+            "kind": kind,
+            "drain": int(drain),
+            "request_id": request_id,
+            "path": str(result.path),
+            "bytes": result.manifest.total_bytes,
+            "write_s": round(result.write_s, 4),
+            "at": time.time(),
+        }
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(self.keys.ckpt_last, mapping=record)
+            pipe.xadd(
+                self.keys.events,
+                {"type": "checkpoint-committed", **{k: str(v) for k, v in record.items()}},
+                maxlen=10_000,
+                approximate=True,
+            )
+            pipe.execute()
+        except Exception as exc:
+            log.warning("checkpoint committed but not reported to Redis: %s", exc)
+
+    def fence(self, round_: int) -> str | None:
+        """Why a commit from ``round_`` must be refused, or None. Redis unreachable: allow
+        (the checkpoint directory's own round check still applies)."""
+        if self.client is None or self.keys is None:
+            return None
+        try:
+            raw = self.client.hget(self.keys.rdzv_view, "round")
+        except Exception as exc:
+            log.warning("cannot check the rendezvous round in Redis (%s): committing", exc)
+            return None
+        if raw is not None and int(raw) > round_:
+            return f"rendezvous round {int(raw)} is training now"
+        return None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
