@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import shlex
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -20,6 +23,19 @@ from spottrain.redis_conn import (
     ping,
     resolve_password,
 )
+
+from .notices import NoticeKind
+from .watch_cmd import add_watch_parser, run_watch
+
+CLOUDS = ("local", "aws", "gcp")
+# Every variable `run` reads, filled in as its parser is built (the systemd unit's
+# environment file is checked against it).
+RUN_ENV_VARS: set[str] = {"SPOTTRAIN_TRAIN_CMD"}
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    RUN_ENV_VARS.add(name)
+    return os.environ.get(name, default)
 
 
 def _add_redis_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +64,123 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("SPOTTRAIN_NODE_ID"),
         help="the node to remove (default: $SPOTTRAIN_NODE_ID)",
     )
+    run = sub.add_parser(
+        "run",
+        help="run this node: register, health check, torchrun, notices, emergency checkpoints",
+        usage="spottrain-agent run [OPTIONS] -- TRAIN_SCRIPT [ARGS...]",
+        description="Every option defaults to its SPOTTRAIN_* environment variable (the "
+        "systemd unit reads them from /etc/spottrain/agent.env). The training command comes "
+        "after `--` or from SPOTTRAIN_TRAIN_CMD.",
+    )
+    env = _env
+    run.add_argument("--redis", default=env("SPOTTRAIN_REDIS"), help="redis[s]://HOST:PORT")
+    run.add_argument("--password-file", default=env("SPOTTRAIN_REDIS_PASSWORD_FILE"))
+    run.add_argument("--run-id", default=env("SPOTTRAIN_RUN_ID"))
+    run.add_argument("--key-prefix", default=DEFAULT_PREFIX)
+    run.add_argument("--node-id", default=env("SPOTTRAIN_NODE_ID") or socket.gethostname())
+    run.add_argument("--cloud", default=env("SPOTTRAIN_CLOUD", "local"), choices=CLOUDS)
+    run.add_argument("--zone", default=env("SPOTTRAIN_ZONE", ""))
+    run.add_argument("--instance-type", default=env("SPOTTRAIN_INSTANCE_TYPE", ""))
+    run.add_argument("--address", default=env("SPOTTRAIN_ADDRESS", ""))
+    run.add_argument("--nnodes", default=env("SPOTTRAIN_NNODES", "1:1"), help="MIN:MAX nodes")
+    run.add_argument(
+        "--nproc-per-node", type=int, default=int(env("SPOTTRAIN_NPROC_PER_NODE", "1") or 1)
+    )
+    run.add_argument(
+        "--expect-gpus",
+        type=int,
+        default=int(env("SPOTTRAIN_EXPECT_GPUS", "0") or 0),
+        help="GPUs the health check requires",
+    )
+    run.add_argument("--no-health-check", action="store_true")
+    run.add_argument("--ckpt-dir", default=env("SPOTTRAIN_CKPT_DIR", ""))
+    run.add_argument(
+        "--notice-margin",
+        type=float,
+        default=5.0,
+        help="stop waiting for the emergency checkpoint this many seconds before the deadline",
+    )
+    run.add_argument(
+        "--sigterm-grace",
+        type=float,
+        default=float(env("SPOTTRAIN_SIGTERM_GRACE", "60") or 60),
+        help="deadline given to a SIGTERM (keep it under the unit's TimeoutStopSec)",
+    )
+    run.add_argument("--worker-stop-timeout", type=float, default=150.0)
+    run.add_argument(
+        "--metadata-endpoint",
+        default=env("SPOTTRAIN_METADATA_ENDPOINT"),
+        help="metadata server override (else AWS_EC2_METADATA_SERVICE_ENDPOINT/GCE_METADATA_HOST)",
+    )
+    run.add_argument("--poll-interval", type=float, default=2.0)
+    run.add_argument("--rdzv-conf", default="", help="k=v,... passed to the Redis rendezvous")
+
+    notify = sub.add_parser(
+        "notify", help="inject a preemption notice for a node through Redis (local cloud)"
+    )
+    _add_redis_args(notify)
+    notify.add_argument("--node-id", required=True)
+    notify.add_argument("--kind", default="injected", choices=[k.value for k in NoticeKind])
+    notify.add_argument("--in", dest="in_s", type=float, default=120.0, help="seconds left")
+    add_watch_parser(sub)
     return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .agent import Agent, AgentConfig
+
+    missing = [n for n in ("redis", "run_id") if not getattr(args, n)]
+    if missing:
+        names = ", ".join(f"--{n.replace('_', '-')} (SPOTTRAIN_{n.upper()})" for n in missing)
+        print(f"spottrain-agent run: missing {names}", file=sys.stderr)
+        return 2
+    command = args.train_cmd or shlex.split(os.environ.get("SPOTTRAIN_TRAIN_CMD", ""))
+    conf = {}
+    for item in filter(None, args.rdzv_conf.split(",")):
+        k, sep, v = item.partition("=")
+        if not sep:
+            print(f"spottrain-agent run: --rdzv-conf item {item!r} is not k=v", file=sys.stderr)
+            return 2
+        conf[k.strip()] = v.strip()
+    cfg = AgentConfig(
+        redis_url=args.redis,
+        run_id=args.run_id,
+        node_id=args.node_id,
+        train_cmd=command,
+        nnodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        cloud=args.cloud,
+        zone=args.zone,
+        instance_type=args.instance_type,
+        address=args.address,
+        expect_gpus=args.expect_gpus,
+        health_check=not args.no_health_check,
+        ckpt_dir=args.ckpt_dir,
+        password_file=args.password_file,
+        key_prefix=args.key_prefix,
+        notice_margin=args.notice_margin,
+        sigterm_grace=args.sigterm_grace,
+        worker_stop_timeout=args.worker_stop_timeout,
+        metadata_endpoint=args.metadata_endpoint,
+        poll_interval=args.poll_interval,
+        rdzv_conf=conf,
+    )
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s spottrain-agent[{args.node_id}] %(levelname)s %(message)s",
+    )
+    return Agent(cfg).run()
+
+
+def _notify(args: argparse.Namespace) -> int:
+    from .agent import inject_notice
+
+    settings = _settings(args)
+    client = connect(settings)
+    ping(client, settings)
+    inject_notice(client, RunKeys(args.run_id, args.key_prefix), args.node_id, args.kind, args.in_s)
+    print(f"notice {args.kind} queued for node {args.node_id} ({args.in_s:g} s left)")
+    return 0
 
 
 def _settings(args: argparse.Namespace) -> RedisSettings:
@@ -78,13 +210,26 @@ def _leave(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first `--` is the training command, untouched by argparse.
+    tail: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, tail = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
+    args.train_cmd = tail
     if args.command is None:
         parser.print_help()
         return 0
     try:
         if args.command == "leave":
             return _leave(args)
+        if args.command == "run":
+            return _run(args)
+        if args.command == "notify":
+            return _notify(args)
+        if args.command == "watch":
+            return run_watch(args)
     except (RedisConfigError, RedisAuthError, RedisUnavailableError, ValueError) as exc:
         print(f"spottrain-agent {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -313,8 +313,7 @@ class LocalElasticJob:
             recs = self.records()
             if pred(recs):
                 return recs
-            dead = [n for n, node in self.nodes.items() if node.proc and node.proc.poll() == 1]
-            if dead and all(not node.alive() for node in self.nodes.values()):
+            if self.nodes and all(not node.alive() for node in self.nodes.values()):
                 break
             time.sleep(0.1)
         raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.diagnose()}")
@@ -358,3 +357,91 @@ class LocalElasticJob:
             keys = list(client.scan_iter(match=RunKeys(self.run_id).pattern, count=1000))
             if keys:
                 client.delete(*keys)
+
+
+def agent_command(
+    *,
+    redis_url: str,
+    run_id: str,
+    node_id: str,
+    train_cmd: Sequence[str],
+    nnodes: str,
+    ckpt_dir: str | Path = "",
+    nproc_per_node: int = 1,
+    rdzv_conf: Mapping[str, object] | None = None,
+    health_check: bool = False,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The ``spottrain-agent run`` command line of one local node."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "spottrain.agent.cli",
+        "run",
+        f"--redis={redis_url}",
+        f"--run-id={run_id}",
+        f"--node-id={node_id}",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc_per_node}",
+        "--cloud=local",
+    ]
+    if ckpt_dir:
+        cmd.append(f"--ckpt-dir={ckpt_dir}")
+    if rdzv_conf:
+        cmd.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in rdzv_conf.items()))
+    if not health_check:
+        cmd.append("--no-health-check")
+    return [*cmd, *extra_args, "--", *train_cmd]
+
+
+class LocalAgentJob(LocalElasticJob):
+    """Nodes that each run ``spottrain-agent run`` as their own process group, the way a VM
+    runs the agent under systemd; the agent launches torchrun and the training script.
+
+    The script must accept ``--steps --ckpt-dir --progress`` plus ``script_args`` (as
+    ``examples/gpt_train.py`` does).
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        endpoint: str,
+        run_id: str,
+        *,
+        script: str,
+        script_args: Sequence[str] = (),
+        agent_args: Sequence[str] = (),
+        health_check: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(workdir, endpoint, run_id, script=script, **kwargs)
+        self.script_args = list(script_args)
+        self.agent_args = list(agent_args)
+        self.health_check = health_check
+
+    def start_node(self, node_id: str) -> LocalNode:
+        train = [
+            self.script,
+            "--steps",
+            str(self.steps),
+            "--ckpt-dir",
+            str(self.ckpt),
+            "--progress",
+            str(self.progress),
+            *self.script_args,
+        ]
+        cmd = agent_command(
+            redis_url=self.endpoint,
+            run_id=self.run_id,
+            node_id=node_id,
+            train_cmd=train,
+            nnodes=self.nnodes,
+            ckpt_dir=self.ckpt,
+            rdzv_conf=self.rdzv_conf,
+            health_check=self.health_check,
+            extra_args=self.agent_args,
+        )
+        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.extra_env}
+        node = LocalNode(node_id, cmd, self.workdir / f"{node_id}.log", env=env, cwd=self.workdir)
+        self.nodes[node_id] = node.start()
+        return node

@@ -272,6 +272,7 @@ class TrainSession:
         self._last_save_step = -1
         self._last_save_time = time.monotonic()
         self._served_request = 0
+        self._served_at = 0.0  # requests made before a drain checkpoint are answered by it
         self._last_step = 0
         self.saves: list[dcp_io.SaveResult] = []
         self.last_restored: Manifest | None = None
@@ -305,6 +306,8 @@ class TrainSession:
             dcp_io.load(state, Path(path), group=self._group)
             step = manifest.step
             self._served_request = manifest.request_id
+            if manifest.extra.get("drain"):
+                self._served_at = manifest.created_at
             self._last_save_step = step
             self.last_restored = manifest
             log.info(
@@ -342,7 +345,8 @@ class TrainSession:
         elif (self.every_steps and step % self.every_steps == 0) or flags[_PERIODIC]:
             kind = "periodic"
         if kind is not None and step != self._last_save_step:
-            self._save(step, state, kind, request_id=flags[_REQUEST], drain=bool(flags[_DRAIN]))
+            drain = bool(flags[_DRAIN] or flags[_SIGTERM])
+            self._save(step, state, kind, request_id=flags[_REQUEST], drain=drain)
         if kind == "emergency":
             self._after_drain_save(step)
         self._mark()
@@ -374,7 +378,7 @@ class TrainSession:
         flags = [0] * _NFLAGS
         if self._sigterm.is_set():
             flags[_SIGTERM] = 1
-        req = self._requests.pending(self._served_request)
+        req = self._requests.pending(self._served_request, self._served_at)
         if req is not None:
             req_id, drain = req
             flags[_REQUEST] = req_id
@@ -444,6 +448,8 @@ class TrainSession:
         self._last_save_step = step
         self._last_save_time = time.monotonic()
         self._served_request = max(self._served_request, request_id)
+        if drain and result.manifest is not None:
+            self._served_at = result.manifest.created_at
         if result.committed and self.rank == 0:
             log.warning(
                 "%s checkpoint step %d committed in %.2f s (%s)",
@@ -609,14 +615,17 @@ class _RequestPoller:
                     log.warning("cannot reach Redis for checkpoint requests: %s", exc)
                     self._warned = True
 
-    def pending(self, served: int) -> tuple[int, bool] | None:
-        """(newest unserved request id, whether any of them drains), or None."""
+    def pending(self, served: int, served_at: float) -> tuple[int, bool] | None:
+        """(newest unserved request id, whether any of them drains), or None. A request is
+        served when a checkpoint named it (``served``) or when a drain checkpoint was
+        committed after it was made (``served_at``)."""
         now = time.time()
         with self._lock:
             live = [
                 r
                 for r in self._requests.values()
                 if int(r.get("id", 0)) > served
+                and float(r.get("at", 0)) > served_at
                 and (r.get("deadline") is None or float(r["deadline"]) > now - 5)
             ]
         if not live:
@@ -645,6 +654,7 @@ class _RequestPoller:
         if self.client is None or self.keys is None or result.manifest is None:
             return
         record = {
+            "node": os.environ.get(ENV_NODE, ""),
             "step": result.step,
             "round": result.manifest.round,
             "kind": kind,

@@ -158,6 +158,11 @@ class RunKeys:
         """A node's heartbeat, a key with a TTL: gone means the node stopped beating."""
         return f"{self.base}:hb:{node_id}"
 
+    def notices(self, node_id: str) -> str:
+        """List of JSON notices injected for a node (the local cloud's preemptions); its
+        agent pops them."""
+        return f"{self.base}:notices:{node_id}"
+
     @property
     def events(self) -> str:
         """Stream of structured events (``spottrain logs`` reads it)."""

@@ -26,9 +26,13 @@ from typing import Any, cast
 
 import torch.distributed as dist
 import torch.utils.serialization.config as _serialization_config
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future as TorchFuture
 
 from .directory import CheckpointDir, CheckpointDirError, StaleCommitError, describe_os_error
 from .failpoints import armed, failpoint
@@ -70,9 +74,13 @@ class _ChecksumFile(io.RawIOBase):
         view = memoryview(b).cast("B")
         n = len(view)
         if self._tear and n > 1:
+            # Half of this write on disk, then the failpoint; if it is not this write's turn
+            # to die, the other half follows (never the whole buffer again).
+            self.crc = zlib.crc32(view, self.crc)
             self._write_all(view[: n // 2])
             failpoint("shard")
-        if n >= _OVERLAP_MIN:
+            self._write_all(view[n // 2 :])
+        elif n >= _OVERLAP_MIN:
             fut: Future[int] = _crc_pool.submit(zlib.crc32, view, self.crc)
             self._write_all(view)
             self.crc = fut.result()
@@ -94,11 +102,13 @@ class _ChecksumFile(io.RawIOBase):
 
 
 class ChecksumFileSystem(FileSystem):
-    """DCP's local file system, recording the size and CRC32 of every file it writes."""
+    """DCP's local file system, recording the size and CRC32 of every file it writes, and
+    every exception raised while a file was being written (see :class:`ChecksumWriter`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sums: dict[str, FileSum] = {}
+        self.failures: list[BaseException] = []
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -109,9 +119,18 @@ class ChecksumFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        f = _ChecksumFile(Path(path))
+        try:
+            f = _ChecksumFile(Path(path))
+        except BaseException as exc:
+            with self._lock:
+                self.failures.append(exc)
+            raise
         try:
             yield cast(io.IOBase, f)
+        except BaseException as exc:
+            with self._lock:
+                self.failures.append(exc)
+            raise
         finally:
             f.close()
             with self._lock:
@@ -125,11 +144,31 @@ class ChecksumFileSystem(FileSystem):
 
 
 class ChecksumWriter(FileSystemWriter):
+    """DCP's file system writer over :class:`ChecksumFileSystem` that fails the save when a
+    writer thread failed.
+
+    torch's writer runs ``thread_count - 1`` helper threads whose exceptions are only printed:
+    the items they held are silently missing from the results, and the checkpoint would
+    commit (its manifest verifying) without them, to fail only when loaded.
+    """
+
     def __init__(self, path: Path, thread_count: int) -> None:
         super().__init__(
             path, single_file_per_rank=True, sync_files=True, thread_count=thread_count
         )
         self.fs: ChecksumFileSystem = ChecksumFileSystem()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        fut = super().write_data(plan, planner)
+        results = fut.wait()  # torch's writer has finished every thread before returning
+        if self.fs.failures:
+            raise self.fs.failures[0]
+        if len(results) != len(plan.items):
+            raise RuntimeError(
+                f"a checkpoint writer thread wrote {len(results)} of {len(plan.items)} items "
+                "and stopped without an error"
+            )
+        return fut
 
 
 @contextlib.contextmanager
@@ -217,7 +256,9 @@ def save(
     try:
         with _without_torch_crc():
             dcp_save(state, storage_writer=writer, process_group=group, no_dist=not on)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:
+        # CheckpointException (every rank's failures, raised on every rank) derives from
+        # BaseException, not Exception.
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(_describe_save_failure(exc, ckdir, step)) from exc
@@ -267,12 +308,19 @@ def save(
     return SaveResult(step, Path(text), manifest_out, None, write_s, commit_s)
 
 
-def _describe_save_failure(exc: Exception, ckdir: CheckpointDir, step: int) -> str:
-    # DCP wraps each rank's failure; find an OSError to name the cause plainly.
+def _describe_save_failure(exc: BaseException, ckdir: CheckpointDir, step: int) -> str:
+    # DCP wraps each rank's failure as (exception, stack summary); find an OSError to name
+    # the cause plainly, or else name the first rank's exception.
     seen: list[BaseException] = [exc]
     failures = getattr(exc, "failures", None)
+    first = None
     if isinstance(failures, dict):
-        seen += [f for f in failures.values() if isinstance(f, BaseException)]
+        for rank, f in sorted(failures.items()):
+            inner = f[0] if isinstance(f, tuple) and f else f
+            if isinstance(inner, BaseException):
+                seen.append(inner)
+                if first is None:
+                    first = f"rank {rank}: {type(inner).__name__}: {inner}"
     for e in list(seen):
         cause = e.__cause__ or e.__context__
         while cause is not None:
@@ -283,7 +331,8 @@ def _describe_save_failure(exc: Exception, ckdir: CheckpointDir, step: int) -> s
             return describe_os_error(e, ckdir.root, f"writing step {step}") + (
                 "; the previous checkpoint is intact"
             )
-    return f"saving step {step} to {ckdir.root} failed: {exc}; the previous checkpoint is intact"
+    why = first if first is not None else f"{type(exc).__name__}: {exc}"
+    return f"saving step {step} to {ckdir.root} failed ({why}); the previous checkpoint is intact"
 
 
 def load(state: dict[str, Any], path: Path, *, group: Any = None) -> None:

@@ -240,13 +240,15 @@ class CheckpointDir:
                 # Same step saved again (a newer round redoing it): the new one wins.
                 old = self.root / f".old-{target.name}-r{manifest.round}-{time.time_ns()}"
                 os.rename(target, old)
-            os.rename(tmp, target)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if old is not None:
+                    with contextlib.suppress(OSError):
+                        os.rename(old, target)  # put the committed one back
+                raise
             failpoint("after-rename")
             fsync_dir(self.root)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            self._point_latest(target.name)
-            return target
         except StaleCommitError:
             raise
         except OSError as exc:
@@ -255,6 +257,19 @@ class CheckpointDir:
                 exc.errno or 0,
                 describe_os_error(exc, self.root, f"committing step {manifest.step}"),
             ) from exc
+        # Committed: what follows is housekeeping, and its failure must not report the
+        # checkpoint as lost (restore never trusts ``latest``).
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            self._point_latest(target.name)
+        except OSError as exc:
+            log.warning(
+                "checkpoint %s is committed but %s",
+                target.name,
+                describe_os_error(exc, self.root, f"pointing {LATEST} at it"),
+            )
+        return target
 
     def _stale_reason(self, round_: int, fence: Callable[[int], str | None] | None) -> str | None:
         if round_ < 0:
@@ -273,15 +288,22 @@ class CheckpointDir:
 
     # -- housekeeping -------------------------------------------------------------------------
     def prune(self, keep: int, round_: int) -> list[str]:
-        """Keep the newest ``keep`` committed checkpoints; drop leftovers of older rounds."""
+        """Keep the newest ``keep`` committed checkpoints; drop the temporary directories
+        that no live writer can commit any more: those of an older round, and those of this
+        round for a step below the newest committed one (a round saves one step at a time;
+        without the rendezvous every run is round -1, and only this rule frees them)."""
         removed = []
         committed = self.committed()
+        newest = committed[-1][0] if committed else -1
         for _, path in committed[: max(0, len(committed) - keep)]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
         for entry in os.scandir(self.root):
             m = _TMP_RE.match(entry.name)
-            if m and int(m.group(2)) < round_:
+            if m is None:
+                continue
+            step, tmp_round = int(m.group(1)), int(m.group(2))
+            if tmp_round < round_ or (tmp_round == round_ and step < newest):
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.name)
         return removed

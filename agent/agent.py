@@ -1,0 +1,385 @@
+"""The agent that runs on every VM of a job (``spottrain-agent run``).
+
+It registers the node in Redis and heartbeats, checks the node's health, launches elastic
+torchrun with the Redis rendezvous and the job's training command, watches every notice
+source of its cloud, and records its lifecycle and every event in Redis. On a notice the
+:class:`~spottrain.agent.notice_handler.NoticeHandler` drains the node: emergency
+checkpoint, explicit leave, workers stopped.
+
+Exit codes: 0 training finished or the node drained cleanly; 1 torchrun failed; 2 bad
+configuration (Redis, checkpoint directory, command); 3 the health check failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import redis
+
+from spottrain.keys import DEFAULT_PREFIX, RunKeys
+from spottrain.redis_conn import RedisSettings, connect, ping, settings_from_url
+
+from .lifecycle import Lifecycle, NodeState
+from .local_torchrun import descendants, torchrun_command
+from .node_record import NodeInfo, NodeRecord
+from .notice_handler import NoticeHandler
+from .notices import Notice, NoticeKind
+
+log = logging.getLogger("spottrain.agent")
+
+EXIT_OK, EXIT_TORCHRUN_FAILED, EXIT_CONFIG, EXIT_UNHEALTHY = 0, 1, 2, 3
+
+
+class AgentConfigError(ValueError):
+    """The agent cannot start as configured; the message says what to change."""
+
+
+@dataclass
+class AgentConfig:
+    redis_url: str
+    run_id: str
+    node_id: str
+    train_cmd: list[str]
+    nnodes: str = "1:1"
+    nproc_per_node: int = 1
+    cloud: str = "local"
+    zone: str = ""
+    instance_type: str = ""
+    address: str = ""
+    expect_gpus: int = 0
+    health_check: bool = True
+    ckpt_dir: str = ""
+    password_file: str | None = None
+    key_prefix: str = DEFAULT_PREFIX
+    notice_margin: float = 5.0
+    sigterm_grace: float = 60.0
+    worker_stop_timeout: float = 150.0
+    metadata_endpoint: str | None = None
+    poll_interval: float = 2.0
+    monitor_interval: float = 0.1
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.cloud not in ("local", "aws", "gcp"):
+            raise AgentConfigError(f"cloud {self.cloud!r} is not one of local, aws, gcp")
+        if not self.train_cmd:
+            raise AgentConfigError(
+                "no training command: give it after `--` or set SPOTTRAIN_TRAIN_CMD "
+                "(e.g. `train.py --steps 1000`)"
+            )
+        if self.nproc_per_node < 1:
+            raise AgentConfigError(f"nproc-per-node {self.nproc_per_node} must be at least 1")
+        if not 0 < self.poll_interval <= 5:
+            raise AgentConfigError(
+                f"poll interval {self.poll_interval} s must be in (0, 5]: an AWS notice "
+                "gives two minutes and must be seen within seconds"
+            )
+        lo, _, hi = self.nnodes.partition(":")
+        if not (lo.isdigit() and (not hi or hi.isdigit())) or int(lo) < 1:
+            raise AgentConfigError(f"nnodes {self.nnodes!r} must be N or MIN:MAX (e.g. 1:4)")
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.settings: RedisSettings = settings_from_url(
+            cfg.redis_url, password_file=cfg.password_file
+        )
+        self.keys = RunKeys(cfg.run_id, cfg.key_prefix)
+        self.client: redis.Redis = connect(self.settings)
+        self.lifecycle = Lifecycle()
+        self.record = NodeRecord(
+            self.client,
+            self.keys,
+            NodeInfo(
+                node_id=cfg.node_id,
+                cloud=cfg.cloud,
+                zone=cfg.zone,
+                instance_type=cfg.instance_type,
+                gpus=cfg.expect_gpus,
+                address=cfg.address or socket.gethostname(),
+            ),
+        )
+        self.handler = NoticeHandler(
+            self.client,
+            self.keys,
+            cfg.node_id,
+            self.lifecycle,
+            self.record,
+            self.stop_workers,
+            margin=cfg.notice_margin,
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
+        self._loops: list[Any] = []
+        self._seen_pids: set[int] = set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def _advance(self, state: NodeState, reason: str = "") -> None:
+        if self.lifecycle.try_advance(state, reason) is not None:
+            self.record.set_state(state.value, reason)
+
+    def run(self) -> int:
+        ping(self.client, self.settings)
+        self.record.register(NodeState.BOOTING.value)
+        self.record.event("agent-started", pid=os.getpid(), cloud=self.cfg.cloud)
+        self.record.start_heartbeat()
+        self._install_signals()
+        try:
+            return self._run()
+        finally:
+            for loop in self._loops:
+                with contextlib.suppress(Exception):
+                    loop.stop()
+            self.stop_workers(5.0)
+            self.record.stop(remove_heartbeat=True)
+
+    def _run(self) -> int:
+        if self.cfg.ckpt_dir:
+            problem = _check_ckpt_dir(self.cfg.ckpt_dir)
+            if problem:
+                self._advance(NodeState.FAILED, problem)
+                log.error("%s", problem)
+                return EXIT_CONFIG
+        if self.cfg.health_check:
+            from .health import check_health
+
+            report = check_health(self.cfg.expect_gpus, collective=True, timeout=60)
+            self.record.event("health", ok=report.ok, summary=report.summary())
+            if not report.ok:
+                self._advance(NodeState.FAILED, report.summary())
+                log.error("health check failed: %s", report.summary())
+                return EXIT_UNHEALTHY
+        self._advance(NodeState.HEALTHY, "health check passed" if self.cfg.health_check else "")
+        self._start_watchers()
+        if self.handler.draining:
+            self.handler.done.wait(self.cfg.sigterm_grace)
+            return EXIT_OK
+        self._launch()
+        return self._supervise()
+
+    # -- torchrun ---------------------------------------------------------------------------
+    def _launch(self) -> None:
+        conf = dict(self.cfg.rdzv_conf)
+        if self.settings.tls:
+            conf.setdefault("tls", "true")
+        cmd = torchrun_command(
+            script=self.cfg.train_cmd[0],
+            script_args=self.cfg.train_cmd[1:],
+            rdzv_endpoint=f"{self.settings.host}:{self.settings.port}",
+            run_id=self.cfg.run_id,
+            nnodes=self.cfg.nnodes,
+            nproc_per_node=self.cfg.nproc_per_node,
+            rdzv_conf=conf,
+            local_addr=self.cfg.address or "127.0.0.1",
+            monitor_interval=self.cfg.monitor_interval,
+        )
+        env = {
+            **os.environ,
+            **self.cfg.extra_env,
+            "SPOTTRAIN_NODE_ID": self.cfg.node_id,
+            "SPOTTRAIN_RUN_ID": self.cfg.run_id,
+            "SPOTTRAIN_REDIS": self.settings.address,
+            # torchrun kills its workers this long after it is stopped: never before an
+            # emergency checkpoint could finish.
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(self.cfg.worker_stop_timeout)),
+        }
+        if self.cfg.ckpt_dir:
+            env["SPOTTRAIN_CKPT_DIR"] = self.cfg.ckpt_dir
+        if self.cfg.password_file:
+            env["SPOTTRAIN_REDIS_PASSWORD"] = self.settings.password or ""
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.record.event("torchrun-started", pid=self.proc.pid, command=cmd)
+
+    def _supervise(self) -> int:
+        assert self.proc is not None
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                break
+            if self.lifecycle.state is NodeState.HEALTHY and self._joined():
+                self._advance(NodeState.JOINED, "workers joined a rendezvous round")
+            time.sleep(0.2)
+        self.record.event("torchrun-exited", code=code)
+        if self.handler.draining:
+            self.handler.done.wait(self.cfg.sigterm_grace + self.cfg.worker_stop_timeout)
+            return EXIT_OK
+        if code == 0:
+            self._advance(NodeState.LEFT, "training finished")
+            return EXIT_OK
+        self._advance(NodeState.FAILED, f"torchrun exited with code {code}")
+        return EXIT_TORCHRUN_FAILED
+
+    def _joined(self) -> bool:
+        try:
+            return bool(self.client.hexists(self.keys.rdzv_members, self.cfg.node_id))
+        except redis.RedisError:
+            return False
+
+    def stop_workers(self, timeout: float) -> None:
+        """SIGTERM torchrun and every worker, then SIGKILL whatever is left after
+        ``timeout`` seconds. Workers live in sessions of their own, so each is signalled."""
+        if self.proc is None:
+            return
+        pids = self._tree()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._alive_pids():
+            time.sleep(0.1)
+        left = self._alive_pids()
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        if left:
+            self.record.event("workers-killed", pids=left)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+    def _tree(self) -> list[int]:
+        assert self.proc is not None
+        pids = [self.proc.pid, *descendants(self.proc.pid)]
+        self._seen_pids.update(pids)
+        return pids
+
+    def _alive_pids(self) -> list[int]:
+        if self.proc is not None and self.proc.poll() is None:
+            self._tree()
+        alive = []
+        for pid in sorted(self._seen_pids):
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    stat = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            if stat[stat.rfind(")") + 2 :].split()[0] != "Z":
+                alive.append(pid)
+        return alive
+
+    # -- notices ----------------------------------------------------------------------------
+    def _install_signals(self) -> None:
+        # A handler runs on the main thread between two bytecodes, possibly while that
+        # thread holds a lock of the Redis client: it only queues the signal (SimpleQueue's
+        # put is safe there), and a thread of its own turns it into a notice.
+        signals: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            signals.put(signum)
+
+        def pump() -> None:
+            while True:
+                signum = signals.get()
+                self.handler.submit(
+                    Notice(
+                        source="signal",
+                        kind=NoticeKind.SIGTERM,
+                        deadline=time.time() + self.cfg.sigterm_grace,
+                        detail={"signal": signal.Signals(signum).name},
+                    )
+                )
+
+        threading.Thread(target=pump, name="spottrain-signals", daemon=True).start()
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def _start_watchers(self) -> None:
+        from .watchers import AwsImdsWatcher, GcpMetadataWatcher, PollLoop, Watcher
+
+        def on_error(msg: str) -> None:
+            log.warning("notice watcher: %s", msg)
+            self.record.event("watcher-error", message=msg)
+
+        watcher: Watcher | None = None
+        if self.cfg.cloud == "aws":
+            watcher = AwsImdsWatcher(self.cfg.metadata_endpoint)
+        elif self.cfg.cloud == "gcp":
+            watcher = GcpMetadataWatcher(self.cfg.metadata_endpoint)
+        if watcher is not None:
+            loop = PollLoop(watcher, self.handler.submit, on_error, interval=self.cfg.poll_interval)
+            self._loops.append(loop.start())
+        injected = InjectedNotices(self.client, self.keys, self.cfg.node_id, self.handler.submit)
+        self._loops.append(injected.start())
+
+
+class InjectedNotices:
+    """Notices written to Redis for this node (the local cloud's preemptions, operators)."""
+
+    def __init__(self, client: redis.Redis, keys: RunKeys, node_id: str, on_notice: Any) -> None:
+        self.client = client
+        self.key = keys.notices(node_id)
+        self.on_notice = on_notice
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="spottrain-injected", daemon=True)
+
+    def start(self) -> InjectedNotices:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self.client.blpop([self.key], timeout=1)
+            except redis.RedisError:
+                self._stop.wait(1.0)
+                continue
+            if item is None:
+                continue
+            try:
+                self.on_notice(parse_injected(item[1]))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.error("ignored a malformed injected notice %r: %s", item[1], exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=3)
+
+
+def parse_injected(raw: bytes | str) -> Notice:
+    """An injected notice: JSON ``{"kind": ..., "in": seconds}`` or ``{"deadline": unix}``."""
+    body = json.loads(raw)
+    if not isinstance(body, dict):
+        raise ValueError("an injected notice must be a JSON object")
+    kind = NoticeKind(body.get("kind", NoticeKind.INJECTED.value))
+    now = time.time()
+    if body.get("deadline") is not None:
+        deadline: float | None = float(body["deadline"])
+    elif body.get("in") is not None:
+        deadline = now + float(body["in"])
+    else:
+        deadline = None if kind is NoticeKind.REBALANCE else now + 120.0
+    return Notice(
+        source="redis", kind=kind, deadline=deadline, seen_at=now, detail={"injected": body}
+    )
+
+
+def inject_notice(
+    client: redis.Redis, keys: RunKeys, node_id: str, kind: str = "injected", in_s: float = 120
+) -> None:
+    """Queue a notice for a node's agent (what the local cloud does to preempt a node)."""
+    client.rpush(keys.notices(node_id), json.dumps({"kind": kind, "in": in_s}))
+
+
+def _check_ckpt_dir(path: str) -> str | None:
+    from .checkpoint.directory import CheckpointDir, CheckpointDirError
+
+    try:
+        CheckpointDir(path).check_writable()
+    except CheckpointDirError as exc:
+        return exc.strerror
+    return None
+
