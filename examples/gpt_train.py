@@ -19,6 +19,7 @@ import math
 import os
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from torch import nn
 from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--ckpt-dir", default=os.environ.get("SPOTTRAIN_CKPT_DIR"))
@@ -47,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 class Block(nn.Module):
@@ -111,24 +112,86 @@ def append_line(path: str, record: dict[str, object]) -> None:
         os.close(fd)
 
 
+def build(args: argparse.Namespace) -> tuple[TinyGPT, torch.optim.Optimizer, Any, torch.Tensor]:
+    """The model, optimizer, LR schedule and corpus; identical on every rank and every run."""
+    torch.manual_seed(args.seed)
+    model = TinyGPT(256, args.context, args.d_model, args.layers, args.heads)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    return model, opt, sched, make_corpus(args.seed)
+
+
+def lr_at(step: int) -> float:
+    """Warm-up, then cosine decay (a multiplier of the base learning rate)."""
+    return min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * min(step, 10_000) / 10_000))
+
+
+def local_gradients(
+    model: TinyGPT, corpus: torch.Tensor, batch: GlobalBatch, step: int, context: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of one step: (its summed gradients as one flat tensor, its loss)."""
+    for p in model.parameters():
+        p.grad = None
+    total = torch.zeros(())
+    for micro in batch.micro_ranges(step):
+        x, y = sample(corpus, micro, context)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        (loss / batch.accum_steps).backward()
+        total += loss.detach() / batch.accum_steps
+    flat = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return flat, total
+
+
+def apply_gradients(
+    model: TinyGPT, opt: torch.optim.Optimizer, sched: Any, summed: torch.Tensor, world: int
+) -> None:
+    """Average the gradients summed over ranks and take the optimizer step."""
+    summed /= world
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.grad = summed[offset : offset + n].view_as(p).clone()
+        offset += n
+    opt.step()
+    sched.step()
+
+
+def simulate(args: argparse.Namespace, segments: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """One process, no checkpoints, no restarts: train at world size w up to step s for each
+    (w, s), summing the ranks' gradients as the all-reduce does. The determinism tests
+    compare preempted runs with this."""
+    # One intra-op thread, as in every torchrun worker (OMP_NUM_THREADS=1): the thread count
+    # changes the order of float sums inside a matmul, and so the last bits.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _simulate(args, segments)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _simulate(args: argparse.Namespace, segments: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    model, opt, sched, corpus = build(args)
+    step = 0
+    for world, stop in segments:
+        batches = [GlobalBatch(args.global_batch, args.micro_batch, world, r) for r in range(world)]
+        while step < stop:
+            flats = [local_gradients(model, corpus, b, step, args.context)[0] for b in batches]
+            summed = flats[0]
+            for f in flats[1:]:
+                summed = summed + f
+            apply_gradients(model, opt, sched, summed, world)
+            step += 1
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     node = os.environ.get("SPOTTRAIN_NODE_ID", os.uname().nodename)
     rdzv_round = int(os.environ.get("SPOTTRAIN_RDZV_ROUND", "-1"))
-
-    torch.manual_seed(args.seed)
-    model = TinyGPT(256, args.context, args.d_model, args.layers, args.heads)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    warmup = 10
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: (
-            min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, 10_000) / 10_000))
-        ),
-    )
-    corpus = make_corpus(args.seed)
+    model, opt, sched, corpus = build(args)
 
     session = TrainSession(
         args.ckpt_dir,
@@ -141,26 +204,12 @@ def main() -> None:
     batch = GlobalBatch(args.global_batch, args.micro_batch, world, rank)
 
     while step < args.steps:
-        opt.zero_grad(set_to_none=False)
-        total = torch.zeros(())
-        for micro in batch.micro_ranges(step):
-            x, y = sample(corpus, micro, args.context)
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            (loss / batch.accum_steps).backward()
-            total += loss.detach() / batch.accum_steps
+        flat, total = local_gradients(model, corpus, batch, step, args.context)
         if world > 1:
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            flat = torch.cat([g.flatten() for g in grads])
             dist.all_reduce(flat)
-            flat /= world
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
             dist.all_reduce(total)
             total /= world
-        opt.step()
-        sched.step()
+        apply_gradients(model, opt, sched, flat, world)
         step += 1
         if args.progress:
             append_line(
