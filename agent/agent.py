@@ -69,6 +69,7 @@ class AgentConfig:
     metadata_endpoint: str | None = None
     poll_interval: float = 2.0
     monitor_interval: float = 0.1
+    max_restarts: int = 100
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -87,9 +88,12 @@ class AgentConfig:
                 f"poll interval {self.poll_interval} s must be in (0, 5]: an AWS notice "
                 "gives two minutes and must be seen within seconds"
             )
-        lo, _, hi = self.nnodes.partition(":")
-        if not (lo.isdigit() and (not hi or hi.isdigit())) or int(lo) < 1:
-            raise AgentConfigError(f"nnodes {self.nnodes!r} must be N or MIN:MAX (e.g. 1:4)")
+        lo, sep, hi = self.nnodes.partition(":")
+        hi = hi if sep else lo
+        if not (lo.isdigit() and hi.isdigit()) or not 1 <= int(lo) <= int(hi):
+            raise AgentConfigError(
+                f"nnodes {self.nnodes!r} must be N or MIN:MAX with 1 <= MIN <= MAX (e.g. 1:4)"
+            )
 
 
 class Agent:
@@ -187,6 +191,7 @@ class Agent:
             rdzv_conf=conf,
             local_addr=self.cfg.address or "127.0.0.1",
             monitor_interval=self.cfg.monitor_interval,
+            max_restarts=self.cfg.max_restarts,
         )
         env = {
             **os.environ,

@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="metadata server override (else AWS_EC2_METADATA_SERVICE_ENDPOINT/GCE_METADATA_HOST)",
     )
     run.add_argument("--poll-interval", type=float, default=2.0)
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=int(env("SPOTTRAIN_MAX_RESTARTS", "100") or 100),
+        help="worker failures torchrun retries (a peer lost without notice costs one)",
+    )
     run.add_argument("--rdzv-conf", default="", help="k=v,... passed to the Redis rendezvous")
 
     notify = sub.add_parser(
@@ -163,6 +169,7 @@ def _run(args: argparse.Namespace) -> int:
         worker_stop_timeout=args.worker_stop_timeout,
         metadata_endpoint=args.metadata_endpoint,
         poll_interval=args.poll_interval,
+        max_restarts=args.max_restarts,
         rdzv_conf=conf,
     )
     logging.basicConfig(
