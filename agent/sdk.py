@@ -39,6 +39,7 @@ progress.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -51,6 +52,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -66,6 +68,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from spottrain.keys import RunKeys
 
@@ -208,6 +211,9 @@ class TrainSession:
         every_seconds: Save when this many seconds passed since the last save (0: never).
         keep: Committed checkpoints to keep.
         thread_count: Writer threads per rank.
+        async_periodic: Periodic saves copy the state in memory and write it in the
+            background while training goes on (emergency and final saves are always
+            synchronous: nothing may run past them).
         hold_timeout: After an emergency save for a drain, how long a rank that was not
             told to stop waits for its torchrun to restart it before training on.
         stuck_grace: After SIGTERM, a worker whose training loop makes no progress for this
@@ -227,6 +233,7 @@ class TrainSession:
         every_seconds: float = 0.0,
         keep: int = 3,
         thread_count: int = 4,
+        async_periodic: bool = True,
         hold_timeout: float = 180.0,
         stuck_grace: float = 5.0,
         redis_url: str | None = None,
@@ -247,6 +254,7 @@ class TrainSession:
         self.every_seconds = every_seconds
         self.keep = keep
         self.thread_count = thread_count
+        self.async_periodic = async_periodic
         self.hold_timeout = hold_timeout
         self.stuck_grace = stuck_grace
         self.round = int(os.environ.get(ENV_ROUND, "-1"))
@@ -259,6 +267,12 @@ class TrainSession:
         self._group: Any = None
         if self._dist:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
+        # Asynchronous saves run their collectives on a thread of their own: another group.
+        self._async_group: Any = None
+        if self._dist:
+            self._async_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spottrain-save")
+        self._inflight: Future[None] | None = None
 
         if self.rank == 0:
             self.ckdir.check_writable()  # fail before any training, not at the first save
@@ -357,9 +371,12 @@ class TrainSession:
         self._drain_pending()
         if step != self._last_save_step:
             self._save(step, state, "final", request_id=0, drain=False)
+        self._wait_async()
         self.close()
 
     def close(self) -> None:
+        self._wait_async()
+        self._executor.shutdown(wait=True)
         self._requests.stop()
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -421,8 +438,36 @@ class TrainSession:
         # save's own collectives on the group come after it on every rank.
         pending = self._pending
         self._drain_pending()
-        self._phase = "saving"
+        self._wait_async()  # one save at a time, in step order
         t0 = time.monotonic()
+        self._last_save_step = step
+        self._last_save_time = t0
+        if kind == "periodic" and self.async_periodic:
+            # Copy the state (memory speed), then write it while training goes on.
+            self._phase = "staging"
+            snapshot = _stage(state)
+            self._phase = "training"
+            self._inflight = self._executor.submit(
+                self._write, snapshot, step, kind, request_id, drain, self._async_group, t0
+            )
+        else:
+            self._phase = "saving"
+            try:
+                self._write(state, step, kind, request_id, drain, self._group, t0)
+            finally:
+                self._phase = "training"
+        self._restart_exchange(pending)
+
+    def _write(
+        self,
+        state: dict[str, Any],
+        step: int,
+        kind: str,
+        request_id: int,
+        drain: bool,
+        group: Any,
+        t0: float,
+    ) -> None:
         try:
             result = dcp_io.save(
                 state,
@@ -432,21 +477,17 @@ class TrainSession:
                 kind=kind,
                 request_id=request_id,
                 extra={"node": self.node, "drain": drain},
-                group=self._group,
+                group=group,
                 fence=self._requests.fence,
                 thread_count=self.thread_count,
                 keep=self.keep,
             )
         except dcp_io.CheckpointWriteError as exc:
             log.error("%s checkpoint at step %d failed: %s", kind, step, exc)
-            self._last_save_time = time.monotonic()
-            self._restart_exchange(pending)
+            if self._last_save_step == step:
+                self._last_save_step = -1  # so that finish() tries this step again
             return
-        finally:
-            self._phase = "training"
         self.saves.append(result)
-        self._last_save_step = step
-        self._last_save_time = time.monotonic()
         self._served_request = max(self._served_request, request_id)
         if drain and result.manifest is not None:
             self._served_at = result.manifest.created_at
@@ -459,7 +500,15 @@ class TrainSession:
                 result.path,
             )
             self._requests.report_commit(result, kind, drain, request_id)
-        self._restart_exchange(pending)
+
+    def _wait_async(self) -> None:
+        if self._inflight is not None:
+            phase, self._phase = self._phase, "saving"
+            try:
+                self._inflight.result()
+            finally:
+                self._phase = phase
+                self._inflight = None
 
     def _restart_exchange(self, pending: Any) -> None:
         # The reduce drained before the save carried flags raised before this step; they
@@ -500,6 +549,22 @@ class TrainSession:
             return False
         limit = max(self.stuck_grace, 3 * self.last_step_time)
         return time.monotonic() - self._last_progress > limit
+
+
+def _stage(obj: Any) -> Any:
+    """A copy of the state to write while training changes the original: Stateful objects
+    are turned into their state dicts and every tensor is copied (to the CPU)."""
+    if isinstance(obj, Stateful):
+        return _stage(obj.state_dict())
+    if isinstance(obj, torch.Tensor):
+        if isinstance(obj, DTensor):
+            return obj.detach().clone()  # stays sharded on its device
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _stage(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_stage(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def _exit_clean(why: str) -> None:

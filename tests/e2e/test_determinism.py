@@ -101,3 +101,35 @@ def test_a_preempted_and_backfilled_run_equals_an_uninterrupted_run(
     params, step = preempted_run(redis_server, tmp_path, "2:2", backfill=True)
     assert 0 < step < STEPS
     assert_bitwise_equal(params, reference([(2, STEPS)]))
+
+
+def test_a_node_lost_without_notice_resumes_from_the_last_periodic_checkpoint_exactly(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A VM gone without a word: the survivor restores the newest (asynchronously written)
+    periodic checkpoint and redoes the steps after it at its new world size."""
+    out = tmp_path / "run.pt"
+    job = LocalAgentJob(
+        tmp_path / "job",
+        redis_server.endpoint,
+        f"det-{uuid.uuid4().hex[:8]}",
+        script=GPT,
+        nnodes="1:2",
+        steps=STEPS,
+        step_time=0.05,
+        script_args=["--every-steps", "5", "--dump-params", str(out)],
+    )
+    client = redis_server.client()
+    try:
+        job.start_node("a")
+        job.start_node("b")
+        job.wait_for_world(2, 120, steps=12)
+        killed = time.time()
+        job.nodes["b"].kill()
+        assert job.nodes["a"].wait(300) == 0, job.diagnose()
+        resumed = min(r.step for r in job.records() if r.t >= killed and r.world == 1) - 1
+        assert resumed % 5 == 0 and resumed > 0
+        params = torch.load(out)
+    finally:
+        job.close(client)
+    assert_bitwise_equal(params, reference([(2, resumed), (1, STEPS)]))
