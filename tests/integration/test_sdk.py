@@ -1,0 +1,225 @@
+"""The trainer SDK in one process (no torch.distributed): when it saves, what it restores,
+what it tells Redis, and what it refuses. Multi-rank behaviour is in tests/e2e."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from spottrain.agent.checkpoint.directory import CheckpointDir, CheckpointDirError
+from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession
+from spottrain.embedded_redis import RedisServer
+from spottrain.keys import RunKeys
+
+
+def make_state(seed: int = 0) -> tuple[dict[str, object], torch.nn.Module]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    return {"model": ModelState(model, opt), "rng": RngState()}, model
+
+
+def train(
+    session: TrainSession, state: dict[str, object], model: torch.nn.Module, steps: range
+) -> None:
+    opt = state["model"].optimizer  # type: ignore[attr-defined]
+    for step in steps:
+        loss = model(torch.ones(2, 8)).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        session.step(step + 1, state, loss=loss.item())
+
+
+@pytest.fixture
+def run_id(redis_client: redis.Redis) -> Iterator[str]:
+    rid = f"sdk-{uuid.uuid4().hex[:8]}"
+    yield rid
+    keys = list(redis_client.scan_iter(match=RunKeys(rid).pattern))
+    if keys:
+        redis_client.delete(*keys)
+
+
+def session(tmp_path: Path, **kwargs: object) -> TrainSession:
+    kwargs.setdefault("install_signal_handlers", False)
+    kwargs.setdefault("redis_url", "")
+    return TrainSession(tmp_path, **kwargs)  # type: ignore[arg-type]
+
+
+# -- the global batch ---------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_sample_of_a_step_is_used_once_whatever_the_world_size(world: int) -> None:
+    for step in (0, 7):
+        seen = []
+        for rank in range(world):
+            for r in GlobalBatch(32, 4, world, rank).micro_ranges(step):
+                seen.extend(r)
+        assert sorted(seen) == list(range(step * 32, (step + 1) * 32))
+
+
+def test_gradient_accumulation_follows_the_world_size() -> None:
+    assert [GlobalBatch(32, 4, w, 0).accum_steps for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
+
+
+def test_a_global_batch_that_does_not_divide_says_how_to_pick_one() -> None:
+    with pytest.raises(ValueError, match=r"not a multiple of micro batch 4 x world size 3 = 12"):
+        GlobalBatch(32, 4, 3, 0)
+    with pytest.raises(ValueError, match="positive"):
+        GlobalBatch(0, 4, 1, 0)
+
+
+# -- configuration ------------------------------------------------------------------------------
+def test_no_checkpoint_directory_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPOTTRAIN_CKPT_DIR", raising=False)
+    with pytest.raises(ValueError, match="SPOTTRAIN_CKPT_DIR"):
+        TrainSession(install_signal_handlers=False)
+
+
+def test_a_missing_checkpoint_directory_is_an_error_not_a_new_directory(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointDirError, match="does not exist"):
+        session(tmp_path / "nope")
+    assert not (tmp_path / "nope").exists()
+
+
+# -- saving and restoring -----------------------------------------------------------------------
+@pytest.mark.parametrize("async_periodic", [True, False])
+def test_saves_every_n_steps_and_restores_the_newest(tmp_path: Path, async_periodic: bool) -> None:
+    state, model = make_state()
+    s = session(tmp_path, every_steps=4, keep=2, async_periodic=async_periodic)
+    assert s.restore(state) == 0
+    train(s, state, model, range(10))
+    s.finish(10, state)
+    assert [r.step for r in s.saves] == [4, 8, 10]
+    assert [step for step, _ in CheckpointDir(tmp_path).committed()] == [8, 10]
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    state2, model2 = make_state(seed=1)
+    s2 = session(tmp_path)
+    assert s2.restore(state2) == 10
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, expected[k])
+    s2.close()
+
+
+def test_saves_every_t_seconds(tmp_path: Path) -> None:
+    state, model = make_state()
+    s = session(tmp_path, every_seconds=0.3)
+    s.restore(state)
+    for step in range(12):
+        train(s, state, model, range(step, step + 1))
+        time.sleep(0.1)
+    s.close()
+    assert 2 <= len(s.saves) <= 5
+    assert all(r.manifest is not None and r.manifest.kind == "periodic" for r in s.saves)
+
+
+def test_restore_skips_a_corrupt_newest_checkpoint_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state, model = make_state()
+    s = session(tmp_path, every_steps=3, async_periodic=False)
+    s.restore(state)
+    train(s, state, model, range(6))
+    s.close()
+    shard = next((tmp_path / "step-000000006").glob("*.distcp"))
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    caplog.set_level(logging.WARNING)
+    state2, _ = make_state()
+    assert session(tmp_path).restore(state2) == 3
+    assert "step-000000006" in caplog.text and "CRC32" in caplog.text
+
+
+# -- Redis: requests, progress, fencing ---------------------------------------------------------
+def test_a_request_in_redis_makes_rank_zero_save_once(
+    tmp_path: Path, redis_server: RedisServer, redis_client: redis.Redis, run_id: str
+) -> None:
+    keys = RunKeys(run_id)
+    state, model = make_state()
+    s = session(tmp_path, redis_url=redis_server.endpoint, run_id=run_id, poll_interval=0.05)
+    s.restore(state)
+    train(s, state, model, range(3))
+    body = {"id": 7, "drain": False, "deadline": None, "at": time.time(), "source": "test"}
+    redis_client.hset(keys.ckpt_requests, "n1", json.dumps(body))
+    time.sleep(0.3)
+    train(s, state, model, range(3, 8))
+    s.close()
+    requested = [r for r in s.saves if r.manifest and r.manifest.kind == "requested"]
+    assert len(requested) == 1, s.saves
+    assert requested[0].manifest is not None and requested[0].manifest.request_id == 7
+    last = redis_client.hgetall(keys.ckpt_last)
+    assert last[b"kind"] == b"requested" and last[b"request_id"] == b"7"
+    progress = redis_client.hgetall(keys.progress)
+    assert int(progress[b"step"]) >= 3 and b"loss" in progress
+
+
+def test_a_drain_request_holds_the_worker_then_training_goes_on(
+    tmp_path: Path, redis_server: RedisServer, redis_client: redis.Redis, run_id: str
+) -> None:
+    keys = RunKeys(run_id)
+    state, model = make_state()
+    s = session(
+        tmp_path,
+        redis_url=redis_server.endpoint,
+        run_id=run_id,
+        poll_interval=0.05,
+        hold_timeout=0.5,
+    )
+    s.restore(state)
+    body = {"id": 1, "drain": True, "deadline": time.time() + 60, "at": time.time()}
+    redis_client.hset(keys.ckpt_requests, "n1", json.dumps(body))
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    train(s, state, model, range(4))
+    s.close()
+    assert time.monotonic() - t0 >= 0.5, "the worker did not hold after the drain save"
+    kinds = [r.manifest.kind for r in s.saves if r.manifest]
+    assert kinds == ["emergency"]
+    assert redis_client.hget(keys.ckpt_last, "drain") == b"1"
+
+
+def test_a_commit_from_a_stale_round_is_refused(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    run_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node frozen mid-save and woken after its peers formed round 5 must not commit."""
+    monkeypatch.setenv("SPOTTRAIN_RDZV_ROUND", "3")
+    state, model = make_state()
+    s = session(
+        tmp_path,
+        redis_url=redis_server.endpoint,
+        run_id=run_id,
+        every_steps=2,
+        async_periodic=False,
+    )
+    s.restore(state)
+    train(s, state, model, range(2))
+    assert s.saves[-1].committed
+    redis_client.hset(RunKeys(run_id).rdzv_view, mapping={"round": 5, "world_size": 2})
+    train(s, state, model, range(2, 4))
+    s.close()
+    assert not s.saves[-1].committed
+    assert "round 5" in (s.saves[-1].refused or "")
+    assert [step for step, _ in CheckpointDir(tmp_path).committed()] == [2]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_training_goes_on_when_redis_is_unreachable(tmp_path: Path) -> None:
+    state, model = make_state()
+    s = session(tmp_path, redis_url="127.0.0.1:1", run_id="x-1", every_steps=2, poll_interval=0.05)
+    s.restore(state)
+    train(s, state, model, range(4))
+    s.close()
+    assert [r.step for r in s.saves if r.committed] == [2, 4]
