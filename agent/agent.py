@@ -387,4 +387,3 @@ def _check_ckpt_dir(path: str) -> str | None:
     except CheckpointDirError as exc:
         return exc.strerror
     return None
-

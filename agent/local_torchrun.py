@@ -231,6 +231,7 @@ class Record:
     world: int
     round: int
     step: int
+    loss: float = float("nan")
 
 
 class LocalElasticJob:
@@ -302,7 +303,17 @@ class LocalElasticJob:
                 d: dict[str, Any] = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line being written right now
-            out.append(Record(d["t"], d["node"], d["rank"], d["world"], d["round"], d["step"]))
+            out.append(
+                Record(
+                    d["t"],
+                    d["node"],
+                    d["rank"],
+                    d["world"],
+                    d["round"],
+                    d["step"],
+                    float(d.get("loss", "nan")),
+                )
+            )
         return out
 
     def wait_for(

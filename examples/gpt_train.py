@@ -34,7 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--ckpt-dir", default=os.environ.get("SPOTTRAIN_CKPT_DIR"))
     p.add_argument("--progress", help="JSON-lines file every worker appends to")
-    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument(
+        "--global-batch", type=int, default=24, help="samples per step (divisible by 2, 3 and 4)"
+    )
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--every-steps", type=int, default=20)
     p.add_argument("--every-seconds", type=float, default=0.0)

@@ -5,6 +5,8 @@ Layout of a directory (a mount every node of the job sees)::
     step-000000120/     committed: DCP shard files, .metadata, MANIFEST.json
     step-000000140/
     .tmp-step-000000160-r7/   being written (round 7); never read by restore
+    .old-step-000000140-r8-<ns>/   set aside while round 8 saves step 140 again; read only
+                        if that save died between its two renames (no step-000000140)
     latest              "step-000000140": a pointer for people and tools
 
 The rename of a temporary directory to ``step-N`` is the commit point. ``latest`` is written
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step-(\d{9,})\Z")
 _TMP_RE = re.compile(r"^\.(?:tmp|old)-step-(\d{9,})-r(-?\d+)(?:-.*)?\Z")
+_OLD_RE = re.compile(r"^\.old-step-(\d{9,})-r-?\d+-(\d+)\Z")
 
 
 class CheckpointDirError(OSError):
@@ -149,8 +152,14 @@ class CheckpointDir:
         return self.root / f".tmp-{step_name(step)}-r{round_}"
 
     def committed(self) -> list[tuple[int, Path]]:
-        """Committed checkpoint directories, oldest first (not verified)."""
-        out = []
+        """Committed checkpoint directories, oldest first (not verified).
+
+        A step saved again is replaced by two renames (the committed one aside to
+        ``.old-step-N-...``, the new one in); a crash between them leaves no ``step-N``, and
+        the one set aside stands for step N until a later save prunes it.
+        """
+        steps: dict[int, Path] = {}
+        set_aside: dict[int, tuple[int, Path]] = {}
         try:
             entries = list(os.scandir(self.root))
         except OSError as exc:
@@ -158,10 +167,15 @@ class CheckpointDir:
                 exc.errno or 0, describe_os_error(exc, self.root, "listing")
             ) from exc
         for entry in entries:
-            m = _STEP_RE.match(entry.name)
-            if m and entry.is_dir():
-                out.append((int(m.group(1)), Path(entry.path)))
-        return sorted(out)
+            if (m := _STEP_RE.match(entry.name)) and entry.is_dir():
+                steps[int(m.group(1))] = Path(entry.path)
+            elif (m := _OLD_RE.match(entry.name)) and entry.is_dir():
+                step, stamp = int(m.group(1)), int(m.group(2))
+                if step not in set_aside or set_aside[step][0] < stamp:
+                    set_aside[step] = (stamp, Path(entry.path))
+        for step, (_, path) in set_aside.items():
+            steps.setdefault(step, path)
+        return sorted(steps.items())
 
     def read_latest(self) -> str | None:
         try:
@@ -240,6 +254,7 @@ class CheckpointDir:
                 # Same step saved again (a newer round redoing it): the new one wins.
                 old = self.root / f".old-{target.name}-r{manifest.round}-{time.time_ns()}"
                 os.rename(target, old)
+                failpoint("replace")
             try:
                 os.rename(tmp, target)
             except OSError:
@@ -298,9 +313,10 @@ class CheckpointDir:
         for _, path in committed[: max(0, len(committed) - keep)]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
+        standing = {path.name for _, path in committed}  # an .old-* standing in for its step
         for entry in os.scandir(self.root):
             m = _TMP_RE.match(entry.name)
-            if m is None:
+            if m is None or entry.name in standing:
                 continue
             step, tmp_round = int(m.group(1)), int(m.group(2))
             if tmp_round < round_ or (tmp_round == round_ and step < newest):
