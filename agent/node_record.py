@@ -86,7 +86,12 @@ class NodeRecord:
         pipe.sadd(self.keys.nodes, self.info.node_id)
         pipe.hset(
             self.keys.node(self.info.node_id),
-            mapping={**self.info.fields(), "state": state, "registered_at": str(time.time())},
+            mapping={
+                **self.info.fields(),
+                "run_id": self.keys.run_id,
+                "state": state,
+                "registered_at": str(time.time()),
+            },
         )
         pipe.set(self.keys.heartbeat(self.info.node_id), state, px=self.ttl_ms)
         pipe.execute()

@@ -299,7 +299,13 @@ class TrainSession:
         )
         self._watchdog: _SignalWatch | None = None
         if install_signal_handlers:
-            self._watchdog = _SignalWatch(self)
+            if threading.current_thread() is threading.main_thread():
+                self._watchdog = _SignalWatch(self)
+            else:
+                log.warning(
+                    "TrainSession made off the main thread: SIGTERM is not caught, so a "
+                    "shutdown will not trigger an emergency checkpoint"
+                )
 
     # -- restore ----------------------------------------------------------------------------
     def restore(self, state: dict[str, Any]) -> int:

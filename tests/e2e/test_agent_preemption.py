@@ -123,7 +123,11 @@ def test_a_notice_at_a_random_step_loses_no_progress(
     assert drained["left_rendezvous"] == "true" and int(drained["committed_step"]) == step
     # The node is out of the fleet view at once: its heartbeat key is gone.
     assert client.exists(RunKeys(job.run_id).heartbeat("b")) == 0
-    assert client.hget(RunKeys(job.run_id).node("b"), "state") == b"left"
+    record = client.hgetall(RunKeys(job.run_id).node("b"))
+    assert record[b"state"] == b"left" and record[b"cloud"] == b"local"
+    assert record[b"run_id"] == job.run_id.encode() and record[b"node_id"] == b"b"
+    assert {b"zone", b"instance_type", b"gpus", b"address"} <= record.keys()
+    assert client.sismember(RunKeys(job.run_id).nodes, "b")
 
 
 def test_sigterm_to_the_whole_node_loses_no_progress(
