@@ -1,0 +1,46 @@
+"""The checkpoint benchmark runs end to end (--quick) and ends with its JSON figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "checkpoint.py"
+KEYS = {
+    "emergency_vs_raw",
+    "emergency_vs_dcp",
+    "notice_to_commit_s",
+    "step_overhead",
+    "raw_gbps",
+    "dcp_gbps",
+    "emergency_gbps",
+    "step_s",
+}
+
+
+def test_quick_bench_ends_with_one_json_line_of_figures(tmp_path: Path) -> None:
+    workdir = tmp_path / "bench"
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--dir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    lines = out.stdout.strip().splitlines()
+    figures = json.loads(lines[-1])
+    assert figures.keys() >= KEYS
+    for key in KEYS:
+        assert isinstance(figures[key], float), key
+    assert figures["raw_gbps"] > 0 and figures["emergency_gbps"] > 0
+    assert figures["notice_to_commit_s"] > 0
+    # Each figure is printed beside its anchor before the JSON line.
+    text = "\n".join(lines[:-1])
+    assert "x raw" in text and "x DCP" in text and "notice -> committed" in text
+    assert not workdir.exists()  # the scratch directory is removed

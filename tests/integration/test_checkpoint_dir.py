@@ -1,0 +1,467 @@
+"""The checkpoint directory with real DCP saves in one process: commit, restore, ``latest``,
+pruning, skipping what fails verification, fencing by round, and a directory that is missing,
+a file, read-only or full (the last two on a small tmpfs, since root writes through chmod)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from spottrain.agent.checkpoint import dcp_io
+from spottrain.agent.checkpoint.directory import (
+    LATEST,
+    CheckpointDir,
+    CheckpointDirError,
+    StaleCommitError,
+    step_name,
+)
+from spottrain.agent.checkpoint.manifest import MANIFEST_NAME, FileSum, Manifest, verify_files
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+# -- state ------------------------------------------------------------------------------------
+def state_for(step: int, scale: int = 1) -> dict[str, Any]:
+    """Tensors of several dtypes whose every bit depends on ``step``."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {
+            "w": torch.randn(64 * scale, 128, generator=g),
+            "b": torch.randn(128, generator=g).to(torch.bfloat16),
+            "ids": torch.randint(-(2**62), 2**62, (257,), generator=g, dtype=torch.int64),
+        },
+        "meta": {"step": step, "name": f"run-{step}"},
+    }
+
+
+def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out[k] = zeros_like(v)
+        elif isinstance(v, torch.Tensor):
+            out[k] = torch.zeros_like(v)
+        else:
+            out[k] = None
+    return out
+
+
+def assert_bitwise_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        g = got[k]
+        if isinstance(w, dict):
+            assert_bitwise_equal(g, w)
+        elif isinstance(w, torch.Tensor):
+            assert g.dtype == w.dtype and g.shape == w.shape, k
+            assert g.view(torch.uint8).numpy().tobytes() == w.view(torch.uint8).numpy().tobytes(), k
+        else:
+            assert g == w, k
+
+
+def restore(ckdir: CheckpointDir, like: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    found = ckdir.find_restorable()
+    assert found is not None
+    assert verify_files(found.path, found.manifest) == []
+    loaded = zeros_like(like)
+    dcp_io.load(loaded, found.path)
+    return found.manifest.step, loaded
+
+
+def save(ckdir: CheckpointDir, step: int, round_: int = 0, **kw: Any) -> dcp_io.SaveResult:
+    state = kw.pop("state", None) or state_for(step)
+    return dcp_io.save(state, ckdir, step=step, round_=round_, kind="periodic", **kw)
+
+
+def hidden(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+
+
+@pytest.fixture
+def ckdir(tmp_path: Path) -> CheckpointDir:
+    return CheckpointDir(tmp_path)
+
+
+# -- commit and restore -----------------------------------------------------------------------
+def test_saved_checkpoint_restores_bitwise_with_its_manifest(ckdir: CheckpointDir) -> None:
+    result = dcp_io.save(
+        state_for(5), ckdir, step=5, round_=3, kind="emergency", request_id=9, extra={"n": 1}
+    )
+    assert result.committed and result.refused is None
+    assert result.path == ckdir.root / "step-000000005"
+    found = ckdir.find_restorable()
+    assert found is not None and found.skipped == []
+    assert found.path == result.path
+    assert found.manifest == result.manifest
+    m = found.manifest
+    assert (m.step, m.round, m.world_size, m.kind, m.request_id, m.extra) == (
+        5,
+        3,
+        1,
+        "emergency",
+        9,
+        {"n": 1},
+    )
+    on_disk = {p.name for p in result.path.iterdir()} - {MANIFEST_NAME}
+    assert set(m.files) == on_disk and ".metadata" in on_disk
+    assert m.total_bytes == sum((result.path / n).stat().st_size for n in on_disk)
+    step, loaded = restore(ckdir, state_for(5))
+    assert step == 5
+    assert_bitwise_equal(loaded, state_for(5))
+    assert hidden(ckdir.root) == []  # no temporary directory, no probe, no latest.tmp
+
+
+def test_restore_of_an_empty_directory_finds_nothing(ckdir: CheckpointDir) -> None:
+    assert ckdir.find_restorable() is None
+    assert ckdir.read_latest() is None
+
+
+def test_latest_points_at_the_newest_commit(ckdir: CheckpointDir) -> None:
+    save(ckdir, 1)
+    assert ckdir.read_latest() == "step-000000001"
+    save(ckdir, 2)
+    assert ckdir.read_latest() == "step-000000002"
+    assert (ckdir.root / LATEST).read_text() == "step-000000002\n"
+
+
+def test_keep_prunes_all_but_the_newest_k(ckdir: CheckpointDir) -> None:
+    for step in range(1, 6):
+        save(ckdir, step, keep=2)
+    assert [s for s, _ in ckdir.committed()] == [4, 5]
+    step, loaded = restore(ckdir, state_for(5))
+    assert step == 5
+    assert_bitwise_equal(loaded, state_for(5))
+
+
+def biggest_shard(path: Path) -> Path:
+    return max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def tear_manifest(path: Path) -> None:
+    raw = (path / MANIFEST_NAME).read_bytes()
+    (path / MANIFEST_NAME).write_bytes(raw[: len(raw) // 2])
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda p: flip_byte(biggest_shard(p)), "fails its CRC32"),
+        (lambda p: biggest_shard(p).unlink(), "is missing"),
+        (lambda p: (p / ".metadata").unlink(), ".metadata is missing"),
+        (tear_manifest, "torn write"),
+        (lambda p: (p / MANIFEST_NAME).unlink(), f"no {MANIFEST_NAME}"),
+    ],
+    ids=["flipped-byte", "deleted-shard", "deleted-metadata", "torn-manifest", "no-manifest"],
+)
+def test_restore_skips_a_newer_damaged_checkpoint_and_says_why(
+    ckdir: CheckpointDir,
+    damage: Callable[[Path], None],
+    reason: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    save(ckdir, 1)
+    damage(save(ckdir, 2).path or Path("/nonexistent"))
+    with caplog.at_level(logging.WARNING, logger="spottrain.agent.checkpoint.directory"):
+        found = ckdir.find_restorable()
+    assert found is not None
+    assert found.manifest.step == 1
+    assert [name for name, _ in found.skipped] == ["step-000000002"]
+    assert reason in found.skipped[0][1]
+    assert "skipping checkpoint step-000000002" in caplog.text and reason in caplog.text
+    step, loaded = restore(ckdir, state_for(1))
+    assert step == 1
+    assert_bitwise_equal(loaded, state_for(1))
+
+
+def test_restore_skips_a_checkpoint_whose_manifest_names_another_step(
+    ckdir: CheckpointDir,
+) -> None:
+    save(ckdir, 1)
+    path = save(ckdir, 2).path
+    assert path is not None
+    os.rename(path, ckdir.step_path(3))  # a directory renamed by hand
+    found = ckdir.find_restorable()
+    assert found is not None and found.manifest.step == 1
+    assert found.skipped == [("step-000000003", "its manifest is for step 2")]
+
+
+def test_restore_never_uses_temporary_directories(ckdir: CheckpointDir) -> None:
+    path = save(ckdir, 4).path
+    assert path is not None
+    # Complete-looking copies with a valid manifest under names that are not commits, and a
+    # set-aside copy of step 4 while step 4 itself is there.
+    for name in (".tmp-step-000000009-r0", "step-9", "step-x", ".old-step-000000004-r1-5"):
+        shutil.copytree(path, ckdir.root / name)
+    found = ckdir.find_restorable()
+    assert found is not None and found.path == path and found.skipped == []
+    shutil.rmtree(path)
+    shutil.rmtree(ckdir.root / ".old-step-000000004-r1-5")
+    assert ckdir.find_restorable() is None
+
+
+def test_a_step_set_aside_by_a_replacement_that_died_is_restored(ckdir: CheckpointDir) -> None:
+    # Round 2 saving step 7 again died between its two renames: the committed step 7 of
+    # round 1 is set aside, and its own complete copy is still a temporary directory.
+    save(ckdir, 6, round_=1, state=state_for(60))
+    path = save(ckdir, 7, round_=1, state=state_for(70)).path
+    assert path is not None
+    shutil.copytree(path, ckdir.tmp_path(7, 2))
+    os.rename(path, ckdir.root / ".old-step-000000007-r2-1000")
+    os.rename(ckdir.tmp_path(7, 2), ckdir.root / ".old-step-000000007-r2-900")  # an older one
+
+    assert [s for s, _ in ckdir.committed()] == [6, 7]
+    found = ckdir.find_restorable()
+    assert found is not None and found.path.name == ".old-step-000000007-r2-1000"
+    assert found.manifest.step == 7 and found.manifest.round == 1
+    _, loaded = restore(ckdir, state_for(70))
+    assert_bitwise_equal(loaded, state_for(70))
+
+    # A later save keeps it while it stands for step 7 (dropping only the older copy), and
+    # the keep rule drops it in its turn.
+    assert save(ckdir, 8, round_=3, keep=2).committed
+    assert [s for s, _ in ckdir.committed()] == [7, 8]
+    assert hidden(ckdir.root) == [".old-step-000000007-r2-1000"]
+    assert save(ckdir, 9, round_=3, keep=2).committed
+    assert [s for s, _ in ckdir.committed()] == [8, 9]
+    assert hidden(ckdir.root) == []
+
+
+# -- fencing ----------------------------------------------------------------------------------
+def test_commit_from_an_older_round_than_the_newest_checkpoint_is_refused(
+    ckdir: CheckpointDir,
+) -> None:
+    save(ckdir, 10, round_=5)
+    result = save(ckdir, 11, round_=4)
+    assert not result.committed and result.manifest is None
+    assert result.refused is not None
+    assert "round 4" in result.refused and "newer round 5" in result.refused
+    assert [s for s, _ in ckdir.committed()] == [10]
+    assert hidden(ckdir.root) == []  # the refused temporary directory is gone
+    assert ckdir.read_latest() == "step-000000010"
+    step, loaded = restore(ckdir, state_for(10))
+    assert step == 10
+    assert_bitwise_equal(loaded, state_for(10))
+
+
+def test_checkpoint_dir_commit_raises_stale_commit_and_removes_the_tmp_dir(
+    ckdir: CheckpointDir,
+) -> None:
+    save(ckdir, 10, round_=5)
+    tmp = ckdir.tmp_path(11, 4)
+    tmp.mkdir()
+    (tmp / "__0_0.distcp").write_bytes(b"data")
+    manifest = Manifest(11, 1, 4, "periodic", 0.0, {"__0_0.distcp": FileSum(4, 0)})
+    with pytest.raises(StaleCommitError, match="refused to commit step 11 from rendezvous round 4"):
+        ckdir.commit(tmp, manifest)
+    assert not tmp.exists()
+    assert [s for s, _ in ckdir.committed()] == [10]
+
+
+def test_commit_refused_when_the_fence_says_a_newer_round_trains(ckdir: CheckpointDir) -> None:
+    save(ckdir, 1, round_=3)
+    asked: list[int] = []
+
+    def fence(round_: int) -> str | None:
+        asked.append(round_)
+        return "rendezvous round 9 is training now" if round_ < 9 else None
+
+    result = save(ckdir, 2, round_=3, fence=fence)
+    assert asked == [3]
+    assert result.refused is not None and "round 9 is training now" in result.refused
+    assert [s for s, _ in ckdir.committed()] == [1]
+    assert hidden(ckdir.root) == []
+    assert save(ckdir, 2, round_=9, fence=fence).committed
+    assert asked == [3, 9]
+
+
+def test_same_and_newer_rounds_commit(ckdir: CheckpointDir) -> None:
+    assert save(ckdir, 1, round_=3).committed
+    assert save(ckdir, 2, round_=3).committed
+    assert save(ckdir, 3, round_=4).committed
+
+
+def test_round_minus_one_is_not_fenced(ckdir: CheckpointDir) -> None:
+    save(ckdir, 1, round_=5)
+    result = save(ckdir, 2, round_=-1, fence=lambda r: "never")
+    assert result.committed
+
+
+def test_same_step_committed_again_by_a_newer_round_replaces_the_old_one(
+    ckdir: CheckpointDir,
+) -> None:
+    save(ckdir, 7, round_=1, state=state_for(100))
+    result = save(ckdir, 7, round_=2, state=state_for(200))
+    assert result.committed
+    found = ckdir.find_restorable()
+    assert found is not None and found.manifest.round == 2
+    assert [s for s, _ in ckdir.committed()] == [7]
+    assert hidden(ckdir.root) == []  # the replaced one (.old-...) is removed
+    _, loaded = restore(ckdir, state_for(200))
+    assert_bitwise_equal(loaded, state_for(200))
+
+
+def test_prune_drops_leftovers_no_writer_can_commit_and_keeps_live_ones(
+    ckdir: CheckpointDir,
+) -> None:
+    for name in (
+        ".tmp-step-000000002-r3",  # older round
+        ".old-step-000000006-r3-99",  # older round, set aside and replaced
+        ".tmp-step-000000004-r5",  # this round, below the committed step: a failed save
+        ".tmp-step-000000009-r5",  # this round, ahead: kept
+        ".tmp-step-000000001-r6",  # a newer round may be writing it: kept
+    ):
+        (ckdir.root / name).mkdir()
+    assert save(ckdir, 6, round_=5).committed
+    assert hidden(ckdir.root) == [".tmp-step-000000001-r6", ".tmp-step-000000009-r5"]
+
+
+def test_runs_without_rendezvous_free_their_crashed_saves(ckdir: CheckpointDir) -> None:
+    # Every run without the spottrain rendezvous is round -1: a crashed save's directory
+    # must still go once a later step commits, or each crash keeps a checkpoint's worth.
+    (ckdir.root / ".tmp-step-000000003-r-1").mkdir()
+    assert save(ckdir, 5, round_=-1).committed
+    assert hidden(ckdir.root) == []
+
+
+# -- a writer thread that fails ---------------------------------------------------------------
+class Unpicklable:
+    def __reduce__(self) -> Any:
+        raise RuntimeError("this object refuses to be pickled")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("thread_count", [1, 4])
+def test_a_failure_in_any_writer_thread_fails_the_save(
+    ckdir: CheckpointDir, thread_count: int
+) -> None:
+    save(ckdir, 1)
+    state = {**state_for(2), "bad": Unpicklable(), "more": [Unpicklable()]}
+    with pytest.raises(dcp_io.CheckpointWriteError, match="refuses to be pickled") as info:
+        save(ckdir, 2, state=state, thread_count=thread_count)
+    assert "the previous checkpoint is intact" in str(info.value)
+    assert hidden(ckdir.root) == []
+    assert [s for s, _ in ckdir.committed()] == [1]
+    step, loaded = restore(ckdir, state_for(1))
+    assert step == 1
+    assert_bitwise_equal(loaded, state_for(1))
+
+
+# -- bad input --------------------------------------------------------------------------------
+def test_missing_directory_is_refused_saying_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointDirError) as info:
+        CheckpointDir(tmp_path / "not-mounted")
+    msg = str(info.value)
+    assert f"checkpoint directory {tmp_path / 'not-mounted'} does not exist" in msg
+    assert "mount the checkpoint volume there or create the directory" in msg
+    assert not (tmp_path / "not-mounted").exists()  # not created behind the user's back
+
+
+def test_a_file_is_refused_as_checkpoint_directory(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").write_text("x")
+    with pytest.raises(CheckpointDirError, match="is not a directory: point --ckpt-dir at a"):
+        CheckpointDir(tmp_path / "ckpt")
+
+
+def test_check_writable_passes_and_leaves_nothing(ckdir: CheckpointDir) -> None:
+    ckdir.check_writable()
+    assert list(ckdir.root.iterdir()) == []
+
+
+# -- read-only and full volumes (a small tmpfs) -----------------------------------------------
+Mount = Callable[[str], Path]
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Mount]:
+    """Mount a tmpfs of the given size; unmounted in teardown. Skips unless root."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root (chmod does not stop root from writing)")
+        point = tmp_path / f"mnt{len(mounted)}"
+        point.mkdir()
+        out = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip() or out.returncode}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def remount_read_only(point: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+
+
+def test_read_only_directory_refuses_writes_and_keeps_the_previous_checkpoint(
+    tmpfs: Mount,
+) -> None:
+    root = tmpfs("8m")
+    ckdir = CheckpointDir(root)
+    ckdir.check_writable()
+    assert save(ckdir, 1).committed
+    remount_read_only(root)
+
+    with pytest.raises(
+        CheckpointDirError, match="a test write failed because it is on a read-only"
+    ):
+        ckdir.check_writable()
+    with pytest.raises(dcp_io.CheckpointWriteError) as info:
+        save(ckdir, 2)
+    assert "read-only file system" in str(info.value)
+    assert "remount it read-write" in str(info.value)
+
+    assert [s for s, _ in ckdir.committed()] == [1]
+    step, loaded = restore(ckdir, state_for(1))
+    assert step == 1
+    assert_bitwise_equal(loaded, state_for(1))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_full_directory_fails_the_save_and_keeps_the_previous_checkpoint(
+    tmpfs: Mount,
+) -> None:
+    root = tmpfs("2m")
+    ckdir = CheckpointDir(root)
+    assert save(ckdir, 1).committed  # ~40 KiB
+    big = state_for(2, scale=128)  # ~4 MiB: more than the volume holds
+    with pytest.raises(dcp_io.CheckpointWriteError) as info:
+        save(ckdir, 2, state=big)
+    msg = str(info.value)
+    assert "full (no space left on the device)" in msg
+    assert "free space or point the checkpoint directory at a larger volume" in msg
+    assert "the previous checkpoint is intact" in msg
+
+    assert hidden(ckdir.root) == []  # the partial temporary directory is gone
+    assert ckdir.read_latest() == "step-000000001"
+    step, loaded = restore(ckdir, state_for(1))
+    assert step == 1
+    assert_bitwise_equal(loaded, state_for(1))
+    # The space the failed save took is free again: a save that fits commits.
+    assert save(ckdir, 3).committed
+
+
+def test_step_names_sort_as_numbers() -> None:
+    assert step_name(7) == "step-000000007"
+    assert sorted([step_name(10), step_name(9)]) == [step_name(9), step_name(10)]
