@@ -15,14 +15,18 @@ every optimizer step::
         session.step(step, state, loss=loss.item())
     session.finish(step, state)
 
-**Agreeing on the step.** Every call of :meth:`TrainSession.step` starts one tiny all-reduce
-(MAX of five integers) on a gloo group of its own and waits, at the next call, for the one
-it started at the previous call. The reduce runs while the step computes, so it costs
-almost nothing, and every rank decides from the same reduced numbers, so all ranks save at
-the same step. A request is acted on one step after a rank sees it. The cheaper-looking
-alternatives are wrong: each rank polling Redis on its own sees a request at different
-steps, and a step chosen ahead ("save at step s+2") can already be behind a rank that is
-fast. ``bench/checkpoint.py`` measures the cost.
+**Agreeing on the step.** At agreement steps, :meth:`TrainSession.step` starts one tiny
+all-reduce (MAX of six integers) on a gloo group of its own, and at the next agreement step
+it waits for it and starts the next. The reduce runs while the steps in between compute, and
+every rank decides from the same reduced numbers, so all ranks save at the same step. The
+numbers include each rank's proposal for the distance to the next agreement (about
+``agree_interval`` seconds of steps, at most 64): all ranks take the largest, so they stay
+in lockstep while fast CPU steps agree every few steps and slow GPU steps every step. A
+request is acted on within about two intervals. The cheaper-looking alternatives are wrong:
+each rank polling Redis on its own sees a request at different steps, and a step chosen
+ahead ("save at step s+2") can already be behind a rank that is fast. A blocking all-reduce
+every step is correct but costs a round trip per step. ``bench/checkpoint.py`` measures
+these.
 
 **Where requests come from.** A rank that gets SIGTERM (a VM shutting down, torchrun
 stopping its workers) raises the drain flag itself; rank 0 polls the run's checkpoint
@@ -84,8 +88,10 @@ ENV_ROUND = "SPOTTRAIN_RDZV_ROUND"
 ENV_NODE = "SPOTTRAIN_NODE_ID"
 
 # Positions in the agreement vector (all-reduced with MAX).
-_DRAIN, _EARLY, _PERIODIC, _REQUEST, _SIGTERM = range(5)
-_NFLAGS = 5
+_DRAIN, _EARLY, _PERIODIC, _REQUEST, _SIGTERM, _EVERY = range(6)
+_NFLAGS = 6
+_MAX_AGREE_EVERY = 64
+_ZEROS = [0] * _NFLAGS
 
 
 # -- the global batch ----------------------------------------------------------------------------
@@ -216,6 +222,9 @@ class TrainSession:
             synchronous: nothing may run past them).
         hold_timeout: After an emergency save for a drain, how long a rank that was not
             told to stop waits for its torchrun to restart it before training on.
+        agree_interval: Seconds between two agreements on whether to save. Every rank
+            proposes how many steps that is from its own step time; all take the largest
+            proposal (at most 64 steps), so a request is acted on within about two intervals.
         stuck_grace: After SIGTERM, a worker whose training loop makes no progress for this
             long (or three median steps, if longer) is stuck in a collective with a dead peer
             and exits at once rather than making torchrun wait.
@@ -235,6 +244,7 @@ class TrainSession:
         thread_count: int = 4,
         async_periodic: bool = True,
         hold_timeout: float = 180.0,
+        agree_interval: float = 0.2,
         stuck_grace: float = 5.0,
         redis_url: str | None = None,
         run_id: str | None = None,
@@ -256,6 +266,7 @@ class TrainSession:
         self.thread_count = thread_count
         self.async_periodic = async_periodic
         self.hold_timeout = hold_timeout
+        self.agree_interval = agree_interval
         self.stuck_grace = stuck_grace
         self.round = int(os.environ.get(ENV_ROUND, "-1"))
         self.node = os.environ.get(ENV_NODE, socket.gethostname())
@@ -283,6 +294,13 @@ class TrainSession:
         self._last_progress = time.monotonic()
         self._step_times: deque[float] = deque(maxlen=20)
         self._pending: tuple[Any, torch.Tensor] | None = None
+        self._agree_every = 1
+        self._next_agree = 0
+        self._bufs = (
+            torch.zeros(_NFLAGS, dtype=torch.int64),
+            torch.zeros(_NFLAGS, dtype=torch.int64),
+        )
+        self._buf_index = 0
         self._last_save_step = -1
         self._last_save_time = time.monotonic()
         self._served_request = 0
@@ -323,7 +341,7 @@ class TrainSession:
         step = 0
         if choice is not None:
             path, manifest = choice
-            dcp_io.load(state, Path(path), group=self._group)
+            dcp_io.load(state, Path(path), group=self._group)  # CheckpointLoadError: see there
             step = manifest.step
             self._served_request = manifest.request_id
             if manifest.extra.get("drain"):
@@ -356,7 +374,12 @@ class TrainSession:
         self._last_step = step
         if self.rank == 0 and metrics:
             self._requests.report_progress(step, self.world, self.round, metrics)
-        flags = self._exchange()
+        flags = _ZEROS
+        if step >= self._next_agree:
+            flags = self._exchange()
+            # Every rank got the same proposals, so every rank picks the same next step.
+            self._agree_every = max(1, flags[_EVERY])
+            self._next_agree = step + self._agree_every
         kind = None
         if flags[_DRAIN] or flags[_SIGTERM]:
             kind = "emergency"
@@ -364,11 +387,12 @@ class TrainSession:
             kind = "requested"
         elif (self.every_steps and step % self.every_steps == 0) or flags[_PERIODIC]:
             kind = "periodic"
+        committed = True
         if kind is not None and step != self._last_save_step:
             drain = bool(flags[_DRAIN] or flags[_SIGTERM])
-            self._save(step, state, kind, request_id=flags[_REQUEST], drain=drain)
+            committed = self._save(step, state, kind, request_id=flags[_REQUEST], drain=drain)
         if kind == "emergency":
-            self._after_drain_save(step)
+            self._after_drain_save(step, committed)
         self._mark()
 
     def finish(self, step: int, state: dict[str, Any]) -> None:
@@ -397,20 +421,24 @@ class TrainSession:
     def _mark(self) -> None:
         self._last_progress = time.monotonic()
 
-    def _local_flags(self) -> list[int]:
-        flags = [0] * _NFLAGS
+    def _local_flags(self) -> list[int] | None:
+        """This rank's flags, or None when all are zero (the common case, made cheap)."""
+        flags: list[int] | None = None
         if self._sigterm.is_set():
+            flags = [0] * _NFLAGS
             flags[_SIGTERM] = 1
         req = self._requests.pending(self._served_request, self._served_at)
         if req is not None:
+            flags = flags or [0] * _NFLAGS
             req_id, drain = req
             flags[_REQUEST] = req_id
             flags[_DRAIN if drain else _EARLY] = 1
         if (
-            self.rank == 0
-            and self.every_seconds > 0
+            self.every_seconds > 0
+            and self.rank == 0
             and time.monotonic() - self._last_save_time >= self.every_seconds
         ):
+            flags = flags or [0] * _NFLAGS
             flags[_PERIODIC] = 1
         return flags
 
@@ -419,18 +447,34 @@ class TrainSession:
         self._phase = "agreeing"
         if not self._dist:
             self._phase = "training"
-            return self._local_flags()
-        flags = [0] * _NFLAGS
+            return self._local_flags() or _ZEROS
+        flags = _ZEROS
         if self._pending is not None:
             work, buf = self._pending
             work.wait()
-            flags = [int(v) for v in buf.tolist()]
+            flags = buf.tolist()
         self._pending = None
-        buf = torch.tensor(self._local_flags(), dtype=torch.int64)
-        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        self._pending = (work, buf)
+        self._start_reduce()
         self._phase = "training"
         return flags
+
+    def _proposed_interval(self) -> int:
+        """Steps until the next agreement, so that agreements come about every
+        ``agree_interval`` seconds: every step when steps are slow, every few when fast."""
+        step_s = self.last_step_time
+        if step_s <= 0:
+            return 1
+        return max(1, min(_MAX_AGREE_EVERY, int(self.agree_interval / step_s)))
+
+    def _start_reduce(self) -> None:
+        # Two buffers in turn: one may still be read by the reduce in flight.
+        self._buf_index ^= 1
+        buf = self._bufs[self._buf_index]
+        local = self._local_flags() or list(_ZEROS)
+        local[_EVERY] = self._proposed_interval()
+        buf.copy_(torch.tensor(local, dtype=torch.int64))
+        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (work, buf)
 
     def _drain_pending(self) -> None:
         if self._pending is not None:
@@ -439,7 +483,9 @@ class TrainSession:
 
     def _save(
         self, step: int, state: dict[str, Any], kind: str, *, request_id: int, drain: bool
-    ) -> None:
+    ) -> bool:
+        """Save (or start saving, for a periodic save); return whether it committed (True
+        for a save still running in the background)."""
         # The reduce in flight was started before this save: finish it first so that the
         # save's own collectives on the group come after it on every rank.
         pending = self._pending
@@ -456,13 +502,15 @@ class TrainSession:
             self._inflight = self._executor.submit(
                 self._write, snapshot, step, kind, request_id, drain, self._async_group, t0
             )
+            committed = True
         else:
             self._phase = "saving"
             try:
-                self._write(state, step, kind, request_id, drain, self._group, t0)
+                committed = self._write(state, step, kind, request_id, drain, self._group, t0)
             finally:
                 self._phase = "training"
         self._restart_exchange(pending)
+        return committed
 
     def _write(
         self,
@@ -473,7 +521,7 @@ class TrainSession:
         drain: bool,
         group: Any,
         t0: float,
-    ) -> None:
+    ) -> bool:
         try:
             result = dcp_io.save(
                 state,
@@ -492,7 +540,7 @@ class TrainSession:
             log.error("%s checkpoint at step %d failed: %s", kind, step, exc)
             if self._last_save_step == step:
                 self._last_save_step = -1  # so that finish() tries this step again
-            return
+            return False
         self.saves.append(result)
         self._served_request = max(self._served_request, request_id)
         if drain and result.manifest is not None:
@@ -506,6 +554,7 @@ class TrainSession:
                 result.path,
             )
             self._requests.report_commit(result, kind, drain, request_id)
+        return result.committed
 
     def _wait_async(self) -> None:
         if self._inflight is not None:
@@ -520,13 +569,18 @@ class TrainSession:
         # The reduce drained before the save carried flags raised before this step; they
         # are served by this save, so the next reduce starts from the current flags.
         if pending is not None and self._dist:
-            buf = torch.tensor(self._local_flags(), dtype=torch.int64)
-            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-            self._pending = (work, buf)
+            self._start_reduce()
 
-    def _after_drain_save(self, step: int) -> None:
+    def _after_drain_save(self, step: int, committed: bool) -> None:
         if self._sigterm.is_set():
-            _exit_clean(f"stopping after the emergency checkpoint at step {step}")
+            if committed:
+                _exit_clean(f"stopping after the emergency checkpoint at step {step}")
+            log.error(
+                "the emergency checkpoint at step %d did not commit: stopping anyway; the "
+                "steps since the newest committed checkpoint are lost",
+                step,
+            )
+            _exit_clean("stopping without an emergency checkpoint", code=1)
         self._holding.set()
         log.warning(
             "holding after the emergency checkpoint at step %d until torchrun restarts this "
@@ -568,12 +622,14 @@ def _stage(obj: Any) -> Any:
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: _stage(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_stage(v) for v in obj))
     if isinstance(obj, list | tuple):
         return type(obj)(_stage(v) for v in obj)
     return copy.deepcopy(obj)
 
 
-def _exit_clean(why: str) -> None:
+def _exit_clean(why: str, code: int = 0) -> None:
     log.warning("%s", why)
     logging.shutdown()
     with contextlib.suppress(Exception):
@@ -581,7 +637,7 @@ def _exit_clean(why: str) -> None:
         sys.stderr.flush()
     # The checkpoint is committed; skipping interpreter teardown avoids hanging in a
     # process-group shutdown whose peers are already gone.
-    os._exit(0)
+    os._exit(code)
 
 
 class _SignalWatch:
@@ -690,6 +746,8 @@ class _RequestPoller:
         """(newest unserved request id, whether any of them drains), or None. A request is
         served when a checkpoint named it (``served``) or when a drain checkpoint was
         committed after it was made (``served_at``)."""
+        if not self._requests:  # read without the lock: a stale answer only delays a step
+            return None
         now = time.time()
         with self._lock:
             live = [

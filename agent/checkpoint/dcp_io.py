@@ -17,6 +17,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +40,14 @@ from .failpoints import armed, failpoint
 from .manifest import FileSum, Manifest
 
 log = logging.getLogger(__name__)
+
+# A single process saving without a process group is a case this module means (tests, a
+# one-worker job), not a mistake worth a warning on every save.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+)
 
 # Checksumming a buffer on a second thread overlaps it with the write of the same buffer;
 # both release the GIL. Small writes are checksummed inline (a thread hop costs more).
@@ -335,11 +344,34 @@ def _describe_save_failure(exc: BaseException, ckdir: CheckpointDir, step: int) 
     return f"saving step {step} to {ckdir.root} failed ({why}); the previous checkpoint is intact"
 
 
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint that verifies did not load into the given state."""
+
+
 def load(state: dict[str, Any], path: Path, *, group: Any = None) -> None:
-    """Load checkpoint ``path`` into ``state`` in place (any world size; DCP reshards)."""
-    dcp_load(
-        state,
-        storage_reader=FileSystemReader(path),
-        process_group=group,
-        no_dist=not _dist_on(group),
-    )
+    """Load checkpoint ``path`` into ``state`` in place (any world size; DCP reshards).
+
+    Raises:
+        CheckpointLoadError: the checkpoint does not fit ``state`` (on every rank).
+    """
+    try:
+        dcp_load(
+            state,
+            storage_reader=FileSystemReader(path),
+            process_group=group,
+            no_dist=not _dist_on(group),
+        )
+    except (Exception, CheckpointException) as exc:
+        # Its files verified, so this is not a torn write: the state it holds does not fit
+        # the one given (a changed model or optimizer). Starting over here would let the
+        # new run's saves prune the old checkpoints, so stop and say so.
+        raise CheckpointLoadError(
+            f"checkpoint {path} verifies but does not load into this training state "
+            f"({_first_line(exc)}). If the model, optimizer or state keys changed, point the "
+            "checkpoint directory at a new one (the old checkpoints are left as they are)"
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

@@ -14,6 +14,7 @@ import pytest
 import redis
 import torch
 
+from spottrain.agent.checkpoint.dcp_io import CheckpointLoadError
 from spottrain.agent.checkpoint.directory import CheckpointDir, CheckpointDirError
 from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession
 from spottrain.embedded_redis import RedisServer
@@ -223,3 +224,30 @@ def test_training_goes_on_when_redis_is_unreachable(tmp_path: Path) -> None:
     train(s, state, model, range(4))
     s.close()
     assert [r.step for r in s.saves if r.committed] == [2, 4]
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_stops_with_a_clear_error(tmp_path: Path) -> None:
+    state, model = make_state()
+    s = session(tmp_path, every_steps=2, async_periodic=False)
+    s.restore(state)
+    train(s, state, model, range(2))
+    s.close()
+    bigger = torch.nn.Linear(8, 6)  # the model changed shape since the checkpoint
+    other = {"model": ModelState(bigger, torch.optim.Adam(bigger.parameters())), "rng": RngState()}
+    with pytest.raises(CheckpointLoadError, match="new one"):
+        session(tmp_path).restore(other)
+    assert [step for step, _ in CheckpointDir(tmp_path).committed()] == [2], "nothing deleted"
+
+
+def test_staging_copies_tensors_and_keeps_container_types() -> None:
+    from collections import namedtuple
+
+    from spottrain.agent.sdk import _stage
+
+    Pair = namedtuple("Pair", "a b")
+    t = torch.ones(3)
+    staged = _stage({"p": Pair(t, [t, (t, 1)]), "n": 5})
+    assert isinstance(staged["p"], Pair) and staged["n"] == 5
+    t.add_(1)
+    assert torch.equal(staged["p"].a, torch.ones(3)), "the staged copy followed the original"
+    assert isinstance(staged["p"].b[1], tuple)
