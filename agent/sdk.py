@@ -283,7 +283,7 @@ class TrainSession:
         if self._dist:
             self._async_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spottrain-save")
-        self._inflight: Future[None] | None = None
+        self._inflight: Future[bool] | None = None
 
         if self.rank == 0:
             self.ckdir.check_writable()  # fail before any training, not at the first save

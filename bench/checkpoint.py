@@ -184,7 +184,7 @@ def main() -> None:
     p.add_argument("--dir", default="build/bench-ckpt", help="scratch directory (repo-relative)")
     p.add_argument("--size-gib", type=float, default=1.0)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--quick", action="store_true", help="0.25 GiB, 1 rep, 60 steps")
     p.add_argument("--role", choices=["write", "notice", "steps"], help=argparse.SUPPRESS)
     p.add_argument("--tag", default="", help=argparse.SUPPRESS)
