@@ -32,7 +32,7 @@ from spottrain.keys import DEFAULT_PREFIX, RunKeys
 from spottrain.redis_conn import RedisSettings, connect, ping, settings_from_url
 
 from .lifecycle import Lifecycle, NodeState
-from .local_torchrun import descendants, torchrun_command
+from .local_torchrun import child_pids, descendants, torchrun_command
 from .node_record import NodeInfo, NodeRecord
 from .notice_handler import NoticeHandler
 from .notices import Notice, NoticeKind
@@ -126,9 +126,13 @@ class Agent:
             self.record,
             self.stop_workers,
             margin=cfg.notice_margin,
+            ckpt_dir=cfg.ckpt_dir,
         )
         self.proc: subprocess.Popen[bytes] | None = None
-        self._stopping = threading.Event()
+        # Held while torchrun is launched and while workers are stopped, so a notice that
+        # lands during the launch either stops the new torchrun or prevents it.
+        self._launch_lock = threading.Lock()
+        self._stopping = False
         self._loops: list[Any] = []
         self._seen_pids: set[int] = set()
 
@@ -149,7 +153,8 @@ class Agent:
             for loop in self._loops:
                 with contextlib.suppress(Exception):
                     loop.stop()
-            self.stop_workers(5.0)
+            if self.proc is not None and self.proc.poll() is None:
+                self.stop_workers(5.0)
             self.record.stop(remove_heartbeat=True)
 
     def _run(self) -> int:
@@ -174,6 +179,9 @@ class Agent:
             self.handler.done.wait(self.cfg.sigterm_grace)
             return EXIT_OK
         self._launch()
+        if self.proc is None:  # a notice came during the launch
+            self.handler.done.wait(self.cfg.sigterm_grace)
+            return EXIT_OK
         return self._supervise()
 
     # -- torchrun ---------------------------------------------------------------------------
@@ -199,15 +207,19 @@ class Agent:
             "SPOTTRAIN_NODE_ID": self.cfg.node_id,
             "SPOTTRAIN_RUN_ID": self.cfg.run_id,
             "SPOTTRAIN_REDIS": self.settings.address,
-            # torchrun kills its workers this long after it is stopped: never before an
-            # emergency checkpoint could finish.
+            # When torchrun itself is stopped (SIGTERM), it kills its workers this long after
+            # signalling them: long enough for an emergency checkpoint. (A restart for a
+            # membership change uses torch's fixed 30 s instead.)
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(self.cfg.worker_stop_timeout)),
         }
         if self.cfg.ckpt_dir:
             env["SPOTTRAIN_CKPT_DIR"] = self.cfg.ckpt_dir
         if self.cfg.password_file:
             env["SPOTTRAIN_REDIS_PASSWORD"] = self.settings.password or ""
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        with self._launch_lock:
+            if self._stopping:
+                return
+            self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.record.event("torchrun-started", pid=self.proc.pid, command=cmd)
 
     def _supervise(self) -> int:
@@ -236,12 +248,20 @@ class Agent:
             return False
 
     def stop_workers(self, timeout: float) -> None:
-        """SIGTERM torchrun and every worker, then SIGKILL whatever is left after
-        ``timeout`` seconds. Workers live in sessions of their own, so each is signalled."""
-        if self.proc is None:
+        """SIGTERM torchrun and its workers, then SIGKILL everything of theirs left after
+        ``timeout`` seconds.
+
+        Workers live in sessions of their own, so each is signalled, but nothing below them
+        (data loader processes belong to their worker, which stops them itself).
+        """
+        with self._launch_lock:
+            self._stopping = True
+            proc = self.proc
+        if proc is None:
             return
-        pids = self._tree()
-        for pid in pids:
+        tree = self._tree()
+        workers = [proc.pid, *(p for p in child_pids().get(proc.pid, []))]
+        for pid in workers:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -252,9 +272,9 @@ class Agent:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         if left:
-            self.record.event("workers-killed", pids=left)
+            self.record.event("workers-killed", pids=left, of=len(tree))
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+            proc.wait(timeout=10)
 
     def _tree(self) -> list[int]:
         assert self.proc is not None

@@ -73,6 +73,7 @@ class NodeRecord:
         self.ttl_ms = int(heartbeat_ttl * 1000)
         self._backlog: collections.deque[dict[str, str]] = collections.deque(maxlen=_BACKLOG)
         self._lock = threading.Lock()
+        self._state_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
@@ -106,10 +107,13 @@ class NodeRecord:
 
     def beat(self) -> bool:
         try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.set(self.keys.heartbeat(self.info.node_id), self.state, px=self.ttl_ms)
-            pipe.hset(self.keys.node(self.info.node_id), "state", self.state)
-            pipe.execute()
+            # Under the state lock: a beat that read the old state must not land after
+            # set_state wrote the new one.
+            with self._state_lock:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.set(self.keys.heartbeat(self.info.node_id), self.state, px=self.ttl_ms)
+                pipe.hset(self.keys.node(self.info.node_id), "state", self.state)
+                pipe.execute()
             self.flush()
             if self._failing:
                 log.warning("Redis is back: heartbeats resumed")
@@ -122,12 +126,13 @@ class NodeRecord:
             return False
 
     def set_state(self, state: str, reason: str = "") -> None:
-        self.state = state
+        with self._state_lock:
+            self.state = state
+            try:
+                self.client.hset(self.keys.node(self.info.node_id), "state", state)
+            except redis.RedisError as exc:
+                log.warning("could not record state %s in Redis: %s", state, exc)
         self.event("state", state=state, reason=reason)
-        try:
-            self.client.hset(self.keys.node(self.info.node_id), "state", state)
-        except redis.RedisError as exc:
-            log.warning("could not record state %s in Redis: %s", state, exc)
 
     def event(self, type_: str, **fields: Any) -> None:
         """Append an event to the run's stream (kept in a backlog while Redis is away)."""

@@ -31,6 +31,17 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GRACE = 60.0  # seconds, for a draining notice whose source gives no deadline
 EARLY_CHECKPOINT_WAIT = 300.0
+CLOCK_SLACK = 2.0  # seconds of clock difference allowed between this host and rank 0's
+
+# Number the request and publish it in one step: a request visible under a lower id than
+# one published after it would let "the newest id was served" skip it.
+_REQUEST_LUA = """
+local id = redis.call('INCR', KEYS[1])
+local body = cjson.decode(ARGV[2])
+body['id'] = id
+redis.call('HSET', KEYS[2], ARGV[1], cjson.encode(body))
+return id
+"""
 
 
 @dataclass
@@ -52,6 +63,7 @@ class NoticeHandler:
         record: Where states and events go.
         stop_workers: Stops torchrun and every worker; given the seconds it may take.
         margin: Seconds before the deadline at which waiting for the checkpoint stops.
+        ckpt_dir: The checkpoint directory, read when Redis cannot say what committed.
         clock: Unix time source.
     """
 
@@ -65,6 +77,7 @@ class NoticeHandler:
         stop_workers: Callable[[float], None],
         *,
         margin: float = 5.0,
+        ckpt_dir: str = "",
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.client = client
@@ -74,6 +87,7 @@ class NoticeHandler:
         self.record = record
         self.stop_workers = stop_workers
         self.margin = margin
+        self.ckpt_dir = ckpt_dir
         self.clock = clock
         self._lock = threading.Lock()
         self._seen: set[tuple[str, str]] = set()
@@ -127,8 +141,14 @@ class NoticeHandler:
         self._advance(NodeState.DRAINING, f"{notice.kind.value} from {notice.source}")
         step = None
         if joined:
-            request_id, asked_at = self._request(notice, drain=True)
-            step = self._wait_commit(request_id, asked_at, drain=True)
+            request_id = self._request(notice, drain=True)
+            if request_id == 0:
+                # Redis cannot carry the request: stop the workers instead. torchrun passes
+                # SIGTERM on, and workers that get it save at one step with every other rank.
+                self.record.event("checkpoint-by-signal", reason="Redis refused the request")
+                remaining = max(1.0, (self._deadline or self.clock()) - self.margin - self.clock())
+                self.stop_workers(remaining)
+            step = self._wait_commit(request_id, notice.seen_at, drain=True)
         else:
             self.record.event("drain-without-checkpoint", reason="the node had not joined")
         waited = self.clock() - t0
@@ -148,28 +168,39 @@ class NoticeHandler:
         self._advance(NodeState.LEFT, "drained")
         self.done.set()
 
-    def _request(self, notice: Notice, *, drain: bool) -> tuple[int, float]:
-        asked_at = self.clock()
+    def _request(self, notice: Notice, *, drain: bool) -> int:
+        """Write a checkpoint request for the trainers; return its id (0: Redis refused)."""
+        body = {
+            "drain": drain,
+            "deadline": None if not drain else self._deadline,
+            "at": self.clock(),
+            "source": notice.source,
+            "kind": notice.kind.value,
+        }
         try:
-            request_id = int(self.client.incr(self.keys.ckpt_request_seq))
-            body = {
-                "id": request_id,
-                "drain": drain,
-                "deadline": None if not drain else self._deadline,
-                "at": asked_at,
-                "source": notice.source,
-                "kind": notice.kind.value,
-            }
-            self.client.hset(self.keys.ckpt_requests, self.node_id, json.dumps(body))
+            request_id = int(
+                self.client.eval(
+                    _REQUEST_LUA,
+                    2,
+                    self.keys.ckpt_request_seq,
+                    self.keys.ckpt_requests,
+                    self._field(drain),
+                    json.dumps(body),
+                )
+            )
         except redis.RedisError as exc:
-            # The workers still save if they got SIGTERM themselves; say what happened.
             log.error("could not ask for a checkpoint through Redis: %s", exc)
             self.record.event("checkpoint-request-failed", error=str(exc))
-            return 0, asked_at
+            return 0
         self.record.event("checkpoint-requested", request_id=request_id, drain=drain)
-        return request_id, asked_at
+        return request_id
 
-    def _wait_commit(self, request_id: int, asked_at: float, *, drain: bool) -> int | None:
+    def _field(self, drain: bool) -> str:
+        # A drain and an early checkpoint of one node are two fields: withdrawing one never
+        # deletes the other.
+        return self.node_id if drain else f"{self.node_id}:early"
+
+    def _wait_commit(self, request_id: int, noticed_at: float, *, drain: bool) -> int | None:
         """Wait for a checkpoint that covers the request; return its step, or None when the
         deadline (minus the margin) came first."""
         while True:
@@ -178,21 +209,40 @@ class NoticeHandler:
                 self.record.event("checkpoint-missed", request_id=request_id)
                 log.error("no checkpoint committed before the deadline margin: leaving anyway")
                 return None
-            last = self._last_commit()
-            if last is not None and _covers(last, request_id, asked_at, drain):
-                step = int(last["step"])
-                self.record.event("checkpoint-seen", step=step, request_id=request_id)
-                return step
+            for last in self._commits():
+                if _covers(last, request_id, noticed_at, drain):
+                    step = int(last["step"])
+                    self.record.event("checkpoint-seen", step=step, request_id=request_id)
+                    return step
             time.sleep(0.1)
 
-    def _last_commit(self) -> dict[str, str] | None:
+    def _commits(self) -> list[dict[str, str]]:
+        """The newest commit as Redis has it, and, when Redis is silent, as the checkpoint
+        directory has it (the committing rank's report to Redis can fail)."""
         try:
             raw = self.client.hgetall(self.keys.ckpt_last)
+            if raw:
+                return [{k.decode(): v.decode() for k, v in raw.items()}]
         except redis.RedisError:
-            return None
-        if not raw:
-            return None
-        return {k.decode(): v.decode() for k, v in raw.items()}
+            pass
+        if not self.ckpt_dir:
+            return []
+        from .checkpoint.directory import CheckpointDir, CheckpointDirError
+
+        try:
+            manifest = CheckpointDir(self.ckpt_dir).newest_manifest()
+        except CheckpointDirError:
+            return []
+        if manifest is None:
+            return []
+        return [
+            {
+                "step": str(manifest.step),
+                "request_id": str(manifest.request_id),
+                "drain": "1" if manifest.extra.get("drain") else "0",
+                "at": str(manifest.created_at),
+            }
+        ]
 
     def _leave(self) -> bool:
         from .rendezvous.membership import leave_node
@@ -206,9 +256,9 @@ class NoticeHandler:
             log.error("could not leave the rendezvous (%s): peers will time it out", exc)
             return False
 
-    def _clear_request(self) -> None:
+    def _clear_request(self, drain: bool = True) -> None:
         with contextlib.suppress(redis.RedisError):
-            self.client.hdel(self.keys.ckpt_requests, self.node_id)
+            self.client.hdel(self.keys.ckpt_requests, self._field(drain))
 
     # -- the early checkpoint ---------------------------------------------------------------
     def _early(self, notice: Notice) -> None:
@@ -217,17 +267,16 @@ class NoticeHandler:
             self._early_thread = None
             return
         self._advance(NodeState.CHECKPOINTING, f"{notice.kind.value} from {notice.source}")
-        request_id, asked_at = self._request(notice, drain=False)
+        request_id = self._request(notice, drain=False)
         deadline = self.clock() + EARLY_CHECKPOINT_WAIT
         step = None
-        while self.clock() < deadline and not self.draining:
-            last = self._last_commit()
-            if last is not None and _covers(last, request_id, asked_at, drain=False):
-                step = int(last["step"])
-                break
+        while request_id and self.clock() < deadline and not self.draining and step is None:
+            for last in self._commits():
+                if _covers(last, request_id, notice.seen_at, drain=False):
+                    step = int(last["step"])
             time.sleep(0.2)
+        self._clear_request(drain=False)
         if not self.draining:
-            self._clear_request()
             self.record.event("early-checkpoint", step=step, source=notice.source)
             if self.lifecycle.can(NodeState.JOINED):
                 self._advance(NodeState.JOINED, "early checkpoint done")
@@ -238,13 +287,16 @@ class NoticeHandler:
             self.record.set_state(state.value, reason)
 
 
-def _covers(last: dict[str, str], request_id: int, asked_at: float, drain: bool) -> bool:
+def _covers(last: dict[str, str], request_id: int, noticed_at: float, drain: bool) -> bool:
     """Whether the committed checkpoint ``last`` answers a request.
 
-    It does when it names the request (or a later one), or, for a drain, when it is a drain
-    save committed after the request was made: workers that got SIGTERM themselves save
-    for the drain before rank 0 has even read the request, and they save nothing after it.
+    It does when it names the request (or a later one) and, for a drain, is a drain save
+    (an early checkpoint requested later by another node is not: its workers train on). A
+    drain save committed after the notice was seen answers a drain too: workers that got
+    SIGTERM themselves save for the drain before rank 0 has even read the request, and save
+    nothing after it. The committing rank's clock may be another host's: allow a little.
     """
-    if request_id and int(last.get("request_id", 0)) >= request_id:
+    is_drain = last.get("drain") == "1"
+    if request_id and int(last.get("request_id", 0)) >= request_id and (is_drain or not drain):
         return True
-    return drain and last.get("drain") == "1" and float(last.get("at", 0)) >= asked_at - 1.0
+    return drain and is_drain and float(last.get("at", 0)) >= noticed_at - CLOCK_SLACK

@@ -288,7 +288,9 @@ class TrainSession:
         if self.rank == 0:
             self.ckdir.check_writable()  # fail before any training, not at the first save
 
-        self._sigterm = threading.Event()
+        # A plain bool: the signal handler must not take a lock (an Event's would deadlock
+        # if the signal lands while the main thread holds it).
+        self._sigterm = False
         self._holding = threading.Event()
         self._phase = "starting"
         self._last_progress = time.monotonic()
@@ -391,17 +393,21 @@ class TrainSession:
         if kind is not None and step != self._last_save_step:
             drain = bool(flags[_DRAIN] or flags[_SIGTERM])
             committed = self._save(step, state, kind, request_id=flags[_REQUEST], drain=drain)
-        if kind == "emergency":
+        if kind == "emergency" and (committed or self._sigterm):
             self._after_drain_save(step, committed)
+        # A drain save that failed is not held on: the request stays pending, so the next
+        # agreement tries again while there is time.
         self._mark()
 
     def finish(self, step: int, state: dict[str, Any]) -> None:
         """Save the final state (unless step ``step`` is saved already) and stop the SDK's
         threads. Every rank calls it once, after the last step."""
         self._drain_pending()
+        # The periodic save of this very step may still be running, and may yet fail: its
+        # outcome decides (the same on every rank) whether a final save is needed.
+        self._wait_async()
         if step != self._last_save_step:
             self._save(step, state, "final", request_id=0, drain=False)
-        self._wait_async()
         self.close()
 
     def close(self) -> None:
@@ -424,7 +430,7 @@ class TrainSession:
     def _local_flags(self) -> list[int] | None:
         """This rank's flags, or None when all are zero (the common case, made cheap)."""
         flags: list[int] | None = None
-        if self._sigterm.is_set():
+        if self._sigterm:
             flags = [0] * _NFLAGS
             flags[_SIGTERM] = 1
         req = self._requests.pending(self._served_request, self._served_at)
@@ -509,6 +515,7 @@ class TrainSession:
                 committed = self._write(state, step, kind, request_id, drain, self._group, t0)
             finally:
                 self._phase = "training"
+                self._mark()  # a long save is progress, not a stuck loop
         self._restart_exchange(pending)
         return committed
 
@@ -564,6 +571,7 @@ class TrainSession:
             finally:
                 self._phase = phase
                 self._inflight = None
+                self._mark()
 
     def _restart_exchange(self, pending: Any) -> None:
         # The reduce drained before the save carried flags raised before this step; they
@@ -572,7 +580,7 @@ class TrainSession:
             self._start_reduce()
 
     def _after_drain_save(self, step: int, committed: bool) -> None:
-        if self._sigterm.is_set():
+        if self._sigterm:
             if committed:
                 _exit_clean(f"stopping after the emergency checkpoint at step {step}")
             log.error(
@@ -590,8 +598,9 @@ class TrainSession:
         )
         deadline = time.monotonic() + self.hold_timeout
         while time.monotonic() < deadline:
-            if self._sigterm.wait(0.05):
+            if self._sigterm:
                 _exit_clean(f"stopped while holding at step {step}")
+            time.sleep(0.05)
         self._holding.clear()
         log.warning("no restart came within %.0f s: training on", self.hold_timeout)
         self._served_request = max(self._served_request, self._requests.newest_id())
@@ -605,7 +614,7 @@ class TrainSession:
 
     def _stuck(self) -> bool:
         """Whether the training loop looks stuck (SIGTERM is pending, no save running)."""
-        if self._phase in ("saving", "restoring", "closed"):
+        if self._phase in ("saving", "staging", "restoring", "closed"):
             return False
         limit = max(self.stuck_grace, 3 * self.last_step_time)
         return time.monotonic() - self._last_progress > limit
@@ -656,13 +665,13 @@ class _SignalWatch:
         self._r.setblocking(True)
         self._w.setblocking(False)
         self._stopped = False
-        signal.signal(signal.SIGTERM, self._on_signal)
+        self._prev_handler = signal.signal(signal.SIGTERM, self._on_signal)
         self._prev_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
         self._thread = threading.Thread(target=self._run, name="spottrain-sigterm", daemon=True)
         self._thread.start()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.session._sigterm.set()
+        self.session._sigterm = True
 
     def _run(self) -> None:
         while not self._stopped:
@@ -674,7 +683,7 @@ class _SignalWatch:
                 return
             if signal.SIGTERM not in data:
                 continue
-            self.session._sigterm.set()
+            self.session._sigterm = True
             while not self._stopped:
                 if self.session._holding.is_set():
                     _exit_clean("SIGTERM while holding after the emergency checkpoint")
@@ -690,8 +699,9 @@ class _SignalWatch:
 
     def stop(self) -> None:
         self._stopped = True
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, TypeError):  # off the main thread: leave them
             signal.set_wakeup_fd(self._prev_fd)
+            signal.signal(signal.SIGTERM, self._prev_handler)
         with contextlib.suppress(OSError):
             self._w.send(b"\0")
         self._r.close()
@@ -814,11 +824,12 @@ class _RequestPoller:
             return None
         try:
             raw = self.client.hget(self.keys.rdzv_view, "round")
+            newest = int(raw) if raw is not None else None
         except Exception as exc:
             log.warning("cannot check the rendezvous round in Redis (%s): committing", exc)
             return None
-        if raw is not None and int(raw) > round_:
-            return f"rendezvous round {int(raw)} is training now"
+        if newest is not None and newest > round_:
+            return f"rendezvous round {newest} is training now"
         return None
 
     def stop(self) -> None:

@@ -304,6 +304,11 @@ def save(
             outcome = ("refused", str(exc), None)
         except CheckpointDirError as exc:
             outcome = ("failed", exc.strerror, None)
+        except Exception as exc:
+            # Anything else must still reach the other ranks, waiting in the broadcast below.
+            log.exception("committing step %d failed", step)
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome = ("failed", f"committing step {step} failed: {exc}", None)
     else:
         outcome = ("", None, None)
     status, text, manifest_out = _bcast(outcome, group)

@@ -1,0 +1,199 @@
+"""The notice handler against a real Redis, with the trainers played by the test: what it
+asks for, what it accepts as the answer, when it gives up, and what it does when Redis is
+gone."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from spottrain.agent.checkpoint import dcp_io
+from spottrain.agent.checkpoint.directory import CheckpointDir
+from spottrain.agent.lifecycle import Lifecycle, NodeState
+from spottrain.agent.node_record import NodeInfo, NodeRecord
+from spottrain.agent.notice_handler import NoticeHandler, _covers
+from spottrain.agent.notices import Notice, NoticeKind
+from spottrain.embedded_redis import RedisServer
+from spottrain.keys import RunKeys
+from spottrain.redis_conn import RedisSettings, connect
+
+
+class Harness:
+    def __init__(self, client: redis.Redis, keys: RunKeys, ckpt_dir: str = "") -> None:
+        self.keys = keys
+        self.client = client
+        self.lifecycle = Lifecycle()
+        for s in (NodeState.HEALTHY, NodeState.JOINED):
+            self.lifecycle.advance(s)
+        self.record = NodeRecord(client, keys, NodeInfo("n1", "local"))
+        self.stops: list[tuple[float, float]] = []
+        self.handler = NoticeHandler(
+            client,
+            keys,
+            "n1",
+            self.lifecycle,
+            self.record,
+            self.stop,
+            margin=1.0,
+            ckpt_dir=ckpt_dir,
+        )
+
+    def stop(self, timeout: float) -> None:
+        self.stops.append((time.time(), timeout))
+
+    def requests(self) -> dict[str, dict[str, object]]:
+        raw = self.client.hgetall(self.keys.ckpt_requests)
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    def events(self) -> list[str]:
+        return [
+            f[b"type"].decode()
+            for _, f in self.client.xrange(self.keys.events)
+            if f.get(b"node") == b"n1"
+        ]
+
+
+@pytest.fixture
+def harness(redis_client: redis.Redis) -> Iterator[Harness]:
+    keys = RunKeys(f"nh-{uuid.uuid4().hex[:8]}")
+    yield Harness(redis_client, keys)
+    found = list(redis_client.scan_iter(match=keys.pattern))
+    if found:
+        redis_client.delete(*found)
+
+
+def notice(kind: NoticeKind = NoticeKind.TERMINATE, seconds: float = 30.0) -> Notice:
+    now = time.time()
+    return Notice("test", kind, None if kind is NoticeKind.REBALANCE else now + seconds, now)
+
+
+def wait_for(pred: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_drain_asks_waits_for_the_commit_then_stops_the_workers(harness: Harness) -> None:
+    harness.handler.submit(notice())
+    wait_for(lambda: "n1" in harness.requests())
+    req = harness.requests()["n1"]
+    assert req["drain"] is True and req["id"] == 1 and req["deadline"] is not None
+    assert harness.lifecycle.state is NodeState.DRAINING
+    time.sleep(0.3)
+    assert not harness.stops, "workers stopped before the checkpoint committed"
+    harness.client.hset(
+        harness.keys.ckpt_last,
+        mapping={"step": 42, "request_id": 1, "drain": 1, "at": time.time()},
+    )
+    assert harness.handler.done.wait(10)
+    assert harness.handler.outcome is not None and harness.handler.outcome.committed_step == 42
+    assert harness.requests() == {}, "the request must be withdrawn"
+    assert len(harness.stops) == 1 and harness.lifecycle.state is NodeState.LEFT
+    for want in ("notice", "checkpoint-requested", "checkpoint-seen", "drained"):
+        assert want in harness.events()
+
+
+def test_a_repeated_notice_is_one_drain_and_an_earlier_deadline_wins(harness: Harness) -> None:
+    first = notice(seconds=60)
+    harness.handler.submit(first)
+    harness.handler.submit(first)
+    sooner = Notice("other", NoticeKind.SIGTERM, time.time() + 3.0, time.time())
+    harness.handler.submit(sooner)
+    t0 = time.monotonic()
+    assert harness.handler.done.wait(10)
+    # Nobody commits: it gives up at the sooner deadline minus the margin (about 2 s).
+    assert 1.0 < time.monotonic() - t0 < 5.0
+    assert "checkpoint-missed" in harness.events()
+    assert harness.events().count("notice") == 2
+    assert len(harness.stops) == 1
+
+
+def test_an_early_checkpoint_by_another_request_does_not_answer_a_drain() -> None:
+    early_save = {"step": "9", "request_id": "8", "drain": "0", "at": str(time.time())}
+    assert not _covers(early_save, 5, time.time() - 1, drain=True)
+    assert _covers(early_save, 5, time.time() - 1, drain=False)
+    drain_save = {"step": "9", "request_id": "0", "drain": "1", "at": str(time.time())}
+    assert _covers(drain_save, 5, time.time() - 1, drain=True)
+    stale = {"step": "3", "request_id": "0", "drain": "1", "at": str(time.time() - 60)}
+    assert not _covers(stale, 5, time.time(), drain=True)
+
+
+def test_a_rebalance_asks_for_an_early_checkpoint_and_keeps_the_node(harness: Harness) -> None:
+    harness.handler.submit(notice(NoticeKind.REBALANCE))
+    wait_for(lambda: "n1:early" in harness.requests())
+    assert harness.requests()["n1:early"]["drain"] is False
+    assert harness.lifecycle.state is NodeState.CHECKPOINTING
+    harness.client.hset(
+        harness.keys.ckpt_last,
+        mapping={"step": 7, "request_id": 1, "drain": 0, "at": time.time()},
+    )
+    wait_for(lambda: harness.lifecycle.state is NodeState.JOINED)
+    assert harness.requests() == {} and not harness.stops
+    assert "early-checkpoint" in harness.events()
+
+
+def test_a_drain_and_an_early_request_of_one_node_do_not_erase_each_other(
+    harness: Harness,
+) -> None:
+    harness.handler.submit(notice(NoticeKind.REBALANCE))
+    wait_for(lambda: "n1:early" in harness.requests())
+    harness.handler.submit(notice(seconds=30))
+    wait_for(lambda: "n1" in harness.requests())
+    time.sleep(0.5)  # the early thread gives way to the drain and withdraws its own field
+    assert "n1" in harness.requests()
+
+
+def test_with_redis_gone_the_workers_are_signalled_and_the_commit_is_read_from_disk(
+    tmp_path: Path,
+) -> None:
+    """Redis is down when the notice comes: the request cannot be written, so the agent
+    stops the workers at once (they save on SIGTERM) and finds the commit on disk."""
+    server = RedisServer().start()
+    try:
+        client = connect(RedisSettings(host="127.0.0.1", port=server.port, socket_timeout=0.5))
+        h = Harness(client, RunKeys(f"nh-{uuid.uuid4().hex[:8]}"), ckpt_dir=str(tmp_path))
+        server.stop()
+        noticed = notice(seconds=30)
+        h.handler.submit(noticed)
+        wait_for(lambda: bool(h.stops), timeout=15)
+        assert h.stops[0][0] - noticed.seen_at < 10, "workers were not stopped at once"
+        # The workers' emergency save lands on disk (no Redis to report it to).
+        dcp_io.save(
+            {"w": torch.ones(4)},
+            CheckpointDir(tmp_path),
+            step=17,
+            round_=-1,
+            kind="emergency",
+            extra={"drain": True},
+        )
+        assert h.handler.done.wait(20)
+        assert h.handler.outcome is not None and h.handler.outcome.committed_step == 17
+    finally:
+        server.close()
+
+
+def test_concurrent_heartbeats_never_overwrite_the_final_state(harness: Harness) -> None:
+    rec = harness.record
+    rec.register("joined")
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            rec.beat()
+
+    t = threading.Thread(target=beat)
+    t.start()
+    rec.set_state("left", "test")
+    time.sleep(0.2)
+    stop.set()
+    t.join()
+    assert harness.client.hget(harness.keys.node("n1"), "state") == b"left"
