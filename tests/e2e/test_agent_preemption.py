@@ -223,3 +223,39 @@ def test_training_finishes_and_agents_exit_zero(redis_server: RedisServer, tmp_p
         assert found is not None and found.manifest.step == 30 and found.manifest.kind == "final"
     finally:
         job.close(client)
+
+
+def test_a_notice_during_a_redis_outage_still_loses_no_progress(tmp_path: Path) -> None:
+    """Redis is down when the VM is told to go (SIGTERM to the agent alone, as systemd's
+    KillMode=mixed does): the agent cannot write a request, so it stops its workers itself;
+    they save at one step with every other rank; the agent finds the commit on disk. When
+    Redis is back, the survivor re-forms and resumes from exactly that step."""
+    server = RedisServer().start()
+    job = make_job(server, tmp_path)
+    try:
+        job.start_node("a")
+        job.start_node("b")
+        job.wait_for_world(2, START_TIMEOUT, steps=3)
+        server.stop()
+        time.sleep(0.5)
+        stopped = time.time()
+        agent_b = job.nodes["b"].proc
+        assert agent_b is not None
+        agent_b.send_signal(signal.SIGTERM)
+        assert job.nodes["b"].wait(90) == 0, job.diagnose()
+        server.start()
+        job.wait_for_world(1, RECOVER_TIMEOUT, since=stopped, steps=3)
+        manifest = CheckpointDir(job.ckpt).newest_manifest()
+        assert manifest is not None
+        emergency = [
+            m
+            for _, p in CheckpointDir(job.ckpt).committed()
+            if (m := json.loads((p / "MANIFEST.json").read_text()))["kind"] == "emergency"
+        ]
+        assert emergency, "no emergency checkpoint was committed"
+        assert_no_progress_lost(job, stopped, emergency[-1]["step"])
+        log = job.nodes["b"].log_text()
+        assert "could not ask for a checkpoint through Redis" in log
+    finally:
+        job.close(server.client())
+        server.close()
