@@ -32,10 +32,10 @@ from spottrain.keys import DEFAULT_PREFIX, RunKeys
 from spottrain.redis_conn import RedisSettings, connect, ping, settings_from_url
 
 from .lifecycle import Lifecycle, NodeState
-from .local_torchrun import child_pids, descendants, torchrun_command
 from .node_record import NodeInfo, NodeRecord
 from .notice_handler import NoticeHandler
 from .notices import Notice, NoticeKind
+from .processes import child_pids, descendants, running, torchrun_command
 
 log = logging.getLogger("spottrain.agent")
 
@@ -285,16 +285,7 @@ class Agent:
     def _alive_pids(self) -> list[int]:
         if self.proc is not None and self.proc.poll() is None:
             self._tree()
-        alive = []
-        for pid in sorted(self._seen_pids):
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    stat = f.read().decode(errors="replace")
-            except OSError:
-                continue
-            if stat[stat.rfind(")") + 2 :].split()[0] != "Z":
-                alive.append(pid)
-        return alive
+        return running(self._seen_pids)
 
     # -- notices ----------------------------------------------------------------------------
     def _install_signals(self) -> None:

@@ -25,67 +25,17 @@ import redis
 
 from spottrain.keys import RunKeys
 
+from .processes import descendants, running, torchrun_command
 
-def torchrun_command(
-    *,
-    script: str,
-    script_args: Sequence[str],
-    rdzv_endpoint: str,
-    run_id: str,
-    nnodes: str,
-    backend: str = "redis",
-    nproc_per_node: int = 1,
-    max_restarts: int = 100,
-    rdzv_conf: Mapping[str, object] | None = None,
-    local_addr: str = "127.0.0.1",
-    monitor_interval: float = 0.1,
-) -> list[str]:
-    """The torchrun command line of one node (using this interpreter's torchrun)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={nnodes}",
-        f"--nproc-per-node={nproc_per_node}",
-        f"--rdzv-backend={backend}",
-        f"--rdzv-endpoint={rdzv_endpoint}",
-        f"--rdzv-id={run_id}",
-        f"--max-restarts={max_restarts}",
-        f"--monitor-interval={monitor_interval}",
-        f"--local-addr={local_addr}",
-    ]
-    if rdzv_conf:
-        cmd.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in rdzv_conf.items()))
-    return [*cmd, script, *script_args]
-
-
-def child_pids() -> dict[int, list[int]]:
-    """Map each process id on this machine to its children (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue  # exited meanwhile
-        # The command name is in parentheses and may itself contain spaces or parentheses.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    return children
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid``, nearest first."""
-    tree = child_pids()
-    out: list[int] = []
-    todo = list(tree.get(pid, []))
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo.extend(tree.get(p, []))
-    return out
+__all__ = [
+    "LocalAgentJob",
+    "LocalElasticJob",
+    "LocalNode",
+    "Record",
+    "agent_command",
+    "descendants",
+    "torchrun_command",
+]
 
 
 class LocalNode:
@@ -158,16 +108,7 @@ class LocalNode:
 
     def leftover_pids(self) -> list[int]:
         """Processes this node ever had that are still running (zombies excluded)."""
-        alive = []
-        for pid in sorted(self._seen | set(self.pids())):
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    stat = f.read().decode(errors="replace")
-            except OSError:
-                continue
-            if stat[stat.rfind(")") + 2 :].split()[0] != "Z":
-                alive.append(pid)
-        return alive
+        return running(self._seen | set(self.pids()))
 
     def kill(self) -> None:
         """Every process of the node dies at once, as when a VM is taken without notice."""
@@ -289,6 +230,9 @@ class LocalElasticJob:
             backend=self.backend,
             rdzv_conf=self.rdzv_conf,
         )
+        return self._start(node_id, cmd)
+
+    def _start(self, node_id: str, cmd: list[str]) -> LocalNode:
         env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.extra_env}
         node = LocalNode(node_id, cmd, self.workdir / f"{node_id}.log", env=env, cwd=self.workdir)
         self.nodes[node_id] = node.start()
@@ -452,7 +396,4 @@ class LocalAgentJob(LocalElasticJob):
             health_check=self.health_check,
             extra_args=self.agent_args,
         )
-        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.extra_env}
-        node = LocalNode(node_id, cmd, self.workdir / f"{node_id}.log", env=env, cwd=self.workdir)
-        self.nodes[node_id] = node.start()
-        return node
+        return self._start(node_id, cmd)

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from demo_progress import Progress, say
+
 from spottrain.agent.local_torchrun import LocalElasticJob
 from spottrain.agent.rendezvous.membership import leave_node
 from spottrain.embedded_redis import RedisServer
@@ -29,45 +31,10 @@ from spottrain.keys import RunKeys, make_run_id
 HERE = Path(__file__).resolve().parent
 
 
-def say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-class Demo:
+class Demo(Progress):
     def __init__(self, job: LocalElasticJob) -> None:
-        self.job = job
-        self.last_line = ""
-        self.last_shown = 0.0
+        super().__init__(job, every=2.0)
         self.costs: list[tuple[str, float]] = []
-
-    def status(self) -> tuple[int, int, int]:
-        recs = [r for r in self.job.records() if r.rank == 0]
-        if not recs:
-            return 0, 0, -1
-        r = recs[-1]
-        return r.step, r.world, r.round
-
-    def show(self) -> None:
-        """Print progress when membership changes, and every couple of seconds otherwise."""
-        step, world, rnd = self.status()
-        alive = sorted(n for n, node in self.job.nodes.items() if node.alive())
-        shape = f"world size {world}  round {rnd}  nodes up: {', '.join(alive)}"
-        now = time.monotonic()
-        if shape != self.last_line or now - self.last_shown >= 2.0:
-            say(f"step {step:4d}  {shape}")
-            self.last_line, self.last_shown = shape, now
-
-    def run_until(self, pred: object, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not pred():  # type: ignore[operator]
-            self.show()
-            if time.monotonic() > deadline:
-                raise SystemExit(f"demo: gave up waiting for {what}\n{self.job.diagnose()}")
-            time.sleep(0.25)
-        self.show()
-
-    def at_step(self, step: int) -> None:
-        self.run_until(lambda: self.status()[0] >= step, 600, f"step {step}")
 
     def recover(self, label: str, world: int, since: float) -> None:
         self.run_until(
