@@ -114,11 +114,14 @@ def test_saves_every_t_seconds(tmp_path: Path) -> None:
     state, model = make_state()
     s = session(tmp_path, every_seconds=0.3)
     s.restore(state)
+    t0 = time.monotonic()
     for step in range(12):
         train(s, state, model, range(step, step + 1))
         time.sleep(0.1)
+    elapsed = time.monotonic() - t0
     s.close()
-    assert 2 <= len(s.saves) <= 5
+    # About one save per 0.3 s of training, however slow this machine is right now.
+    assert 2 <= len(s.saves) <= elapsed / 0.3 + 1
     assert all(r.manifest is not None and r.manifest.kind == "periodic" for r in s.saves)
 
 
