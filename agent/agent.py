@@ -138,8 +138,7 @@ class Agent:
 
     # -- lifecycle --------------------------------------------------------------------------
     def _advance(self, state: NodeState, reason: str = "") -> None:
-        if self.lifecycle.try_advance(state, reason) is not None:
-            self.record.set_state(state.value, reason)
+        self.record.advance(self.lifecycle, state, reason)
 
     def run(self) -> int:
         ping(self.client, self.settings)

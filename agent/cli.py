@@ -19,9 +19,8 @@ from spottrain.redis_conn import (
     RedisSettings,
     RedisUnavailableError,
     connect,
-    parse_endpoint,
     ping,
-    resolve_password,
+    settings_from_url,
 )
 
 from .notices import NoticeKind
@@ -191,14 +190,7 @@ def _notify(args: argparse.Namespace) -> int:
 
 
 def _settings(args: argparse.Namespace) -> RedisSettings:
-    host, port, tls, db = parse_endpoint(args.redis)
-    return RedisSettings(
-        host=host,
-        port=port,
-        db=db or 0,
-        tls=bool(tls),
-        password=resolve_password(DEFAULT_PASSWORD_ENV, args.password_file),
-    )
+    return settings_from_url(args.redis, password_file=args.password_file)
 
 
 def _leave(args: argparse.Namespace) -> int:

@@ -17,11 +17,12 @@ from typing import Any
 
 import redis
 
-from spottrain.keys import RunKeys
+from spottrain.keys import EVENTS_MAXLEN, RunKeys
+
+from .lifecycle import Lifecycle, NodeState
 
 log = logging.getLogger(__name__)
 
-EVENTS_MAXLEN = 100_000
 _BACKLOG = 1000
 
 
@@ -133,6 +134,13 @@ class NodeRecord:
             except redis.RedisError as exc:
                 log.warning("could not record state %s in Redis: %s", state, exc)
         self.event("state", state=state, reason=reason)
+
+    def advance(self, lifecycle: Lifecycle, state: NodeState, reason: str = "") -> bool:
+        """Move ``lifecycle`` to ``state`` and record it, if that move is allowed now."""
+        if lifecycle.try_advance(state, reason) is None:
+            return False
+        self.set_state(state.value, reason)
+        return True
 
     def event(self, type_: str, **fields: Any) -> None:
         """Append an event to the run's stream (kept in a backlog while Redis is away)."""

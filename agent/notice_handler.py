@@ -282,9 +282,8 @@ class NoticeHandler:
                 self._advance(NodeState.JOINED, "early checkpoint done")
         self._early_thread = None
 
-    def _advance(self, state: NodeState, reason: str) -> None:
-        if self.lifecycle.try_advance(state, reason) is not None:
-            self.record.set_state(state.value, reason)
+    def _advance(self, state: NodeState, reason: str = "") -> None:
+        self.record.advance(self.lifecycle, state, reason)
 
 
 def _covers(last: dict[str, str], request_id: int, noticed_at: float, drain: bool) -> bool:

@@ -74,7 +74,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from spottrain.keys import RunKeys
+from spottrain.keys import EVENTS_MAXLEN, RunKeys
 
 from .checkpoint import dcp_io
 from .checkpoint.directory import CheckpointDir
@@ -307,7 +307,6 @@ class TrainSession:
         self._last_save_time = time.monotonic()
         self._served_request = 0
         self._served_at = 0.0  # requests made before a drain checkpoint are answered by it
-        self._last_step = 0
         self.saves: list[dcp_io.SaveResult] = []
         self.last_restored: Manifest | None = None
 
@@ -339,7 +338,7 @@ class TrainSession:
                 log.warning("restore skipped %s: %s", name, why)
             if found is not None:
                 choice = (str(found.path), found.manifest)
-        choice = self._bcast(choice)
+        choice = dcp_io.broadcast_from_first(choice, self._group)
         step = 0
         if choice is not None:
             path, manifest = choice
@@ -357,7 +356,6 @@ class TrainSession:
                 manifest.world_size,
                 manifest.round,
             )
-        self._last_step = step
         self._phase = "training"
         self._mark()
         return step
@@ -373,7 +371,6 @@ class TrainSession:
         now = time.monotonic()
         self._step_times.append(now - self._last_progress)
         self._mark()
-        self._last_step = step
         if self.rank == 0 and metrics:
             self._requests.report_progress(step, self.world, self.round, metrics)
         flags = _ZEROS
@@ -605,13 +602,6 @@ class TrainSession:
         log.warning("no restart came within %.0f s: training on", self.hold_timeout)
         self._served_request = max(self._served_request, self._requests.newest_id())
 
-    def _bcast(self, obj: Any) -> Any:
-        if not self._dist:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        return box[0]
-
     def _stuck(self) -> bool:
         """Whether the training loop looks stuck (SIGTERM is pending, no save running)."""
         if self._phase in ("saving", "staging", "restoring", "closed"):
@@ -810,7 +800,7 @@ class _RequestPoller:
             pipe.xadd(
                 self.keys.events,
                 {"type": "checkpoint-committed", **{k: str(v) for k, v in record.items()}},
-                maxlen=10_000,
+                maxlen=EVENTS_MAXLEN,
                 approximate=True,
             )
             pipe.execute()

@@ -213,7 +213,9 @@ def _rank(group: Any) -> int:
     return dist.get_rank(group) if _dist_on(group) else 0
 
 
-def _bcast(obj: Any, group: Any) -> Any:
+def broadcast_from_first(obj: Any, group: Any) -> Any:
+    """``obj`` as rank 0 of ``group`` has it, on every rank (itself without a process
+    group)."""
     if not _dist_on(group):
         return obj
     box = [obj]
@@ -257,7 +259,7 @@ def save(
             tmp.mkdir()
         except OSError as exc:
             error = describe_os_error(exc, ckdir.root, f"creating {tmp.name}")
-    error = _bcast(error, group)
+    error = broadcast_from_first(error, group)
     if error is not None:
         raise CheckpointWriteError(error)
 
@@ -311,7 +313,7 @@ def save(
             outcome = ("failed", f"committing step {step} failed: {exc}", None)
     else:
         outcome = ("", None, None)
-    status, text, manifest_out = _bcast(outcome, group)
+    status, text, manifest_out = broadcast_from_first(outcome, group)
     commit_s = time.monotonic() - t0 - write_s
     if status == "failed":
         raise CheckpointWriteError(str(text))
