@@ -1,32 +1,189 @@
-"""``spottrain``: the workstation command line."""
+"""``spottrain``: the workstation command line.
+
+Exit codes a script can rely on:
+
+- 0: done (for ``validate``: the spec is valid and every notice window fits);
+- 1: the command failed at run time (a cloud or Redis refused, see the message);
+- 2: bad input (an invalid spec, a bad argument), nothing was changed;
+- 3: ``validate`` only: the spec is valid but an emergency checkpoint does not fit some
+  allowed cloud's notice window.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from spottrain import __version__
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_WINDOW = 3
+
+
+def spottrain_home() -> Path:
+    """Where spottrain keeps its state on this machine (``$SPOTTRAIN_HOME``, else
+    ``~/.spottrain``)."""
+    return Path(os.environ.get("SPOTTRAIN_HOME") or Path.home() / ".spottrain")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spottrain",
-        description=(
-            "Train large models on spot GPU VMs as if they were reliable machines. "
-            "Today: the Redis rendezvous for torchrun (--rdzv-backend=redis) and the agent "
-            "(spottrain-agent). Fleet commands (up, status, logs, down, validate) come next."
-        ),
+        description="Train large models on spot GPU VMs as if they were reliable machines.",
+        epilog="Exit codes: 0 done, 1 failed at run time, 2 bad input, 3 (validate) a "
+        "checkpoint does not fit a notice window.",
     )
     parser.add_argument("--version", action="version", version=f"spottrain {__version__}")
+    sub = parser.add_subparsers(dest="command")
+
+    v = sub.add_parser(
+        "validate",
+        help="check a job spec without launching anything",
+        description="Check a job spec: every key and value, the instance types and regions "
+        "against the bundled catalog, and whether an emergency checkpoint of the job's "
+        "estimated size fits each allowed cloud's notice window (AWS 120 s, GCP 30 s).",
+    )
+    v.add_argument("spec", help="the job's YAML file")
+    v.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+    local = sub.add_parser(
+        "local", help="the local cloud's levers: list VMs, preempt, set capacity, refuse"
+    )
+    local.add_argument(
+        "--state-dir",
+        default=None,
+        help="the local cloud's directory (default: $SPOTTRAIN_HOME/local)",
+    )
+    lsub = local.add_subparsers(dest="local_command")
+    vms = lsub.add_parser("vms", help="list the local cloud's VMs")
+    vms.add_argument("--job", help="only this run id")
+    pre = lsub.add_parser("preempt", help="preempt VMs (with the notice window, or without)")
+    pre.add_argument("vms", nargs="+", help="VM ids (see `spottrain local vms`)")
+    pre.add_argument("--no-notice", action="store_true", help="kill at once, with no notice")
+    cap = lsub.add_parser("capacity", help="set how many VMs a zone holds (0: a stockout)")
+    cap.add_argument("zone")
+    cap.add_argument("n", type=int)
+    ref = lsub.add_parser("refuse", help="make every call of the local cloud fail")
+    ref.add_argument("kind", choices=["auth", "quota", "transient", "none"])
     return parser
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from spottrain.spec import SpecError, check_notice_windows, load_spec
+
+    try:
+        loaded = load_spec(args.spec)
+    except SpecError as e:
+        if args.json:
+            print(json.dumps({"valid": False, "source": e.source, "problems": e.problems}))
+        else:
+            print(str(e), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    spec = loaded.spec
+    checks = check_notice_windows(spec)
+    size = spec.checkpoint.estimated_gb
+    gbps = spec.checkpoint.volume.write_gbps
+    fits = all(c.fits for c in checks)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "valid": True,
+                    "name": spec.name,
+                    "checkpoint_gb": size,
+                    "windows": [
+                        {
+                            "cloud": c.cloud,
+                            "window_s": c.window_s,
+                            "write_s": round(c.write_s, 3),
+                            "fits": c.fits,
+                        }
+                        for c in checks
+                    ],
+                }
+            )
+        )
+    else:
+        print(f"{loaded.source}: valid job spec for {spec.name!r}")
+        print(
+            f"  nodes {spec.nodes.min}-{spec.nodes.max} x {spec.nodes.gpus} GPUs, "
+            f"clouds {', '.join(spec.resources.clouds)}, spot policy {spec.spot.policy.value}, "
+            f"budget ${spec.budget.max_usd:,.2f}"
+        )
+        if size is None:
+            print(
+                "  emergency checkpoint: size unknown (set checkpoint.size_gb or "
+                "checkpoint.params to check it against the notice windows)"
+            )
+        for c in checks:
+            assert size is not None
+            print("  " + c.describe(size, gbps))
+    return EXIT_OK if fits else EXIT_WINDOW
+
+
+def _local(args: argparse.Namespace) -> int:
+    from spottrain.cloud.local import LocalProvider
+
+    state_dir = Path(args.state_dir) if args.state_dir else spottrain_home() / "local"
+    try:
+        cloud = LocalProvider.open(state_dir)
+    except FileNotFoundError as e:
+        print(f"spottrain local: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    cmd = args.local_command
+    if cmd == "vms":
+        for rec in cloud.store.all():
+            tags = rec.get("tags", {})
+            if args.job and tags.get("spottrain-job") != args.job:
+                continue
+            flag = " interrupted" if rec.get("interrupted") else ""
+            print(
+                f"{rec['id']}  {rec['state']:<10} {rec['zone']:<10} {rec['market']:<9} "
+                f"job={tags.get('spottrain-job', '')} node={tags.get('spottrain-node', '')}"
+                f"{flag}"
+            )
+        return EXIT_OK
+    if cmd == "preempt":
+        code = EXIT_OK
+        for vm in args.vms:
+            if cloud.preempt(vm, notice=not args.no_notice):
+                how = "without notice" if args.no_notice else f"with {cloud.settings.notice_s:g} s"
+                print(f"{vm}: preempted {how}")
+            else:
+                print(f"spottrain local: {vm} is not a running VM", file=sys.stderr)
+                code = EXIT_BAD_INPUT
+        return code
+    if cmd == "capacity":
+        try:
+            cloud.set_capacity(args.zone, args.n)
+        except ValueError as e:
+            print(f"spottrain local: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(f"{args.zone}: capacity {args.n}")
+        return EXIT_OK
+    if cmd == "refuse":
+        cloud.set_refusal(None if args.kind == "none" else args.kind)
+        print("the local cloud accepts calls" if args.kind == "none" else f"refusing: {args.kind}")
+        return EXIT_OK
+    print("spottrain local: give a command: vms, preempt, capacity, refuse", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.command == "validate":
+        return _validate(args)
+    if args.command == "local":
+        return _local(args)
     parser.print_help()
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

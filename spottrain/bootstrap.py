@@ -1,0 +1,271 @@
+"""What a new VM runs first: the boot script that installs the job's pinned code and starts
+the agent, rendered from the job spec and the node's identity.
+
+On AWS it is the instance's user data, on GCP its ``startup-script`` metadata, and on the
+local cloud a JSON command line (:mod:`spottrain.cloud.local_vm`). The Terraform modules
+render the same agent settings into their own templates.
+
+Everything the agent needs travels in ``/etc/spottrain/agent.env`` (the systemd unit's
+``EnvironmentFile=``), using only the ``SPOTTRAIN_*`` variables that ``spottrain-agent run``
+reads. Secrets never travel in a boot script, which anyone allowed to describe the VM can
+read: the Redis password is fetched at boot from the cloud's secret store.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from spottrain import __version__
+from spottrain.spec import ArchiveCode, GitCode, ImageCode, JobSpec
+
+AGENT_ENV_PATH = "/etc/spottrain/agent.env"
+PASSWORD_PATH = "/etc/spottrain/redis-password"
+VOLUME_ROOT = "/mnt/spottrain"
+JOB_DIR = "/opt/job"
+VENV = "/opt/spottrain/venv"
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """Who a VM is: the run it belongs to, its node name, and where it runs."""
+
+    run_id: str
+    node_id: str
+    cloud: str
+    zone: str
+    instance_type: str
+
+
+@dataclass(frozen=True)
+class CodeRef:
+    """Where the pinned code is, once ``spottrain up`` has resolved it (an uploaded archive
+    has a URL and a hash only after the upload)."""
+
+    archive_url: str = ""
+    archive_sha256: str = ""
+
+
+def agent_env(
+    spec: JobSpec, node: NodeIdentity, redis_url: str, *, password_file: str | None = None
+) -> dict[str, str]:
+    """The ``SPOTTRAIN_*`` settings of one node's agent, plus the job's own variables."""
+    env = {
+        "SPOTTRAIN_REDIS": redis_url,
+        "SPOTTRAIN_RUN_ID": node.run_id,
+        "SPOTTRAIN_NODE_ID": node.node_id,
+        "SPOTTRAIN_CLOUD": node.cloud,
+        "SPOTTRAIN_ZONE": node.zone,
+        "SPOTTRAIN_INSTANCE_TYPE": node.instance_type,
+        "SPOTTRAIN_NNODES": f"{spec.nodes.min}:{spec.nodes.max}",
+        "SPOTTRAIN_NPROC_PER_NODE": str(spec.nodes.workers_per_node),
+        "SPOTTRAIN_EXPECT_GPUS": str(spec.nodes.gpus),
+        "SPOTTRAIN_CKPT_DIR": spec.checkpoint.volume.path,
+        "SPOTTRAIN_TRAIN_CMD": shlex.join(spec.train.command),
+    }
+    if password_file:
+        env["SPOTTRAIN_REDIS_PASSWORD_FILE"] = password_file
+    return {**spec.train.env, **env}
+
+
+def render_env_file(env: Mapping[str, str]) -> str:
+    """``env`` as a systemd ``EnvironmentFile``: every value in double quotes, with the two
+    characters systemd unescapes inside them (``\\`` and ``"``) escaped.
+
+    Raises:
+        ValueError: a value holds a newline (an env file cannot carry one).
+    """
+    lines = []
+    for k, v in env.items():
+        if "\n" in v or "\r" in v:
+            raise ValueError(f"{k}: a value in an environment file cannot hold a newline")
+        quoted = v.replace("\\", "\\\\").replace('"', '\\"')
+        lines.append(f'{k}="{quoted}"')
+    return "\n".join(lines) + "\n"
+
+
+def _secret_fetch(cloud: str, secret: str) -> str:
+    """Shell lines that write the Redis password from the cloud's secret store."""
+    q = shlex.quote(secret)
+    if cloud == "aws":
+        # The instance profile needs secretsmanager:GetSecretValue on this secret only.
+        get = (
+            f"aws secretsmanager get-secret-value --secret-id {q} "
+            "--query SecretString --output text"
+        )
+    else:
+        get = f"gcloud secrets versions access latest --secret={q}"
+    return (
+        f"umask 077\n{get} > {PASSWORD_PATH}.tmp\n"
+        f"test -s {PASSWORD_PATH}.tmp || {{ echo 'spottrain: the Redis password secret is "
+        f"empty' >&2; exit 1; }}\nmv {PASSWORD_PATH}.tmp {PASSWORD_PATH}\numask 022\n"
+    )
+
+
+def _code_lines(spec: JobSpec, code: CodeRef) -> str:
+    if isinstance(spec.code, GitCode):
+        g = spec.code.git
+        workdir = f"{JOB_DIR}/{g.subdir}" if g.subdir else JOB_DIR
+        return (
+            f"if [ ! -d {JOB_DIR}/.git ]; then\n"
+            f"  git init -q {JOB_DIR}\n"
+            f"  git -C {JOB_DIR} fetch -q --depth 1 {shlex.quote(g.repo)} {g.commit}\n"
+            f"  git -C {JOB_DIR} checkout -q FETCH_HEAD\n"
+            "fi\n"
+            f'test "$(git -C {JOB_DIR} rev-parse HEAD)" = {g.commit} || '
+            "{ echo 'spottrain: the job checkout is not at the pinned commit' >&2; exit 1; }\n"
+            f"if [ -f {workdir}/requirements.txt ]; then "
+            f"{VENV}/bin/pip install -q -r {workdir}/requirements.txt; fi\n"
+        )
+    if isinstance(spec.code, ArchiveCode):
+        if not (code.archive_url and code.archive_sha256):
+            raise ValueError("code.archive: render the boot script after the upload (no URL yet)")
+        return (
+            f"{VENV}/bin/python -m spottrain.cloud.code_archive fetch "
+            f"{shlex.quote(code.archive_url)} {code.archive_sha256} {JOB_DIR}\n"
+            f"if [ -f {JOB_DIR}/requirements.txt ]; then "
+            f"{VENV}/bin/pip install -q -r {JOB_DIR}/requirements.txt; fi\n"
+        )
+    assert isinstance(spec.code, ImageCode)
+    return f"docker pull {shlex.quote(spec.code.image)}\n"
+
+
+def _unit_lines(spec: JobSpec) -> str:
+    """Install the packaged unit, plus a drop-in for what differs per job."""
+    drop = ["[Service]"]
+    volume = spec.checkpoint.volume.path
+    unit_lines = ""
+    if not volume.startswith(VOLUME_ROOT + "/") and volume != VOLUME_ROOT:
+        drop = ["[Unit]", f"RequiresMountsFor={volume}", "", "[Service]"]
+    if isinstance(spec.code, ImageCode):
+        image = spec.code.image
+        # The agent runs inside the job's image (which must have spottrain installed); --init
+        # forwards systemd's SIGTERM to it and reaps the workers' orphans.
+        docker = (
+            "/usr/bin/docker run --rm --init --name spottrain-agent --gpus all --network host "
+            "--ipc host --ulimit memlock=-1 --stop-timeout 170 "
+            f"-v {VOLUME_ROOT}:{VOLUME_ROOT} -v /etc/spottrain:/etc/spottrain:ro "
+            f"--env-file /etc/spottrain/agent.docker.env {image} spottrain-agent run"
+        )
+        drop += ["ExecStart=", f"ExecStart={docker}"]
+    else:
+        drop.append(f"WorkingDirectory={JOB_DIR}")
+    unit_lines += (
+        f"{VENV}/bin/python - <<'PY'\n"
+        "from importlib import resources\n"
+        "unit = resources.files('spottrain.agent.systemd') / 'spottrain-agent.service'\n"
+        "open('/etc/systemd/system/spottrain-agent.service', 'w').write(unit.read_text())\n"
+        "PY\n"
+        "mkdir -p /etc/systemd/system/spottrain-agent.service.d\n"
+        "cat > /etc/systemd/system/spottrain-agent.service.d/job.conf <<'UNIT'\n"
+        + "\n".join(drop)
+        + "\nUNIT\n"
+        "systemctl daemon-reload\n"
+        "systemctl enable --now spottrain-agent.service\n"
+    )
+    return unit_lines
+
+
+def render_boot_script(
+    spec: JobSpec,
+    node: NodeIdentity,
+    redis_url: str,
+    *,
+    code: CodeRef | None = None,
+    password_secret: str | None = None,
+    spottrain_requirement: str | None = None,
+) -> str:
+    """The bash boot script of a VM on AWS (user data) or GCP (``startup-script``).
+
+    It is safe to run again (GCP runs the startup script at every boot): each step checks
+    whether it is done.
+
+    Args:
+        spec: the job.
+        node: the VM's identity.
+        redis_url: the job's Redis as the VM reaches it.
+        code: the uploaded archive, for ``code.archive``.
+        password_secret: the secret holding the Redis password (AWS Secrets Manager id or
+            GCP Secret Manager name); None when Redis has no password.
+        spottrain_requirement: what pip installs (default: this version of spottrain).
+
+    Raises:
+        ValueError: the node is on the local cloud, or the archive has no URL yet.
+    """
+    if node.cloud not in ("aws", "gcp"):
+        raise ValueError(f"boot scripts are for aws and gcp VMs, not {node.cloud!r}")
+    extra = "aws" if node.cloud == "aws" else "gcp"
+    requirement = spottrain_requirement or f"spottrain[agent,{extra}]=={__version__}"
+    env = agent_env(spec, node, redis_url, password_file=PASSWORD_PATH if password_secret else None)
+    parts = [
+        "#!/bin/bash\n",
+        f"# spottrain {__version__}: boot script of node {node.node_id} of run {node.run_id}.\n",
+        "set -euo pipefail\n",
+        "exec >>/var/log/spottrain-boot.log 2>&1\n",
+        f"install -d -m 0755 /etc/spottrain /opt/spottrain {JOB_DIR}\n",
+        f"if [ ! -x {VENV}/bin/spottrain-agent ]; then\n",
+        f"  python3 -m venv {VENV}\n",
+        f"  {VENV}/bin/pip install -q {shlex.quote(requirement)}\n",
+        "fi\n",
+        f"mountpoint -q {VOLUME_ROOT} || echo 'spottrain: {VOLUME_ROOT} is not mounted yet; "
+        "the agent waits for it (RequiresMountsFor)' >&2\n",
+        _code_lines(spec, code or CodeRef()),
+    ]
+    if password_secret:
+        parts.append(_secret_fetch(node.cloud, password_secret))
+    parts += [
+        f"umask 077\ncat > {AGENT_ENV_PATH} <<'ENV'\n",
+        render_env_file(env),
+        "ENV\n",
+    ]
+    if isinstance(spec.code, ImageCode):
+        # docker's --env-file takes values literally (no quotes), unlike systemd.
+        parts += [
+            "cat > /etc/spottrain/agent.docker.env <<'ENV'\n",
+            "".join(f"{k}={v}\n" for k, v in env.items()),
+            "ENV\n",
+        ]
+    parts += ["umask 022\n", _unit_lines(spec)]
+    return "".join(parts)
+
+
+def parse_env_file(text: str) -> dict[str, str]:
+    """Read back an env file written by :func:`render_env_file` (for tests and ``status``)."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        k, _, v = line.partition("=")
+        if len(v) >= 2 and v[0] == v[-1] == '"':
+            v = v[1:-1].replace('\\"', '"').replace("\\\\", "\\")
+        out[k] = v
+    return out
+
+
+def render_local_boot(
+    spec: JobSpec,
+    node: NodeIdentity,
+    redis_url: str,
+    *,
+    workdir: str | Path,
+    python: str = sys.executable,
+) -> str:
+    """The local cloud's boot command: ``spottrain-agent run`` in ``workdir`` as JSON.
+
+    The settings travel as the same ``SPOTTRAIN_*`` variables a real VM's env file holds;
+    the password, if any, reaches the VM through the controller's own environment.
+    """
+    env = agent_env(spec, node, redis_url)
+    env["PYTHONUNBUFFERED"] = "1"
+    argv = [python, "-m", "spottrain.agent.cli", "run"]
+    if spec.nodes.gpus == 0:
+        argv.append("--no-health-check")
+    local = spec.local
+    if local is not None:
+        # The agent's SIGTERM deadline is the local cloud's notice window.
+        argv.append(f"--sigterm-grace={local.notice_s:g}")
+    return json.dumps({"argv": argv, "env": env, "cwd": str(workdir)})
