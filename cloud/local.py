@@ -40,8 +40,6 @@ from typing import Any
 
 import yaml
 
-from spottrain.agent.processes import descendants
-
 from .base import (
     AuthError,
     BadRequestError,
@@ -59,6 +57,7 @@ from .base import (
 )
 from .catalog import Catalog, UnknownInstanceType, bundled
 from .local_records import RecordStore
+from .local_vm import kill_tree
 
 REGION = "local"
 INSTANCE_TYPE = "local-cpu"
@@ -118,16 +117,6 @@ def _pid_start(pid: int) -> str | None:
 def _alive(rec: Mapping[str, Any]) -> bool:
     pid = rec.get("pid")
     return bool(pid) and _pid_start(int(pid)) == rec.get("pid_start")
-
-
-def _kill_tree(pid: int) -> None:
-    pids = [pid, *descendants(pid)]
-    for p in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGSTOP)
-    for p in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGKILL)
 
 
 class LocalProvider:
@@ -248,7 +237,7 @@ class LocalProvider:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(rec["pid"]), signal.SIGUSR1)
             return True
-        _kill_tree(int(rec["pid"]))
+        kill_tree(int(rec["pid"]))
         self.store.update(
             instance_id,
             state="terminated",

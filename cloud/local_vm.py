@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spottrain.agent.processes import descendants
+from spottrain.agent.processes import child_pids, descendants
 
 from .local_records import RecordStore
 
@@ -50,19 +50,50 @@ class _Stop:
         self.event.set()
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every descendant (torchrun's workers live in sessions of their
-    own, so a process group does not reach them)."""
-    pids = [pid, *descendants(pid)]
-    for p in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGSTOP)  # frozen first, so nothing forks a survivor
-    for p in pids:
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every descendant, as a VM's death does (torchrun's workers live in
+    sessions of their own, so a process group does not reach them).
+
+    Every process is frozen first, again and again until no new one appears, so nothing
+    forks a survivor between the look and the kill.
+    """
+    frozen: set[int] = set()
+    while True:
+        found = {pid, *descendants(pid)} - frozen
+        if not found:
+            break
+        for p in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGSTOP)
+        frozen |= found
+    for p in frozen:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(p, signal.SIGKILL)
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> None:
+    """Adopt our orphans, as a VM's init does: a worker whose parent exited (torchrun's
+    workers live in sessions of their own) stays ours to kill when the VM dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _reap_orphans(keep: int | None) -> None:
+    """Collect adopted orphans that exited (never the boot command: Popen reaps that one)."""
+    for pid in child_pids().get(os.getpid(), []):
+        if pid != keep:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+
+
 def run_vm(record_path: Path) -> int:
+    _become_subreaper()
     store = RecordStore(record_path.parent.parent)
     vm_id = record_path.stem
     rec = store.read(vm_id)
@@ -95,6 +126,7 @@ def run_vm(record_path: Path) -> int:
 
     # Wait for a stop, noting when the boot command exits (the VM itself keeps running).
     while not stop.event.wait(0.2):
+        _reap_orphans(child.pid if child is not None else None)
         if child is not None and child.poll() is not None:
             store.update(vm_id, boot_exit=child.returncode)
             child = None
@@ -110,7 +142,8 @@ def run_vm(record_path: Path) -> int:
             store.update(vm_id, boot_exit=child.returncode)
     # Whatever outlived the grace period (or the boot command's children) dies with the VM.
     for p in descendants(os.getpid()):
-        _kill_tree(p)
+        kill_tree(p)
+    _reap_orphans(None)
     store.update(
         vm_id,
         state="terminated",

@@ -588,6 +588,24 @@ def _check_catalog(spec: JobSpec, catalog: Catalog) -> list[str]:
     return problems
 
 
+def _check_files(spec: JobSpec, base_dir: Path) -> list[str]:
+    """Problems with the files a spec names (relative to the spec's directory)."""
+    from spottrain.cloud.local import load_trace
+
+    problems = []
+    if isinstance(spec.code, ArchiveCode):
+        path = base_dir / spec.code.archive.path
+        if not path.is_dir():
+            problems.append(f"code.archive.path: {path} is not a directory")
+    trace = spec.local.preemptions.trace if spec.local else None
+    if trace:
+        try:
+            load_trace(base_dir / trace)
+        except ValueError as e:
+            problems.append(f"local.preemptions.trace: {e}")
+    return problems
+
+
 def _zone_region(zone: str) -> str:
     # us-east-1a -> us-east-1; us-central1-a -> us-central1
     if re.match(r"^[a-z]+-[a-z]+[0-9]+-[a-z]\Z", zone):
@@ -624,10 +642,11 @@ def parse_spec(
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
         raise SpecError(source, [_describe(err, lines) for err in e.errors()]) from None
-    problems = _check_catalog(spec, catalog or bundled())
+    base = base_dir or Path.cwd()
+    problems = _check_catalog(spec, catalog or bundled()) + _check_files(spec, base)
     if problems:
         raise SpecError(source, problems)
-    return LoadedSpec(spec, source, base_dir or Path.cwd())
+    return LoadedSpec(spec, source, base)
 
 
 def load_spec(path: str | Path, catalog: Catalog | None = None) -> LoadedSpec:
@@ -746,7 +765,7 @@ class WindowCheck:
             "shard the checkpoint smaller, or drop this cloud"
         )
         return (
-            f"{self.cloud}: {size_gb:.1f} GB at {gbps:g} GB/s takes {self.write_s:.1f} s of the "
+            f"{self.cloud}: {size_gb:.3g} GB at {gbps:g} GB/s takes {self.write_s:.1f} s of the "
             f"{self.window_s:.0f} s notice window (less {DRAIN_OVERHEAD_S:.0f} s to commit and "
             f"leave): {verdict}"
         )

@@ -1,0 +1,166 @@
+"""Boot scripts: what a new VM runs must be valid bash, start the agent with settings the real
+``spottrain-agent`` parser accepts, and carry no secret."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from typing import Any
+
+import pytest
+import yaml
+from test_spec import COMMIT, LOCAL, VALID, _with
+
+from spottrain.agent.cli import RUN_ENV_VARS, build_parser
+from spottrain.bootstrap import (
+    AGENT_ENV_PATH,
+    CodeRef,
+    NodeIdentity,
+    parse_env_file,
+    render_boot_script,
+    render_env_file,
+    render_local_boot,
+)
+from spottrain.spec import JobSpec, parse_spec
+
+NODE = NodeIdentity("gpt-small-1795000000", "node-3", "aws", "us-east-1a", "p4d.24xlarge")
+REDIS = "rediss://redis.internal:6380"
+
+
+def _spec(data: dict[str, Any]) -> JobSpec:
+    return parse_spec(yaml.safe_dump(data)).spec
+
+
+def _env_block(script: str) -> dict[str, str]:
+    start = script.index(f"cat > {AGENT_ENV_PATH} <<'ENV'\n") + len(
+        f"cat > {AGENT_ENV_PATH} <<'ENV'\n"
+    )
+    return parse_env_file(script[start : script.index("\nENV\n", start)])
+
+
+def _agent_args(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Parse ``spottrain-agent run`` the way the systemd unit starts it: no flags, every
+    setting from the environment."""
+    for name in RUN_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return build_parser().parse_args(["run"])
+
+
+def test_boot_script_is_valid_bash() -> None:
+    for code in (
+        VALID["code"],
+        {"git": {"repo": "https://github.com/acme/t", "commit": COMMIT}},
+        {"archive": {"path": "."}},
+    ):
+        script = render_boot_script(
+            _spec(_with(VALID, "code", code)),
+            NODE,
+            REDIS,
+            code=CodeRef("s3://acme/code/" + "ab" * 32 + ".tar.gz", "ab" * 32),
+            password_secret="spottrain/redis",
+        )
+        subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_agent_env_is_accepted_by_the_real_agent_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = _spec(_with(VALID, "train.env", {"NCCL_DEBUG": "WARN"}))
+    env = _env_block(render_boot_script(spec, NODE, REDIS, password_secret="s"))
+    build_parser()  # registers the variables `run` reads
+    agent_vars = {k for k in env if k.startswith("SPOTTRAIN_")}
+    assert agent_vars <= RUN_ENV_VARS, (
+        f"variables the agent never reads: {agent_vars - RUN_ENV_VARS}"
+    )
+    assert env["NCCL_DEBUG"] == "WARN"
+    args = _agent_args(env, monkeypatch)
+    assert (args.redis, args.run_id, args.node_id) == (REDIS, NODE.run_id, "node-3")
+    assert (args.cloud, args.zone, args.instance_type) == ("aws", "us-east-1a", "p4d.24xlarge")
+    assert (args.nnodes, args.nproc_per_node, args.expect_gpus) == ("2:4", 8, 8)
+    assert args.ckpt_dir == "/mnt/spottrain/ckpt"
+    assert args.password_file == "/etc/spottrain/redis-password"
+    assert shlex.split(env["SPOTTRAIN_TRAIN_CMD"]) == list(spec.train.command)
+
+
+def test_env_file_round_trips_quotes_backslashes_and_spaces() -> None:
+    env = {"A": 'say "hi"', "B": "back\\slash", "C": "two  spaces", "D": ""}
+    assert parse_env_file(render_env_file(env)) == env
+    with pytest.raises(ValueError, match="cannot hold a newline"):
+        render_env_file({"A": "x\ny"})
+
+
+def test_training_command_with_quotes_survives_the_env_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    command = ["train.py", "--name", "gpt 1.3b", "--note", 'say "hi"']
+    spec = _spec(_with(VALID, "train.command", command))
+    env = _env_block(render_boot_script(spec, NODE, REDIS))
+    assert shlex.split(env["SPOTTRAIN_TRAIN_CMD"]) == command
+
+
+def test_boot_script_carries_no_password_and_fetches_it_from_the_secret_store() -> None:
+    aws = render_boot_script(_spec(VALID), NODE, REDIS, password_secret="spottrain/redis")
+    assert "aws secretsmanager get-secret-value --secret-id spottrain/redis" in aws
+    gcp_node = NodeIdentity(NODE.run_id, "node-3", "gcp", "us-central1-a", "a2-highgpu-8g")
+    gcp = render_boot_script(_spec(VALID), gcp_node, REDIS, password_secret="redis-pw")
+    assert "gcloud secrets versions access latest --secret=redis-pw" in gcp
+    assert "spottrain[agent,gcp]==" in gcp
+    no_auth = render_boot_script(_spec(VALID), NODE, REDIS)
+    assert "SPOTTRAIN_REDIS_PASSWORD_FILE" not in no_auth and "secretsmanager" not in no_auth
+
+
+def test_image_code_runs_the_agent_in_the_pinned_image() -> None:
+    script = render_boot_script(_spec(VALID), NODE, REDIS)
+    image = VALID["code"]["image"]
+    assert f"docker pull {image}" in script
+    exec_start = next(line for line in script.splitlines() if line.startswith("ExecStart=/"))
+    assert "--init" in exec_start and exec_start.endswith(f"{image} spottrain-agent run")
+    # docker takes --env-file values literally: that file has no quotes.
+    assert "SPOTTRAIN_NNODES=2:4\n" in script
+
+
+def test_git_code_checks_out_and_verifies_the_pinned_commit() -> None:
+    spec = _spec(_with(VALID, "code", {"git": {"repo": "https://x/y", "commit": COMMIT}}))
+    script = render_boot_script(spec, NODE, REDIS)
+    assert f"fetch -q --depth 1 https://x/y {COMMIT}" in script
+    assert f'test "$(git -C /opt/job rev-parse HEAD)" = {COMMIT}' in script
+    assert "WorkingDirectory=/opt/job" in script
+
+
+def test_archive_code_needs_its_upload_first() -> None:
+    spec = _spec(_with(VALID, "code", {"archive": {"path": "."}}))
+    with pytest.raises(ValueError, match="after the upload"):
+        render_boot_script(spec, NODE, REDIS)
+    sha = "cd" * 32
+    script = render_boot_script(spec, NODE, REDIS, code=CodeRef(f"s3://b/code/{sha}.tar.gz", sha))
+    assert (
+        f"-m spottrain.cloud.code_archive fetch s3://b/code/{sha}.tar.gz {sha} /opt/job" in script
+    )
+
+
+def test_a_volume_outside_mnt_spottrain_is_required_by_the_unit() -> None:
+    spec = _spec(_with(VALID, "checkpoint.volume.path", "/fsx/ckpt"))
+    assert "RequiresMountsFor=/fsx/ckpt" in render_boot_script(spec, NODE, REDIS)
+
+
+def test_boot_scripts_are_only_for_real_clouds() -> None:
+    local = NodeIdentity("r-1795000000", "n0", "local", "local-a", "local-cpu")
+    with pytest.raises(ValueError, match="not 'local'"):
+        render_boot_script(_spec(VALID), local, REDIS)
+
+
+def test_local_boot_runs_the_agent_with_the_same_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = _spec(LOCAL)
+    node = NodeIdentity("tiny-1795000000", "n0", "local", "local-a", "local-cpu")
+    boot = json.loads(render_local_boot(spec, node, "redis://127.0.0.1:7000", workdir="/w"))
+    assert boot["argv"][1:4] == ["-m", "spottrain.agent.cli", "run"]
+    assert boot["cwd"] == "/w"
+    args = build_parser().parse_args(boot["argv"][3:])
+    assert args.no_health_check  # a CPU job has no GPUs to check
+    assert args.sigterm_grace == 30.0  # the local cloud's notice window
+    parsed = _agent_args(boot["env"], monkeypatch)
+    assert (parsed.run_id, parsed.node_id, parsed.cloud) == ("tiny-1795000000", "n0", "local")
+    assert parsed.nproc_per_node == 2

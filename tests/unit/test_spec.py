@@ -1,0 +1,397 @@
+"""The job spec: every field's validation, with the exact message a user sees."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from spottrain.spec import (
+    ArchiveCode,
+    GitCode,
+    ImageCode,
+    Placement,
+    SpecError,
+    SpotPolicy,
+    check_notice_windows,
+    load_spec,
+    parse_count,
+    parse_spec,
+)
+
+DIGEST = "sha256:" + "ab" * 32
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+VALID: dict[str, Any] = {
+    "name": "gpt-small",
+    "code": {"image": f"ghcr.io/acme/train@{DIGEST}"},
+    "train": {"command": ["python", "train.py", "--lr", "3e-4"]},
+    "nodes": {"min": 2, "max": 4, "gpus": 8},
+    "resources": {
+        "clouds": ["aws", "gcp"],
+        "regions": ["us-east-1", "us-central1"],
+        "instance_types": ["p4d.24xlarge", "a2-highgpu-8g"],
+        "max_price_per_hour": 20,
+    },
+    "spot": {"policy": "spot-then-on-demand", "fallback_after_minutes": 15},
+    "budget": {"max_usd": 1000},
+    "checkpoint": {
+        "volume": {"path": "/mnt/spottrain/ckpt", "write_gbps": 4},
+        "every_steps": 500,
+        "params": "7B",
+        "copy_to": "s3://acme/ckpt",
+    },
+    "redis": {"url": "rediss://redis.internal:6380", "password_secret": "spottrain/redis"},
+    "aws": {"images": {"us-east-1": "ami-0123456789abcdef0"}},
+    "gcp": {"project": "acme-train", "image": "projects/p/global/images/family/f"},
+}
+
+LOCAL: dict[str, Any] = {
+    "name": "tiny",
+    "code": {"archive": {"path": "."}},
+    "train": {"command": "examples/gpt_train.py --steps 100"},
+    "nodes": {"min": 1, "max": 2, "gpus": 0, "workers": 2},
+    "resources": {"clouds": ["local"]},
+    "budget": {"max_usd": 5},
+    "checkpoint": {"volume": {"path": "/tmp/ckpt", "write_gbps": 1}, "every_steps": 25},
+    "local": {"zones": {"local-a": {"capacity": 2}, "local-b": {"capacity": 2}}},
+}
+
+
+def _with(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A copy of ``base`` with the dotted ``path`` set to ``value`` (``...`` deletes it)."""
+    data = copy.deepcopy(base)
+    *parents, last = path.split(".")
+    node = data
+    for p in parents:
+        node = node[p]
+    if value is ...:
+        del node[last]
+    else:
+        node[last] = value
+    return data
+
+
+def _problems(data: dict[str, Any]) -> list[str]:
+    with pytest.raises(SpecError) as err:
+        parse_spec(yaml.safe_dump(data, sort_keys=False), "job.yaml")
+    return err.value.problems
+
+
+def test_valid_spec_parses_with_defaults() -> None:
+    spec = parse_spec(yaml.safe_dump(VALID), "job.yaml").spec
+    assert isinstance(spec.code, ImageCode)
+    assert spec.train.command == ("python", "train.py", "--lr", "3e-4")
+    assert spec.nodes.workers_per_node == 8
+    assert spec.resources.placement is Placement.SAME_ZONE
+    assert spec.spot.policy is SpotPolicy.SPOT_THEN_ON_DEMAND
+    assert spec.checkpoint.keep == 3
+    assert spec.checkpoint.estimated_gb == pytest.approx(84.0)
+    assert spec.redis.password_env == "SPOTTRAIN_REDIS_PASSWORD"
+    assert spec.wandb is None
+
+
+def test_local_spec_parses_and_splits_a_string_command() -> None:
+    spec = parse_spec(yaml.safe_dump(LOCAL), "job.yaml").spec
+    assert isinstance(spec.code, ArchiveCode)
+    assert spec.train.command == ("examples/gpt_train.py", "--steps", "100")
+    assert spec.redis.url == "embedded"
+    assert spec.nodes.workers_per_node == 2
+    assert spec.notice_windows == {"local": 30.0}
+
+
+def test_scalar_nodes_means_a_fixed_size() -> None:
+    spec = parse_spec(yaml.safe_dump(_with(LOCAL, "nodes", 3)), "job.yaml").spec
+    assert (spec.nodes.min, spec.nodes.max) == (3, 3)
+
+
+def test_git_code_needs_a_full_commit() -> None:
+    ok = _with(VALID, "code", {"git": {"repo": "https://github.com/acme/t", "commit": COMMIT}})
+    assert isinstance(parse_spec(yaml.safe_dump(ok)).spec.code, GitCode)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expected"),
+    [
+        (
+            "name",
+            "GPT_small",
+            "name (line 1): use 1-48 lowercase letters, digits and dashes, starting and ending "
+            "with a letter or digit (it becomes a cloud label) (got 'GPT_small')",
+        ),
+        ("name", ..., "name: required, missing"),
+        (
+            "code",
+            {"image": "ghcr.io/acme/train:latest"},
+            "code.image (line 3): pin the image by digest (registry/repo@sha256:<64 hex>), not "
+            "by tag: a backfilled node must run exactly what the others run "
+            "(got 'ghcr.io/acme/train:latest')",
+        ),
+        (
+            "code",
+            {"git": {"repo": "r", "commit": "main"}},
+            "code.git.commit (line 5): give the full commit hash (40 hex characters), not a "
+            "branch, tag or short hash: a backfilled node must check out exactly what the "
+            "others run (got 'main')",
+        ),
+        (
+            "code",
+            {"git": {"repo": "r", "commit": COMMIT, "branch": "main"}},
+            "code.git.branch (line 6): unknown key; allowed here: repo, commit, subdir",
+        ),
+        (
+            "code",
+            {"image": f"x@{DIGEST}", "git": {"repo": "r", "commit": COMMIT}},
+            "code (line 2): give exactly one of: image, git, archive (got 2)",
+        ),
+        (
+            "code",
+            {"docker": "x"},
+            "code (line 2): unknown key 'docker'; give exactly one of: image, git, archive",
+        ),
+        (
+            "code",
+            {"archive": {"path": ".", "store": "ftp://x"}},
+            "code.archive.store (line 5): use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or "
+            "file:///DIR (got 'ftp://x')",
+        ),
+        (
+            "train.command",
+            [],
+            "train.command (line 5): give the training script and its arguments (got [])",
+        ),
+        (
+            "train.env",
+            {"SPOTTRAIN_RUN_ID": "x"},
+            "train.env (line 10): SPOTTRAIN_RUN_ID: SPOTTRAIN_* variables are set by spottrain "
+            "itself",
+        ),
+        (
+            "nodes",
+            {"min": 4, "max": 2},
+            "nodes (line 10): min (4) must not exceed max (2)",
+        ),
+        (
+            "nodes.gpus",
+            17,
+            "nodes.gpus (line 13): must be less than or equal to 16 (got 17)",
+        ),
+        (
+            "nodes.gpu",
+            8,
+            "nodes.gpu (line 14): unknown key; allowed here: min, max, gpus, workers",
+        ),
+        (
+            "resources.clouds",
+            ["aws", "azure"],
+            "resources.clouds.1 (line 17): use 'aws', 'gcp' or 'local' (got 'azure')",
+        ),
+        (
+            "resources.clouds",
+            ["aws", "aws"],
+            "resources.clouds (line 15): list each cloud once (got ['aws', 'aws'])",
+        ),
+        (
+            "resources.placement",
+            "anywhere",
+            "resources.placement (line 25): use 'same-zone' or 'spread' (got 'anywhere')",
+        ),
+        (
+            "resources.max_price_per_hour",
+            0,
+            "resources.max_price_per_hour (line 24): must be greater than 0 (got 0)",
+        ),
+        (
+            "spot.policy",
+            "cheapest",
+            "spot.policy (line 26): use 'spot', 'spot-then-on-demand' or 'on-demand' "
+            "(got 'cheapest')",
+        ),
+        ("budget.max_usd", -5, "budget.max_usd (line 29): must be greater than 0 (got -5)"),
+        ("budget", ..., "budget: required, missing"),
+        (
+            "checkpoint.volume.path",
+            "ckpt",
+            "checkpoint.volume.path (line 32): give an absolute path (the same on every node) "
+            "(got 'ckpt')",
+        ),
+        (
+            "checkpoint.volume.write_gbps",
+            0,
+            "checkpoint.volume.write_gbps (line 33): must be greater than 0 (got 0)",
+        ),
+        (
+            "checkpoint.every_steps",
+            ...,
+            "checkpoint (line 30): say how often to checkpoint: every_steps, every_minutes, or "
+            "both",
+        ),
+        (
+            "checkpoint.params",
+            "lots",
+            "checkpoint.params (line 35): 'lots' is not a parameter count: use e.g. 7B, 350M or "
+            "125000 (got 'lots')",
+        ),
+        (
+            "checkpoint.copy_to",
+            "bucket/x",
+            "checkpoint.copy_to (line 36): use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or "
+            "file:///DIR (got 'bucket/x')",
+        ),
+        (
+            "redis.url",
+            "redis://:hunter2@host:6379",
+            "redis.url (line 38): the Redis endpoint embeds credentials (it contains '@'): put "
+            "the password in $SPOTTRAIN_REDIS_PASSWORD or a password_file instead",
+        ),
+        (
+            "redis.password",
+            "hunter2",
+            "redis (line 37): do not put the Redis password in the spec: name a variable with "
+            "password_env or a file with password_file",
+        ),
+        (
+            "redis.url",
+            "embedded",
+            "(top level): redis.url: 'embedded' only works for the local cloud; real VMs need a "
+            "Redis they can reach (redis[s]://HOST:PORT)",
+        ),
+        (
+            "aws",
+            ...,
+            "(top level): resources.clouds lists aws but the spec has no `aws:` section (see "
+            "the README's job spec reference)",
+        ),
+        (
+            "aws.images",
+            {"us-east-1": "ubuntu-22"},
+            "aws.images (line 41): us-east-1: 'ubuntu-22' is not an AMI id (ami-<hex>)",
+        ),
+        (
+            "gcp.project",
+            "Acme",
+            "gcp.project (line 44): String should match pattern "
+            "'^[a-z][a-z0-9-]{4,28}[a-z0-9]$' (got 'Acme')",
+        ),
+        (
+            "wandb",
+            {"project": "p", "mode": "sometimes"},
+            "wandb.mode (line 48): use 'online', 'offline' or 'disabled' (got 'sometimes')",
+        ),
+        (
+            "colour",
+            "blue",
+            "colour (line 46): unknown key; allowed here: name, code, train, nodes, resources, "
+            "spot, budget, checkpoint, redis, wandb, local, aws, gcp",
+        ),
+    ],
+)
+def test_bad_value_names_key_line_and_what_is_allowed(path: str, value: Any, expected: str) -> None:
+    assert _problems(_with(VALID, path, value)) == [expected]
+
+
+def test_redis_password_is_never_echoed() -> None:
+    problems = _problems(_with(VALID, "redis.url", "redis://:hunter2@host:6379"))
+    assert "hunter2" not in " ".join(problems)
+    problems = _problems(_with(VALID, "redis.password", "hunter2"))
+    assert "hunter2" not in " ".join(problems)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    data = _with(_with(VALID, "name", "Bad"), "budget.max_usd", 0)
+    data = _with(data, "nodes.gpu", 1)
+    assert len(_problems(data)) == 3
+
+
+def test_unknown_instance_type_suggests_close_names() -> None:
+    data = _with(VALID, "resources.instance_types", ["p4d.24xlarge", "p5.48xlarg"])
+    (problem,) = _problems(data)
+    assert problem.startswith("resources.instance_types: aws instance type 'p5.48xlarg' is not")
+    assert "did you mean p5.48xlarge" in problem
+    assert "SPOTTRAIN_CATALOG" in problem
+
+
+def test_unknown_region_and_zone_outside_regions_are_errors() -> None:
+    data = _with(VALID, "resources.regions", ["us-east-1", "mars-north1"])
+    (problem,) = _problems(data)
+    assert problem.startswith("resources.regions: 'mars-north1' is not a region of aws, gcp")
+    data = _with(VALID, "resources.zones", ["us-west-2a"])
+    (problem,) = _problems(data)
+    assert problem == (
+        "resources.zones: 'us-west-2a' is not in any of resources.regions (us-east-1, us-central1)"
+    )
+
+
+def test_local_zone_must_exist_in_the_local_cloud() -> None:
+    data = _with(LOCAL, "resources.zones", ["local-z"])
+    assert _problems(data) == [
+        "resources.zones: 'local-z' is not a zone of local.zones (local-a, local-b)"
+    ]
+
+
+def test_local_cloud_cannot_mix_with_real_clouds() -> None:
+    data = _with(VALID, "resources.clouds", ["aws", "local"])
+    assert _problems(data) == [
+        "(top level): resources.clouds: the local cloud cannot be mixed with real clouds"
+    ]
+
+
+def test_archive_code_on_a_real_cloud_needs_somewhere_to_upload() -> None:
+    data = _with(VALID, "code", {"archive": {"path": "."}})
+    data = _with(data, "checkpoint.copy_to", ...)
+    assert _problems(data) == [
+        "(top level): code.archive: say where to upload the archive (code.archive.store or "
+        "checkpoint.copy_to)"
+    ]
+
+
+def test_malformed_yaml_and_non_mapping_are_clear() -> None:
+    with pytest.raises(SpecError, match="not valid YAML"):
+        parse_spec("name: [unclosed", "job.yaml")
+    with pytest.raises(SpecError, match="must be a YAML mapping"):
+        parse_spec("- a\n- b\n", "job.yaml")
+
+
+def test_load_spec_reports_a_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as err:
+        load_spec(tmp_path / "nope.yaml")
+    assert err.value.problems == ["cannot read the file: No such file or directory"]
+
+
+def test_load_spec_resolves_relative_paths_against_the_spec(tmp_path: Path) -> None:
+    path = tmp_path / "jobs" / "job.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(LOCAL))
+    assert load_spec(path).base_dir == path.parent.resolve()
+
+
+@pytest.mark.parametrize(
+    ("text", "count"), [("7B", 7e9), ("350m", 350e6), ("1.3b", 1.3e9), ("125000", 125000)]
+)
+def test_parse_count_reads_suffixes(text: str, count: float) -> None:
+    assert parse_count(text) == pytest.approx(count)
+
+
+def test_window_check_fits_aws_but_not_gcp() -> None:
+    # 7B params x 12 bytes = 84 GB at 2 GB/s = 42 s: inside AWS's 120 s, outside GCP's 30 s.
+    data = _with(VALID, "checkpoint.volume.write_gbps", 2)
+    spec = parse_spec(yaml.safe_dump(data)).spec
+    checks = {c.cloud: c for c in check_notice_windows(spec)}
+    assert checks["aws"].fits and not checks["gcp"].fits
+    assert checks["aws"].write_s == pytest.approx(42.0)
+    assert "fits, 68 s to spare" in checks["aws"].describe(84.0, 2)
+    assert "does NOT fit: 22 s short" in checks["gcp"].describe(84.0, 2)
+
+
+def test_window_check_is_empty_without_a_size() -> None:
+    data = _with(VALID, "checkpoint.params", ...)
+    assert check_notice_windows(parse_spec(yaml.safe_dump(data)).spec) == []
+
+
+def test_spec_is_frozen() -> None:
+    spec = parse_spec(yaml.safe_dump(VALID)).spec
+    with pytest.raises(ValueError):
+        spec.name = "other"  # type: ignore[misc]
