@@ -116,7 +116,7 @@ def _pid_start(pid: int) -> str | None:
 
 def _alive(rec: Mapping[str, Any]) -> bool:
     pid = rec.get("pid")
-    return bool(pid) and _pid_start(int(pid)) == rec.get("pid_start")
+    return pid is not None and _pid_start(int(pid)) == rec.get("pid_start")
 
 
 class LocalProvider:

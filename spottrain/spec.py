@@ -512,7 +512,7 @@ class JobSpec(_Model):
     @property
     def notice_windows(self) -> dict[str, float]:
         """The notice window of each allowed cloud, seconds."""
-        out = {}
+        out: dict[str, float] = {}
         for cloud in self.resources.clouds:
             if cloud == "local":
                 out[cloud] = (self.local or LocalCloudSpec()).notice_s
