@@ -3,7 +3,8 @@
 Exit codes a script can rely on:
 
 - 0: done (for ``validate``: the spec is valid and every notice window fits);
-- 1: the command failed at run time (a cloud or Redis refused, see the message);
+- 1: the command failed at run time (a cloud or Redis refused, see the message; for
+  ``validate --check-clouds``: a cloud could not be asked or offers nothing that fits);
 - 2: bad input (an invalid spec, a bad argument), nothing was changed;
 - 3: ``validate`` only: the spec is valid but an emergency checkpoint does not fit some
   allowed cloud's notice window.
@@ -17,8 +18,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spottrain import __version__
+
+if TYPE_CHECKING:
+    from spottrain.spec import JobSpec
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -51,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("spec", help="the job's YAML file")
     v.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    v.add_argument(
+        "--check-clouds",
+        action="store_true",
+        help="also ask each allowed cloud for its offers (needs credentials; launches nothing)",
+    )
 
     local = sub.add_parser(
         "local", help="the local cloud's levers: list VMs, preempt, set capacity, refuse"
@@ -124,7 +134,42 @@ def _validate(args: argparse.Namespace) -> int:
         for c in checks:
             assert size is not None
             print("  " + c.describe(size, gbps))
+    if args.check_clouds and not _check_clouds(spec, quiet=args.json):
+        return EXIT_FAILED
     return EXIT_OK if fits else EXIT_WINDOW
+
+
+def _check_clouds(spec: JobSpec, *, quiet: bool) -> bool:
+    """Ask each allowed cloud for the spec's offers; print what each says."""
+    import tempfile
+
+    from spottrain.cloud.base import ProviderError
+    from spottrain.controller.providers import build_provider, offer_query
+
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="spottrain-validate-") as tmp:
+        for cloud in spec.resources.clouds:
+            try:
+                provider = build_provider(spec, cloud, local_state_dir=Path(tmp))
+                offers = provider.offers(offer_query(spec, cloud))
+            except (ProviderError, ImportError, ValueError) as e:
+                ok = False
+                print(f"  {cloud}: cannot use it: {e}", file=sys.stderr)
+                continue
+            if not offers:
+                ok = False
+                print(
+                    f"  {cloud}: no offer matches the spec (instance types, regions, zones, "
+                    "max price, spot policy)",
+                    file=sys.stderr,
+                )
+            elif not quiet:
+                o = offers[0]
+                print(
+                    f"  {cloud}: {len(offers)} offers; cheapest {o.instance_type} {o.market} in "
+                    f"{o.zone} at ${o.price_per_hour:,.2f}/h"
+                )
+    return ok
 
 
 def _local(args: argparse.Namespace) -> int:

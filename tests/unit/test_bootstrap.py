@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from test_spec import COMMIT, LOCAL, VALID, _with
+from spec_samples import COMMIT, LOCAL, VALID, _with
 
 from spottrain.agent.cli import RUN_ENV_VARS, build_parser
 from spottrain.bootstrap import (

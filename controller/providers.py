@@ -1,0 +1,151 @@
+"""From a job spec to the providers and offer queries of the clouds it allows.
+
+The one place that maps the spec's cloud sections onto each provider's settings, so the
+controller, ``spottrain validate --check-clouds`` and the tests build providers the same way.
+Cloud SDKs are imported only for the clouds a spec uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spottrain.cloud.base import Market, OfferQuery, Provider
+from spottrain.cloud.catalog import Catalog, bundled
+from spottrain.spec import JobSpec, LocalCloudSpec, SpotPolicy
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where each cloud's API is, and with what credentials, when it is not the real one
+    with the default credentials (tests, private endpoints)."""
+
+    aws_endpoint_url: str | None = None
+    aws_session: Any = None
+    gcp_api_endpoint: str | None = None
+    gcp_credentials: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _regions_of(spec: JobSpec, cloud: str, catalog: Catalog) -> tuple[str, ...]:
+    known = set(catalog.regions(cloud))
+    return tuple(r for r in spec.resources.regions if r in known)
+
+
+def offer_query(spec: JobSpec, cloud: str, catalog: Catalog | None = None) -> OfferQuery:
+    """The offers of ``cloud`` that ``spec`` allows.
+
+    The spot policy decides the markets: ``spot`` asks for spot only, ``on-demand`` for
+    on-demand only, ``spot-then-on-demand`` for both (the planner decides when on-demand is
+    used).
+    """
+    cat = catalog or bundled()
+    types = tuple(t for t in spec.resources.instance_types if t in cat.types(cloud))
+    if cloud == "local":
+        regions: tuple[str, ...] = ()
+        zones = spec.resources.zones
+    else:
+        regions = _regions_of(spec, cloud, cat)
+        zones = tuple(z for z in spec.resources.zones if any(z.startswith(r) for r in regions))
+        if spec.resources.zones and not regions:
+            zones = spec.resources.zones
+    markets = {
+        SpotPolicy.SPOT: (Market.SPOT,),
+        SpotPolicy.ON_DEMAND: (Market.ON_DEMAND,),
+        SpotPolicy.SPOT_THEN_ON_DEMAND: (Market.SPOT, Market.ON_DEMAND),
+    }[spec.spot.policy]
+    return OfferQuery(
+        regions=regions,
+        zones=zones,
+        instance_types=types,
+        markets=markets,
+        max_price_per_hour=spec.resources.max_price_per_hour,
+        min_gpus=spec.nodes.gpus,
+    )
+
+
+def build_provider(
+    spec: JobSpec,
+    cloud: str,
+    *,
+    local_state_dir: Path | None = None,
+    endpoints: Endpoints | None = None,
+    catalog: Catalog | None = None,
+) -> Provider:
+    """The provider of ``cloud`` configured from ``spec``.
+
+    Raises:
+        ValueError: the spec lacks the cloud's section, or its settings are refused.
+        ImportError: the cloud's SDK is not installed (the message names the extra).
+    """
+    ep = endpoints or Endpoints()
+    cat = catalog or bundled()
+    if cloud == "local":
+        from spottrain.cloud.local import LocalProvider, LocalSettings
+
+        if local_state_dir is None:
+            raise ValueError("the local cloud needs a state directory")
+        local = spec.local or LocalCloudSpec()
+        return LocalProvider(
+            LocalSettings(
+                local_state_dir,
+                zones={name: z.capacity for name, z in local.zones.items()},
+                launch_latency_s=local.launch_latency_s,
+                notice_s=local.notice_s,
+            ),
+            catalog=cat,
+        )
+    if cloud == "aws":
+        from spottrain.cloud.aws import AwsProvider, AwsSettings
+
+        if spec.aws is None:
+            raise ValueError("the spec has no `aws:` section")
+        aws = spec.aws
+        settings = AwsSettings(
+            regions=tuple(spec.aws_regions()),
+            image_ids=dict(aws.images),
+            subnet_ids=dict(aws.subnets),
+            security_group_ids=tuple(aws.security_groups),
+            instance_profile=aws.instance_profile or "",
+            key_name=aws.key_name or "",
+            root_volume_gb=aws.root_volume_gb,
+        )
+        return AwsProvider(
+            settings, session=ep.aws_session, catalog=cat, endpoint_url=ep.aws_endpoint_url
+        )
+    if cloud == "gcp":
+        from spottrain.cloud.gcp import GcpProvider, GcpSettings
+
+        if spec.gcp is None:
+            raise ValueError("the spec has no `gcp:` section")
+        gcp = spec.gcp
+        gsettings = GcpSettings(
+            project=gcp.project,
+            regions=_regions_of(spec, "gcp", cat),
+            source_image=gcp.image,
+            network=gcp.network or "",
+            subnetwork=gcp.subnetwork or "",
+            service_account=gcp.service_account or "default",
+            boot_disk_gb=gcp.boot_disk_gb,
+        )
+        return GcpProvider(
+            gsettings, credentials=ep.gcp_credentials, api_endpoint=ep.gcp_api_endpoint, catalog=cat
+        )
+    raise ValueError(f"unknown cloud {cloud!r}: use aws, gcp or local")
+
+
+def build_providers(
+    spec: JobSpec,
+    *,
+    local_state_dir: Path | None = None,
+    endpoints: Endpoints | None = None,
+    catalog: Catalog | None = None,
+) -> dict[str, Provider]:
+    """One provider per cloud the spec allows."""
+    return {
+        cloud: build_provider(
+            spec, cloud, local_state_dir=local_state_dir, endpoints=endpoints, catalog=catalog
+        )
+        for cloud in spec.resources.clouds
+    }

@@ -1,0 +1,176 @@
+"""``spottrain validate`` as a user runs it: a subprocess, its exit code and its words, and
+the providers built from a spec."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from spec_samples import LOCAL, VALID, _with
+
+from spottrain.cloud.base import Market
+from spottrain.cloud.local import LocalProvider
+from spottrain.controller.providers import build_provider, offer_query
+from spottrain.spec import parse_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "spottrain.cli", "validate", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+        timeout=120,
+    )
+
+
+def _write(tmp_path: Path, data: dict[str, object], name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("example", ["local_job.yaml", "aws_job.yaml", "gcp_job.yaml"])
+def test_every_example_spec_is_valid(example: str) -> None:
+    out = _run(f"examples/{example}")
+    assert out.returncode == 0, out.stderr
+    assert "valid job spec" in out.stdout and "fits" in out.stdout
+
+
+def test_invalid_spec_exits_2_with_one_line_per_problem(tmp_path: Path) -> None:
+    bad = _with(_with(VALID, "name", "Bad_Name"), "nodes.gpu", 8)
+    out = _run(str(_write(tmp_path, bad)))
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].endswith("job.yaml: the job spec is not valid:")
+    assert lines[1].startswith("  name (line 1): use 1-48 lowercase letters")
+    assert lines[2] == "  nodes.gpu (line 14): unknown key; allowed here: min, max, gpus, workers"
+
+
+def test_window_that_does_not_fit_exits_3_and_json_says_which(tmp_path: Path) -> None:
+    spec = _with(VALID, "checkpoint.volume.write_gbps", 2)  # 84 GB: 42 s
+    path = _write(tmp_path, spec)
+    out = _run(str(path))
+    assert out.returncode == 3
+    assert "aws: 84 GB at 2 GB/s takes 42.0 s" in out.stdout and "fits, 68 s to spare" in out.stdout
+    assert "gcp: 84 GB at 2 GB/s" in out.stdout and "does NOT fit: 22 s short" in out.stdout
+    result = json.loads(_run(str(path), "--json").stdout)
+    assert result["valid"] and result["checkpoint_gb"] == pytest.approx(84.0)
+    assert {w["cloud"]: w["fits"] for w in result["windows"]} == {"aws": True, "gcp": False}
+
+
+def test_invalid_spec_as_json(tmp_path: Path) -> None:
+    out = _run(str(_write(tmp_path, _with(VALID, "budget.max_usd", 0))), "--json")
+    assert out.returncode == 2
+    result = json.loads(out.stdout)
+    assert result == {
+        "valid": False,
+        "source": str(tmp_path / "job.yaml"),
+        "problems": ["budget.max_usd (line 29): must be greater than 0 (got 0)"],
+    }
+
+
+def test_a_missing_trace_file_is_reported(tmp_path: Path) -> None:
+    spec = _with(LOCAL, "local.preemptions", {"trace": "nope.yaml"})
+    out = _run(str(_write(tmp_path, spec)))
+    assert out.returncode == 2
+    assert "local.preemptions.trace: preemption trace" in out.stderr
+    assert "cannot read it" in out.stderr
+
+
+def _dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _no_credentials(tmp_path: Path) -> dict[str, str]:
+    # Nothing to find anywhere: no keys, no files, no metadata server to ask.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "GOOGLE_"))}
+    dead = f"127.0.0.1:{_dead_port()}"
+    return {
+        **env,
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "CLOUDSDK_CONFIG": str(tmp_path / "gcloud"),
+        "GCE_METADATA_HOST": dead,
+        "GCE_METADATA_IP": dead,
+        "HOME": str(tmp_path),
+    }
+
+
+def _check_clouds(example: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "spottrain.cli", "validate", example, "--check-clouds"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+
+
+def test_check_clouds_without_aws_credentials_says_how_to_give_them(tmp_path: Path) -> None:
+    out = _check_clouds("examples/aws_job.yaml", _no_credentials(tmp_path))
+    assert out.returncode == 1
+    assert "aws: cannot use it:" in out.stderr
+    assert "AWS_PROFILE" in out.stderr and "AWS_ACCESS_KEY_ID" in out.stderr
+
+
+def test_check_clouds_without_google_credentials_says_how_to_give_them(tmp_path: Path) -> None:
+    out = _check_clouds("examples/gcp_job.yaml", _no_credentials(tmp_path))
+    assert out.returncode == 1
+    assert "gcp: cannot use it:" in out.stderr
+    assert "gcloud auth application-default login" in out.stderr
+
+
+@pytest.fixture
+def moto_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def test_check_clouds_lists_the_cheapest_aws_offer(tmp_path: Path, moto_endpoint: str) -> None:
+    env = {
+        **_no_credentials(tmp_path),
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL": moto_endpoint,
+    }
+    out = _check_clouds("examples/aws_job.yaml", env)
+    assert out.returncode == 0, out.stderr
+    assert "aws: " in out.stdout and "offers; cheapest p4d.24xlarge spot in us-" in out.stdout
+
+
+def test_offer_query_follows_the_spot_policy_and_each_clouds_names() -> None:
+    spec = parse_spec(yaml.safe_dump(VALID)).spec
+    aws = offer_query(spec, "aws")
+    assert aws.regions == ("us-east-1",) and aws.instance_types == ("p4d.24xlarge",)
+    assert aws.markets == (Market.SPOT, Market.ON_DEMAND)
+    assert aws.max_price_per_hour == 20 and aws.min_gpus == 8
+    gcp = offer_query(spec, "gcp")
+    assert gcp.regions == ("us-central1",) and gcp.instance_types == ("a2-highgpu-8g",)
+    spot_only = parse_spec(yaml.safe_dump(_with(VALID, "spot", {"policy": "spot"}))).spec
+    assert offer_query(spot_only, "aws").markets == (Market.SPOT,)
+    od = parse_spec(yaml.safe_dump(_with(VALID, "spot", {"policy": "on-demand"}))).spec
+    assert offer_query(od, "gcp").markets == (Market.ON_DEMAND,)
+
+
+def test_local_provider_is_built_from_the_spec(tmp_path: Path) -> None:
+    spec = parse_spec(yaml.safe_dump(LOCAL)).spec
+    provider = build_provider(spec, "local", local_state_dir=tmp_path)
+    assert isinstance(provider, LocalProvider)
+    assert provider.capacity() == {"local-a": 2, "local-b": 2}
+    offers = provider.offers(offer_query(spec, "local"))
+    assert {o.zone for o in offers} == {"local-a", "local-b"}
+    assert {o.market for o in offers} == {Market.SPOT}
