@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spottrain.cloud.base import Market, OfferQuery, Provider
 from spottrain.cloud.catalog import Catalog, bundled
 from spottrain.spec import JobSpec, LocalCloudSpec, SpotPolicy
+
+if TYPE_CHECKING:
+    from spottrain.cloud.local import PreemptionInjector
 
 
 @dataclass(frozen=True)
@@ -149,3 +152,33 @@ def build_providers(
         )
         for cloud in spec.resources.clouds
     }
+
+
+def preemption_injector(
+    spec: JobSpec, provider: Provider, job: str, *, started_at: float, base_dir: Path
+) -> PreemptionInjector | None:
+    """The local cloud's injected preemptions for a run of ``spec`` (rate and/or trace, the
+    trace read relative to the spec's directory); None when the spec injects none.
+
+    Raises:
+        ValueError: the trace file cannot be read, or the provider is not the local cloud.
+    """
+    from spottrain.cloud.local import LocalProvider, PreemptionInjector, load_trace
+
+    if spec.local is None:
+        return None
+    p = spec.local.preemptions
+    if p.rate_per_hour == 0 and not p.trace:
+        return None
+    if not isinstance(provider, LocalProvider):
+        raise ValueError("injected preemptions need the local cloud")
+    trace = load_trace(base_dir / p.trace) if p.trace else []
+    return PreemptionInjector(
+        provider,
+        job,
+        started_at=started_at,
+        rate_per_hour=p.rate_per_hour,
+        notice_fraction=p.notice_fraction,
+        trace=trace,
+        seed=p.seed,
+    )

@@ -174,3 +174,17 @@ def test_local_provider_is_built_from_the_spec(tmp_path: Path) -> None:
     offers = provider.offers(offer_query(spec, "local"))
     assert {o.zone for o in offers} == {"local-a", "local-b"}
     assert {o.market for o in offers} == {Market.SPOT}
+
+
+def test_preemption_injector_is_built_from_the_spec_and_its_trace(tmp_path: Path) -> None:
+    from spottrain.controller.providers import preemption_injector
+
+    (tmp_path / "trace.yaml").write_text("- {at_s: 5, notice: false}\n")
+    data = _with(LOCAL, "local.preemptions", {"rate_per_hour": 2, "trace": "trace.yaml"})
+    spec = parse_spec(yaml.safe_dump(data), base_dir=tmp_path).spec
+    provider = build_provider(spec, "local", local_state_dir=tmp_path / "cloud")
+    inj = preemption_injector(spec, provider, "job-1", started_at=10.0, base_dir=tmp_path)
+    assert inj is not None
+    assert inj.rate_per_hour == 2 and [t.at_s for t in inj.trace] == [5.0]
+    quiet = parse_spec(yaml.safe_dump(LOCAL)).spec
+    assert preemption_injector(quiet, provider, "j", started_at=0, base_dir=tmp_path) is None
