@@ -1,0 +1,561 @@
+"""The controller's decisions: a pure function from what is observed to what to do, and why.
+
+``plan(policy, observed)`` imports no cloud SDK, no Redis and no clock: the time is a field of
+:class:`Observed`, and tests call it with literals. It returns frozen actions and one line of
+reason; one executor (:mod:`spottrain.controller.executor`) applies them.
+
+The rules, in the order they are checked:
+
+1. **The end.** A finished job (its final checkpoint committed), a stopped one, or a crash
+   loop (the job restored from the same checkpoint after failing at the same step K times)
+   terminates every VM, and nothing launches again.
+2. **Budget.** Spent so far plus the running fleet's cost over the next hour must stay under
+   the cap: no launch that would break that; at the cap, checkpoint and stop.
+3. **Bad nodes.** A node whose VM failed its boot health check, or never became healthy
+   within the boot timeout, is terminated and its offer penalised (counted against the zone
+   and type like a preemption, which weighs the ranking); a straggler
+   (step time well above the fleet's median) is reported and replaced; a node that left
+   (drained, or finished) has its idle VM terminated.
+4. **Move.** When the job has been below its minimum in its zone for ``move_after_s`` and that
+   zone's offer is blocked (capacity), the whole job moves to the best offer elsewhere,
+   after a checkpoint copied to object storage.
+5. **Backfill.** Lost and draining nodes are replaced without touching the rest, up to
+   ``max`` nodes training, on the cheapest offer weighted by interruption risk, in the job's
+   zone and GPU type unless the spec chooses spreading; spot first, on-demand when the
+   policy allows it and spot capacity has been missing for ``fallback_after_s``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from spottrain.cloud.base import Instance, InstanceState, Market, Offer
+from spottrain.spec import SpotPolicy
+
+# Agent states (spottrain.agent.lifecycle.NodeState values), spelt here so the planner
+# depends on nothing but data.
+BOOTING, HEALTHY, JOINED = "booting", "healthy", "joined"
+CHECKPOINTING, DRAINING, LEFT, FAILED = "checkpointing", "draining", "left", "failed"
+HOURS_PER_MONTH = 730.0
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the spec asks, as the planner needs it.
+
+    Attributes:
+        min_nodes, max_nodes: the elastic range; the controller aims for ``max_nodes``.
+        same_zone: keep every node in one zone and on one GPU type.
+        spot_policy: see :class:`SpotPolicy`.
+        fallback_after_s: seconds without spot capacity before on-demand is allowed.
+        budget_usd: the cap.
+        move_after_s: seconds below ``min_nodes`` in a blocked zone before the job moves.
+        block_s: how long an offer stays blocked after a capacity error or a bad node.
+        boot_timeout_s: a VM not healthy this long after its launch is replaced.
+        lost_grace_s: a launched VM the cloud does not list for this long is taken as lost
+            (clouds are eventually consistent).
+        straggler_factor: a node whose step time exceeds this multiple of the median of the
+            others is replaced (needs at least 3 nodes reporting).
+        crash_loop_k: restores from the same checkpoint after failing at the same step
+            that stop the job.
+        stall_s: the seconds of training a preemption costs the whole fleet (recovery),
+            which turns an interruption rate into dollars for the ranking.
+        prior_hours: how many node-hours of observation the bundled band is worth when
+            blended with the job's own preemptions.
+        stop_margin_s: at the cap, the time reserved to checkpoint before stopping.
+    """
+
+    min_nodes: int
+    max_nodes: int
+    same_zone: bool = True
+    spot_policy: SpotPolicy = SpotPolicy.SPOT
+    fallback_after_s: float = 1800.0
+    budget_usd: float = math.inf
+    move_after_s: float = 600.0
+    block_s: float = 900.0
+    boot_timeout_s: float = 900.0
+    lost_grace_s: float = 120.0
+    straggler_factor: float = 2.0
+    crash_loop_k: int = 3
+    stall_s: float = 120.0
+    prior_hours: float = 24.0
+    stop_margin_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(
+                f"need 1 <= min_nodes <= max_nodes, got {self.min_nodes}, {self.max_nodes}"
+            )
+        if self.crash_loop_k < 2:
+            raise ValueError(f"crash_loop_k must be >= 2, got {self.crash_loop_k}")
+
+
+@dataclass(frozen=True)
+class NodeObs:
+    """One node as observed: its VM (from the cloud) and its agent (from Redis).
+
+    Attributes:
+        name: the node name (the VM's ``spottrain-node`` tag).
+        instance: the VM as the cloud lists it; None when the cloud does not (yet) list it.
+        offer: the offer it was launched on (from the launch record).
+        launched_at: when the controller launched it.
+        agent_state: the agent's lifecycle state, None before it registered.
+        alive_beat: whether its heartbeat is fresh.
+        step_time_s: its recent seconds per step, if it reports one.
+        health_failed: the agent reported a failed boot health check.
+    """
+
+    name: str
+    instance: Instance | None
+    offer: Offer | None
+    launched_at: float
+    agent_state: str | None = None
+    alive_beat: bool = False
+    step_time_s: float | None = None
+    health_failed: bool = False
+
+
+@dataclass(frozen=True)
+class Restore:
+    """One restart of the job's workers: the checkpoint step they restored, and the highest
+    step the job had reached before (where it failed)."""
+
+    restored_step: int
+    reached_step: int
+
+
+@dataclass(frozen=True)
+class ZoneHistory:
+    """The job's own experience of one (cloud, zone, instance type): preemptions seen, bad
+    VMs (failed health checks, never booted) and node-hours run there."""
+
+    preemptions: int = 0
+    node_hours: float = 0.0
+    bad_nodes: int = 0
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything the planner looks at, gathered by the loop's observe step."""
+
+    now: float
+    nodes: Sequence[NodeObs]
+    offers: Sequence[Offer]
+    blocked: Mapping[tuple[str, str, str, str], float] = field(default_factory=dict)
+    history: Mapping[tuple[str, str, str], ZoneHistory] = field(default_factory=dict)
+    spent_usd: float = 0.0
+    finished: bool = False
+    stopped: str = ""
+    restores: Sequence[Restore] = ()
+    home: tuple[str, str, str] | None = None  # (cloud, zone, instance type)
+    below_min_since: float | None = None
+    spot_short_since: float | None = None
+    next_index: int = 0
+    job_tag: str = "job"
+    moving: bool = False
+
+
+class ActionKind(StrEnum):
+    LAUNCH = "launch"
+    TERMINATE = "terminate"
+    PENALISE = "penalise"
+    MOVE = "move"
+    STOP = "stop"
+    REPORT = "report"
+
+
+@dataclass(frozen=True)
+class Launch:
+    node: str
+    request_id: str
+    offer: Offer
+    kind: ActionKind = ActionKind.LAUNCH
+
+
+@dataclass(frozen=True)
+class Terminate:
+    node: str
+    instance_id: str
+    why: str
+    kind: ActionKind = ActionKind.TERMINATE
+
+
+@dataclass(frozen=True)
+class Penalise:
+    """Count a bad VM against its (cloud, zone, type) in the job's history, like a
+    preemption: the ranking then weighs that offer down (a bad host is not a bad zone, so
+    the offer is not blocked)."""
+
+    key: tuple[str, str, str]
+    why: str
+    kind: ActionKind = ActionKind.PENALISE
+
+
+@dataclass(frozen=True)
+class Move:
+    """Checkpoint, copy it to object storage, end every VM, and restart on ``to``."""
+
+    to: Offer
+    why: str
+    kind: ActionKind = ActionKind.MOVE
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Checkpoint (when ``checkpoint``), end every VM, and end the job."""
+
+    why: str
+    error: bool = False
+    checkpoint: bool = True
+    kind: ActionKind = ActionKind.STOP
+
+
+@dataclass(frozen=True)
+class Report:
+    message: str
+    kind: ActionKind = ActionKind.REPORT
+
+
+Action = Launch | Terminate | Penalise | Move | Stop | Report
+
+
+@dataclass(frozen=True)
+class Plan:
+    actions: tuple[Action, ...]
+    reason: str
+    home: tuple[str, str, str] | None = None
+    next_index: int = 0
+
+    def of(self, kind: type) -> list[Action]:
+        return [a for a in self.actions if isinstance(a, kind)]
+
+
+def request_id(job_tag: str, node: str) -> str:
+    """A launch's request id: unique across runs (a hash of the run id) and stable for a
+    node, so a restarted controller repeats a launch instead of doubling it."""
+    digest = hashlib.sha256(job_tag.encode()).hexdigest()[:10]
+    return f"st{digest}-{node}"
+
+
+def hourly_risk(
+    offer: Offer, history: Mapping[tuple[str, str, str], ZoneHistory], prior_h: float
+) -> float:
+    """Expected interruptions per VM-hour: the bundled band (a monthly share) blended with
+    the preemptions this job saw on this zone and type, weighted by node-hours."""
+    if offer.market is Market.ON_DEMAND:
+        return 0.0
+    prior_rate = offer.interruption_risk / HOURS_PER_MONTH
+    seen = history.get((offer.cloud, offer.zone, offer.instance_type))
+    if seen is None:
+        return prior_rate
+    events = seen.preemptions + seen.bad_nodes
+    return (prior_rate * prior_h + events) / (prior_h + seen.node_hours)
+
+
+def effective_price(
+    offer: Offer, policy: Policy, history: Mapping[tuple[str, str, str], ZoneHistory]
+) -> float:
+    """USD per VM-hour including what interruptions are expected to cost: each one stalls
+    the whole fleet (``max_nodes`` VMs) for ``stall_s``."""
+    rate = hourly_risk(offer, history, policy.prior_hours)
+    stall_h = policy.stall_s / 3600.0
+    return offer.price_per_hour * (1.0 + rate * policy.max_nodes * stall_h)
+
+
+def _alive(n: NodeObs) -> bool:
+    return n.instance is None or n.instance.state.alive
+
+
+def _lost(n: NodeObs, now: float, policy: Policy) -> bool:
+    if n.instance is None:
+        return now - n.launched_at > policy.lost_grace_s
+    return not n.instance.state.alive
+
+
+def plan(policy: Policy, obs: Observed) -> Plan:
+    """Decide what to do now. See the module docstring for the rules.
+
+    Returns:
+        A :class:`Plan`: its actions, one line of reason, the job's home (cloud, zone,
+        instance type) after this pass, and the next free node index.
+    """
+    now = obs.now
+    actions: list[Action] = []
+    reasons: list[str] = []
+    live = [n for n in obs.nodes if not _lost(n, now, policy)]
+    vms = [n for n in live if n.instance is None or n.instance.state is not InstanceState.STOPPING]
+
+    def end_all(why: str) -> list[Action]:
+        return [
+            Terminate(n.name, n.instance.id, why)
+            for n in live
+            if n.instance is not None and n.instance.state.alive
+        ]
+
+    # 1. The end.
+    if obs.finished:
+        ends = end_all("training finished")
+        return Plan(
+            tuple(ends),
+            f"training finished: scaling down ({len(ends)} VMs)",
+            obs.home,
+            obs.next_index,
+        )
+    if obs.stopped:
+        ends = end_all(obs.stopped)
+        return Plan(
+            tuple(ends),
+            f"stopped ({obs.stopped}): {len(ends)} VMs to end",
+            obs.home,
+            obs.next_index,
+        )
+    loop = _crash_loop(obs.restores, policy.crash_loop_k)
+    if loop is not None:
+        why = (
+            f"crash loop: the job failed at step {loop.reached_step} and restored step "
+            f"{loop.restored_step} {policy.crash_loop_k} times; fix the training script "
+            "and relaunch"
+        )
+        return Plan((Stop(why, error=True, checkpoint=False),), why, obs.home, obs.next_index)
+
+    # 2. Budget.
+    running_rate = sum(n.offer.price_per_hour for n in vms if n.offer is not None)
+    margin_cost = running_rate * policy.stop_margin_s / 3600.0
+    if obs.spent_usd + margin_cost >= policy.budget_usd:
+        why = (
+            f"budget: ${obs.spent_usd:,.2f} spent of ${policy.budget_usd:,.2f}; checkpointing "
+            "and stopping"
+        )
+        return Plan((Stop(why),), why, obs.home, obs.next_index)
+
+    # 3. Bad nodes.
+    gone: set[str] = set()
+    for n in live:
+        if n.instance is None or not n.instance.state.alive:
+            continue
+        if n.health_failed or n.agent_state == FAILED:
+            actions.append(Terminate(n.name, n.instance.id, "failed its health check"))
+            if n.offer is not None:
+                actions.append(Penalise(_zone_key(n.offer), f"node {n.name} was bad"))
+            gone.add(n.name)
+        elif n.agent_state in (None, BOOTING) and now - n.launched_at > policy.boot_timeout_s:
+            actions.append(
+                Terminate(
+                    n.name, n.instance.id, f"not healthy {policy.boot_timeout_s:.0f} s after launch"
+                )
+            )
+            if n.offer is not None:
+                actions.append(Penalise(_zone_key(n.offer), f"node {n.name} never booted"))
+            gone.add(n.name)
+        elif n.agent_state == LEFT:
+            actions.append(Terminate(n.name, n.instance.id, "its agent left (drained or done)"))
+            gone.add(n.name)
+    straggler = _straggler(live, policy.straggler_factor, gone)
+    if straggler is not None:
+        n, median = straggler
+        assert n.instance is not None and n.step_time_s is not None
+        msg = (
+            f"node {n.name} is a straggler: {n.step_time_s:.2f} s per step against the "
+            f"fleet's median {median:.2f} s; replacing it"
+        )
+        actions += [Report(msg), Terminate(n.name, n.instance.id, "straggler")]
+        gone.add(n.name)
+        reasons.append(msg)
+    if gone:
+        reasons.append(f"replacing {len(gone)} bad node(s)")
+
+    # Who is left to count: VMs that run (or will) and whose agents are not leaving.
+    staying = [
+        n for n in vms if n.name not in gone and n.agent_state not in (DRAINING, LEFT, FAILED)
+    ]
+    blocked = {k for k, until in obs.blocked.items() if until > now}
+    home = obs.home
+    if home is None and staying:
+        home = _majority_home(staying)
+
+    # 4. Move.
+    if (
+        policy.same_zone
+        and home is not None
+        and len(staying) < policy.min_nodes
+        and obs.below_min_since is not None
+        and now - obs.below_min_since >= policy.move_after_s
+        and not obs.moving
+    ):
+        here = _candidates(policy, obs, blocked, home, now, only_home=True)
+        if not here:
+            away = [
+                o
+                for o in _candidates(policy, obs, blocked, None, now, only_home=False)
+                if o.zone != home[1]
+            ]
+            if away:
+                best = away[0]
+                why = (
+                    f"zone {home[1]} could not hold {policy.min_nodes} node(s) for "
+                    f"{now - obs.below_min_since:.0f} s: moving the job to {best.cloud} "
+                    f"{best.zone} ({best.instance_type}, {best.market})"
+                )
+                return Plan(
+                    (*actions, Move(best, why)),
+                    why,
+                    (best.cloud, best.zone, best.instance_type),
+                    obs.next_index,
+                )
+            reasons.append(f"zone {home[1]} is short and no other offer is open")
+
+    # 5. Backfill.
+    need = policy.max_nodes - len(staying)
+    next_index = obs.next_index
+    if need > 0:
+        offers = _candidates(
+            policy,
+            obs,
+            blocked,
+            home if policy.same_zone else None,
+            now,
+            only_home=policy.same_zone and home is not None,
+        )
+        launched = 0
+        projected = running_rate
+        for _ in range(need):
+            if not offers:
+                break
+            offer = offers[0] if policy.same_zone else _spread_pick(offers, staying, actions)
+            projection = obs.spent_usd + projected + offer.price_per_hour
+            if projection > policy.budget_usd:
+                reasons.append(
+                    f"budget: one more node would project ${projection:,.2f} within the "
+                    f"hour, over the ${policy.budget_usd:,.2f} cap"
+                )
+                break
+            node = f"n{next_index}"
+            next_index += 1
+            actions.append(Launch(node, request_id(obs.job_tag, node), offer))
+            projected += offer.price_per_hour
+            launched += 1
+            if home is None and policy.same_zone:
+                home = (offer.cloud, offer.zone, offer.instance_type)
+                offers = [o for o in offers if (o.cloud, o.zone, o.instance_type) == home]
+        if launched:
+            where = ", ".join(
+                sorted(
+                    {
+                        f"{a.offer.zone} {a.offer.instance_type} {a.offer.market}"
+                        for a in actions
+                        if isinstance(a, Launch)
+                    }
+                )
+            )
+            reasons.append(
+                f"{len(staying)} of {policy.max_nodes} node(s): launching {launched} on {where}"
+            )
+        elif not offers:
+            reasons.append(
+                f"{len(staying)} of {policy.max_nodes} node(s): no open offer to launch on"
+            )
+    if not reasons:
+        reasons.append(f"{len(staying)} of {policy.max_nodes} node(s): nothing to do")
+    return Plan(tuple(actions), "; ".join(reasons), home, next_index)
+
+
+def _zone_key(o: Offer) -> tuple[str, str, str]:
+    return (o.cloud, o.zone, o.instance_type)
+
+
+def _majority_home(nodes: Sequence[NodeObs]) -> tuple[str, str, str] | None:
+    counts = Counter(
+        (n.offer.cloud, n.offer.zone, n.offer.instance_type) for n in nodes if n.offer is not None
+    )
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _markets(policy: Policy, obs: Observed, now: float) -> tuple[Market, ...]:
+    if policy.spot_policy is SpotPolicy.SPOT:
+        return (Market.SPOT,)
+    if policy.spot_policy is SpotPolicy.ON_DEMAND:
+        return (Market.ON_DEMAND,)
+    short = (
+        obs.spot_short_since is not None and now - obs.spot_short_since >= policy.fallback_after_s
+    )
+    return (Market.SPOT, Market.ON_DEMAND) if short else (Market.SPOT,)
+
+
+def _candidates(
+    policy: Policy,
+    obs: Observed,
+    blocked: set[tuple[str, str, str, str]],
+    home: tuple[str, str, str] | None,
+    now: float,
+    *,
+    only_home: bool,
+) -> list[Offer]:
+    """Open offers, best first: allowed market, not blocked, in the home zone and type when
+    asked; spot before on-demand, then by risk-weighted price."""
+    markets = _markets(policy, obs, now)
+    out = [
+        o
+        for o in obs.offers
+        if o.market in markets
+        and o.key not in blocked
+        and (not only_home or home is None or (o.cloud, o.zone, o.instance_type) == home)
+    ]
+    if home is not None and not only_home and policy.same_zone:
+        # A move keeps the GPU type when it can: prefer offers of the same type.
+        same_type = [o for o in out if o.instance_type == home[2]]
+        out = same_type or out
+    return sorted(
+        out,
+        key=lambda o: (
+            o.market is not Market.SPOT,
+            effective_price(o, policy, obs.history),
+            o.cloud,
+            o.zone,
+            o.instance_type,
+        ),
+    )
+
+
+def _spread_pick(
+    offers: Sequence[Offer], staying: Sequence[NodeObs], actions: Sequence[Action]
+) -> Offer:
+    """With spreading, the cheapest offer in the zone that has the fewest nodes."""
+    per_zone = Counter(n.offer.zone for n in staying if n.offer is not None)
+    per_zone.update(a.offer.zone for a in actions if isinstance(a, Launch))
+    return min(offers, key=lambda o: (per_zone[o.zone], offers.index(o)))
+
+
+def _straggler(
+    nodes: Sequence[NodeObs], factor: float, skip: set[str]
+) -> tuple[NodeObs, float] | None:
+    timed = [
+        n
+        for n in nodes
+        if n.step_time_s is not None
+        and n.name not in skip
+        and n.instance is not None
+        and n.instance.state.alive
+        and n.agent_state == JOINED
+    ]
+    if len(timed) < 3:
+        return None
+    worst = max(timed, key=lambda n: n.step_time_s or 0.0)
+    others = [n.step_time_s for n in timed if n is not worst and n.step_time_s is not None]
+    median = statistics.median(others)
+    if worst.step_time_s is not None and median > 0 and worst.step_time_s > factor * median:
+        return worst, median
+    return None
+
+
+def _crash_loop(restores: Sequence[Restore], k: int) -> Restore | None:
+    """The last ``k`` restores all restored the same step after failing at the same step."""
+    if len(restores) < k:
+        return None
+    last = restores[-k:]
+    return last[0] if all(r == last[0] for r in last) else None

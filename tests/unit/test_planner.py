@@ -1,0 +1,344 @@
+"""The planner, one decision per test, with literals and no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from spottrain.cloud.base import Instance, InstanceState, Market, Offer
+from spottrain.controller.planner import (
+    Launch,
+    Move,
+    NodeObs,
+    Observed,
+    Penalise,
+    Policy,
+    Report,
+    Restore,
+    Stop,
+    Terminate,
+    ZoneHistory,
+    effective_price,
+    plan,
+    request_id,
+)
+from spottrain.spec import SpotPolicy
+
+NOW = 10_000.0
+
+
+def offer(
+    zone: str = "us-east-1a",
+    price: float = 10.0,
+    market: Market = Market.SPOT,
+    itype: str = "p4d.24xlarge",
+    risk: float = 0.1,
+    cloud: str = "aws",
+) -> Offer:
+    return Offer(
+        cloud=cloud,
+        region=zone[:-1] if cloud == "aws" else zone.rsplit("-", 1)[0],
+        zone=zone,
+        instance_type=itype,
+        gpus=8,
+        gpu_type="A100",
+        market=market,
+        price_per_hour=price,
+        interruption_risk=risk if market is Market.SPOT else 0.0,
+    )
+
+
+A_SPOT = offer("us-east-1a", 10.0)
+B_SPOT = offer("us-east-1b", 12.0)
+A_OD = offer("us-east-1a", 30.0, Market.ON_DEMAND)
+OFFERS = (A_SPOT, B_SPOT, A_OD)
+
+
+def node(
+    name: str,
+    o: Offer = A_SPOT,
+    state: InstanceState = InstanceState.RUNNING,
+    agent: str | None = "joined",
+    launched_at: float = NOW - 600,
+    step_time: float | None = None,
+    interrupted: bool = False,
+    listed: bool = True,
+    health_failed: bool = False,
+) -> NodeObs:
+    inst = Instance(
+        id=f"i-{name}",
+        cloud=o.cloud,
+        region=o.region,
+        zone=o.zone,
+        instance_type=o.instance_type,
+        market=o.market,
+        state=state,
+        job="job",
+        node=name,
+        request_id=request_id("job", name),
+        interrupted=interrupted,
+    )
+    return NodeObs(
+        name=name,
+        instance=inst if listed else None,
+        offer=o,
+        launched_at=launched_at,
+        agent_state=agent,
+        alive_beat=agent is not None,
+        step_time_s=step_time,
+        health_failed=health_failed,
+    )
+
+
+def observed(**kw: object) -> Observed:
+    base: dict[str, object] = {"now": NOW, "nodes": (), "offers": OFFERS, "next_index": 0}
+    base.update(kw)
+    return Observed(**base)  # type: ignore[arg-type]
+
+
+def launches(p: object) -> list[Launch]:
+    return [a for a in p.actions if isinstance(a, Launch)]  # type: ignore[attr-defined]
+
+
+def terminates(p: object) -> list[Terminate]:
+    return [a for a in p.actions if isinstance(a, Terminate)]  # type: ignore[attr-defined]
+
+
+def test_plan_launches_the_cheapest_offer_up_to_max_nodes() -> None:
+    p = plan(Policy(min_nodes=2, max_nodes=3), observed())
+    assert [(a.node, a.offer) for a in launches(p)] == [
+        ("n0", A_SPOT),
+        ("n1", A_SPOT),
+        ("n2", A_SPOT),
+    ]
+    assert p.next_index == 3
+    assert p.home == ("aws", "us-east-1a", "p4d.24xlarge")
+    assert "launching 3 on us-east-1a p4d.24xlarge spot" in p.reason
+
+
+def test_plan_request_ids_are_stable_per_node_and_unique_per_run() -> None:
+    p1 = plan(Policy(1, 1), observed(job_tag="run-a-1795000000"))
+    p2 = plan(Policy(1, 1), observed(job_tag="run-a-1795000000"))
+    p3 = plan(Policy(1, 1), observed(job_tag="run-b-1795000000"))
+    assert launches(p1)[0].request_id == launches(p2)[0].request_id
+    assert launches(p1)[0].request_id != launches(p3)[0].request_id
+
+
+def test_plan_weighs_the_bundled_interruption_band() -> None:
+    # Same price; the riskier band loses once a preemption's fleet-wide stall is priced in.
+    safe = offer("us-east-1b", 10.0, risk=0.025)
+    risky = offer("us-east-1a", 10.0, risk=0.25)
+    p = plan(Policy(1, 1), observed(offers=(risky, safe)))
+    assert launches(p)[0].offer == safe
+
+
+def test_plan_refines_risk_with_the_jobs_own_preemptions() -> None:
+    # A is cheaper, but this job saw 30 preemptions in 10 node-hours there: each stalls the
+    # 8-node fleet for 2 minutes, which costs more than zone b's extra $2/h.
+    history = {("aws", "us-east-1a", "p4d.24xlarge"): ZoneHistory(preemptions=30, node_hours=10)}
+    policy = Policy(1, 8)
+    assert effective_price(A_SPOT, policy, history) > effective_price(B_SPOT, policy, history)
+    p = plan(Policy(1, 8), observed(history=history))
+    assert {a.offer for a in launches(p)} == {B_SPOT}
+    # Without that history, A wins.
+    assert {a.offer for a in launches(plan(Policy(1, 8), observed()))} == {A_SPOT}
+
+
+def test_plan_keeps_backfills_in_the_jobs_zone_and_type() -> None:
+    # The job lives in zone b; a cheaper offer in zone a does not split it.
+    nodes = (
+        node("n0", B_SPOT),
+        node("n1", B_SPOT, state=InstanceState.TERMINATED, interrupted=True),
+    )
+    p = plan(
+        Policy(1, 2),
+        observed(nodes=nodes, next_index=2, home=("aws", "us-east-1b", "p4d.24xlarge")),
+    )
+    assert [a.offer for a in launches(p)] == [B_SPOT]
+    assert terminates(p) == []
+
+
+def test_plan_spreads_across_zones_when_the_spec_asks() -> None:
+    p = plan(Policy(1, 4, same_zone=False), observed())
+    zones = sorted(a.offer.zone for a in launches(p))
+    assert zones == ["us-east-1a", "us-east-1a", "us-east-1b", "us-east-1b"]
+
+
+def test_plan_avoids_a_blocked_offer_until_the_block_expires() -> None:
+    blocked = {A_SPOT.key: NOW + 60}
+    p = plan(Policy(1, 1), observed(blocked=blocked))
+    assert launches(p)[0].offer == B_SPOT
+    expired = {A_SPOT.key: NOW - 1}
+    assert launches(plan(Policy(1, 1), observed(blocked=expired)))[0].offer == A_SPOT
+
+
+def test_plan_moves_the_whole_job_when_its_zone_cannot_hold_the_minimum() -> None:
+    home = ("aws", "us-east-1a", "p4d.24xlarge")
+    nodes = (node("n0", A_SPOT),)
+    blocked = {A_SPOT.key: NOW + 600}
+    policy = Policy(min_nodes=2, max_nodes=2, move_after_s=300)
+    # Short for less than the limit: wait (nothing launches elsewhere).
+    early = plan(
+        policy, observed(nodes=nodes, home=home, blocked=blocked, below_min_since=NOW - 100)
+    )
+    assert early.of(Move) == [] and launches(early) == []
+    # Past the limit: move to zone b.
+    late = plan(
+        policy, observed(nodes=nodes, home=home, blocked=blocked, below_min_since=NOW - 301)
+    )
+    (move,) = late.of(Move)
+    assert isinstance(move, Move) and move.to == B_SPOT
+    assert late.home == ("aws", "us-east-1b", "p4d.24xlarge")
+    assert "moving the job to aws us-east-1b" in late.reason
+
+
+def test_plan_does_not_move_while_the_home_zone_is_open() -> None:
+    home = ("aws", "us-east-1a", "p4d.24xlarge")
+    p = plan(
+        Policy(min_nodes=2, max_nodes=2, move_after_s=300),
+        observed(nodes=(node("n0"),), home=home, below_min_since=NOW - 1000, next_index=1),
+    )
+    assert p.of(Move) == []
+    assert [a.offer for a in launches(p)] == [A_SPOT]
+
+
+def test_plan_falls_back_to_on_demand_after_the_spot_drought() -> None:
+    policy = Policy(1, 1, spot_policy=SpotPolicy.SPOT_THEN_ON_DEMAND, fallback_after_s=600)
+    blocked = {A_SPOT.key: NOW + 600, B_SPOT.key: NOW + 600}
+    early = plan(policy, observed(blocked=blocked, spot_short_since=NOW - 100))
+    assert launches(early) == [] and "no open offer" in early.reason
+    late = plan(policy, observed(blocked=blocked, spot_short_since=NOW - 601))
+    assert [a.offer for a in launches(late)] == [A_OD]
+    # Spot policy "spot" never falls back; "on-demand" never uses spot.
+    assert launches(plan(Policy(1, 1), observed(blocked=blocked, spot_short_since=0))) == []
+    od = plan(Policy(1, 1, spot_policy=SpotPolicy.ON_DEMAND), observed())
+    assert [a.offer for a in launches(od)] == [A_OD]
+
+
+def test_plan_prefers_spot_again_when_it_comes_back() -> None:
+    policy = Policy(1, 1, spot_policy=SpotPolicy.SPOT_THEN_ON_DEMAND, fallback_after_s=600)
+    p = plan(policy, observed(spot_short_since=NOW - 601))
+    assert [a.offer for a in launches(p)] == [A_SPOT]
+
+
+def test_plan_stops_launching_before_the_budget_projection_breaks_the_cap() -> None:
+    # $10/h each; $75 spent; cap $100: one more node projects 75 + 10 + 10 = 95 <= 100,
+    # a second 105 > 100.
+    nodes = (node("n0"),)
+    p = plan(Policy(1, 4, budget_usd=100), observed(nodes=nodes, spent_usd=75, next_index=1))
+    assert len(launches(p)) == 1
+    assert "over the $100.00 cap" in p.reason
+
+
+def test_plan_checkpoints_and_stops_at_the_cap() -> None:
+    nodes = (node("n0"), node("n1"))
+    p = plan(Policy(1, 2, budget_usd=100), observed(nodes=nodes, spent_usd=99))
+    (stop,) = p.of(Stop)
+    assert isinstance(stop, Stop) and stop.checkpoint and not stop.error
+    assert "budget: $99.00 spent of $100.00" in stop.why
+    assert launches(p) == []
+
+
+def test_plan_never_exceeds_max_nodes_and_counts_pending_launches() -> None:
+    # Two listed, one launched but not listed yet (within the grace): none to add.
+    nodes = (node("n0"), node("n1"), node("n2", listed=False, launched_at=NOW - 10, agent=None))
+    p = plan(Policy(1, 3), observed(nodes=nodes, next_index=3))
+    assert launches(p) == [] and "3 of 3 node(s)" in p.reason
+
+
+def test_plan_takes_a_vm_missing_past_the_grace_as_lost() -> None:
+    nodes = (node("n0"), node("n1", listed=False, launched_at=NOW - 500, agent=None))
+    p = plan(Policy(1, 2, lost_grace_s=120), observed(nodes=nodes, next_index=2))
+    assert [a.node for a in launches(p)] == ["n2"]
+
+
+def test_plan_backfills_lost_and_draining_nodes_without_touching_the_rest() -> None:
+    nodes = (
+        node("n0"),
+        node("n1", state=InstanceState.TERMINATED, interrupted=True),
+        node("n2", agent="draining"),
+        node("n3"),
+    )
+    p = plan(Policy(2, 4), observed(nodes=nodes, next_index=4))
+    assert [a.node for a in launches(p)] == ["n4", "n5"]
+    assert terminates(p) == []  # the draining node ends itself (its cloud takes it)
+
+
+def test_plan_replaces_a_node_that_failed_its_health_check_and_penalises_its_offer() -> None:
+    nodes = (node("n0"), node("n1", health_failed=True, agent="failed"))
+    p = plan(Policy(1, 2), observed(nodes=nodes, next_index=2))
+    assert [t.node for t in terminates(p)] == ["n1"]
+    (pen,) = p.of(Penalise)
+    assert isinstance(pen, Penalise) and pen.key == ("aws", "us-east-1a", "p4d.24xlarge")
+    # Its replacement stays in the job's zone (a bad host is not a bad zone).
+    assert [(a.node, a.offer) for a in launches(p)] == [("n2", A_SPOT)]
+
+
+def test_plan_weighs_bad_nodes_like_preemptions_when_choosing_a_zone() -> None:
+    history = {("aws", "us-east-1a", "p4d.24xlarge"): ZoneHistory(bad_nodes=30, node_hours=10)}
+    assert {a.offer for a in launches(plan(Policy(1, 8), observed(history=history)))} == {B_SPOT}
+
+
+def test_plan_replaces_a_node_that_never_boots() -> None:
+    stuck = node("n1", agent=None, launched_at=NOW - 1000)
+    p = plan(Policy(1, 2, boot_timeout_s=900), observed(nodes=(node("n0"), stuck), next_index=2))
+    assert [t.node for t in terminates(p)] == ["n1"]
+    assert "not healthy 900 s after launch" in terminates(p)[0].why
+
+
+def test_plan_reports_and_replaces_a_straggler() -> None:
+    nodes = (*[node(f"n{i}", step_time=1.0) for i in range(3)], node("n3", step_time=3.5))
+    p = plan(Policy(1, 4), observed(nodes=nodes, next_index=4))
+    assert [t.node for t in terminates(p)] == ["n3"]
+    (report,) = p.of(Report)
+    assert isinstance(report, Report)
+    assert "n3 is a straggler: 3.50 s per step against the fleet's median 1.00 s" in report.message
+    assert [a.node for a in launches(p)] == ["n4"]
+
+
+def test_plan_leaves_a_merely_slower_node_alone() -> None:
+    nodes = (*[node(f"n{i}", step_time=1.0) for i in range(3)], node("n3", step_time=1.5))
+    assert terminates(plan(Policy(1, 4), observed(nodes=nodes, next_index=4))) == []
+
+
+def test_plan_stops_a_crash_loop_with_a_clear_error() -> None:
+    restores = (Restore(50, 57), Restore(50, 57), Restore(50, 57))
+    p = plan(Policy(1, 2, crash_loop_k=3), observed(nodes=(node("n0"),), restores=restores))
+    (stop,) = p.of(Stop)
+    assert isinstance(stop, Stop) and stop.error
+    assert "crash loop: the job failed at step 57 and restored step 50 3 times" in stop.why
+    # Progress between failures is no loop.
+    moving = (Restore(50, 57), Restore(50, 57), Restore(75, 80))
+    assert plan(Policy(1, 2), observed(nodes=(node("n0"),), restores=moving)).of(Stop) == []
+
+
+def test_plan_scales_down_when_training_finished() -> None:
+    nodes = (node("n0"), node("n1"), node("n2", state=InstanceState.TERMINATED))
+    p = plan(Policy(1, 3), observed(nodes=nodes, finished=True))
+    assert sorted(t.node for t in terminates(p)) == ["n0", "n1"]
+    assert launches(p) == [] and "training finished" in p.reason
+
+
+def test_plan_terminates_the_idle_vm_of_a_node_that_left() -> None:
+    nodes = (node("n0"), node("n1", agent="left"))
+    p = plan(Policy(1, 2), observed(nodes=nodes, next_index=2))
+    assert [t.node for t in terminates(p)] == ["n1"]
+    assert [a.node for a in launches(p)] == ["n2"]
+
+
+def test_plan_after_a_stop_only_ends_vms() -> None:
+    p = plan(Policy(1, 2), observed(nodes=(node("n0"),), stopped="budget"))
+    assert [t.node for t in terminates(p)] == ["n0"] and launches(p) == []
+
+
+def test_policy_refuses_an_inverted_range() -> None:
+    with pytest.raises(ValueError, match="min_nodes <= max_nodes"):
+        Policy(min_nodes=3, max_nodes=2)
+
+
+def test_plan_reason_is_stable_when_nothing_changes() -> None:
+    nodes = (node("n0"), node("n1"))
+    a = plan(Policy(1, 2), observed(nodes=nodes, next_index=2))
+    b = plan(Policy(1, 2), replace(observed(nodes=nodes, next_index=2), now=NOW + 5))
+    assert a.reason == b.reason == "2 of 2 node(s): nothing to do" and a.actions == ()
