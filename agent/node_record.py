@@ -130,7 +130,9 @@ class NodeRecord:
         with self._state_lock:
             self.state = state
             try:
-                self.client.hset(self.keys.node(self.info.node_id), "state", state)
+                self.client.hset(
+                    self.keys.node(self.info.node_id), mapping={"state": state, "reason": reason}
+                )
             except redis.RedisError as exc:
                 log.warning("could not record state %s in Redis: %s", state, exc)
         self.event("state", state=state, reason=reason)

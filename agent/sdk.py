@@ -356,6 +356,8 @@ class TrainSession:
                 manifest.world_size,
                 manifest.round,
             )
+        if self.rank == 0:
+            self._requests.report_restore(step, self.world, self.round)
         self._phase = "training"
         self._mark()
         return step
@@ -776,6 +778,30 @@ class _RequestPoller:
                 "at": time.time(),
                 **{k: float(v) for k, v in metrics.items()},
             }
+
+    def report_restore(self, step: int, world: int, round_: int) -> None:
+        """Record a restart of the job's workers: the step restored and the highest step the
+        job had reported before (the controller counts lost steps and crash loops by it)."""
+        if self.client is None or self.keys is None:
+            return
+        try:
+            reached = int(float(self.client.hget(self.keys.progress, "step") or 0))
+            self.client.xadd(
+                self.keys.events,
+                {
+                    "type": "restored",
+                    "node": os.environ.get(ENV_NODE, ""),
+                    "at": f"{time.time():.3f}",
+                    "step": str(step),
+                    "reached": str(max(reached, step)),
+                    "world_size": str(world),
+                    "round": str(round_),
+                },
+                maxlen=EVENTS_MAXLEN,
+                approximate=True,
+            )
+        except Exception as exc:
+            log.warning("restore not reported to Redis: %s", exc)
 
     def report_commit(
         self, result: dcp_io.SaveResult, kind: str, drain: bool, request_id: int

@@ -63,7 +63,8 @@ class Policy:
         straggler_factor: a node whose step time exceeds this multiple of the median of the
             others is replaced (needs at least 3 nodes reporting).
         crash_loop_k: restores from the same checkpoint after failing at the same step
-            that stop the job.
+            that stop the job; ``crash_loop_k`` x ``max_nodes`` VMs in a row that fail at
+            boot, with none joining in between, stop it too (a broken image or setting).
         stall_s: the seconds of training a preemption costs the whole fleet (recovery),
             which turns an interruption rate into dollars for the ranking.
         prior_hours: how many node-hours of observation the bundled band is worth when
@@ -159,6 +160,8 @@ class Observed:
     next_index: int = 0
     job_tag: str = "job"
     moving: bool = False
+    bad_streak: int = 0
+    last_failure: str = ""
 
 
 class ActionKind(StrEnum):
@@ -324,6 +327,13 @@ def plan(policy: Policy, obs: Observed) -> Plan:
         )
         return Plan((Stop(why, error=True, checkpoint=False),), why, obs.home, obs.next_index)
 
+    if obs.bad_streak >= policy.crash_loop_k * policy.max_nodes:
+        why = (
+            f"{obs.bad_streak} VMs in a row failed at boot and none joined; the last said: "
+            f"{obs.last_failure or 'nothing'}. Fix that and relaunch"
+        )
+        return Plan((Stop(why, error=True, checkpoint=False),), why, obs.home, obs.next_index)
+
     # 2. Budget.
     running_rate = sum(n.offer.price_per_hour for n in vms if n.offer is not None)
     margin_cost = running_rate * policy.stop_margin_s / 3600.0
@@ -410,6 +420,17 @@ def plan(policy: Policy, obs: Observed) -> Plan:
                 )
             reasons.append(f"zone {home[1]} is short and no other offer is open")
 
+    # Never more than max nodes: a late-confirmed launch can overshoot; end the newest.
+    if len(staying) > policy.max_nodes:
+        extra = sorted(staying, key=lambda n: (n.launched_at, n.name))[policy.max_nodes :]
+        for n in extra:
+            if n.instance is not None and n.instance.state.alive:
+                actions.append(
+                    Terminate(n.name, n.instance.id, f"over max_nodes ({policy.max_nodes})")
+                )
+        staying = [n for n in staying if n not in extra]
+        reasons.append(f"ending {len(extra)} node(s) over max_nodes")
+
     # 5. Backfill.
     need = policy.max_nodes - len(staying)
     next_index = obs.next_index
@@ -443,6 +464,13 @@ def plan(policy: Policy, obs: Observed) -> Plan:
             if home is None and policy.same_zone:
                 home = (offer.cloud, offer.zone, offer.instance_type)
                 offers = [o for o in offers if (o.cloud, o.zone, o.instance_type) == home]
+        if not launched and not staying and offers and "budget" in (reasons[-1] if reasons else ""):
+            cheapest = offers[0].price_per_hour
+            why = (
+                f"budget: ${policy.budget_usd - obs.spent_usd:,.2f} left cannot cover an hour of "
+                f"the cheapest node (${cheapest:,.2f}/h); raise budget.max_usd"
+            )
+            return Plan((*actions, Stop(why, error=True, checkpoint=False)), why, home, next_index)
         if launched:
             where = ", ".join(
                 sorted(

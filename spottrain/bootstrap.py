@@ -50,6 +50,15 @@ class CodeRef:
     archive_sha256: str = ""
 
 
+def run_ckpt_dir(spec: JobSpec, node: NodeIdentity) -> str:
+    """Where a run's checkpoints live: ``<volume>/<run id>``, so runs sharing a volume never
+    restore each other's state. The local cloud gives each zone a volume of its own
+    (``<volume>/<run id>/<zone>``), as zonal file systems are on real clouds, so moving a
+    job between zones really needs its object-storage copy."""
+    base = f"{spec.checkpoint.volume.path.rstrip('/')}/{node.run_id}"
+    return f"{base}/{node.zone}" if node.cloud == "local" else base
+
+
 def agent_env(
     spec: JobSpec, node: NodeIdentity, redis_url: str, *, password_file: str | None = None
 ) -> dict[str, str]:
@@ -64,7 +73,7 @@ def agent_env(
         "SPOTTRAIN_NNODES": f"{spec.nodes.min}:{spec.nodes.max}",
         "SPOTTRAIN_NPROC_PER_NODE": str(spec.nodes.workers_per_node),
         "SPOTTRAIN_EXPECT_GPUS": str(spec.nodes.gpus),
-        "SPOTTRAIN_CKPT_DIR": spec.checkpoint.volume.path,
+        "SPOTTRAIN_CKPT_DIR": run_ckpt_dir(spec, node),
         "SPOTTRAIN_TRAIN_CMD": shlex.join(spec.train.command),
     }
     if password_file:
@@ -252,20 +261,39 @@ def render_local_boot(
     redis_url: str,
     *,
     workdir: str | Path,
+    code: CodeRef | None = None,
     python: str = sys.executable,
 ) -> str:
-    """The local cloud's boot command: ``spottrain-agent run`` in ``workdir`` as JSON.
+    """The local cloud's boot command as JSON: fetch the code archive into ``workdir`` (when
+    ``code`` names one), then ``spottrain-agent run`` there.
 
     The settings travel as the same ``SPOTTRAIN_*`` variables a real VM's env file holds;
     the password, if any, reaches the VM through the controller's own environment.
     """
     env = agent_env(spec, node, redis_url)
     env["PYTHONUNBUFFERED"] = "1"
-    argv = [python, "-m", "spottrain.agent.cli", "run"]
+    agent = [python, "-m", "spottrain.agent.cli", "run"]
     if spec.nodes.gpus == 0:
-        argv.append("--no-health-check")
+        agent.append("--no-health-check")
     local = spec.local
     if local is not None:
         # The agent's SIGTERM deadline is the local cloud's notice window.
-        argv.append(f"--sigterm-grace={local.notice_s:g}")
-    return json.dumps({"argv": argv, "env": env, "cwd": str(workdir)})
+        agent.append(f"--sigterm-grace={local.notice_s:g}")
+    # The local cloud "mounts" the zone's checkpoint volume by creating its directory.
+    steps = [f"mkdir -p {shlex.quote(env['SPOTTRAIN_CKPT_DIR'])}"]
+    if code is not None and code.archive_url:
+        fetch = [
+            python,
+            "-m",
+            "spottrain.cloud.code_archive",
+            "fetch",
+            code.archive_url,
+            code.archive_sha256,
+            str(workdir),
+        ]
+        steps.append(shlex.join(fetch))
+    else:
+        steps.append(f"mkdir -p {shlex.quote(str(workdir))}")
+    # exec: the agent replaces the shell, so the VM's SIGTERM reaches it directly.
+    steps += [f"cd {shlex.quote(str(workdir))}", f"exec {shlex.join(agent)}"]
+    return json.dumps({"argv": ["bash", "-c", " && ".join(steps)], "env": env, "cwd": ""})

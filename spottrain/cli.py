@@ -62,6 +62,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="also ask each allowed cloud for its offers (needs credentials; launches nothing)",
     )
 
+    up = sub.add_parser(
+        "up",
+        help="launch a job and keep its fleet at size until training finishes",
+        description="Start a run of the job: its Redis (embedded for the local cloud), its "
+        "code archive, and the controller, which bids for VMs, backfills preemptions and "
+        "shows a live view. Exit 0 when training finished, 1 when the run stopped before "
+        "(budget, crash loop, a cloud or Redis refusing), 2 on bad input.",
+    )
+    up.add_argument("spec", help="the job's YAML file")
+    up.add_argument(
+        "--detach", action="store_true", help="run the controller in the background and return"
+    )
+    up.add_argument("--interval", type=float, default=1.0, help="seconds between passes")
+    resume = sub.add_parser(
+        "resume", help="start the controller of an existing run again (after a crash or Ctrl-C)"
+    )
+    resume.add_argument("run", nargs="?", help="run id or job name (default: the newest run)")
+    resume.add_argument("--detach", action="store_true")
+    resume.add_argument("--interval", type=float, default=1.0)
+    status = sub.add_parser("status", help="a run's nodes, step, loss, preemptions and cost")
+    status.add_argument("run", nargs="?", help="run id or job name (default: the newest run)")
+    status.add_argument("--json", action="store_true")
+    logs = sub.add_parser("logs", help="a run's event stream, or a node's training output")
+    logs.add_argument("run", nargs="?", help="run id or job name (default: the newest run)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
+    logs.add_argument("--node", help="print this node's training output instead")
+    down = sub.add_parser(
+        "down", help="end a run: every VM terminated (and checked), its controller stopped"
+    )
+    down.add_argument("run", nargs="?", help="run id or job name (default: the newest run)")
+    down.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for VMs")
+
     local = sub.add_parser(
         "local", help="the local cloud's levers: list VMs, preempt, set capacity, refuse"
     )
@@ -227,6 +259,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _validate(args)
     if args.command == "local":
         return _local(args)
+    if args.command in ("up", "resume", "status", "logs", "down"):
+        from spottrain.controller import commands
+
+        handler = getattr(commands, args.command)
+        code: int = handler(args)
+        return code
     parser.print_help()
     return EXIT_OK
 

@@ -175,6 +175,35 @@ class RunKeys:
         """Hash: step, loss, world size, tokens/s, updated by rank 0."""
         return f"{self.base}:progress"
 
+    # -- controller -----------------------------------------------------------------------------
+    @property
+    def ctl(self) -> str:
+        """Hash: the controller's own state (phase, home zone, next node index, the times
+        the fleet went short, the last reason, the spec it runs)."""
+        return f"{self.base}:ctl"
+
+    @property
+    def ctl_launches(self) -> str:
+        """Hash node name -> JSON launch record (request id, offer, times, instance id,
+        status): written before each launch, so a restarted controller repeats a launch
+        instead of doubling it, and the ledger the job's spend is computed from."""
+        return f"{self.base}:ctl:launches"
+
+    @property
+    def ctl_blocked(self) -> str:
+        """Hash JSON offer key -> unix time until which the offer is blocked."""
+        return f"{self.base}:ctl:blocked"
+
+    @property
+    def ctl_history(self) -> str:
+        """Hash "cloud|zone|type" -> JSON {preemptions, bad_nodes}: what this job has seen."""
+        return f"{self.base}:ctl:history"
+
+    @property
+    def ctl_lease(self) -> str:
+        """The controller's lease (a key with a TTL): one controller drives a run at a time."""
+        return f"{self.base}:ctl:lease"
+
     @property
     def pattern(self) -> str:
         """Matches every key of this run (for cleanup and ``down``)."""

@@ -78,7 +78,7 @@ def test_agent_env_is_accepted_by_the_real_agent_parser(monkeypatch: pytest.Monk
     assert (args.redis, args.run_id, args.node_id) == (REDIS, NODE.run_id, "node-3")
     assert (args.cloud, args.zone, args.instance_type) == ("aws", "us-east-1a", "p4d.24xlarge")
     assert (args.nnodes, args.nproc_per_node, args.expect_gpus) == ("2:4", 8, 8)
-    assert args.ckpt_dir == "/mnt/spottrain/ckpt"
+    assert args.ckpt_dir == f"/mnt/spottrain/ckpt/{NODE.run_id}"  # each run its own directory
     assert args.password_file == "/etc/spottrain/redis-password"
     assert shlex.split(env["SPOTTRAIN_TRAIN_CMD"]) == list(spec.train.command)
 
@@ -156,11 +156,32 @@ def test_local_boot_runs_the_agent_with_the_same_settings(
     spec = _spec(LOCAL)
     node = NodeIdentity("tiny-1795000000", "n0", "local", "local-a", "local-cpu")
     boot = json.loads(render_local_boot(spec, node, "redis://127.0.0.1:7000", workdir="/w"))
-    assert boot["argv"][1:4] == ["-m", "spottrain.agent.cli", "run"]
-    assert boot["cwd"] == "/w"
-    args = build_parser().parse_args(boot["argv"][3:])
+    assert boot["argv"][:2] == ["bash", "-c"]
+    steps = boot["argv"][2].split(" && ")
+    assert steps[:3] == ["mkdir -p /tmp/ckpt/tiny-1795000000/local-a", "mkdir -p /w", "cd /w"]
+    agent = shlex.split(steps[3])
+    assert agent[0] == "exec" and agent[2:5] == ["-m", "spottrain.agent.cli", "run"]
+    args = build_parser().parse_args(agent[4:])
     assert args.no_health_check  # a CPU job has no GPUs to check
     assert args.sigterm_grace == 30.0  # the local cloud's notice window
     parsed = _agent_args(boot["env"], monkeypatch)
     assert (parsed.run_id, parsed.node_id, parsed.cloud) == ("tiny-1795000000", "n0", "local")
     assert parsed.nproc_per_node == 2
+    # Each local zone has a volume of its own, as zonal file systems do.
+    assert parsed.ckpt_dir == "/tmp/ckpt/tiny-1795000000/local-a"
+
+
+def test_local_boot_fetches_the_code_archive_then_execs_the_agent() -> None:
+    spec = _spec(LOCAL)
+    node = NodeIdentity("tiny-1795000000", "n0", "local", "local-a", "local-cpu")
+    sha = "ef" * 32
+    code = CodeRef(f"file:///store/code/{sha}.tar.gz", sha)
+    boot = json.loads(render_local_boot(spec, node, "redis://h:1", workdir="/w/n0", code=code))
+    assert boot["argv"][:2] == ["bash", "-c"]
+    script = boot["argv"][2]
+    assert (
+        f"-m spottrain.cloud.code_archive fetch file:///store/code/{sha}.tar.gz {sha} /w/n0"
+        in script
+    )
+    assert "&& cd /w/n0 && exec " in script and script.endswith("--sigterm-grace=30")
+    assert script.startswith("mkdir -p /tmp/ckpt/tiny-1795000000/local-a && ")

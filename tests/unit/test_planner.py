@@ -342,3 +342,31 @@ def test_plan_reason_is_stable_when_nothing_changes() -> None:
     a = plan(Policy(1, 2), observed(nodes=nodes, next_index=2))
     b = plan(Policy(1, 2), replace(observed(nodes=nodes, next_index=2), now=NOW + 5))
     assert a.reason == b.reason == "2 of 2 node(s): nothing to do" and a.actions == ()
+
+
+def test_plan_ends_the_newest_nodes_over_max() -> None:
+    nodes = tuple(node(f"n{i}", launched_at=NOW - 100 + i) for i in range(4))
+    p = plan(Policy(1, 3), observed(nodes=nodes, next_index=4))
+    assert [t.node for t in terminates(p)] == ["n3"]
+    assert launches(p) == [] and "over max_nodes" in p.reason
+
+
+def test_plan_stops_with_an_error_when_the_budget_cannot_start_a_node() -> None:
+    p = plan(Policy(1, 2, budget_usd=5), observed())
+    (stop,) = p.of(Stop)
+    assert isinstance(stop, Stop) and stop.error and not stop.checkpoint
+    assert stop.why == (
+        "budget: $5.00 left cannot cover an hour of the cheapest node ($10.00/h); raise "
+        "budget.max_usd"
+    )
+    assert launches(p) == []
+
+
+def test_plan_stops_when_every_vm_fails_at_boot() -> None:
+    policy = Policy(1, 2, crash_loop_k=3)
+    assert plan(policy, observed(bad_streak=5)).of(Stop) == []
+    p = plan(policy, observed(bad_streak=6, last_failure="checkpoint directory /x does not exist"))
+    (stop,) = p.of(Stop)
+    assert isinstance(stop, Stop) and stop.error
+    assert stop.why.startswith("6 VMs in a row failed at boot and none joined; the last said: ")
+    assert "/x does not exist" in stop.why

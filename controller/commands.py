@@ -1,0 +1,265 @@
+"""The fleet commands of ``spottrain``: up, resume, status, logs, down."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from spottrain.cloud.base import InstanceState, ProviderError
+from spottrain.keys import RunKeys
+from spottrain.spec import SpecError, load_spec
+
+from .drive import drive_run, format_summary
+from .loop import summarize
+from .providers import build_providers
+from .runs import (
+    RunError,
+    RunInfo,
+    archive_run,
+    create_run,
+    find_run,
+    open_redis,
+    restart_embedded_redis,
+    spawn_controller,
+    stop_embedded_redis,
+)
+from .state import RunState
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _err(msg: str) -> None:
+    print(f"spottrain: {msg}", file=sys.stderr)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def up(args: argparse.Namespace) -> int:
+    try:
+        loaded = load_spec(args.spec)
+    except SpecError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        info = create_run(loaded)
+    except RunError as e:
+        _err(str(e))
+        return EXIT_FAILED
+    _say(
+        f"run {info.run_id}: Redis {info.redis_url}"
+        + (" (embedded)" if info.embedded_redis else "")
+    )
+    if info.code_url:
+        _say(f"  code {info.code_url}")
+    if args.detach:
+        pid = spawn_controller(info)
+        _say(f"  controller in the background (pid {pid}): {info.dir / 'controller.log'}")
+        _say(f"  follow: spottrain logs {info.run_id} -f    end: spottrain down {info.run_id}")
+        return EXIT_OK
+    return _drive(info, args.interval)
+
+
+def _drive(info: RunInfo, interval: float) -> int:
+    info.controller_pid = os.getpid()
+    info.save()
+    try:
+        return drive_run(info, view=_say, interval_s=interval)
+    except KeyboardInterrupt:
+        _say(
+            f"\ncontroller stopped; the run's VMs keep training without backfill. "
+            f"`spottrain resume {info.run_id}` restarts the controller, "
+            f"`spottrain down {info.run_id}` ends the run"
+        )
+        return EXIT_FAILED
+
+
+def resume(args: argparse.Namespace) -> int:
+    try:
+        info = find_run(args.run)
+        restart_embedded_redis(info)
+    except RunError as e:
+        _err(str(e))
+        return EXIT_BAD_INPUT
+    if args.detach:
+        pid = spawn_controller(info)
+        _say(f"run {info.run_id}: controller running in the background (pid {pid})")
+        return EXIT_OK
+    return _drive(info, args.interval)
+
+
+def _state(info: RunInfo) -> RunState | None:
+    try:
+        return RunState(open_redis(info, info.spec()), RunKeys(info.run_id))
+    except RunError:
+        return None
+
+
+def status(args: argparse.Namespace) -> int:
+    try:
+        info = find_run(args.run)
+    except RunError as e:
+        _err(str(e))
+        return EXIT_BAD_INPUT
+    state = _state(info)
+    if state is not None:
+        summary: dict[str, Any] = asdict(summarize(state, time.time()))
+    elif (info.dir / "summary.json").exists():
+        summary = json.loads((info.dir / "summary.json").read_text())
+    else:
+        _err(f"run {info.run_id}: its Redis ({info.redis_url}) is down and it left no summary")
+        return EXIT_FAILED
+    if args.json:
+        print(json.dumps({"run_id": info.run_id, **summary}))
+        return EXIT_OK
+    from .loop import Summary
+
+    _say(f"run {info.run_id}")
+    for line in format_summary(Summary(**summary)):
+        _say(f"  {line}")
+    return EXIT_OK
+
+
+def _format_event(row: dict[str, str]) -> str:
+    at = float(row.pop("at", "0") or 0)
+    kind = row.pop("type", "?")
+    node = row.pop("node", "")
+    row.pop("id", None)
+    rest = " ".join(f"{k}={v}" for k, v in row.items())
+    return f"{time.strftime('%H:%M:%S', time.localtime(at))} {node:<10} {kind:<22} {rest}"
+
+
+def logs(args: argparse.Namespace) -> int:
+    try:
+        info = find_run(args.run)
+    except RunError as e:
+        _err(str(e))
+        return EXIT_BAD_INPUT
+    if args.node:
+        return _node_log(info, args.node, args.follow)
+    state = _state(info)
+    if state is None:
+        archived = info.dir / "events.jsonl"
+        if not archived.exists():
+            _err(f"run {info.run_id}: its Redis does not answer and it left no event log")
+            return EXIT_FAILED
+        for line in archived.read_text().splitlines():
+            _say(_format_event(json.loads(line)))
+        return EXIT_OK
+    last = "0-0"
+    while True:
+        for entry_id, fields in state.client.xrange(
+            state.keys.events, min=f"({last}" if last != "0-0" else "-"
+        ):
+            last = entry_id.decode()
+            _say(_format_event({k.decode(): v.decode() for k, v in fields.items()}))
+        if not args.follow:
+            return EXIT_OK
+        try:
+            time.sleep(1.0)
+            if state.ctl().get("phase") in ("done", "failed") and not args.follow:
+                return EXIT_OK
+        except KeyboardInterrupt:
+            return EXIT_OK
+
+
+def _node_log(info: RunInfo, node: str, follow: bool) -> int:
+    """A node's training output: the local cloud keeps each VM's console log on disk."""
+    state = _state(info)
+    vm = ""
+    if state is not None:
+        rec = state.ledger().records.get(node)
+        vm = rec.instance_id if rec else ""
+    if not vm and info.local_state_dir:
+        for p in (Path(info.local_state_dir) / "instances").glob("*.json"):
+            rec_json = json.loads(p.read_text())
+            tags = rec_json.get("tags", {})
+            if tags.get("spottrain-job") == info.run_id and tags.get("spottrain-node") == node:
+                vm = rec_json["id"]
+    if not vm or not info.local_state_dir:
+        _err(
+            f"no output kept for node {node!r} of run {info.run_id} (the local cloud keeps each "
+            "VM's console; on AWS and GCP read the VM's journal: journalctl -u spottrain-agent)"
+        )
+        return EXIT_FAILED
+    path = Path(info.local_state_dir) / "logs" / f"{vm}.log"
+    with open(path, errors="replace") as f:
+        while True:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+            if not follow:
+                return EXIT_OK
+            try:
+                time.sleep(0.5)
+            except KeyboardInterrupt:
+                return EXIT_OK
+
+
+def down(args: argparse.Namespace) -> int:
+    try:
+        info = find_run(args.run)
+    except RunError as e:
+        _err(str(e))
+        return EXIT_BAD_INPUT
+    _stop_controller(info)
+    spec = info.spec()
+    providers = build_providers(
+        spec, local_state_dir=Path(info.local_state_dir) if info.local_state_dir else None
+    )
+    deadline = time.monotonic() + args.timeout
+    left: list[str] = []
+    try:
+        while True:
+            left = []
+            for prov in providers.values():
+                alive = [
+                    i for i in prov.list(info.run_id) if i.state is not InstanceState.TERMINATED
+                ]
+                if alive:
+                    prov.terminate([i.id for i in alive])
+                    left += [f"{i.cloud}:{i.id} ({i.state})" for i in alive]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+    except ProviderError as e:
+        _err(f"cannot end the run's VMs: {e}")
+        return EXIT_FAILED
+    state = _state(info)
+    if state is not None:
+        with contextlib.suppress(Exception):
+            state.set_ctl(stopped="down", phase="down")
+            state.event("down", left=len(left))
+            archive_run(info, state.client, asdict(summarize(state, time.time())))
+    if info.embedded_redis:
+        stop_embedded_redis(info)
+    if left:
+        _err(f"run {info.run_id}: still there after {args.timeout:.0f} s: {', '.join(left)}")
+        return EXIT_FAILED
+    _say(f"run {info.run_id}: every VM is gone; nothing of it runs")
+    return EXIT_OK
+
+
+def _stop_controller(info: RunInfo) -> None:
+    pid = info.controller_pid
+    if not pid or pid == os.getpid():
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError, FileNotFoundError):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        if "spottrain" not in cmdline:
+            return  # the pid was reused by something else
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            os.kill(pid, 0)
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,90 @@
+"""Driving a run to its end, with a live view, and what is left when it ends."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from .loop import ControllerError, Summary
+from .runs import RunError, RunInfo, archive_run, build_controller, stop_embedded_redis
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def format_summary(s: Summary) -> list[str]:
+    """The live view: one line of figures, one of nodes, one of the controller's reason."""
+    loss = f"{s.loss:.3f}" if s.loss is not None else "-"
+    nodes = ", ".join(f"{n} {state}" for n, state in s.nodes.items()) or "none"
+    return [
+        f"step {s.step}  loss {loss}  world {s.world_size}  preemptions {s.preemptions} "
+        f"(steps lost {s.steps_lost})  ${s.spent_usd:,.2f} spent, ${s.saved_usd:,.2f} saved "
+        "against on-demand",
+        f"  nodes: {nodes}",
+        f"  {s.phase}: {s.reason}",
+    ]
+
+
+def final_report(s: Summary) -> list[str]:
+    head = "training finished" if s.final_step is not None else f"run ended ({s.phase})"
+    return [
+        f"{head}: {s.reason}" if s.final_step is None else head,
+        f"  steps trained          {s.final_step if s.final_step is not None else s.step}",
+        f"  preemptions survived   {s.preemptions}",
+        f"  steps lost             {s.steps_lost}",
+        f"  cost                   ${s.spent_usd:,.2f} at the bundled prices "
+        f"(${s.saved_usd:,.2f} saved against on-demand)",
+    ]
+
+
+def drive_run(
+    info: RunInfo,
+    *,
+    view: Callable[[str], Any],
+    interval_s: float = 1.0,
+    policy: dict[str, float] | None = None,
+) -> int:
+    """Run the controller of ``info`` until the run ends; keep its record; report.
+
+    Returns:
+        0 when training finished, 1 when the run stopped before (budget, crash loop, a cloud
+        or Redis refusing).
+    """
+    try:
+        ctl = build_controller(info, interval_s=interval_s, policy=policy)
+    except RunError as e:
+        view(f"spottrain: {e}")
+        return EXIT_FAILED
+    last: list[str] = []
+    last_at = 0.0
+
+    def on_pass(s: Summary) -> None:
+        nonlocal last, last_at
+        lines = format_summary(s)
+        now = time.monotonic()
+        # Print when something changed, or every 30 s as a sign of life.
+        if lines != last or now - last_at > 30:
+            stamp = time.strftime("%H:%M:%S")
+            view(f"[{stamp}] {lines[0]}")
+            for line in lines[1:]:
+                view(f"           {line}")
+            last, last_at = lines, now
+
+    code = EXIT_OK
+    try:
+        summary = ctl.run(on_pass=on_pass)
+    except ControllerError as e:
+        view(f"spottrain: the controller stopped: {e}")
+        ctl.state.set_ctl(phase="failed", error=str(e))
+        summary = ctl.summary()
+        code = EXIT_FAILED
+    if summary.final_step is None:
+        code = EXIT_FAILED
+    for line in final_report(summary):
+        view(line)
+    if ctl.done():
+        archive_run(info, ctl.state.client, asdict(summary))
+        if info.embedded_redis:
+            stop_embedded_redis(info)
+    return code

@@ -1,0 +1,358 @@
+"""A run on this workstation: its directory, its Redis, its code, and its controller.
+
+``$SPOTTRAIN_HOME/runs/<run id>/`` holds ``run.json`` (the spec, where Redis is, where the
+code archive went), the embedded Redis's data (append-only file), the controller's log, and,
+after the run, ``summary.json`` and ``events.jsonl`` so ``status`` and ``logs`` still answer
+once its Redis is gone. ``$SPOTTRAIN_HOME/jobs/<name>`` names the newest run of a job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from spottrain.bootstrap import CodeRef, NodeIdentity, render_boot_script, render_local_boot
+from spottrain.cloud.base import Offer, Provider
+from spottrain.embedded_redis import find_redis_server, free_port
+from spottrain.keys import RunKeys, make_run_id, validate_run_id
+from spottrain.redis_conn import connect, describe_error, settings_from_url
+from spottrain.spec import ArchiveCode, JobSpec, LoadedSpec, parse_spec
+
+from .loop import Controller, policy_from_spec
+from .providers import Endpoints, build_providers, preemption_injector
+from .state import RunState, new_owner
+
+
+class RunError(Exception):
+    """A run cannot be started, found or reached; the message says why and what to do."""
+
+
+def home_dir() -> Path:
+    return Path(os.environ.get("SPOTTRAIN_HOME") or Path.home() / ".spottrain")
+
+
+@dataclass
+class RunInfo:
+    """``run.json``: what every command needs to find a run's parts."""
+
+    run_id: str
+    spec_text: str
+    spec_source: str
+    base_dir: str
+    redis_url: str
+    embedded_redis: bool
+    created_at: float
+    local_state_dir: str = ""
+    code_url: str = ""
+    code_sha256: str = ""
+    controller_pid: int = 0
+
+    @property
+    def dir(self) -> Path:
+        return home_dir() / "runs" / self.run_id
+
+    def save(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / "run.json.tmp"
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(tmp, self.dir / "run.json")
+
+    def spec(self) -> JobSpec:
+        return parse_spec(self.spec_text, self.spec_source, Path(self.base_dir)).spec
+
+    @classmethod
+    def load(cls, run_id: str) -> RunInfo:
+        path = home_dir() / "runs" / run_id / "run.json"
+        try:
+            return cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise RunError(f"no run {run_id!r} on this machine (see `spottrain status`)") from None
+
+
+def find_run(name_or_id: str | None) -> RunInfo:
+    """A run by run id, by job name (its newest run), or the newest run of all.
+
+    Raises:
+        RunError: nothing matches.
+    """
+    runs = home_dir() / "runs"
+    if name_or_id:
+        if (runs / name_or_id / "run.json").exists():
+            return RunInfo.load(name_or_id)
+        latest = home_dir() / "jobs" / name_or_id
+        if latest.exists():
+            return RunInfo.load(latest.read_text().strip())
+        raise RunError(f"no run or job named {name_or_id!r} on this machine")
+    candidates = sorted(runs.glob("*/run.json"), key=lambda p: p.stat().st_mtime)
+    if not candidates:
+        raise RunError("no runs on this machine yet: start one with `spottrain up JOB.yaml`")
+    return RunInfo.load(candidates[-1].parent.name)
+
+
+# --- Redis ----------------------------------------------------------------------------------
+
+
+def start_embedded_redis(run_dir: Path) -> str:
+    """Start a redis-server for the run that outlives this process (a controller killed and
+    restarted finds its state), persisted to the run directory. Returns its URL."""
+    data = run_dir / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    args = [
+        find_redis_server(),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--dir", str(data),
+        "--appendonly", "yes",
+        "--appendfsync", "everysec",
+        "--save", "",
+        "--protected-mode", "no",
+        "--daemonize", "yes",
+        "--pidfile", str(data / "redis.pid"),
+        "--logfile", str(data / "redis.log"),
+    ]  # fmt: skip
+    subprocess.run(args, check=True, capture_output=True, timeout=30)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis(host="127.0.0.1", port=port, socket_timeout=1).ping()
+            return url
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                raise RunError(
+                    f"the embedded Redis did not start; see {data / 'redis.log'}"
+                ) from None
+            time.sleep(0.05)
+
+
+def restart_embedded_redis(info: RunInfo) -> None:
+    """Start the run's embedded Redis again on its port, from its data, if it is down."""
+    if not info.embedded_redis or _redis_up(info.redis_url):
+        return
+    data = info.dir / "redis"
+    port = info.redis_url.rsplit(":", 1)[1].split("/")[0]
+    args = [
+        find_redis_server(),
+        "--port", port, "--bind", "127.0.0.1", "--dir", str(data),
+        "--appendonly", "yes", "--save", "", "--protected-mode", "no",
+        "--daemonize", "yes", "--pidfile", str(data / "redis.pid"),
+        "--logfile", str(data / "redis.log"),
+    ]  # fmt: skip
+    subprocess.run(args, check=True, capture_output=True, timeout=30)
+    deadline = time.monotonic() + 10
+    while not _redis_up(info.redis_url):
+        if time.monotonic() > deadline:
+            raise RunError(f"the run's Redis did not come back; see {data / 'redis.log'}")
+        time.sleep(0.05)
+
+
+def stop_embedded_redis(info: RunInfo) -> None:
+    pidfile = info.dir / "redis" / "redis.pid"
+    with contextlib.suppress(redis.RedisError):
+        client = connect(settings_from_url(info.redis_url, socket_timeout=2.0), retries=0)
+        client.shutdown(save=False)
+    with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+        pid = int(pidfile.read_text())
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            os.kill(pid, 0)
+            time.sleep(0.05)
+
+
+def _redis_up(url: str) -> bool:
+    try:
+        connect(settings_from_url(url, socket_timeout=1.0), retries=0).ping()
+        return True
+    except redis.RedisError:
+        return False
+
+
+def open_redis(info: RunInfo, spec: JobSpec | None = None) -> redis.Redis:
+    """A client of the run's Redis, checked with a PING.
+
+    Raises:
+        RunError: unreachable or refusing (the message names the cause and the fix).
+    """
+    password_env = spec.redis.password_env if spec else "SPOTTRAIN_REDIS_PASSWORD"
+    password_file = spec.redis.password_file if spec else None
+    settings = settings_from_url(
+        info.redis_url, password_file=password_file, password_env=password_env
+    )
+    client = connect(settings, retries=0)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        raise RunError(describe_error(e, settings)) from None
+    return client
+
+
+# --- code and boot ---------------------------------------------------------------------------
+
+
+def prepare_code(spec: JobSpec, base_dir: Path, run_dir: Path) -> CodeRef:
+    """Archive and upload ``code.archive`` (nothing to do for an image or a commit)."""
+    if not isinstance(spec.code, ArchiveCode):
+        return CodeRef()
+    from spottrain.cloud.code_archive import build_archive, upload_archive
+    from spottrain.cloud.storage import LocalStore, open_store
+
+    src = spec.code.archive
+    archive = build_archive(base_dir / src.path, run_dir / "archive", exclude=src.exclude)
+    if src.store:
+        store = open_store(src.store)
+    elif spec.checkpoint.copy_to:
+        store = open_store(spec.checkpoint.copy_to.rstrip("/") + "/code")
+    else:
+        store = LocalStore(home_dir() / "store", create=True)
+    url = upload_archive(store, archive)
+    return CodeRef(url, archive.sha256)
+
+
+def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
+    code = CodeRef(info.code_url, info.code_sha256)
+
+    def render(node: str, offer: Offer) -> str:
+        ident = NodeIdentity(info.run_id, node, offer.cloud, offer.zone, offer.instance_type)
+        if offer.cloud == "local":
+            return render_local_boot(
+                spec, ident, info.redis_url, workdir=info.dir / "nodes" / node / "code", code=code
+            )
+        return render_boot_script(
+            spec, ident, info.redis_url, code=code, password_secret=spec.redis.password_secret
+        )
+
+    return render
+
+
+# --- building and starting -------------------------------------------------------------------
+
+
+def create_run(loaded: LoadedSpec, *, run_id: str | None = None) -> RunInfo:
+    """Make a new run of a spec: its directory, Redis (embedded or checked), and code.
+
+    Raises:
+        RunError: Redis unreachable or refusing, the code cannot be archived or uploaded.
+    """
+    spec = loaded.spec
+    rid = validate_run_id(run_id) if run_id else make_run_id(spec.name)
+    info = RunInfo(
+        run_id=rid,
+        spec_text=_spec_text(loaded),
+        spec_source=loaded.source,
+        base_dir=str(loaded.base_dir),
+        redis_url="",
+        embedded_redis=spec.redis.url == "embedded",
+        created_at=time.time(),
+    )
+    info.dir.mkdir(parents=True, exist_ok=True)
+    if info.embedded_redis:
+        info.redis_url = start_embedded_redis(info.dir)
+    else:
+        info.redis_url = spec.redis.url
+        open_redis(info, spec)  # fail now, before anything is launched
+    if "local" in spec.resources.clouds:
+        info.local_state_dir = str(home_dir() / "local")
+    try:
+        code = prepare_code(spec, loaded.base_dir, info.dir)
+    except Exception as e:
+        if info.embedded_redis:
+            stop_embedded_redis(info)
+        raise RunError(f"cannot prepare the job's code: {e}") from None
+    info.code_url, info.code_sha256 = code.archive_url, code.archive_sha256
+    info.save()
+    jobs = home_dir() / "jobs"
+    jobs.mkdir(parents=True, exist_ok=True)
+    (jobs / spec.name).write_text(rid)
+    return info
+
+
+def _spec_text(loaded: LoadedSpec) -> str:
+    path = Path(loaded.source)
+    return path.read_text() if path.exists() else ""
+
+
+def build_controller(
+    info: RunInfo,
+    *,
+    interval_s: float = 1.0,
+    endpoints: Endpoints | None = None,
+    policy: dict[str, float] | None = None,
+) -> Controller:
+    """The controller of a run, with its providers, state and local preemptions.
+
+    Raises:
+        RunError: Redis unreachable or refusing.
+    """
+    spec = info.spec()
+    client = open_redis(info, spec)
+    keys = RunKeys(info.run_id)
+    state = RunState(client, keys)
+    providers: dict[str, Provider] = build_providers(
+        spec,
+        local_state_dir=Path(info.local_state_dir) if info.local_state_dir else None,
+        endpoints=endpoints,
+    )
+    ctl = state.ctl()
+    started = float(ctl.get("started_at") or time.time())
+    if not ctl.get("started_at"):
+        state.set_ctl(started_at=str(started), phase="running")
+    tick = None
+    if "local" in providers:
+        injector = preemption_injector(
+            spec, providers["local"], info.run_id, started_at=started, base_dir=Path(info.base_dir)
+        )
+        if injector is not None:
+
+            def tick(now: float) -> None:
+                for vm, notice in injector.tick(now):
+                    state.event("inject-preemption", vm=vm, notice=int(notice))
+
+    return Controller(
+        spec=spec,
+        run_id=info.run_id,
+        providers=providers,
+        state=state,
+        boot=boot_renderer(spec, info),
+        policy=policy_from_spec(spec, **(policy or {})),
+        interval_s=interval_s,
+        tick=tick,
+        owner=new_owner(),
+    )
+
+
+def spawn_controller(info: RunInfo) -> int:
+    """Run the controller of ``info`` in the background; returns its pid."""
+    log = open(info.dir / "controller.log", "ab")  # noqa: SIM115 - the child owns it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spottrain.controller.daemon", info.run_id],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    log.close()
+    info.controller_pid = proc.pid
+    info.save()
+    return proc.pid
+
+
+def archive_run(info: RunInfo, client: redis.Redis, summary: dict[str, Any]) -> None:
+    """Keep the run's events and summary on disk (its Redis may go away)."""
+    keys = RunKeys(info.run_id)
+    with open(info.dir / "events.jsonl", "w") as f:
+        for entry_id, fields in client.xrange(keys.events):
+            row = {k.decode(): v.decode() for k, v in fields.items()}
+            row["id"] = entry_id.decode()
+            f.write(json.dumps(row) + "\n")
+    (info.dir / "summary.json").write_text(json.dumps(summary, indent=1))

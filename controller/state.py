@@ -1,0 +1,260 @@
+"""The controller's state in Redis: the launch ledger, blocks, the job's own history, its
+phase, and the lease that keeps one controller per run.
+
+Everything a controller needs to pick up where a killed one stopped lives here or in the
+clouds' tags; nothing lives only in its memory. The ledger is written *before* each launch
+(an intent), so a controller killed between the write and the cloud's answer repeats the
+launch with the same request id (which creates nothing new) instead of launching twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import redis
+
+from spottrain.cloud.base import Market, Offer
+from spottrain.controller.planner import Restore, ZoneHistory
+from spottrain.keys import EVENTS_MAXLEN, RunKeys
+
+INTENT, LAUNCHED, FAILED, ENDED = "intent", "launched", "failed", "ended"
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def offer_to_dict(o: Offer) -> dict[str, Any]:
+    d = asdict(o)
+    d["market"] = o.market.value
+    return d
+
+
+def offer_from_dict(d: dict[str, Any]) -> Offer:
+    return Offer(**{**d, "market": Market(d["market"])})
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    """One node's launch in the ledger.
+
+    Attributes:
+        status: ``intent`` (written, the cloud not yet asked or not yet answered),
+            ``launched``, ``failed`` (the cloud refused; nothing runs), ``ended`` (the VM is
+            gone).
+        od_price: the on-demand price of the same type and region, for "$ saved".
+    """
+
+    node: str
+    request_id: str
+    offer: Offer
+    launched_at: float
+    status: str = INTENT
+    instance_id: str = ""
+    ended_at: float | None = None
+    interrupted: bool = False
+    od_price: float = 0.0
+    reason: str = ""
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["offer"] = offer_to_dict(self.offer)
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> LaunchRecord:
+        d = json.loads(text)
+        d["offer"] = offer_from_dict(d["offer"])
+        return cls(**d)
+
+    def cost(self, now: float) -> float:
+        """USD this VM has cost so far (a refused launch costs nothing)."""
+        if self.status == FAILED:
+            return 0.0
+        end = self.ended_at if self.ended_at is not None else now
+        return max(0.0, end - self.launched_at) / 3600.0 * self.offer.price_per_hour
+
+    def saved(self, now: float) -> float:
+        """USD saved against the on-demand price of the same VM."""
+        if self.status == FAILED or self.od_price <= 0:
+            return 0.0
+        end = self.ended_at if self.ended_at is not None else now
+        return (
+            max(0.0, end - self.launched_at) / 3600.0 * (self.od_price - self.offer.price_per_hour)
+        )
+
+
+@dataclass
+class Ledger:
+    """All launch records of a run, by node."""
+
+    records: dict[str, LaunchRecord] = field(default_factory=dict)
+
+    def spent(self, now: float) -> float:
+        return sum(r.cost(now) for r in self.records.values())
+
+    def saved(self, now: float) -> float:
+        return sum(r.saved(now) for r in self.records.values())
+
+
+def _key_json(key: tuple[str, ...]) -> str:
+    return json.dumps(list(key))
+
+
+class RunState:
+    """One run's controller state in Redis."""
+
+    def __init__(self, client: redis.Redis, keys: RunKeys) -> None:
+        self.client = client
+        self.keys = keys
+
+    # --- the controller hash -------------------------------------------------------------
+    def ctl(self) -> dict[str, str]:
+        raw = self.client.hgetall(self.keys.ctl)
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def set_ctl(self, **fields: Any) -> None:
+        values = {k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()}
+        self.client.hset(self.keys.ctl, mapping=values)
+
+    # --- the ledger ----------------------------------------------------------------------
+    def ledger(self) -> Ledger:
+        raw = self.client.hgetall(self.keys.ctl_launches)
+        return Ledger({k.decode(): LaunchRecord.from_json(v) for k, v in raw.items()})
+
+    def record_intent(self, rec: LaunchRecord, next_index: int) -> None:
+        """Write a launch intent and the next node index in one transaction."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.ctl_launches, rec.node, rec.to_json())
+        pipe.hset(self.keys.ctl, "next_index", str(next_index))
+        pipe.execute()
+
+    def put_launch(self, rec: LaunchRecord) -> None:
+        self.client.hset(self.keys.ctl_launches, rec.node, rec.to_json())
+
+    def update_launch(self, node: str, **fields: Any) -> LaunchRecord | None:
+        raw = self.client.hget(self.keys.ctl_launches, node)
+        if raw is None:
+            return None
+        rec = replace(LaunchRecord.from_json(raw), **fields)
+        self.put_launch(rec)
+        return rec
+
+    # --- blocks and history --------------------------------------------------------------
+    def blocked(self) -> dict[tuple[str, str, str, str], float]:
+        raw = self.client.hgetall(self.keys.ctl_blocked)
+        out: dict[tuple[str, str, str, str], float] = {}
+        for k, v in raw.items():
+            parts = json.loads(k)
+            out[(parts[0], parts[1], parts[2], parts[3])] = float(v)
+        return out
+
+    def block(self, key: tuple[str, str, str, str], until: float) -> None:
+        self.client.hset(self.keys.ctl_blocked, _key_json(key), str(until))
+
+    def history(self) -> dict[tuple[str, str, str], dict[str, int]]:
+        raw = self.client.hgetall(self.keys.ctl_history)
+        out = {}
+        for k, v in raw.items():
+            cloud, zone, itype = k.decode().split("|")
+            out[(cloud, zone, itype)] = json.loads(v)
+        return out
+
+    def count(self, key: tuple[str, str, str], what: str) -> None:
+        """Add one preemption (``preemptions``) or bad VM (``bad_nodes``) to the history."""
+        field_name = "|".join(key)
+        raw = self.client.hget(self.keys.ctl_history, field_name)
+        counts = json.loads(raw) if raw else {}
+        counts[what] = int(counts.get(what, 0)) + 1
+        self.client.hset(self.keys.ctl_history, field_name, json.dumps(counts))
+
+    def zone_history(self, ledger: Ledger, now: float) -> dict[tuple[str, str, str], ZoneHistory]:
+        """The planner's view: counts from Redis, node-hours from the ledger."""
+        hours: dict[tuple[str, str, str], float] = {}
+        for r in ledger.records.values():
+            if r.status == FAILED:
+                continue
+            k = (r.offer.cloud, r.offer.zone, r.offer.instance_type)
+            end = r.ended_at if r.ended_at is not None else now
+            hours[k] = hours.get(k, 0.0) + max(0.0, end - r.launched_at) / 3600
+        counts = self.history()
+        return {
+            k: ZoneHistory(
+                preemptions=int(counts.get(k, {}).get("preemptions", 0)),
+                bad_nodes=int(counts.get(k, {}).get("bad_nodes", 0)),
+                node_hours=hours.get(k, 0.0),
+            )
+            for k in set(hours) | set(counts)
+        }
+
+    # --- what the agents and trainers report ---------------------------------------------
+    def node_records(self, names: list[str]) -> dict[str, dict[str, str]]:
+        pipe = self.client.pipeline(transaction=False)
+        for n in names:
+            pipe.hgetall(self.keys.node(n))
+        out = {}
+        for n, raw in zip(names, pipe.execute(), strict=True):
+            if raw:
+                out[n] = {k.decode(): v.decode() for k, v in raw.items()}
+        return out
+
+    def heartbeats(self, names: list[str]) -> dict[str, bool]:
+        pipe = self.client.pipeline(transaction=False)
+        for n in names:
+            pipe.exists(self.keys.heartbeat(n))
+        return {n: bool(v) for n, v in zip(names, pipe.execute(), strict=True)}
+
+    def progress(self) -> dict[str, str]:
+        raw = self.client.hgetall(self.keys.progress)
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def ckpt_last(self) -> dict[str, str]:
+        raw = self.client.hgetall(self.keys.ckpt_last)
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def restores(self) -> list[Restore]:
+        """Every restart of the job's workers, oldest first (from the event stream)."""
+        out = []
+        for _id, fields in self.client.xrange(self.keys.events):
+            f = {k.decode(): v.decode() for k, v in fields.items()}
+            if f.get("type") == "restored":
+                out.append(Restore(int(f.get("step", 0)), int(f.get("reached", 0))))
+        return out
+
+    # --- events --------------------------------------------------------------------------
+    def event(self, type_: str, **fields: Any) -> None:
+        entry = {
+            "type": type_,
+            "node": "controller",
+            "at": f"{time.time():.3f}",
+            **{k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()},
+        }
+        self.client.xadd(self.keys.events, entry, maxlen=EVENTS_MAXLEN, approximate=True)
+
+    # --- the lease -----------------------------------------------------------------------
+    def acquire(self, owner: str, ttl_s: float) -> bool:
+        """Take or renew the run's lease; False when another controller holds it."""
+        ms = int(ttl_s * 1000)
+        if self.client.set(self.keys.ctl_lease, owner, nx=True, px=ms):
+            return True
+        current = self.client.get(self.keys.ctl_lease)
+        if current is not None and current.decode() == owner:
+            self.client.pexpire(self.keys.ctl_lease, ms)
+            return True
+        return False
+
+    def lease_holder(self) -> str | None:
+        v = self.client.get(self.keys.ctl_lease)
+        return v.decode() if v is not None else None
+
+    def release(self, owner: str) -> None:
+        # Compare and delete in one step: never drop a lease another controller took over.
+        self.client.eval(_RELEASE, 1, self.keys.ctl_lease, owner)
+
+
+def new_owner() -> str:
+    return f"ctl-{uuid.uuid4().hex[:12]}"
