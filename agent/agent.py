@@ -127,6 +127,7 @@ class Agent:
             self.stop_workers,
             margin=cfg.notice_margin,
             ckpt_dir=cfg.ckpt_dir,
+            workers_done=self._torchrun_finished,
         )
         self.proc: subprocess.Popen[bytes] | None = None
         # Held while torchrun is launched and while workers are stopped, so a notice that
@@ -245,6 +246,11 @@ class Agent:
             return bool(self.client.hexists(self.keys.rdzv_members, self.cfg.node_id))
         except redis.RedisError:
             return False
+
+    def _torchrun_finished(self) -> bool:
+        """torchrun exited with 0 on its own: training is over, nothing needs saving."""
+        proc = getattr(self, "proc", None)
+        return proc is not None and proc.poll() == 0
 
     def stop_workers(self, timeout: float) -> None:
         """SIGTERM torchrun and its workers, then SIGKILL everything of theirs left after

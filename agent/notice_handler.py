@@ -79,8 +79,10 @@ class NoticeHandler:
         margin: float = 5.0,
         ckpt_dir: str = "",
         clock: Callable[[], float] = time.time,
+        workers_done: Callable[[], bool] = lambda: False,
     ) -> None:
         self.client = client
+        self.workers_done = workers_done
         self.keys = keys
         self.node_id = node_id
         self.lifecycle = lifecycle
@@ -208,6 +210,10 @@ class NoticeHandler:
             if until is not None and self.clock() >= until:
                 self.record.event("checkpoint-missed", request_id=request_id)
                 log.error("no checkpoint committed before the deadline margin: leaving anyway")
+                return None
+            if self.workers_done():
+                # torchrun finished on its own (training ended): nobody is left to save.
+                self.record.event("checkpoint-not-needed", request_id=request_id)
                 return None
             for last in self._commits():
                 if _covers(last, request_id, noticed_at, drain):

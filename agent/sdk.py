@@ -407,6 +407,8 @@ class TrainSession:
         self._wait_async()
         if step != self._last_save_step:
             self._save(step, state, "final", request_id=0, drain=False)
+        if self.rank == 0:
+            self._requests.report_finished(step)
         self.close()
 
     def close(self) -> None:
@@ -778,6 +780,15 @@ class _RequestPoller:
                 "at": time.time(),
                 **{k: float(v) for k, v in metrics.items()},
             }
+
+    def report_finished(self, step: int) -> None:
+        """Tell the controller that training is over (its final state is committed)."""
+        if self.client is None or self.keys is None:
+            return
+        try:
+            self.client.hset(self.keys.progress, mapping={"finished": "1", "final_step": str(step)})
+        except Exception as exc:
+            log.warning("end of training not reported to Redis: %s", exc)
 
     def report_restore(self, step: int, world: int, round_: int) -> None:
         """Record a restart of the job's workers: the step restored and the highest step the

@@ -60,6 +60,8 @@ class RecordStore:
         """Every record, oldest launch first."""
         out = []
         for p in self.instances.glob("*.json"):
+            if p.name.startswith("."):
+                continue  # a write in progress (pathlib's glob matches dot files)
             with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
                 out.append(json.loads(p.read_text()))
         return sorted(out, key=lambda r: (r.get("launched_at", 0), r["id"]))

@@ -56,20 +56,21 @@ def drive_run(
     except RunError as e:
         view(f"spottrain: {e}")
         return EXIT_FAILED
-    last: list[str] = []
+    last: list[Any] = []
     last_at = 0.0
 
     def on_pass(s: Summary) -> None:
         nonlocal last, last_at
         lines = format_summary(s)
         now = time.monotonic()
-        # Print when something changed, or every 30 s as a sign of life.
-        if lines != last or now - last_at > 30:
+        # Print when something changed (dollars always do), or every 30 s as a sign of life.
+        key = [s.step // 25, s.nodes, s.preemptions, s.world_size, s.reason, s.phase]
+        if key != last or now - last_at > 30:
             stamp = time.strftime("%H:%M:%S")
             view(f"[{stamp}] {lines[0]}")
             for line in lines[1:]:
                 view(f"           {line}")
-            last, last_at = lines, now
+            last, last_at = key, now
 
     code = EXIT_OK
     try:

@@ -98,8 +98,14 @@ _CRASH_COUNTS: dict[str, int] = {}
 
 
 def policy_from_spec(spec: JobSpec, **overrides: float) -> Policy:
-    """The planner's policy for ``spec``; ``overrides`` set the tunables (tests, CLI)."""
+    """The planner's policy for ``spec``; ``overrides`` set the tunables (tests, CLI).
+
+    The local cloud's stockouts are set by a lever and lift at once, so its offers are
+    blocked for a minute after a capacity error, not the quarter of an hour real clouds get.
+    """
+    local_only = set(spec.resources.clouds) == {"local"}
     base = Policy(
+        block_s=60.0 if local_only else 900.0,
         min_nodes=spec.nodes.min,
         max_nodes=spec.nodes.max,
         same_zone=spec.resources.placement is Placement.SAME_ZONE,
@@ -315,7 +321,6 @@ class Controller:
             for r in live_records
         ]
         ctl = self.state.ctl()
-        last = self.state.ckpt_last()
         home = tuple(ctl["home"].split("|")) if ctl.get("home") else None
         obs = Observed(
             now=now,
@@ -324,7 +329,8 @@ class Controller:
             blocked=self.state.blocked(),
             history=self.state.zone_history(ledger, now),
             spent_usd=ledger.spent(now),
-            finished=last.get("kind") == "final",
+            finished=_finished(self.state),
+            finished_at=_float(ctl.get("finished_at")),
             stopped=ctl.get("stopped", ""),
             restores=self.state.restores(),
             home=home if home and len(home) == 3 else None,
@@ -336,6 +342,9 @@ class Controller:
             bad_streak=int(ctl.get("bad_streak", "0")),
             last_failure=ctl.get("last_failure", ""),
         )
+        if obs.finished and obs.finished_at is None:
+            self.state.set_ctl(finished_at=str(now))
+            obs = replace(obs, finished_at=now)
         if any(n.agent_state == "joined" for n in nodes) and obs.bad_streak:
             self.state.set_ctl(bad_streak="0")
             obs = replace(obs, bad_streak=0)
@@ -539,8 +548,7 @@ class Controller:
         ctl = self.state.ctl()
         ledger = self.state.ledger()
         live = [r for r in ledger.records.values() if r.status in (INTENT, LAUNCHED)]
-        finished = self.state.ckpt_last().get("kind") == "final"
-        return (finished or bool(ctl.get("stopped"))) and not live
+        return (_finished(self.state) or bool(ctl.get("stopped"))) and not live
 
     def summary(self) -> Summary:
         return summarize(self.state, self.clock())
@@ -585,6 +593,19 @@ class Controller:
             self.state.release(self.owner)
 
 
+def _finished(state: RunState) -> bool:
+    """Training is over: the SDK's ``finish`` reported it, or a final checkpoint landed."""
+    return state.progress().get("finished") == "1" or state.ckpt_last().get("kind") == "final"
+
+
+def _final_step(progress: dict[str, str], last: dict[str, str]) -> int | None:
+    if progress.get("finished") == "1":
+        return int(progress.get("final_step", progress.get("step", "0")))
+    if last.get("kind") == "final":
+        return int(last["step"])
+    return None
+
+
 def _float(v: str | None) -> float | None:
     return float(v) if v else None
 
@@ -617,7 +638,7 @@ def summarize(state: RunState, now: float) -> Summary:
         spent_usd=ledger.spent(now),
         saved_usd=ledger.saved(now),
         reason=ctl.get("error") or ctl.get("reason", ""),
-        final_step=int(last["step"]) if last.get("kind") == "final" else None,
+        final_step=_final_step(progress, last),
     )
 
 

@@ -70,6 +70,8 @@ class Policy:
         prior_hours: how many node-hours of observation the bundled band is worth when
             blended with the job's own preemptions.
         stop_margin_s: at the cap, the time reserved to checkpoint before stopping.
+        finish_grace_s: after training finished, how long a node's agent may take to leave
+            before its VM is ended anyway.
     """
 
     min_nodes: int
@@ -87,6 +89,7 @@ class Policy:
     stall_s: float = 120.0
     prior_hours: float = 24.0
     stop_margin_s: float = 300.0
+    finish_grace_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_nodes <= self.max_nodes:
@@ -152,6 +155,7 @@ class Observed:
     history: Mapping[tuple[str, str, str], ZoneHistory] = field(default_factory=dict)
     spent_usd: float = 0.0
     finished: bool = False
+    finished_at: float | None = None
     stopped: str = ""
     restores: Sequence[Restore] = ()
     home: tuple[str, str, str] | None = None  # (cloud, zone, instance type)
@@ -301,9 +305,17 @@ def plan(policy: Policy, obs: Observed) -> Plan:
             if n.instance is not None and n.instance.state.alive
         ]
 
-    # 1. The end.
+    # 1. The end. Agents leave on their own once training is over; a VM is ended once its
+    # agent left, stopped beating, or after ``finish_grace_s`` whatever it does.
     if obs.finished:
-        ends = end_all("training finished")
+        late = obs.finished_at is not None and now - obs.finished_at > policy.finish_grace_s
+        ends = [
+            Terminate(n.name, n.instance.id, "training finished")
+            for n in live
+            if n.instance is not None
+            and n.instance.state.alive
+            and (late or n.agent_state in (LEFT, FAILED, None) or not n.alive_beat)
+        ]
         return Plan(
             tuple(ends),
             f"training finished: scaling down ({len(ends)} VMs)",
@@ -350,7 +362,7 @@ def plan(policy: Policy, obs: Observed) -> Plan:
         if n.instance is None or not n.instance.state.alive:
             continue
         if n.health_failed or n.agent_state == FAILED:
-            actions.append(Terminate(n.name, n.instance.id, "failed its health check"))
+            actions.append(Terminate(n.name, n.instance.id, "its agent failed"))
             if n.offer is not None:
                 actions.append(Penalise(_zone_key(n.offer), f"node {n.name} was bad"))
             gone.add(n.name)

@@ -314,10 +314,13 @@ def test_plan_stops_a_crash_loop_with_a_clear_error() -> None:
 
 
 def test_plan_scales_down_when_training_finished() -> None:
-    nodes = (node("n0"), node("n1"), node("n2", state=InstanceState.TERMINATED))
-    p = plan(Policy(1, 3), observed(nodes=nodes, finished=True))
-    assert sorted(t.node for t in terminates(p)) == ["n0", "n1"]
+    nodes = (node("n0", agent="left"), node("n1"), node("n2", state=InstanceState.TERMINATED))
+    # n1's agent is still leaving: its VM waits; n0's agent left: its VM ends.
+    p = plan(Policy(1, 3), observed(nodes=nodes, finished=True, finished_at=NOW - 5))
+    assert [t.node for t in terminates(p)] == ["n0"]
     assert launches(p) == [] and "training finished" in p.reason
+    late = plan(Policy(1, 3), observed(nodes=nodes, finished=True, finished_at=NOW - 61))
+    assert sorted(t.node for t in terminates(late)) == ["n0", "n1"]
 
 
 def test_plan_terminates_the_idle_vm_of_a_node_that_left() -> None:
