@@ -309,7 +309,7 @@ def plan(policy: Policy, obs: Observed) -> Plan:
     # agent left, stopped beating, or after ``finish_grace_s`` whatever it does.
     if obs.finished:
         late = obs.finished_at is not None and now - obs.finished_at > policy.finish_grace_s
-        ends = [
+        finished_ends: list[Action] = [
             Terminate(n.name, n.instance.id, "training finished")
             for n in live
             if n.instance is not None
@@ -317,8 +317,8 @@ def plan(policy: Policy, obs: Observed) -> Plan:
             and (late or n.agent_state in (LEFT, FAILED, None) or not n.alive_beat)
         ]
         return Plan(
-            tuple(ends),
-            f"training finished: scaling down ({len(ends)} VMs)",
+            tuple(finished_ends),
+            f"training finished: scaling down ({len(finished_ends)} VMs)",
             obs.home,
             obs.next_index,
         )
