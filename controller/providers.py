@@ -113,6 +113,7 @@ def build_provider(
             instance_profile=aws.instance_profile or "",
             key_name=aws.key_name or "",
             root_volume_gb=aws.root_volume_gb,
+            placement_group=aws.placement_group,
         )
         return AwsProvider(
             settings, session=ep.aws_session, catalog=cat, endpoint_url=ep.aws_endpoint_url

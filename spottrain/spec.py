@@ -397,6 +397,11 @@ class AwsCloudSpec(_Model):
     instance_profile: str | None = None
     key_name: str | None = None
     root_volume_gb: int = Field(200, ge=8)
+    placement_group: bool = Field(
+        True,
+        description="a cluster placement group per zone for EFA types (closer nodes, but "
+        "spot capacity can be scarcer inside one)",
+    )
 
     @field_validator("images")
     @classmethod
