@@ -61,6 +61,7 @@ class AgentConfig:
     expect_gpus: int = 0
     health_check: bool = True
     ckpt_dir: str = ""
+    ckpt_copy_to: str = ""
     password_file: str | None = None
     key_prefix: str = DEFAULT_PREFIX
     notice_margin: float = 5.0
@@ -173,6 +174,12 @@ class Agent:
                 self._advance(NodeState.FAILED, report.summary())
                 log.error("health check failed: %s", report.summary())
                 return EXIT_UNHEALTHY
+        if self.cfg.ckpt_copy_to and self.cfg.ckpt_dir:
+            problem = self._start_copier()
+            if problem:
+                self._advance(NodeState.FAILED, problem)
+                log.error("%s", problem)
+                return EXIT_CONFIG
         self._advance(NodeState.HEALTHY, "health check passed" if self.cfg.health_check else "")
         self._start_watchers()
         if self.handler.draining:
@@ -234,12 +241,48 @@ class Agent:
         self.record.event("torchrun-exited", code=code)
         if self.handler.draining:
             self.handler.done.wait(self.cfg.sigterm_grace + self.cfg.worker_stop_timeout)
+            self._finish_copy()
             return EXIT_OK
         if code == 0:
             self._advance(NodeState.LEFT, "training finished")
             return EXIT_OK
         self._advance(NodeState.FAILED, f"torchrun exited with code {code}")
         return EXIT_TORCHRUN_FAILED
+
+    def _start_copier(self) -> str | None:
+        """Bring in the newest checkpoint copy if the volume lacks it, then copy this node's
+        commits out in the background. Returns what went wrong, or None."""
+        from spottrain.cloud.storage import StorageError
+
+        from .ckpt_copy import CheckpointCopier
+
+        try:
+            self.copier = CheckpointCopier(
+                self.cfg.ckpt_copy_to,
+                self.cfg.ckpt_dir,
+                self.client,
+                self.keys,
+                self.cfg.node_id,
+                self.record,
+            )
+            self.copier.pull_newest()
+        except (StorageError, OSError, ValueError) as exc:
+            # Starting from an older checkpoint than the job reached would redo (or lose)
+            # work silently: fail the node instead; the controller replaces it.
+            return f"cannot bring in the newest checkpoint copy from {self.cfg.ckpt_copy_to}: {exc}"
+        self.copier.start()
+        self._loops.append(self.copier)
+        return None
+
+    def _finish_copy(self) -> None:
+        """After a drain, copy its checkpoint out before the VM goes, within the deadline."""
+        copier = getattr(self, "copier", None)
+        outcome = self.handler.outcome
+        if copier is None or outcome is None or outcome.committed_step is None:
+            return
+        left = (self.handler.deadline or time.time() + 30) - time.time() - 1.0
+        if not copier.wait_copied(outcome.committed_step, max(0.0, left)):
+            self.record.event("checkpoint-copy-missed", step=outcome.committed_step)
 
     def _joined(self) -> bool:
         try:

@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-health-check", action="store_true")
     run.add_argument("--ckpt-dir", default=env("SPOTTRAIN_CKPT_DIR", ""))
     run.add_argument(
+        "--ckpt-copy-to",
+        default=env("SPOTTRAIN_CKPT_COPY_TO", ""),
+        help="object storage (s3://, gs://, file://) this node copies its checkpoints to, "
+        "and brings the newest copy in from at boot",
+    )
+    run.add_argument(
         "--notice-margin",
         type=float,
         default=5.0,
@@ -161,6 +167,7 @@ def _run(args: argparse.Namespace) -> int:
         expect_gpus=args.expect_gpus,
         health_check=not args.no_health_check,
         ckpt_dir=args.ckpt_dir,
+        ckpt_copy_to=args.ckpt_copy_to,
         password_file=args.password_file,
         key_prefix=args.key_prefix,
         notice_margin=args.notice_margin,

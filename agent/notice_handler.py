@@ -128,6 +128,11 @@ class NoticeHandler:
                 )
                 self._early_thread.start()
 
+    @property
+    def deadline(self) -> float | None:
+        """The deadline of the drain in progress (unix seconds), if any."""
+        return self._deadline
+
     def _deadline_of(self, notice: Notice) -> float:
         return notice.deadline if notice.deadline is not None else notice.seen_at + DEFAULT_GRACE
 

@@ -111,6 +111,7 @@ def policy_from_spec(spec: JobSpec, **overrides: float) -> Policy:
         same_zone=spec.resources.placement is Placement.SAME_ZONE,
         spot_policy=spec.spot.policy,
         fallback_after_s=spec.spot.fallback_after_minutes * 60,
+        move_after_s=spec.resources.move_after_minutes * 60,
         budget_usd=spec.budget.max_usd,
     )
     return replace(base, **overrides)  # type: ignore[arg-type]
@@ -160,6 +161,7 @@ class Controller:
     interval_s: float = 2.0
     offers_ttl_s: float = 60.0
     stop_timeout_s: float = 180.0
+    move_timeout_s: float = 240.0
     tick: Callable[[float], object] | None = None
     clock: Callable[[], float] = time.time
     catalog: Catalog = field(default_factory=bundled)
@@ -341,6 +343,7 @@ class Controller:
             moving=bool(ctl.get("moving")),
             bad_streak=int(ctl.get("bad_streak", "0")),
             last_failure=ctl.get("last_failure", ""),
+            last_refusal=ctl.get("last_refusal", ""),
         )
         if obs.finished and obs.finished_at is None:
             self.state.set_ctl(finished_at=str(now))
@@ -401,6 +404,7 @@ class Controller:
             self.state.block(offer.key, self.clock() + 86_400)
             crash_point("after-block")
             self.state.update_launch(rec.node, status=FAILED, reason=str(e))
+            self.state.set_ctl(last_refusal=str(e))
             self.state.event("launch-refused", node_name=rec.node, error=str(e))
             return
         except TransientError as e:
@@ -481,7 +485,11 @@ class Controller:
         # nodes restore from its object-storage copy.
         from spottrain.agent.agent import inject_notice
 
-        self.state.set_ctl(moving=a.to.zone, home=f"{a.to.cloud}|{a.to.zone}|{a.to.instance_type}")
+        self.state.set_ctl(
+            moving=a.to.zone,
+            moving_since=str(obs.now),
+            home=f"{a.to.cloud}|{a.to.zone}|{a.to.instance_type}",
+        )
         for n in obs.nodes:
             if n.instance is not None and n.instance.state.alive:
                 inject_notice(self.state.client, self.state.keys, n.name, "terminate", 60)
@@ -534,14 +542,35 @@ class Controller:
                 updates["below_min_since"] = str(obs.now)
         elif ctl.get("below_min_since"):
             self.state.client.hdel(self.state.keys.ctl, "below_min_since")
-        if ctl.get("moving") and len(staying) >= self.policy.min_nodes:
-            self.state.client.hdel(self.state.keys.ctl, "moving")
+        if ctl.get("moving") and self._move_copied(ctl, obs):
+            self.state.client.hdel(self.state.keys.ctl, "moving", "below_min_since")
+            self.state.event("move-ready", to=ctl["moving"])
         self.state.set_ctl(**updates)
         if p.reason != self._last_reason:
             # The reason is logged when it changes, not every pass.
             self.state.event("plan", reason=p.reason)
             log.info("plan: %s", p.reason)
             self._last_reason = p.reason
+
+    def _move_copied(self, ctl: dict[str, str], obs: Observed) -> bool:
+        """The moved job may start in its new zone: the old fleet is gone and its newest
+        checkpoint is copied (or the move timed out, and the newest copy is what there is)."""
+        since = float(ctl.get("moving_since", "0"))
+        old_alive = [
+            n
+            for n in obs.nodes
+            if n.instance is not None
+            and n.instance.state.alive
+            and n.agent_state not in ("left", "failed")
+        ]
+        if obs.now - since > self.move_timeout_s:
+            return True
+        if old_alive:
+            return False
+        copied = self.state.client.hgetall(self.state.keys.ckpt_copied)
+        copied_step = int(copied.get(b"step", b"-1"))
+        last_step = int(self.state.ckpt_last().get("step", "-1"))
+        return copied_step >= last_step
 
     def done(self) -> bool:
         """The run is over: stopped or finished, and no VM of it runs."""

@@ -166,6 +166,7 @@ class Observed:
     moving: bool = False
     bad_streak: int = 0
     last_failure: str = ""
+    last_refusal: str = ""
 
 
 class ActionKind(StrEnum):
@@ -443,6 +444,12 @@ def plan(policy: Policy, obs: Observed) -> Plan:
         staying = [n for n in staying if n not in extra]
         reasons.append(f"ending {len(extra)} node(s) over max_nodes")
 
+    # A move in progress: the old fleet drains and copies its checkpoint; the new zone
+    # starts once the copy is complete (the loop clears ``moving`` then).
+    if obs.moving:
+        reasons.append("moving: waiting for the drained fleet's checkpoint copy")
+        return Plan(tuple(actions), "; ".join(reasons), home, obs.next_index)
+
     # 5. Backfill.
     need = policy.max_nodes - len(staying)
     next_index = obs.next_index
@@ -476,6 +483,19 @@ def plan(policy: Policy, obs: Observed) -> Plan:
             if home is None and policy.same_zone:
                 home = (offer.cloud, offer.zone, offer.instance_type)
                 offers = [o for o in offers if (o.cloud, o.zone, o.instance_type) == home]
+        hard = [k for k, until in obs.blocked.items() if until - now > 3600]
+        if (
+            not launched
+            and not staying
+            and not offers
+            and obs.offers
+            and len(hard) >= len({o.key for o in obs.offers})
+        ):
+            why = (
+                "every allowed offer was refused by its cloud (quota, or a setting it rejects); "
+                f"the last said: {obs.last_refusal or 'nothing'}"
+            )
+            return Plan((*actions, Stop(why, error=True, checkpoint=False)), why, home, next_index)
         if not launched and not staying and offers and "budget" in (reasons[-1] if reasons else ""):
             cheapest = offers[0].price_per_hour
             why = (

@@ -219,6 +219,16 @@ def prepare_code(spec: JobSpec, base_dir: Path, run_dir: Path) -> CodeRef:
     return CodeRef(url, archive.sha256)
 
 
+def local_copy_to(spec: JobSpec) -> str:
+    """Where a local job's checkpoints are copied: ``checkpoint.copy_to``, else a directory
+    under ``$SPOTTRAIN_HOME`` (the local cloud's "object storage")."""
+    if spec.checkpoint.copy_to:
+        return spec.checkpoint.copy_to
+    root = home_dir() / "store" / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    return f"file://{root}"
+
+
 def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
     code = CodeRef(info.code_url, info.code_sha256)
 
@@ -226,7 +236,12 @@ def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
         ident = NodeIdentity(info.run_id, node, offer.cloud, offer.zone, offer.instance_type)
         if offer.cloud == "local":
             return render_local_boot(
-                spec, ident, info.redis_url, workdir=info.dir / "nodes" / node / "code", code=code
+                spec,
+                ident,
+                info.redis_url,
+                workdir=info.dir / "nodes" / node / "code",
+                code=code,
+                copy_to=local_copy_to(spec),
             )
         return render_boot_script(
             spec, ident, info.redis_url, code=code, password_secret=spec.redis.password_secret

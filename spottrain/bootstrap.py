@@ -60,9 +60,17 @@ def run_ckpt_dir(spec: JobSpec, node: NodeIdentity) -> str:
 
 
 def agent_env(
-    spec: JobSpec, node: NodeIdentity, redis_url: str, *, password_file: str | None = None
+    spec: JobSpec,
+    node: NodeIdentity,
+    redis_url: str,
+    *,
+    password_file: str | None = None,
+    copy_to: str | None = None,
 ) -> dict[str, str]:
-    """The ``SPOTTRAIN_*`` settings of one node's agent, plus the job's own variables."""
+    """The ``SPOTTRAIN_*`` settings of one node's agent, plus the job's own variables.
+
+    ``copy_to`` (default: ``checkpoint.copy_to``) is where checkpoints are copied, so that
+    the job can move zones and restore there."""
     env = {
         "SPOTTRAIN_REDIS": redis_url,
         "SPOTTRAIN_RUN_ID": node.run_id,
@@ -78,6 +86,8 @@ def agent_env(
     }
     if password_file:
         env["SPOTTRAIN_REDIS_PASSWORD_FILE"] = password_file
+    if copy_to or spec.checkpoint.copy_to:
+        env["SPOTTRAIN_CKPT_COPY_TO"] = copy_to or spec.checkpoint.copy_to or ""
     return {**spec.train.env, **env}
 
 
@@ -262,6 +272,7 @@ def render_local_boot(
     *,
     workdir: str | Path,
     code: CodeRef | None = None,
+    copy_to: str | None = None,
     python: str = sys.executable,
 ) -> str:
     """The local cloud's boot command as JSON: fetch the code archive into ``workdir`` (when
@@ -270,7 +281,7 @@ def render_local_boot(
     The settings travel as the same ``SPOTTRAIN_*`` variables a real VM's env file holds;
     the password, if any, reaches the VM through the controller's own environment.
     """
-    env = agent_env(spec, node, redis_url)
+    env = agent_env(spec, node, redis_url, copy_to=copy_to)
     env["PYTHONUNBUFFERED"] = "1"
     agent = [python, "-m", "spottrain.agent.cli", "run"]
     if spec.nodes.gpus == 0:

@@ -146,6 +146,11 @@ class RunKeys:
         at), written by the committing rank; the agents wait on it."""
         return f"{self.base}:ckpt:last"
 
+    @property
+    def ckpt_copied(self) -> str:
+        """Hash: the newest checkpoint copied to object storage (step, url, at)."""
+        return f"{self.base}:ckpt:copied"
+
     # -- fleet --------------------------------------------------------------------------------
     @property
     def nodes(self) -> str:

@@ -223,6 +223,11 @@ class ResourcesSpec(_Model):
     instance_types: tuple[str, ...] = ()
     max_price_per_hour: float | None = Field(None, gt=0, description="USD per VM-hour")
     placement: Placement = Placement.SAME_ZONE
+    move_after_minutes: float = Field(
+        10,
+        gt=0,
+        description="minutes the job may stay below nodes.min in its zone before it moves",
+    )
 
     @field_validator("clouds")
     @classmethod

@@ -373,3 +373,15 @@ def test_plan_stops_when_every_vm_fails_at_boot() -> None:
     assert isinstance(stop, Stop) and stop.error
     assert stop.why.startswith("6 VMs in a row failed at boot and none joined; the last said: ")
     assert "/x does not exist" in stop.why
+
+
+def test_plan_stops_when_every_offer_was_refused_for_good() -> None:
+    day = NOW + 86_400
+    blocked = {o.key: day for o in OFFERS}
+    p = plan(Policy(1, 2), observed(blocked=blocked, last_refusal="aws: quota exhausted"))
+    (stop,) = p.of(Stop)
+    assert isinstance(stop, Stop) and stop.error
+    assert stop.why.endswith("the last said: aws: quota exhausted")
+    # Short blocks (stockouts) are waited out instead.
+    short = {o.key: NOW + 600 for o in OFFERS}
+    assert plan(Policy(1, 2), observed(blocked=short)).of(Stop) == []

@@ -1,0 +1,178 @@
+"""``spottrain up`` on the local cloud, end to end: real VM processes, real agents, real
+torchrun, an embedded Redis, injected preemptions and a zone stockout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from spottrain.agent.checkpoint.directory import CheckpointDir
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _spec(tmp: Path, **local: Any) -> dict[str, Any]:
+    return {
+        "name": "tiny",
+        "code": {"archive": {"path": str(REPO)}},
+        "train": {"command": "examples/gpt_train.py --steps 240 --every-steps 20 --step-time 0.1"},
+        "nodes": {"min": 1, "max": 2, "gpus": 0, "workers": 2},
+        "resources": {"clouds": ["local"]},
+        "budget": {"max_usd": 50},
+        "checkpoint": {
+            "volume": {"path": str(tmp / "volume"), "write_gbps": 1},
+            "every_steps": 20,
+            "size_gb": 0.002,
+        },
+        "local": {
+            "zones": {"local-a": {"capacity": 3}, "local-b": {"capacity": 3}},
+            "notice_s": 20,
+            **local,
+        },
+    }
+
+
+class Cli:
+    def __init__(self, home: Path) -> None:
+        self.env = {**os.environ, "SPOTTRAIN_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "spottrain.cli", *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=REPO,
+            timeout=timeout,
+        )
+
+    def status(self, run: str) -> dict[str, Any]:
+        out = self.run("status", run, "--json")
+        assert out.returncode == 0, out.stderr
+        return dict(json.loads(out.stdout))
+
+    def events(self, run: str) -> list[str]:
+        return self.run("logs", run).stdout.splitlines()
+
+
+def _wait(fn: Callable[[], Any], what: str, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := fn()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(1.0)
+    return value
+
+
+def _processes_of(run_id: str) -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if run_id in cmd and stat[stat.rindex(")") + 2] != "Z":
+            found.append(f"{entry}: {cmd[:120]}")
+    return found
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    h = tmp_path / "home"
+    yield h
+    # Whatever a failed test left: end every run of this home.
+    cli = Cli(h)
+    for run in (h / "runs").glob("*") if (h / "runs").exists() else []:
+        cli.run("down", run.name, timeout=180)
+
+
+def test_up_trains_through_preemptions_and_down_leaves_nothing(tmp_path: Path, home: Path) -> None:
+    trace = tmp_path / "trace.yaml"
+    trace.write_text("- {at_s: 15, notice: true}\n- {at_s: 35, notice: false}\n")
+    spec = _spec(tmp_path, preemptions={"trace": str(trace)})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    cli = Cli(home)
+    out = cli.run("up", str(path), "--interval", "0.5", timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_id = out.stdout.split()[1].rstrip(":")
+    assert "training finished" in out.stdout
+    assert "steps trained          240" in out.stdout
+    assert "preemptions survived   2" in out.stdout
+    events = cli.events(run_id)
+    assert any("inject-preemption" in e and "notice=1" in e for e in events)
+    assert any("inject-preemption" in e and "notice=0" in e for e in events)
+    # The notice cost no step: the restore after it resumed where training stood.
+    restores = [e for e in events if " restored " in e]
+    assert len(restores) >= 2, events
+    # The final checkpoint verifies (every file against its manifest's checksums).
+    zones = list((tmp_path / "volume" / run_id).iterdir())
+    newest = max(
+        (CheckpointDir(str(z)).find_restorable() for z in zones),
+        key=lambda r: r.manifest.step if r else -1,
+    )
+    assert newest is not None and newest.manifest.step == 240
+    status = cli.status(run_id)
+    assert status["final_step"] == 240 and status["preemptions"] == 2
+    down = cli.run("down", run_id, timeout=180)
+    assert down.returncode == 0, down.stderr
+    assert "every VM is gone" in down.stdout
+    time.sleep(1.0)
+    assert _processes_of(run_id) == []
+
+
+def test_zone_stockout_moves_the_job_and_it_resumes_from_its_copied_checkpoint(
+    tmp_path: Path, home: Path
+) -> None:
+    spec = _spec(tmp_path)
+    spec["nodes"] = {"min": 2, "max": 2, "gpus": 0, "workers": 1}
+    spec["resources"]["move_after_minutes"] = 0.1
+    spec["train"]["command"] = "examples/gpt_train.py --steps 300 --every-steps 20 --step-time 0.15"
+    spec["local"]["zones"] = {"local-a": {"capacity": 2}, "local-b": {"capacity": 2}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    cli = Cli(home)
+    up = cli.run("up", str(path), "--detach", "--interval", "0.5")
+    assert up.returncode == 0, up.stderr
+    run_id = up.stdout.split()[1].rstrip(":")
+    _wait(lambda: cli.status(run_id)["step"] >= 60, "training to pass step 60", 240)
+    # Zone a runs out of capacity and one of its nodes is taken without notice.
+    assert cli.run("local", "capacity", "local-a", "0").returncode == 0
+    vms = cli.run("local", "vms", "--job", run_id).stdout.splitlines()
+    victim = next(line.split()[0] for line in vms if " running " in line)
+    assert cli.run("local", "preempt", victim, "--no-notice").returncode == 0
+    done = _wait(
+        lambda: (s := cli.status(run_id))["final_step"] is not None and s,
+        "the moved job to finish",
+        420,
+    )
+    assert done["final_step"] == 300
+    events = cli.events(run_id)
+    moves = [e for e in events if " move " in e]
+    assert moves and "to=local-b" in moves[0], events[-40:]
+    pulled = [e for e in events if "checkpoint-pulled" in e]
+    assert pulled, "a node in zone b brought the checkpoint in from object storage"
+    pulled_step = int(pulled[0].split("step=")[1].split()[0])
+    copied = [int(e.split("step=")[1].split()[0]) for e in events if "checkpoint-copied" in e]
+    move_at = events.index(moves[0])
+    before = [
+        int(e.split("step=")[1].split()[0]) for e in events[:move_at] if "checkpoint-committed" in e
+    ]
+    assert pulled_step in copied and pulled_step >= max(before)
+    assert cli.run("down", run_id, timeout=180).returncode == 0
+    time.sleep(1.0)
+    assert _processes_of(run_id) == []
