@@ -386,10 +386,10 @@ class Controller:
         except CapacityError as e:
             now = self.clock()
             self.state.block(offer.key, now + self.policy.block_s)
-            crash_point("after-block")
             self.state.update_launch(rec.node, status=FAILED, reason=f"capacity: {e.message}")
             if offer.market is Market.SPOT and not self.state.ctl().get("spot_short_since"):
                 self.state.set_ctl(spot_short_since=str(now))
+            crash_point("after-block")
             self.state.event(
                 "capacity",
                 node_name=rec.node,
@@ -438,20 +438,27 @@ class Controller:
             else:
                 self._send_launch(rec)
 
+    def _drain_all(self, obs: Observed) -> None:
+        """Ask every running node to drain (emergency checkpoint, leave). Repeating it is
+        harmless: an agent dedups notices, so a restarted controller simply asks again."""
+        from spottrain.agent.agent import inject_notice
+
+        window = min(60.0, *self.spec.notice_windows.values())
+        for n in obs.nodes:
+            if n.instance is not None and n.instance.state.alive:
+                inject_notice(self.state.client, self.state.keys, n.name, "terminate", window)
+        crash_point("after-notice")
+
     def _stop(self, action: Stop, obs: Observed) -> None:
         ctl = self.state.ctl()
         if ctl.get("stopping"):
             return
+        # Notices first, then the record: a controller killed between the two asks again.
+        if action.checkpoint:
+            self._drain_all(obs)
         self.state.set_ctl(stopping=action.why, stopping_since=str(obs.now))
         self.state.event("stopping", why=action.why, error=int(action.error))
-        if action.checkpoint:
-            from spottrain.agent.agent import inject_notice
-
-            for n in obs.nodes:
-                if n.instance is not None and n.instance.state.alive:
-                    inject_notice(self.state.client, self.state.keys, n.name, "terminate", 60)
-            crash_point("after-notice")
-        else:
+        if not action.checkpoint:
             self.state.set_ctl(stopped=action.why)
         if action.error:
             self.state.set_ctl(error=action.why)
@@ -481,19 +488,14 @@ class Controller:
                 self._move(a, obs)
 
     def _move(self, a: Move, obs: Observed) -> None:
-        # Draining every node makes each write an emergency checkpoint; the new zone's
-        # nodes restore from its object-storage copy.
-        from spottrain.agent.agent import inject_notice
-
+        # Draining every node makes each write an emergency checkpoint, which its agent
+        # copies to object storage; the new zone's nodes bring that copy in at boot.
+        self._drain_all(obs)
         self.state.set_ctl(
             moving=a.to.zone,
             moving_since=str(obs.now),
             home=f"{a.to.cloud}|{a.to.zone}|{a.to.instance_type}",
         )
-        for n in obs.nodes:
-            if n.instance is not None and n.instance.state.alive:
-                inject_notice(self.state.client, self.state.keys, n.name, "terminate", 60)
-        crash_point("after-notice")
         self.state.event("move", to=a.to.zone, why=a.why)
 
     # --- a pass --------------------------------------------------------------------------
@@ -589,7 +591,7 @@ class Controller:
             ControllerError: another controller holds the run, or a cloud refused the
                 credentials.
         """
-        ttl = max(30.0, self.interval_s * 10)
+        ttl = max(10.0, self.interval_s * 5)
         if not self.state.acquire(self.owner, ttl):
             raise ControllerError(
                 f"run {self.run_id} is driven by another controller "
