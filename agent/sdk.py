@@ -316,6 +316,14 @@ class TrainSession:
             poll_interval,
             active=self.rank == 0,
         )
+        self._step_reporter: threading.Thread | None = None
+        if os.environ.get("LOCAL_RANK", "0") == "0" and self._requests.client is not None:
+            # One worker per node tells the controller how fast this node steps, which is
+            # how it finds stragglers.
+            self._step_reporter = threading.Thread(
+                target=self._report_step_time, name="spottrain-step-time", daemon=True
+            )
+            self._step_reporter.start()
         self._watchdog: _SignalWatch | None = None
         if install_signal_handlers:
             if threading.current_thread() is threading.main_thread():
@@ -418,6 +426,16 @@ class TrainSession:
         if self._watchdog is not None:
             self._watchdog.stop()
         self._phase = "closed"
+
+    def _report_step_time(self, every: float = 5.0) -> None:
+        client, keys = self._requests.client, self._requests.keys
+        while not self._requests._stop.wait(every):
+            if not self._step_times or keys is None:
+                continue
+            try:
+                client.hset(keys.node(self.node), "step_time", f"{self.last_step_time:.4f}")
+            except Exception:  # Redis away: the next report will do
+                continue
 
     @property
     def last_step_time(self) -> float:

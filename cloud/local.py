@@ -266,7 +266,10 @@ class LocalProvider:
             kind = (self.store.root / "refusal").read_text().strip()
             cls = _REFUSALS.get(kind)
             if cls is QuotaError:
-                raise QuotaError("local", REGION, f"{what} refused (injected)")
+                # A used-up quota refuses launches; looking around still works.
+                if what == "launch":
+                    raise QuotaError("local", REGION, f"{what} refused (injected)")
+                return
             if cls is not None:
                 raise cls("local", f"{what} refused (injected {kind} refusal)")
 

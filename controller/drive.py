@@ -84,7 +84,8 @@ def drive_run(
         code = EXIT_FAILED
     for line in final_report(summary):
         view(line)
-    if ctl.done():
+    if ctl.done() or not ctl.live_vms():
+        # Nothing of the run runs any more: keep its record on disk, free its Redis.
         archive_run(info, ctl.state.client, asdict(summary))
         if info.embedded_redis:
             stop_embedded_redis(info)

@@ -319,6 +319,7 @@ class Controller:
                 launched_at=r.launched_at,
                 agent_state=agents.get(r.node, {}).get("state"),
                 alive_beat=beats.get(r.node, False),
+                step_time_s=_float(agents.get(r.node, {}).get("step_time")),
             )
             for r in live_records
         ]
@@ -573,6 +574,12 @@ class Controller:
         copied_step = int(copied.get(b"step", b"-1"))
         last_step = int(self.state.ckpt_last().get("step", "-1"))
         return copied_step >= last_step
+
+    def live_vms(self) -> list[str]:
+        """Nodes whose VM may still run, by the ledger."""
+        return [
+            r.node for r in self.state.ledger().records.values() if r.status in (INTENT, LAUNCHED)
+        ]
 
     def done(self) -> bool:
         """The run is over: stopped or finished, and no VM of it runs."""

@@ -211,15 +211,22 @@ def test_a_preempted_vm_frees_its_capacity(cloud: LocalProvider, tmp_path: Path)
     _launch(cloud, _boot(tmp_path, "b"), "r2", "local-b")
 
 
-@pytest.mark.parametrize(
-    ("kind", "error"), [("auth", AuthError), ("quota", QuotaError), ("transient", TransientError)]
-)
+@pytest.mark.parametrize(("kind", "error"), [("auth", AuthError), ("transient", TransientError)])
 def test_refusals_are_typed_errors(cloud: LocalProvider, kind: str, error: type) -> None:
     cloud.set_refusal(kind)
     with pytest.raises(error):
         cloud.offers(OfferQuery())
+    with pytest.raises(error):
+        cloud.list("job-1")
     cloud.set_refusal(None)
     assert cloud.offers(OfferQuery())
+
+
+def test_a_used_up_quota_refuses_launches_only(cloud: LocalProvider, tmp_path: Path) -> None:
+    cloud.set_refusal("quota")
+    assert cloud.offers(OfferQuery()) and cloud.list("job-1") == []
+    with pytest.raises(QuotaError):
+        _launch(cloud, _boot(tmp_path, "a"), "r1")
 
 
 def test_injector_follows_a_trace(cloud: LocalProvider, tmp_path: Path) -> None:

@@ -1,0 +1,133 @@
+"""``spottrain up`` on bad input: Redis unreachable or refusing, a cloud refusing every
+launch, a budget that cannot start a node. Each ends with a clear error, a non-zero exit,
+and nothing left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from spec_samples import VALID, _with
+
+from spottrain.cloud.local import LocalProvider, LocalSettings
+from spottrain.embedded_redis import RedisServer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _up(
+    home: Path, spec: dict[str, Any], tmp: Path, **env: str
+) -> subprocess.CompletedProcess[str]:
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return subprocess.run(
+        [sys.executable, "-m", "spottrain.cli", "up", str(path), "--interval", "0.2"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SPOTTRAIN_HOME": str(home), **env},
+        cwd=REPO,
+        timeout=120,
+    )
+
+
+def _local_spec(tmp: Path, budget: float = 50) -> dict[str, Any]:
+    code = tmp / "code"
+    code.mkdir(exist_ok=True)
+    (code / "train.py").write_text("print('never runs')\n")
+    return {
+        "name": "bad",
+        "code": {"archive": {"path": str(code)}},
+        "train": {"command": "train.py"},
+        "nodes": {"min": 1, "max": 2, "gpus": 0},
+        "resources": {"clouds": ["local"]},
+        "budget": {"max_usd": budget},
+        "checkpoint": {"volume": {"path": str(tmp / "vol"), "write_gbps": 1}, "every_steps": 10},
+        "local": {"zones": {"local-a": {"capacity": 2}}},
+    }
+
+
+def _no_vms(home: Path) -> None:
+    instances = home / "local" / "instances"
+    records = [p for p in instances.glob("*.json")] if instances.exists() else []
+    assert records == [], f"VMs were created: {records}"
+
+
+def _no_redis_left(home: Path) -> None:
+    """The run's embedded Redis ended with it: nothing answers on its port."""
+    runs = list(home.glob("runs/*/run.json"))
+    assert runs, "the run left no record"
+    for run in runs:
+        url = json.loads(run.read_text())["redis_url"]
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        with socket.socket() as s, pytest.raises(OSError):
+            s.settimeout(1)
+            s.connect(("127.0.0.1", port))
+
+
+def _dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_unreachable_redis_is_a_clear_error_before_anything_launches(tmp_path: Path) -> None:
+    spec = _with(VALID, "redis", {"url": f"redis://127.0.0.1:{_dead_port()}"})
+    out = _up(tmp_path / "home", spec, tmp_path)
+    assert out.returncode == 1
+    assert "spottrain: " in out.stderr and "127.0.0.1" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_redis_that_wants_a_password_says_how_to_give_it(tmp_path: Path) -> None:
+    with RedisServer(password="s3cret") as server:
+        spec = _with(VALID, "redis", {"url": f"redis://{server.endpoint}"})
+        out = _up(tmp_path / "home", spec, tmp_path)
+    assert out.returncode == 1
+    assert "SPOTTRAIN_REDIS_PASSWORD" in out.stderr, out.stderr
+    assert "s3cret" not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("auth", "refused (injected auth refusal)"),
+        ("quota", "every allowed offer was refused by its cloud"),
+    ],
+)
+def test_a_cloud_refusing_every_launch_ends_the_run_with_nothing_leaked(
+    tmp_path: Path, kind: str, expected: str
+) -> None:
+    home = tmp_path / "home"
+    cloud = LocalProvider(LocalSettings(home / "local", zones={"local-a": 2}))
+    cloud.set_refusal(kind)
+    out = _up(home, _local_spec(tmp_path), tmp_path)
+    assert out.returncode == 1, out.stdout[-2000:]
+    assert expected in out.stdout + out.stderr
+    _no_vms(home)
+    _no_redis_left(home)
+
+
+def test_a_budget_that_cannot_start_a_node_is_refused(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    out = _up(home, _local_spec(tmp_path, budget=1), tmp_path)
+    assert out.returncode == 1
+    assert "cannot cover an hour of the cheapest node" in out.stdout
+    assert "raise budget.max_usd" in out.stdout
+    _no_vms(home)
+    _no_redis_left(home)
+    # The run ended on its own: its embedded Redis is gone too.
+    status = subprocess.run(
+        [sys.executable, "-m", "spottrain.cli", "status", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SPOTTRAIN_HOME": str(home)},
+        cwd=REPO,
+    )
+    assert status.returncode == 0 and '"phase": "failed"' in status.stdout
