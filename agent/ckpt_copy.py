@@ -12,6 +12,7 @@ before it restarts a moved job elsewhere.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import threading
 import time
@@ -82,13 +83,20 @@ class CheckpointCopier:
             return None
         newest = max(copies, key=_step_of)
         step = _step_of(newest)
-        local = CheckpointDir(str(self.ckpt_dir)).committed()
-        if local and local[-1][0] >= step:
-            return None
-        dest = self.ckpt_dir / newest
-        t0 = time.monotonic()
-        download_dir(self.store, f"{self.prefix}/{newest}", dest)
-        (self.ckpt_dir / "latest").write_text(newest)
+        # Every node of a zone shares its volume and boots at about the same time: one
+        # brings the copy in, the others wait for it and find it there.
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.ckpt_dir / ".pull.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                local = CheckpointDir(str(self.ckpt_dir)).committed()
+                if local and local[-1][0] >= step:
+                    return None
+                t0 = time.monotonic()
+                download_dir(self.store, f"{self.prefix}/{newest}", self.ckpt_dir / newest)
+                (self.ckpt_dir / "latest").write_text(newest)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
         self.record.event(
             "checkpoint-pulled",
             step=step,

@@ -546,7 +546,9 @@ class Controller:
         elif ctl.get("below_min_since"):
             self.state.client.hdel(self.state.keys.ctl, "below_min_since")
         if ctl.get("moving") and self._move_copied(ctl, obs):
-            self.state.client.hdel(self.state.keys.ctl, "moving", "below_min_since")
+            self.state.client.hdel(
+                self.state.keys.ctl, "moving", "below_min_since", "moving_quiet_since"
+            )
             self.state.event("move-ready", to=ctl["moving"])
         self.state.set_ctl(**updates)
         if p.reason != self._last_reason:
@@ -556,24 +558,25 @@ class Controller:
             self._last_reason = p.reason
 
     def _move_copied(self, ctl: dict[str, str], obs: Observed) -> bool:
-        """The moved job may start in its new zone: the old fleet is gone and its newest
-        checkpoint is copied (or the move timed out, and the newest copy is what there is)."""
+        """The moved job may start in its new zone: every old agent has stopped (each copies
+        its drain checkpoint out before it exits) and the newest commit is copied, or a
+        short grace has passed since they stopped (a commit whose node died uncopied never
+        will be), or the move timed out."""
         since = float(ctl.get("moving_since", "0"))
-        old_alive = [
-            n
-            for n in obs.nodes
-            if n.instance is not None
-            and n.instance.state.alive
-            and n.agent_state not in ("left", "failed")
-        ]
         if obs.now - since > self.move_timeout_s:
             return True
-        if old_alive:
+        if any(n.alive_beat for n in obs.nodes if n.instance is None or n.instance.state.alive):
             return False
         copied = self.state.client.hgetall(self.state.keys.ckpt_copied)
         copied_step = int(copied.get(b"step", b"-1"))
         last_step = int(self.state.ckpt_last().get("step", "-1"))
-        return copied_step >= last_step
+        if copied_step >= last_step:
+            return True
+        quiet = ctl.get("moving_quiet_since")
+        if not quiet:
+            self.state.set_ctl(moving_quiet_since=str(obs.now))
+            return False
+        return obs.now - float(quiet) > 15.0
 
     def live_vms(self) -> list[str]:
         """Nodes whose VM may still run, by the ledger."""
