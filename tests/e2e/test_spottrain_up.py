@@ -100,34 +100,35 @@ def home(tmp_path: Path) -> Iterator[Path]:
         cli.run("down", run.name, timeout=180)
 
 
-def test_up_trains_through_preemptions_and_down_leaves_nothing(tmp_path: Path, home: Path) -> None:
-    trace = tmp_path / "trace.yaml"
-    trace.write_text("- {at_s: 15, notice: true}\n- {at_s: 35, notice: false}\n")
-    spec = _spec(tmp_path, preemptions={"trace": str(trace)})
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(spec))
+def test_readme_job_trains_through_preemptions_and_down_leaves_nothing(home: Path) -> None:
+    """The README's main command: ``spottrain up examples/local_job.yaml``."""
+    spec = yaml.safe_load((REPO / "examples" / "local_job.yaml").read_text())
+    steps = int(spec["train"]["command"].split("--steps ")[1].split()[0])
     cli = Cli(home)
-    out = cli.run("up", str(path), "--interval", "0.5", timeout=600)
+    out = cli.run("up", "examples/local_job.yaml", timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_id = out.stdout.split()[1].rstrip(":")
     assert "training finished" in out.stdout
-    assert "steps trained          240" in out.stdout
+    assert f"steps trained          {steps}" in out.stdout
     assert "preemptions survived   2" in out.stdout
+    assert "at the bundled prices" in out.stdout
     events = cli.events(run_id)
     assert any("inject-preemption" in e and "notice=1" in e for e in events)
     assert any("inject-preemption" in e and "notice=0" in e for e in events)
-    # The notice cost no step: the restore after it resumed where training stood.
+    # The preemption with notice cost no step: the restore after it resumed at the step
+    # training had reached.
     restores = [e for e in events if " restored " in e]
-    assert len(restores) >= 2, events
+    assert len(restores) >= 3, restores
+    after_notice = restores[1]
+    assert after_notice.split("step=")[1].split()[0] == after_notice.split("reached=")[1].split()[0]
     # The final checkpoint verifies (every file against its manifest's checksums).
-    zones = list((tmp_path / "volume" / run_id).iterdir())
-    newest = max(
-        (CheckpointDir(str(z)).find_restorable() for z in zones),
-        key=lambda r: r.manifest.step if r else -1,
-    )
-    assert newest is not None and newest.manifest.step == 240
+    volume = Path(spec["checkpoint"]["volume"]["path"]) / run_id
+    found = [CheckpointDir(str(z)).find_restorable() for z in volume.iterdir()]
+    newest = max((r for r in found if r is not None), key=lambda r: r.manifest.step)
+    assert newest.manifest.step == steps
     status = cli.status(run_id)
-    assert status["final_step"] == 240 and status["preemptions"] == 2
+    assert status["final_step"] == steps and status["preemptions"] == 2
+    assert status["spent_usd"] > 0 and status["saved_usd"] > 0
     down = cli.run("down", run_id, timeout=180)
     assert down.returncode == 0, down.stderr
     assert "every VM is gone" in down.stdout
