@@ -60,11 +60,10 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from fakes.http_fake import DispatchingHandler, HTTPFake
 from spottrain.cloud.catalog import bundled
 
 DEFAULT_PROJECT = "spottrain-test"
@@ -176,32 +175,7 @@ class _Faults:
     fail_next: list[tuple[int, str | None]] = field(default_factory=list)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    fake: GceFake
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that timed out and hung up makes the late answer fail; that is expected.
-        pass
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        self.server.fake._handle(self, "GET")
-
-    def do_POST(self) -> None:
-        self.server.fake._handle(self, "POST")
-
-    def do_DELETE(self) -> None:
-        self.server.fake._handle(self, "DELETE")
-
+class _Handler(DispatchingHandler, methods=("GET", "POST", "DELETE")):
     def reply(self, status: int, body: dict[str, Any]) -> None:
         data = b"" if status == 204 else json.dumps(body).encode()
         self.send_response(status)
@@ -213,7 +187,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
 
 
-class GceFake:
+class GceFake(HTTPFake):
     """The fake Compute Engine API; use it as a context manager (or ``start()``/``close()``).
 
     Args:
@@ -234,6 +208,7 @@ class GceFake:
         op_polls_until_done: int = 1,
         page_size: int = _PAGE_SIZE,
     ) -> None:
+        super().__init__(_Handler, thread_name="fake-gce")
         self.project = project
         self.boot_delay = boot_delay
         self.op_polls_until_done = op_polls_until_done
@@ -252,46 +227,11 @@ class GceFake:
         self._inserted: list[dict[str, Any]] = []
         self.internal_errors: list[str] = []
         self._ids = itertools.count(random.randrange(10**18, 2 * 10**18))
-        self._server = _Server(("127.0.0.1", 0), _Handler)
-        self._server.fake = self
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.05},
-            name="fake-gce",
-            daemon=True,
-        )
-
-    # lifecycle
-
-    @property
-    def port(self) -> int:
-        return int(self._server.server_address[1])
 
     @property
     def url(self) -> str:
         """``http://127.0.0.1:PORT``, the ``api_endpoint`` to give the client."""
         return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> GceFake:
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> GceFake:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # faults
 

@@ -43,12 +43,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import google_crc32c
+
+from fakes.http_fake import DispatchingHandler, HTTPFake
 
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _CONTENT_RANGE_RE = re.compile(r"^bytes (?:(\d+)-(\d+)|\*)/(\d+|\*)$")
@@ -123,36 +123,10 @@ class _HttpError(Exception):
         self.message = message or _MESSAGES.get(status, "error")
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    fake: GcsServer
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # a client that hung up mid-answer is not the fake's problem
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
+class _Handler(DispatchingHandler, methods=("GET", "POST", "PUT", "DELETE")):
     # Headers and body go out in two writes; with Nagle on, the second waits for the
     # client's delayed ACK (40 ms) on every kept-alive request.
     disable_nagle_algorithm = True
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        self.server.fake._handle(self, "GET")
-
-    def do_POST(self) -> None:
-        self.server.fake._handle(self, "POST")
-
-    def do_PUT(self) -> None:
-        self.server.fake._handle(self, "PUT")
-
-    def do_DELETE(self) -> None:
-        self.server.fake._handle(self, "DELETE")
 
     def read_body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)
@@ -168,10 +142,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
 
-class GcsServer:
+class GcsServer(HTTPFake):
     """The fake; use it as a context manager (or call start() and close())."""
 
     def __init__(self, *, max_page_size: int = 1000) -> None:
+        super().__init__(_Handler, thread_name="fake-gcs")
         self.max_page_size = max_page_size
         self._lock = threading.Lock()
         self._buckets: dict[str, dict[str, FakeObject]] = {}
@@ -180,46 +155,11 @@ class GcsServer:
         self._requests: list[Request] = []
         self._fail_all: int | None = None
         self._fail_objects: list[int] = []
-        self._server = _Server(("127.0.0.1", 0), _Handler)
-        self._server.fake = self
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.05},
-            name="fake-gcs",
-            daemon=True,
-        )
-
-    # lifecycle
-
-    @property
-    def port(self) -> int:
-        return int(self._server.server_address[1])
 
     @property
     def url(self) -> str:
         """``http://127.0.0.1:PORT``: the client's ``api_endpoint``."""
         return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> GcsServer:
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> GcsServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # state, for tests
 

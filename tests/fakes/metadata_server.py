@@ -22,10 +22,10 @@ import threading
 import time
 import uuid
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from fakes.http_fake import DispatchingHandler, HTTPFake
 
 AWS_TOKEN_PATH = "/latest/api/token"
 AWS_SPOT_PATH = "/latest/meta-data/spot/instance-action"
@@ -37,30 +37,7 @@ GCP_MAINTENANCE_PATH = "/computeMetadata/v1/instance/maintenance-event"
 _AWS_DATA_PATHS = (AWS_SPOT_PATH, AWS_REBALANCE_PATH, AWS_LIFECYCLE_PATH)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    # The default joins every handler thread on close, hung ones included.
-    block_on_close = False
-    fake: MetadataServer
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that timed out and hung up makes the late answer fail; that is expected.
-        pass
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        self.server.fake._handle(self, "GET")
-
-    def do_PUT(self) -> None:
-        self.server.fake._handle(self, "PUT")
-
+class _Handler(DispatchingHandler, methods=("GET", "PUT")):
     def reply(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
         for key, value in (headers or {}).items():
@@ -72,10 +49,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
 
 
-class MetadataServer:
+class MetadataServer(HTTPFake):
     """The fake; use it as a context manager (or call start() and close())."""
 
     def __init__(self) -> None:
+        super().__init__(_Handler, thread_name="fake-metadata")
         self._cond = threading.Condition()
         self._closing = threading.Event()
         self._requests: Counter[tuple[str, str]] = Counter()
@@ -91,20 +69,8 @@ class MetadataServer:
         self._body: dict[str, bytes] = {}
         self._hang: dict[str, float] = {}
         self.gcp_flavor_header = True
-        self._server = _Server(("127.0.0.1", 0), _Handler)
-        self._server.fake = self
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.05},
-            name="fake-metadata",
-            daemon=True,
-        )
 
     # lifecycle
-
-    @property
-    def port(self) -> int:
-        return int(self._server.server_address[1])
 
     @property
     def host(self) -> str:
@@ -116,29 +82,12 @@ class MetadataServer:
         """``http://127.0.0.1:PORT``, the form ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` takes."""
         return f"http://{self.host}"
 
-    def start(self) -> MetadataServer:
-        self._thread.start()
-        return self
-
     def close(self) -> None:
+        # Wake hung handlers and long-polls first, so none outlives the server.
         self._closing.set()
         with self._cond:
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> MetadataServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        super().close()
 
     # scenario
 
