@@ -1,0 +1,155 @@
+"""The reconcile loop against the local cloud and a real Redis, one pass at a time: what it
+observes from the agents' records reaches the planner, and what the planner decides reaches
+the cloud and the ledger."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+from spec_samples import LOCAL, _with
+
+from spottrain.cloud.base import InstanceState, LaunchRequest, Offer, OfferQuery
+from spottrain.cloud.local import LocalProvider, LocalSettings
+from spottrain.controller.loop import Controller, ControllerError, policy_from_spec
+from spottrain.controller.state import LAUNCHED, RunState
+from spottrain.keys import RunKeys
+from spottrain.spec import parse_spec
+
+SLEEP_BOOT = json.dumps({"argv": ["sleep", "600"]})
+
+
+@pytest.fixture
+def cloud(tmp_path: Path) -> Iterator[LocalProvider]:
+    p = LocalProvider(
+        LocalSettings(tmp_path / "cloud", zones={"local-a": 4, "local-b": 4}, notice_s=2)
+    )
+    yield p
+    for rec in p.store.all():
+        if rec["state"] != "terminated":
+            p.preempt(rec["id"], notice=False)
+
+
+def _controller(
+    cloud: LocalProvider, client: redis.Redis, keys: RunKeys, max_nodes: int = 4
+) -> Controller:
+    data = _with(LOCAL, "nodes", {"min": 1, "max": max_nodes, "gpus": 0})
+    data = _with(data, "budget", {"max_usd": 1000})
+    spec = parse_spec(yaml.safe_dump(data)).spec
+    return Controller(
+        spec=spec,
+        run_id=keys.run_id,
+        providers={"local": cloud},
+        state=RunState(client, keys),
+        boot=lambda node, offer: SLEEP_BOOT,
+        policy=policy_from_spec(spec),
+        interval_s=0.1,
+    )
+
+
+def _events(client: redis.Redis, keys: RunKeys, kind: str) -> list[dict[str, str]]:
+    out = []
+    for _id, fields in client.xrange(keys.events):
+        f = {k.decode(): v.decode() for k, v in fields.items()}
+        if f["type"] == kind:
+            out.append(f)
+    return out
+
+
+def _join(client: redis.Redis, keys: RunKeys, node: str, step_time: float = 1.0) -> None:
+    client.hset(keys.node(node), mapping={"state": "joined", "step_time": str(step_time)})
+    client.set(keys.heartbeat(node), "joined", px=60_000)
+
+
+def test_a_pass_launches_the_fleet_and_records_every_launch(
+    cloud: LocalProvider, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    ctl = _controller(cloud, redis_client, run_keys)
+    p = ctl.step()
+    assert "launching 4 on local-a local-cpu spot" in p.reason
+    ledger = ctl.state.ledger()
+    assert sorted(ledger.records) == ["n0", "n1", "n2", "n3"]
+    assert {r.status for r in ledger.records.values()} == {LAUNCHED}
+    listed = {i.node for i in cloud.list(run_keys.run_id)}
+    assert listed == {"n0", "n1", "n2", "n3"}
+    # The next pass has nothing to do, and says so once in the event stream.
+    assert ctl.step().reason == "4 of 4 node(s): nothing to do"
+    assert len(_events(redis_client, run_keys, "launched")) == 4
+
+
+def test_a_straggler_reported_by_its_agent_is_replaced(
+    cloud: LocalProvider, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    ctl = _controller(cloud, redis_client, run_keys)
+    ctl.step()
+    for node, secs in (("n0", 1.0), ("n1", 1.1), ("n2", 0.9), ("n3", 3.5)):
+        _join(redis_client, run_keys, node, secs)
+    p = ctl.step()
+    assert "n3 is a straggler: 3.50 s per step against the fleet's median 1.00 s" in p.reason
+    (report,) = _events(redis_client, run_keys, "report")
+    assert "n3 is a straggler" in report["message"]
+    ended = next(e for e in _events(redis_client, run_keys, "terminate") if e["node_name"] == "n3")
+    assert ended["why"] == "straggler"
+    assert "n4" in ctl.state.ledger().records
+
+
+def test_a_preemption_is_counted_against_its_zone_and_backfilled(
+    cloud: LocalProvider, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    ctl = _controller(cloud, redis_client, run_keys, max_nodes=2)
+    ctl.step()
+    victim = ctl.state.ledger().records["n0"].instance_id
+    cloud.preempt(victim, notice=False)
+    ctl.step()
+    history = ctl.state.history()
+    assert history[("local", "local-a", "local-cpu")]["preemptions"] == 1
+    (ev,) = _events(redis_client, run_keys, "preempted")
+    assert ev["node_name"] == "n0"
+    records = ctl.state.ledger().records
+    assert records["n0"].status == "ended" and records["n0"].interrupted
+    assert records["n2"].status == LAUNCHED
+
+
+def test_a_capacity_error_blocks_the_offer_and_fails_the_launch(
+    cloud: LocalProvider, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    cloud.set_capacity("local-a", 1)
+    ctl = _controller(cloud, redis_client, run_keys, max_nodes=2)
+    ctl.step()
+    records = ctl.state.ledger().records
+    assert records["n0"].status == LAUNCHED and records["n1"].status == "failed"
+    assert "capacity" in records["n1"].reason
+    blocked = ctl.state.blocked()
+    assert ("local", "local-a", "local-cpu", "spot") in blocked
+    assert ctl.state.ctl().get("spot_short_since")
+
+
+def test_a_vm_the_ledger_does_not_know_is_adopted(
+    cloud: LocalProvider, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    ctl = _controller(cloud, redis_client, run_keys, max_nodes=1)
+    offer: Offer = cloud.offers(OfferQuery())[0]
+    cloud.launch(LaunchRequest("stray-1", run_keys.run_id, "n7", offer, SLEEP_BOOT))
+    p = ctl.step()
+    records = ctl.state.ledger().records
+    assert records["n7"].status == LAUNCHED and records["n7"].reason == "adopted"
+    assert "1 of 1 node(s): nothing to do" in p.reason
+    assert [
+        i.node for i in cloud.list(run_keys.run_id) if i.state is not InstanceState.TERMINATED
+    ] == ["n7"]
+
+
+def test_a_second_controller_is_refused_while_one_holds_the_run(
+    cloud: LocalProvider, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    first = _controller(cloud, redis_client, run_keys)
+    assert first.state.acquire("ctl-first", 30)
+    second = _controller(cloud, redis_client, run_keys)
+    with pytest.raises(ControllerError, match="driven by another controller"):
+        second.run()
+    first.state.release("ctl-first")
+    assert first.state.lease_holder() is None
