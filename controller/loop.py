@@ -668,9 +668,10 @@ def summarize(state: RunState, now: float) -> Summary:
     last = state.ckpt_last()
     loss = progress.get("loss")
     phase = ctl.get("phase") or ("stopping" if ctl.get("stopping") else "running")
+    final = _final_step(progress, last)
     return Summary(
         phase=phase,
-        step=int(float(progress.get("step", 0))),
+        step=final if final is not None else int(float(progress.get("step", 0))),
         loss=float(loss) if loss else None,
         world_size=int(float(progress.get("world_size", 0))),
         nodes=nodes,
@@ -679,7 +680,7 @@ def summarize(state: RunState, now: float) -> Summary:
         spent_usd=ledger.spent(now),
         saved_usd=ledger.saved(now),
         reason=ctl.get("error") or ctl.get("reason", ""),
-        final_step=_final_step(progress, last),
+        final_step=final,
     )
 
 
