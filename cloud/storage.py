@@ -746,7 +746,31 @@ def _import_boto3() -> Any:
     return boto3
 
 
-class S3Store(_StoreBase):
+class _BucketStore(_StoreBase):
+    """A bucket of an object store (S3, GCS) with keys under a prefix."""
+
+    scheme = ""
+    bucket: str
+    prefix: str
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url()!r})"
+
+    def _full(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def url(self, key: str = "") -> str:
+        if key:
+            validate_key(key)
+        path = self._full(key) if key else self.prefix
+        base = f"{self.scheme}://{self.bucket}"
+        return f"{base}/{path}" if path else base
+
+    def _describe(self, key: str) -> str:
+        return self.url(key)
+
+
+class S3Store(_BucketStore):
     """Objects in an S3 bucket (or an S3-compatible endpoint) under a prefix.
 
     The sha256 of each object is its user metadata ``x-amz-meta-sha256``. Files at or above
@@ -766,6 +790,8 @@ class S3Store(_StoreBase):
         MissingSdkError: boto3 is not installed.
         ValueError: a bad bucket, prefix or size.
     """
+
+    scheme = "s3"
 
     def __init__(
         self,
@@ -808,21 +834,6 @@ class S3Store(_StoreBase):
             max_concurrency=8,
         )
         self._bucket_seen = False
-
-    def __repr__(self) -> str:
-        return f"S3Store({self.url()!r})"
-
-    def _full(self, key: str) -> str:
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def url(self, key: str = "") -> str:
-        if key:
-            validate_key(key)
-        path = self._full(key) if key else self.prefix
-        return f"s3://{self.bucket}/{path}" if path else f"s3://{self.bucket}"
-
-    def _describe(self, key: str) -> str:
-        return self.url(key)
 
     def _auth_error(self, detail: str) -> StorageAuthError:
         return StorageAuthError(
@@ -978,7 +989,7 @@ def _import_gcs() -> Any:
     return storage
 
 
-class GcsStore(_StoreBase):
+class GcsStore(_BucketStore):
     """Objects in a Google Cloud Storage bucket under a prefix.
 
     The sha256 of each object is its custom metadata ``sha256``. Objects above 8 MiB go up
@@ -1001,6 +1012,8 @@ class GcsStore(_StoreBase):
         StorageAuthError: no credentials were given and none could be found.
         ValueError: a bad bucket, prefix or chunk size.
     """
+
+    scheme = "gs"
 
     def __init__(
         self,
@@ -1040,21 +1053,6 @@ class GcsStore(_StoreBase):
         self._bucket = client.bucket(bucket)
         self._chunk_size = chunk_size
         self._retry = DEFAULT_RETRY.with_timeout(retry_timeout_s) if retry_timeout_s else None
-
-    def __repr__(self) -> str:
-        return f"GcsStore({self.url()!r})"
-
-    def _full(self, key: str) -> str:
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def url(self, key: str = "") -> str:
-        if key:
-            validate_key(key)
-        path = self._full(key) if key else self.prefix
-        return f"gs://{self.bucket}/{path}" if path else f"gs://{self.bucket}"
-
-    def _describe(self, key: str) -> str:
-        return self.url(key)
 
     def _auth_error(self, detail: str) -> StorageAuthError:
         return StorageAuthError(
