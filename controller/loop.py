@@ -55,7 +55,6 @@ from spottrain.controller.state import (
     Ledger,
     RunState,
 )
-from spottrain.keys import RunKeys
 from spottrain.spec import JobSpec, Placement
 
 log = logging.getLogger("spottrain.controller")
@@ -682,7 +681,3 @@ def summarize(state: RunState, now: float) -> Summary:
         reason=ctl.get("error") or ctl.get("reason", ""),
         final_step=final,
     )
-
-
-def make_state(client: object, run_id: str) -> RunState:
-    return RunState(client, RunKeys(run_id))

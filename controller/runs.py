@@ -102,12 +102,10 @@ def find_run(name_or_id: str | None) -> RunInfo:
 # --- Redis ----------------------------------------------------------------------------------
 
 
-def start_embedded_redis(run_dir: Path) -> str:
-    """Start a redis-server for the run that outlives this process (a controller killed and
-    restarted finds its state), persisted to the run directory. Returns its URL."""
-    data = run_dir / "redis"
+def _redis_daemon(data: Path, port: int | str) -> None:
+    """Start a daemonized redis-server on ``port`` that keeps its data (append-only file)
+    in ``data``, and wait until it answers."""
     data.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     args = [
         find_redis_server(),
         "--port", str(port),
@@ -124,37 +122,26 @@ def start_embedded_redis(run_dir: Path) -> str:
     subprocess.run(args, check=True, capture_output=True, timeout=30)
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis(host="127.0.0.1", port=port, socket_timeout=1).ping()
-            return url
-        except redis.RedisError:
-            if time.monotonic() > deadline:
-                raise RunError(
-                    f"the embedded Redis did not start; see {data / 'redis.log'}"
-                ) from None
-            time.sleep(0.05)
+    while not _redis_up(url):
+        if time.monotonic() > deadline:
+            raise RunError(f"the run's Redis did not start; see {data / 'redis.log'}")
+        time.sleep(0.05)
+
+
+def start_embedded_redis(run_dir: Path) -> str:
+    """Start a redis-server for the run that outlives this process (a controller killed and
+    restarted finds its state), persisted to the run directory. Returns its URL."""
+    port = free_port()
+    _redis_daemon(run_dir / "redis", port)
+    return f"redis://127.0.0.1:{port}/0"
 
 
 def restart_embedded_redis(info: RunInfo) -> None:
     """Start the run's embedded Redis again on its port, from its data, if it is down."""
     if not info.embedded_redis or _redis_up(info.redis_url):
         return
-    data = info.dir / "redis"
     port = info.redis_url.rsplit(":", 1)[1].split("/")[0]
-    args = [
-        find_redis_server(),
-        "--port", port, "--bind", "127.0.0.1", "--dir", str(data),
-        "--appendonly", "yes", "--save", "", "--protected-mode", "no",
-        "--daemonize", "yes", "--pidfile", str(data / "redis.pid"),
-        "--logfile", str(data / "redis.log"),
-    ]  # fmt: skip
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
-    deadline = time.monotonic() + 10
-    while not _redis_up(info.redis_url):
-        if time.monotonic() > deadline:
-            raise RunError(f"the run's Redis did not come back; see {data / 'redis.log'}")
-        time.sleep(0.05)
+    _redis_daemon(info.dir / "redis", port)
 
 
 def stop_embedded_redis(info: RunInfo) -> None:

@@ -71,21 +71,22 @@ class LaunchRecord:
         d["offer"] = offer_from_dict(d["offer"])
         return cls(**d)
 
-    def cost(self, now: float) -> float:
-        """USD this VM has cost so far (a refused launch costs nothing)."""
+    def hours(self, now: float) -> float:
+        """VM-hours this launch has run (a refused launch ran none)."""
         if self.status == FAILED:
             return 0.0
         end = self.ended_at if self.ended_at is not None else now
-        return max(0.0, end - self.launched_at) / 3600.0 * self.offer.price_per_hour
+        return max(0.0, end - self.launched_at) / 3600.0
+
+    def cost(self, now: float) -> float:
+        """USD this VM has cost so far."""
+        return self.hours(now) * self.offer.price_per_hour
 
     def saved(self, now: float) -> float:
         """USD saved against the on-demand price of the same VM."""
-        if self.status == FAILED or self.od_price <= 0:
+        if self.od_price <= 0:
             return 0.0
-        end = self.ended_at if self.ended_at is not None else now
-        return (
-            max(0.0, end - self.launched_at) / 3600.0 * (self.od_price - self.offer.price_per_hour)
-        )
+        return self.hours(now) * (self.od_price - self.offer.price_per_hour)
 
 
 @dataclass
@@ -176,11 +177,8 @@ class RunState:
         """The planner's view: counts from Redis, node-hours from the ledger."""
         hours: dict[tuple[str, str, str], float] = {}
         for r in ledger.records.values():
-            if r.status == FAILED:
-                continue
             k = (r.offer.cloud, r.offer.zone, r.offer.instance_type)
-            end = r.ended_at if r.ended_at is not None else now
-            hours[k] = hours.get(k, 0.0) + max(0.0, end - r.launched_at) / 3600
+            hours[k] = hours.get(k, 0.0) + r.hours(now)
         counts = self.history()
         return {
             k: ZoneHistory(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,12 +28,6 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_WINDOW = 3
-
-
-def spottrain_home() -> Path:
-    """Where spottrain keeps its state on this machine (``$SPOTTRAIN_HOME``, else
-    ``~/.spottrain``)."""
-    return Path(os.environ.get("SPOTTRAIN_HOME") or Path.home() / ".spottrain")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,8 +199,9 @@ def _check_clouds(spec: JobSpec, *, quiet: bool) -> bool:
 
 def _local(args: argparse.Namespace) -> int:
     from spottrain.cloud.local import LocalProvider
+    from spottrain.controller.runs import home_dir
 
-    state_dir = Path(args.state_dir) if args.state_dir else spottrain_home() / "local"
+    state_dir = Path(args.state_dir) if args.state_dir else home_dir() / "local"
     try:
         cloud = LocalProvider.open(state_dir)
     except FileNotFoundError as e:
