@@ -814,21 +814,24 @@ class _RequestPoller:
         if self.client is None or self.keys is None:
             return
         try:
-            reached = int(float(self.client.hget(self.keys.progress, "step") or 0))
-            self.client.xadd(
+            reached = max(int(float(self.client.hget(self.keys.progress, "step") or 0)), step)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.xadd(
                 self.keys.events,
                 {
                     "type": "restored",
                     "node": os.environ.get(ENV_NODE, ""),
                     "at": f"{time.time():.3f}",
                     "step": str(step),
-                    "reached": str(max(reached, step)),
+                    "reached": str(reached),
                     "world_size": str(world),
                     "round": str(round_),
                 },
                 maxlen=EVENTS_MAXLEN,
                 approximate=True,
             )
+            pipe.rpush(self.keys.restores, json.dumps({"step": step, "reached": reached}))
+            pipe.execute()
         except Exception as exc:
             log.warning("restore not reported to Redis: %s", exc)
 

@@ -215,12 +215,11 @@ class RunState:
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     def restores(self) -> list[Restore]:
-        """Every restart of the job's workers, oldest first (from the event stream)."""
+        """Every restart of the job's workers, oldest first."""
         out = []
-        for _id, fields in self.client.xrange(self.keys.events):
-            f = {k.decode(): v.decode() for k, v in fields.items()}
-            if f.get("type") == "restored":
-                out.append(Restore(int(f.get("step", 0)), int(f.get("reached", 0))))
+        for raw in self.client.lrange(self.keys.restores, 0, -1):
+            r = json.loads(raw)
+            out.append(Restore(int(r["step"]), int(r["reached"])))
         return out
 
     # --- events --------------------------------------------------------------------------

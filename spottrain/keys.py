@@ -147,6 +147,12 @@ class RunKeys:
         return f"{self.base}:ckpt:last"
 
     @property
+    def restores(self) -> str:
+        """List of JSON {step, reached}: each restart of the job's workers, oldest first
+        (the controller reads it every pass; the event stream is too long to scan)."""
+        return f"{self.base}:restores"
+
+    @property
     def ckpt_copied(self) -> str:
         """Hash: the newest checkpoint copied to object storage (step, url, at)."""
         return f"{self.base}:ckpt:copied"

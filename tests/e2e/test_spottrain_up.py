@@ -129,6 +129,12 @@ def test_readme_job_trains_through_preemptions_and_down_leaves_nothing(home: Pat
     status = cli.status(run_id)
     assert status["final_step"] == steps and status["preemptions"] == 2
     assert status["spent_usd"] > 0 and status["saved_usd"] > 0
+    # Steps lost, as the controller counts them, are the steps each restore went back.
+    went_back = sum(
+        int(e.split("reached=")[1].split()[0]) - int(e.split("step=")[1].split()[0])
+        for e in restores
+    )
+    assert status["steps_lost"] == went_back
     down = cli.run("down", run_id, timeout=180)
     assert down.returncode == 0, down.stderr
     assert "every VM is gone" in down.stdout
