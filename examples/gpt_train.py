@@ -6,9 +6,13 @@ accumulation follows the world size, and the data position is the step), saves e
 ``--every-steps`` steps, and takes part in emergency saves when a node gets a preemption
 notice. Every worker appends one JSON line per step to ``--progress``.
 
-The data is made here, deterministically: a synthetic byte "corpus" with structure to learn
-(no download). Sample ``i`` is always the same window of it, so a run that is preempted and
-resumed sees exactly the samples an uninterrupted run sees.
+The data is made here, deterministically: a synthetic text corpus with structure to learn
+(no download), written as a file and tokenized (bytes) through ``spottrain.token_cache`` into
+``--token-cache`` (default ``$SPOTTRAIN_TOKEN_CACHE``, else ``token-cache/`` in the run's
+checkpoint directory, on the shared volume). The first rank to get there builds it; the other
+ranks, later restarts and backfilled nodes map the same file. Sample ``i`` is always the same
+window of it, so a run that is preempted and resumed sees exactly the samples an
+uninterrupted run sees.
 """
 
 from __future__ import annotations
@@ -17,22 +21,36 @@ import argparse
 import json
 import math
 import os
+import sys
+import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession
+from spottrain.token_cache import ByteTokenizer, TokenCache, open_tokens
+
+CORPUS_BYTES = 1 << 16
+# A window of the corpus: the token-cache memmap, or (bench/) a tensor made in memory.
+Corpus = np.ndarray | torch.Tensor
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--ckpt-dir", default=os.environ.get("SPOTTRAIN_CKPT_DIR"))
+    p.add_argument(
+        "--token-cache",
+        default=os.environ.get("SPOTTRAIN_TOKEN_CACHE"),
+        help="tokenized-data cache directory (default: token-cache/ in the checkpoint directory)",
+    )
     p.add_argument("--progress", help="JSON-lines file every worker appends to")
     p.add_argument(
         "--global-batch", type=int, default=24, help="samples per step (divisible by 2, 3 and 4)"
@@ -87,23 +105,72 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def make_corpus(seed: int, size: int = 1 << 16) -> torch.Tensor:
-    """Bytes with structure: words from a small vocabulary, in a seeded order."""
+def corpus_text(seed: int, size: int = CORPUS_BYTES) -> bytes:
+    """Text with structure: words from a small vocabulary, in a seeded order."""
     g = torch.Generator().manual_seed(seed)
     words = [b"spot", b"train", b"node", b"gpu", b"save", b"step", b"redis", b"round"]
     out = bytearray()
     while len(out) < size:
         w = words[int(torch.randint(len(words), (1,), generator=g))]
         out += w + (b". " if torch.rand(1, generator=g).item() < 0.2 else b" ")
-    return torch.tensor(list(out[:size]), dtype=torch.long)
+    return bytes(out[:size])
 
 
-def sample(corpus: torch.Tensor, indices: range, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    span = corpus.numel() - context - 1
+def make_corpus(seed: int, size: int = CORPUS_BYTES) -> torch.Tensor:
+    """The corpus's byte tokens in memory, without the cache (for one-process tools)."""
+    return torch.tensor(list(corpus_text(seed, size)), dtype=torch.long)
+
+
+def write_corpus(directory: Path, seed: int, size: int = CORPUS_BYTES) -> Path:
+    """The corpus as a file, the token cache's source. Every rank may call this at once:
+    an existing file with the right bytes is left alone (its key stays), otherwise each
+    writes a private copy and renames it into place, so no reader sees a partial file."""
+    data = corpus_text(seed, size)
+    path = directory / f"synthetic-seed{seed}-{size}.txt"
+    try:
+        if path.read_bytes() == data:
+            return path
+    except FileNotFoundError:
+        pass
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return path
+
+
+def token_cache_dir(args: argparse.Namespace) -> Path | None:
+    """Next to the run's checkpoints by default: on the shared volume every node mounts, and
+    kept by restarts. Runs that should share one cache point --token-cache at one place."""
+    if args.token_cache:
+        return Path(args.token_cache)
+    return Path(args.ckpt_dir) / "token-cache" if args.ckpt_dir else None
+
+
+def open_corpus(cache_dir: Path, seed: int) -> TokenCache:
+    source = write_corpus(cache_dir / "corpus", seed)
+    return open_tokens([source], ByteTokenizer(), cache_dir)
+
+
+def load_corpus(args: argparse.Namespace) -> tuple[Corpus, TokenCache | None]:
+    """The corpus's tokens, mapped from the token cache; with no cache directory (the
+    one-process reference in ``simulate``) they go through a throwaway one, so they are
+    the same tokens by the same code."""
+    cache_dir = token_cache_dir(args)
+    if cache_dir is None:
+        with tempfile.TemporaryDirectory(prefix="gpt-train-tokens-") as tmp:
+            return np.array(open_corpus(Path(tmp), args.seed).tokens), None
+    cache = open_corpus(cache_dir, args.seed)
+    return cache.tokens, cache
+
+
+def sample(corpus: Corpus, indices: range, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    span = len(corpus) - context - 1
     starts = [(i * 7919) % span for i in indices]
-    x = torch.stack([corpus[s : s + context] for s in starts])
-    y = torch.stack([corpus[s + 1 : s + context + 1] for s in starts])
-    return x, y
+    # Only the windows are read (and widened from uint16): the corpus stays on the volume.
+    rows = np.stack([np.asarray(corpus[s : s + context + 1], dtype=np.int64) for s in starts])
+    windows = torch.from_numpy(rows)
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
 def append_line(path: str, record: dict[str, object]) -> None:
@@ -114,13 +181,17 @@ def append_line(path: str, record: dict[str, object]) -> None:
         os.close(fd)
 
 
-def build(args: argparse.Namespace) -> tuple[TinyGPT, torch.optim.Optimizer, Any, torch.Tensor]:
+def build(args: argparse.Namespace) -> tuple[TinyGPT, torch.optim.Optimizer, Any, Corpus]:
     """The model, optimizer, LR schedule and corpus; identical on every rank and every run."""
     torch.manual_seed(args.seed)
     model = TinyGPT(256, args.context, args.d_model, args.layers, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    return model, opt, sched, make_corpus(args.seed)
+    corpus, cache = load_corpus(args)
+    if cache is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        state = "reused" if cache.hit else "built"
+        print(f"token cache {state}: {len(cache)} tokens, {cache.path}", file=sys.stderr)
+    return model, opt, sched, corpus
 
 
 def lr_at(step: int) -> float:
@@ -129,7 +200,7 @@ def lr_at(step: int) -> float:
 
 
 def local_gradients(
-    model: TinyGPT, corpus: torch.Tensor, batch: GlobalBatch, step: int, context: int
+    model: TinyGPT, corpus: Corpus, batch: GlobalBatch, step: int, context: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share of one step: (its summed gradients as one flat tensor, its loss)."""
     for p in model.parameters():
