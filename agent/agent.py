@@ -33,7 +33,7 @@ from spottrain.redis_conn import RedisSettings, connect, ping, settings_from_url
 
 from .lifecycle import Lifecycle, NodeState
 from .node_record import NodeInfo, NodeRecord
-from .notice_handler import NoticeHandler
+from .notice_handler import DrainOutcome, NoticeHandler
 from .notices import Notice, NoticeKind
 from .processes import child_pids, descendants, running, torchrun_command
 
@@ -71,6 +71,8 @@ class AgentConfig:
     poll_interval: float = 2.0
     monitor_interval: float = 0.1
     max_restarts: int = 100
+    asg_name: str = ""
+    asg_lifecycle_hook: str = ""
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -129,6 +131,7 @@ class Agent:
             margin=cfg.notice_margin,
             ckpt_dir=cfg.ckpt_dir,
             workers_done=self._torchrun_finished,
+            on_drained=self._after_drain,
         )
         self.proc: subprocess.Popen[bytes] | None = None
         # Held while torchrun is launched and while workers are stopped, so a notice that
@@ -283,6 +286,32 @@ class Agent:
         left = (self.handler.deadline or time.time() + 30) - time.time() - 1.0
         if not copier.wait_copied(outcome.committed_step, max(0.0, left)):
             self.record.event("checkpoint-copy-missed", step=outcome.committed_step)
+
+    def _after_drain(self, outcome: DrainOutcome, notices: list[Notice]) -> None:
+        """Let an Auto Scaling group that holds this VM terminate it now: the checkpoint
+        has committed (or its deadline passed) and the node has left."""
+        if not (self.cfg.asg_name and self.cfg.asg_lifecycle_hook):
+            return
+        if not any(n.kind is NoticeKind.SCALE_IN for n in notices):
+            return  # no hook holds the VM (a spot notice, or the controller's drain)
+        from .asg_lifecycle import AsgHook, complete, region_of_zone
+
+        hook = AsgHook(
+            group=self.cfg.asg_name,
+            hook=self.cfg.asg_lifecycle_hook,
+            instance_id=self.cfg.node_id,
+            region=region_of_zone(self.cfg.zone),
+        )
+        problem = complete(hook)
+        if problem:
+            self.record.event("lifecycle-action-failed", error=problem, hook=hook.hook)
+        else:
+            self.record.event(
+                "lifecycle-action-completed",
+                hook=hook.hook,
+                group=hook.group,
+                committed_step=outcome.committed_step,
+            )
 
     def _joined(self) -> bool:
         try:

@@ -124,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=int(env("SPOTTRAIN_MAX_RESTARTS", "100") or 100),
         help="worker failures torchrun retries (a peer lost without notice costs one)",
     )
+    run.add_argument(
+        "--asg-name",
+        default=env("SPOTTRAIN_ASG_NAME", ""),
+        help="the Auto Scaling group this VM belongs to (terraform/aws fleets)",
+    )
+    run.add_argument(
+        "--asg-lifecycle-hook",
+        default=env("SPOTTRAIN_ASG_LIFECYCLE_HOOK", ""),
+        help="the group's termination hook: completed once the emergency checkpoint commits",
+    )
     run.add_argument("--rdzv-conf", default="", help="k=v,... passed to the Redis rendezvous")
 
     notify = sub.add_parser(
@@ -176,6 +186,8 @@ def _run(args: argparse.Namespace) -> int:
         metadata_endpoint=args.metadata_endpoint,
         poll_interval=args.poll_interval,
         max_restarts=args.max_restarts,
+        asg_name=args.asg_name,
+        asg_lifecycle_hook=args.asg_lifecycle_hook,
         rdzv_conf=conf,
     )
     logging.basicConfig(

@@ -80,8 +80,10 @@ class NoticeHandler:
         ckpt_dir: str = "",
         clock: Callable[[], float] = time.time,
         workers_done: Callable[[], bool] = lambda: False,
+        on_drained: Callable[[DrainOutcome, list[Notice]], None] | None = None,
     ) -> None:
         self.client = client
+        self.on_drained = on_drained
         self.workers_done = workers_done
         self.keys = keys
         self.node_id = node_id
@@ -93,6 +95,7 @@ class NoticeHandler:
         self.clock = clock
         self._lock = threading.Lock()
         self._seen: set[tuple[str, str]] = set()
+        self._notices: list[Notice] = []
         self._deadline: float | None = None
         self._thread: threading.Thread | None = None
         self._early_thread: threading.Thread | None = None
@@ -111,6 +114,7 @@ class NoticeHandler:
                     self._bring_forward(notice)
                 return
             self._seen.add(notice.dedup_key)
+            self._notices.append(notice)
             self.record.event("notice", **notice.to_dict())
             log.warning("notice: %s", notice.to_json())
             if notice.drains:
@@ -172,6 +176,15 @@ class NoticeHandler:
             left_rendezvous=left,
             source=notice.source,
         )
+        if self.on_drained is not None:
+            # After the commit and the leave: what runs here may let the VM go.
+            with self._lock:
+                seen = list(self._notices)
+            try:
+                self.on_drained(self.outcome, seen)
+            except Exception as exc:
+                log.exception("after the drain: %s", exc)
+                self.record.event("after-drain-failed", error=str(exc))
         self._advance(NodeState.LEFT, "drained")
         self.done.set()
 

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .base import (
     TAG_JOB,
@@ -484,6 +484,97 @@ def _http_code(error: BaseException) -> int | None:
     return None
 
 
+_Client = TypeVar("_Client")
+
+
+def rest_client(
+    kind: Callable[..., _Client], credentials: Credentials | None, api_endpoint: str | None
+) -> _Client:
+    """A ``compute_v1`` client of class ``kind`` on the REST transport, pointed at
+    ``api_endpoint`` (None: Google's).
+
+    Raises:
+        AuthError: no credentials were given and none could be found.
+        ProviderError: building it failed otherwise.
+    """
+    from google.api_core.client_options import ClientOptions
+
+    options = ClientOptions(api_endpoint=api_endpoint) if api_endpoint else None
+    try:
+        return kind(credentials=credentials, client_options=options, transport="rest")
+    except Exception as e:
+        if _is_api_error(e):
+            raise classify_error(e) from e
+        raise
+
+
+def call_api(target: CallTarget, timeout: float, fn: Callable[..., Any], /, **kwargs: Any) -> Any:
+    """One API call, without the library's retries, its errors classified."""
+    try:
+        return fn(retry=None, timeout=timeout, **kwargs)
+    except Exception as e:
+        if _is_api_error(e):
+            raise classify_error(e, target) from e
+        raise
+
+
+def list_all(target: CallTarget, timeout: float, fn: Callable[..., Any], request: Any) -> list[Any]:
+    """Every item of a paged list call (pairs of scope and items for aggregated lists);
+    later pages are fetched while iterating, so their errors are classified here too."""
+    try:
+        return list(fn(request=request, retry=None, timeout=timeout))
+    except Exception as e:
+        if _is_api_error(e):
+            raise classify_error(e, target) from e
+        raise
+
+
+def wait_zone_operation(
+    operations: compute_v1.ZoneOperationsClient,
+    op: compute_v1.Operation,
+    *,
+    project: str,
+    target: CallTarget,
+    budget_s: float,
+    request_timeout_s: float,
+    clock: Callable[[], float] = time.time,
+) -> compute_v1.Operation:
+    """Wait for a zonal operation to finish, at most ``budget_s``; the operation as last seen
+    (not DONE when the budget ran out).
+
+    Raises:
+        ProviderError: a poll was refused (a timeout only ends the wait).
+    """
+    from google.cloud import compute_v1
+
+    deadline = clock() + budget_s
+    while op.status != compute_v1.Operation.Status.DONE:
+        left = deadline - clock()
+        if left <= 0:
+            return op
+        started = clock()
+        try:
+            # The real API holds a wait for up to two minutes; a budget shorter than that
+            # ends in a client timeout, which only means "not done yet".
+            op = operations.wait(
+                project=project,
+                zone=target.zone,
+                operation=op.name,
+                retry=None,
+                timeout=min(left, request_timeout_s) + 1.0,
+            )
+        except Exception as e:
+            if _is_timeout(e):
+                return op
+            if _is_api_error(e):
+                raise classify_error(e, target) from e
+            raise
+        if op.status != compute_v1.Operation.Status.DONE and clock() - started < 0.5:
+            # A server that answers a wait at once would make this a busy loop.
+            time.sleep(min(0.5, max(0.0, deadline - clock())))
+    return op
+
+
 @dataclass
 class _Clients:
     instances: compute_v1.InstancesClient
@@ -582,45 +673,23 @@ class GcpProvider:
             return self._clients
 
     def _make_clients(self) -> _Clients:
-        from google.api_core.client_options import ClientOptions
         from google.cloud import compute_v1
 
-        options = ClientOptions(api_endpoint=self._endpoint) if self._endpoint else None
-        try:
-            return _Clients(
-                instances=compute_v1.InstancesClient(
-                    credentials=self._credentials, client_options=options, transport="rest"
-                ),
-                operations=compute_v1.ZoneOperationsClient(
-                    credentials=self._credentials, client_options=options, transport="rest"
-                ),
-                machine_types=compute_v1.MachineTypesClient(
-                    credentials=self._credentials, client_options=options, transport="rest"
-                ),
-            )
-        except Exception as e:
-            if _is_api_error(e):
-                raise classify_error(e) from e
-            raise
+        return _Clients(
+            instances=rest_client(compute_v1.InstancesClient, self._credentials, self._endpoint),
+            operations=rest_client(
+                compute_v1.ZoneOperationsClient, self._credentials, self._endpoint
+            ),
+            machine_types=rest_client(
+                compute_v1.MachineTypesClient, self._credentials, self._endpoint
+            ),
+        )
 
     def _call(self, target: CallTarget, fn: Callable[..., Any], **kwargs: Any) -> Any:
-        """One API call, without the library's retries, its errors classified."""
-        try:
-            return fn(retry=None, timeout=self.settings.request_timeout_s, **kwargs)
-        except Exception as e:
-            if _is_api_error(e):
-                raise classify_error(e, target) from e
-            raise
+        return call_api(target, self.settings.request_timeout_s, fn, **kwargs)
 
     def _all(self, target: CallTarget, fn: Callable[..., Any], request: Any) -> list[Any]:
-        """Every item of a paged list call (pairs of scope and items for aggregated lists);
-        later pages are fetched while iterating, so their errors are classified here too."""
-        try:
-            return list(fn(request=request, retry=None, timeout=self.settings.request_timeout_s))
-        except Exception as e:
-            if _is_api_error(e):
-                raise classify_error(e, target) from e
-            raise
+        return list_all(target, self.settings.request_timeout_s, fn, request)
 
     # offers
 
@@ -854,35 +923,15 @@ class GcpProvider:
 
     def _wait(self, op: compute_v1.Operation, target: CallTarget) -> compute_v1.Operation:
         """Wait for an insert operation to finish, at most ``launch_wait_s``."""
-        from google.cloud import compute_v1
-
-        deadline = self._clock() + self.settings.launch_wait_s
-        api = self._api()
-        while op.status != compute_v1.Operation.Status.DONE:
-            left = deadline - self._clock()
-            if left <= 0:
-                return op
-            started = self._clock()
-            try:
-                # The real API holds a wait for up to two minutes; a budget shorter than that
-                # ends in a client timeout, which only means "not done yet".
-                op = api.operations.wait(
-                    project=self.settings.project,
-                    zone=target.zone,
-                    operation=op.name,
-                    retry=None,
-                    timeout=min(left, self.settings.request_timeout_s) + 1.0,
-                )
-            except Exception as e:
-                if _is_timeout(e):
-                    return op
-                if _is_api_error(e):
-                    raise classify_error(e, target) from e
-                raise
-            if op.status != compute_v1.Operation.Status.DONE and self._clock() - started < 0.5:
-                # A server that answers a wait at once would make this a busy loop.
-                time.sleep(min(0.5, max(0.0, deadline - self._clock())))
-        return op
+        return wait_zone_operation(
+            self._api().operations,
+            op,
+            project=self.settings.project,
+            target=target,
+            budget_s=self.settings.launch_wait_s,
+            request_timeout_s=self.settings.request_timeout_s,
+            clock=self._clock,
+        )
 
     def _adopt(self, name: str, request: LaunchRequest, target: CallTarget) -> Instance:
         """The name is taken: return that VM if this request launched it."""

@@ -1,4 +1,4 @@
-"""The fleet commands of ``spottrain``: up, resume, status, logs, down."""
+"""The fleet commands of ``spottrain``: up, resume, status, logs, scale, down."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from .runs import (
     RunError,
     RunInfo,
     archive_run,
+    build_controller,
     create_run,
     find_run,
     open_redis,
@@ -214,6 +215,8 @@ def down(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     _stop_controller(info)
     spec = info.spec()
+    if spec.fleet is not None:
+        return _down_fleet(info, args.timeout)
     providers = build_providers(
         spec, local_state_dir=Path(info.local_state_dir) if info.local_state_dir else None
     )
@@ -247,6 +250,73 @@ def down(args: argparse.Namespace) -> int:
         _err(f"run {info.run_id}: still there after {args.timeout:.0f} s: {', '.join(left)}")
         return EXIT_FAILED
     _say(f"run {info.run_id}: every VM is gone; nothing of it runs")
+    return EXIT_OK
+
+
+def _down_fleet(info: RunInfo, timeout: float) -> int:
+    """End a run on a Terraform fleet: every node drains (an emergency checkpoint each), then
+    the controller removes every VM by name and the group is left at size 0. The group, its
+    template and volume stay: `terraform destroy` removes them."""
+    from .group_loop import GroupController
+
+    try:
+        ctl = build_controller(info)
+    except (RunError, ProviderError, ValueError, ImportError) as e:
+        _err(f"cannot reach run {info.run_id}'s group: {e}")
+        return EXIT_FAILED
+    assert isinstance(ctl, GroupController)
+    if not ctl.state.ctl().get("stopping"):
+        ctl.state.set_ctl(stopping="down", stopping_since=str(time.time()))
+        ctl.state.event("stopping", why="down", error=0)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctl.done():
+            if time.monotonic() > deadline:
+                # Past the drains' grace: whatever still runs goes now, checkpoint or not.
+                ctl.policy = replace(ctl.policy, drain_timeout_s=0.0)
+                ctl.step()
+                break
+            ctl.step()
+            time.sleep(2.0)
+        left = [m.id for m in ctl.group.describe().alive]
+    except ProviderError as e:
+        _err(f"cannot end the run's VMs: {e}")
+        return EXIT_FAILED
+    with contextlib.suppress(Exception):
+        ctl.state.set_ctl(stopped="down", phase="down")
+        ctl.state.event("down", left=len(left))
+        archive_run(info, ctl.state.client, asdict(summarize(ctl.state, time.time())))
+    if left:
+        _err(f"run {info.run_id}: still leaving after {timeout:.0f} s: {', '.join(left)}")
+        return EXIT_FAILED
+    _say(f"run {info.run_id}: every VM of group {ctl.group.name} is gone; the group is at size 0")
+    return EXIT_OK
+
+
+def scale(args: argparse.Namespace) -> int:
+    try:
+        info = find_run(args.run)
+    except RunError as e:
+        _err(str(e))
+        return EXIT_BAD_INPUT
+    nodes = info.spec().nodes
+    if not nodes.min <= args.nodes <= nodes.max:
+        _err(
+            f"run {info.run_id} keeps between {nodes.min} and {nodes.max} nodes (the spec's "
+            f"nodes.min and nodes.max), not {args.nodes}; `spottrain down {info.run_id}` "
+            "ends the run"
+        )
+        return EXIT_BAD_INPUT
+    state = _state(info)
+    if state is None:
+        _err(f"run {info.run_id}: its Redis ({info.redis_url}) does not answer")
+        return EXIT_FAILED
+    before = state.ctl().get("target_nodes") or str(nodes.max)
+    state.set_ctl(target_nodes=str(args.nodes))
+    state.event("scale", nodes=args.nodes, before=int(before))
+    _say(
+        f"run {info.run_id}: {before} -> {args.nodes} nodes (the controller acts on its next pass)"
+    )
     return EXIT_OK
 
 

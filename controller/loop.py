@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from spottrain.cloud.base import (
     AuthError,
@@ -331,7 +332,7 @@ class Controller:
             blocked=self.state.blocked(),
             history=self.state.zone_history(ledger, now),
             spent_usd=ledger.spent(now),
-            finished=_finished(self.state),
+            finished=finished(self.state),
             finished_at=_float(ctl.get("finished_at")),
             stopped=ctl.get("stopped", ""),
             restores=self.state.restores(),
@@ -506,7 +507,14 @@ class Controller:
             self.tick(now)
         obs, ledger, listed = self.observe(now)
         obs = self._progress_stop(obs, now)
-        p = plan(self.policy, obs)
+        # `spottrain scale` lowers (or restores) the most nodes the planner keeps.
+        wanted = self.state.ctl().get("target_nodes")
+        policy = self.policy
+        if wanted:
+            policy = replace(
+                policy, max_nodes=max(policy.min_nodes, min(int(wanted), policy.max_nodes))
+            )
+        p = plan(policy, obs)
         self.act(p, obs, ledger, listed)
         self._after(p, obs)
         crash_point("after-pass")
@@ -588,7 +596,7 @@ class Controller:
         ctl = self.state.ctl()
         ledger = self.state.ledger()
         live = [r for r in ledger.records.values() if r.status in (INTENT, LAUNCHED)]
-        return (_finished(self.state) or bool(ctl.get("stopped"))) and not live
+        return (finished(self.state) or bool(ctl.get("stopped"))) and not live
 
     def summary(self) -> Summary:
         return summarize(self.state, self.clock())
@@ -600,40 +608,62 @@ class Controller:
             ControllerError: another controller holds the run, or a cloud refused the
                 credentials.
         """
-        ttl = max(10.0, self.interval_s * 5)
-        if not self.state.acquire(self.owner, ttl):
-            raise ControllerError(
-                f"run {self.run_id} is driven by another controller "
-                f"({self.state.lease_holder()}); stop it first or wait {ttl:.0f} s"
-            )
-        try:
-            while True:
-                if not self.state.acquire(self.owner, ttl):
-                    raise ControllerError(
-                        f"lost the lease of run {self.run_id} to another controller"
-                    )
-                try:
-                    self.step()
-                except AuthError as e:
-                    self.state.event("error", error=str(e))
-                    raise ControllerError(str(e)) from None
-                except ProviderError as e:
-                    # A cloud could not be asked: skip this pass rather than act on half a view.
-                    self.state.event("observe-failed", error=str(e))
-                    log.warning("pass skipped: %s", e)
-                summary = self.summary()
-                if on_pass is not None:
-                    on_pass(summary)
-                if self.done():
-                    phase = "failed" if self.state.ctl().get("error") else "done"
-                    self.state.set_ctl(phase=phase)
-                    return self.summary()
-                time.sleep(self.interval_s)
-        finally:
-            self.state.release(self.owner)
+        return drive_passes(self, on_pass)
 
 
-def _finished(state: RunState) -> bool:
+class Driven(Protocol):
+    """What :func:`drive_passes` runs: a controller of either kind of fleet."""
+
+    run_id: str
+    state: RunState
+    owner: str
+    interval_s: float
+
+    def step(self) -> object: ...
+    def summary(self) -> Summary: ...
+    def done(self) -> bool: ...
+
+
+def drive_passes(ctl: Driven, on_pass: Callable[[Summary], object] | None = None) -> Summary:
+    """Pass after pass of ``ctl`` until the run is over, holding the run's lease.
+
+    Raises:
+        ControllerError: another controller holds the run, or a cloud refused the
+            credentials.
+    """
+    state, owner = ctl.state, ctl.owner
+    ttl = max(10.0, ctl.interval_s * 5)
+    if not state.acquire(owner, ttl):
+        raise ControllerError(
+            f"run {ctl.run_id} is driven by another controller "
+            f"({state.lease_holder()}); stop it first or wait {ttl:.0f} s"
+        )
+    try:
+        while True:
+            if not state.acquire(owner, ttl):
+                raise ControllerError(f"lost the lease of run {ctl.run_id} to another controller")
+            try:
+                ctl.step()
+            except AuthError as e:
+                state.event("error", error=str(e))
+                raise ControllerError(str(e)) from None
+            except ProviderError as e:
+                # A cloud could not be asked: skip this pass rather than act on half a view.
+                state.event("observe-failed", error=str(e))
+                log.warning("pass skipped: %s", e)
+            summary = ctl.summary()
+            if on_pass is not None:
+                on_pass(summary)
+            if ctl.done():
+                phase = "failed" if state.ctl().get("error") else "done"
+                state.set_ctl(phase=phase)
+                return ctl.summary()
+            time.sleep(ctl.interval_s)
+    finally:
+        state.release(owner)
+
+
+def finished(state: RunState) -> bool:
     """Training is over: the SDK's ``finish`` reported it, or a final checkpoint landed."""
     return state.progress().get("finished") == "1" or state.ckpt_last().get("kind") == "final"
 

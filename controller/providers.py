@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from spottrain.cloud.base import Market, OfferQuery, Provider
 from spottrain.cloud.catalog import Catalog, bundled
+from spottrain.cloud.groups import Group
 from spottrain.spec import JobSpec, LocalCloudSpec, SpotPolicy
 
 if TYPE_CHECKING:
@@ -137,6 +138,41 @@ def build_provider(
             gsettings, credentials=ep.gcp_credentials, api_endpoint=ep.gcp_api_endpoint, catalog=cat
         )
     raise ValueError(f"unknown cloud {cloud!r}: use aws, gcp or local")
+
+
+def build_group(spec: JobSpec, *, endpoints: Endpoints | None = None) -> Group:
+    """The cloud group of a fleet that Terraform provisioned (the spec's ``fleet:``).
+
+    Raises:
+        ValueError: the spec has no ``fleet:`` section.
+        ImportError: the cloud's SDK is not installed (the message names the extra).
+    """
+    fleet = spec.fleet
+    if fleet is None:
+        raise ValueError("the spec has no `fleet:` section")
+    ep = endpoints or Endpoints()
+    if fleet.cloud == "aws":
+        from spottrain.cloud.aws_group import AwsAsgGroup
+
+        assert fleet.region is not None  # the spec requires it for aws
+        return AwsAsgGroup(
+            fleet.region,
+            fleet.group,
+            fleet.run_id,
+            lifecycle_hook=fleet.lifecycle_hook,
+            session=ep.aws_session,
+            endpoint_url=ep.aws_endpoint_url,
+        )
+    from spottrain.cloud.gcp_group import GcpMigGroup
+
+    assert fleet.project is not None and fleet.zone is not None  # required for gcp
+    return GcpMigGroup(
+        fleet.project,
+        fleet.zone,
+        fleet.group,
+        api_endpoint=ep.gcp_api_endpoint,
+        credentials=ep.gcp_credentials,
+    )
 
 
 def build_providers(

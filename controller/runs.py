@@ -28,8 +28,9 @@ from spottrain.keys import RunKeys, make_run_id, validate_run_id
 from spottrain.redis_conn import connect, describe_error, settings_from_url
 from spottrain.spec import ArchiveCode, JobSpec, LoadedSpec, parse_spec
 
+from .group_loop import GROUP_TUNABLES, GroupController, group_policy_from_spec
 from .loop import Controller, policy_from_spec
-from .providers import Endpoints, build_providers, preemption_injector
+from .providers import Endpoints, build_group, build_providers, preemption_injector
 from .state import RunState, new_owner
 
 
@@ -247,7 +248,18 @@ def create_run(loaded: LoadedSpec, *, run_id: str | None = None) -> RunInfo:
         RunError: Redis unreachable or refusing, the code cannot be archived or uploaded.
     """
     spec = loaded.spec
-    rid = validate_run_id(run_id) if run_id else make_run_id(spec.name)
+    if run_id:
+        rid = validate_run_id(run_id)
+    elif spec.fleet is not None:
+        # The fleet's VMs were booted with the module's run id: the run must be that one.
+        rid = spec.fleet.run_id
+        if (home_dir() / "runs" / rid / "run.json").exists():
+            raise RunError(
+                f"run {rid} of this Terraform fleet already exists on this machine: "
+                f"`spottrain resume {rid}` drives it again, `spottrain down {rid}` ends it"
+            )
+    else:
+        rid = make_run_id(spec.name)
     info = RunInfo(
         run_id=rid,
         spec_text=_spec_text(loaded),
@@ -266,7 +278,8 @@ def create_run(loaded: LoadedSpec, *, run_id: str | None = None) -> RunInfo:
     if "local" in spec.resources.clouds:
         info.local_state_dir = str(home_dir() / "local")
     try:
-        code = prepare_code(spec, loaded.base_dir, info.dir)
+        # A Terraform fleet's boot script pins and fetches the code itself.
+        code = CodeRef() if spec.fleet else prepare_code(spec, loaded.base_dir, info.dir)
     except Exception as e:
         if info.embedded_redis:
             stop_embedded_redis(info)
@@ -290,8 +303,9 @@ def build_controller(
     interval_s: float = 1.0,
     endpoints: Endpoints | None = None,
     policy: dict[str, float] | None = None,
-) -> Controller:
-    """The controller of a run, with its providers, state and local preemptions.
+) -> Controller | GroupController:
+    """The controller of a run, with its providers, state and local preemptions; for a
+    Terraform fleet, the controller that adopts its group.
 
     Raises:
         RunError: Redis unreachable or refusing.
@@ -300,6 +314,22 @@ def build_controller(
     client = open_redis(info, spec)
     keys = RunKeys(info.run_id)
     state = RunState(client, keys)
+    if spec.fleet is not None:
+        if not state.ctl().get("started_at"):
+            state.set_ctl(started_at=str(time.time()), phase="running")
+        return GroupController(
+            spec=spec,
+            run_id=info.run_id,
+            group=build_group(spec, endpoints=endpoints),
+            state=state,
+            policy=group_policy_from_spec(
+                spec, **{k: v for k, v in (policy or {}).items() if k in GROUP_TUNABLES}
+            ),
+            interval_s=max(interval_s, 5.0),
+            notice_window_s=min(60.0, *spec.notice_windows.values()),
+            owner=new_owner(),
+            region=spec.fleet.region or "",
+        )
     providers: dict[str, Provider] = build_providers(
         spec,
         local_state_dir=Path(info.local_state_dir) if info.local_state_dir else None,

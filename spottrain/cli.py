@@ -87,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("run", nargs="?", help="run id or job name (default: the newest run)")
     down.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for VMs")
 
+    scale = sub.add_parser(
+        "scale",
+        help="change how many nodes a run keeps (a Terraform fleet's group size follows)",
+        description="Set the run's node count between the spec's nodes.min and nodes.max. "
+        "The controller grows the fleet (a Terraform fleet by its group's size) or drains and "
+        "removes the nodes it chooses, one checkpoint each, never letting a group pick.",
+    )
+    scale.add_argument("nodes", type=int, help="the node count to keep")
+    scale.add_argument("run", nargs="?", help="run id or job name (default: the newest run)")
+
     local = sub.add_parser(
         "local", help="the local cloud's levers: list VMs, preempt, set capacity, refuse"
     )
@@ -253,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _validate(args)
     if args.command == "local":
         return _local(args)
-    if args.command in ("up", "resume", "status", "logs", "down"):
+    if args.command in ("up", "resume", "status", "logs", "down", "scale"):
         from spottrain.controller import commands
 
         handler = getattr(commands, args.command)

@@ -211,6 +211,13 @@ class RunKeys:
         return f"{self.base}:ctl:history"
 
     @property
+    def ctl_group(self) -> str:
+        """Hash member id -> JSON {drain_asked_at, removed_at, replace}: what the controller
+        asked of each VM of a group-owned (Terraform) fleet, so a restarted controller keeps
+        its victims instead of choosing new ones."""
+        return f"{self.base}:ctl:group"
+
+    @property
     def ctl_lease(self) -> str:
         """The controller's lease (a key with a TTL): one controller drives a run at a time."""
         return f"{self.base}:ctl:lease"

@@ -426,6 +426,39 @@ class GcpCloudSpec(_Model):
     boot_disk_gb: int = Field(200, ge=10)
 
 
+class FleetSpec(_Model):
+    """A fleet that Terraform provisioned (``terraform/aws``, ``terraform/gcp``): the
+    controller adopts its group's VMs instead of launching its own. Copy the values from the
+    module's ``spottrain_fleet`` output."""
+
+    managed_by: Literal["terraform"] = Field(description="who created the group")
+    cloud: Literal["aws", "gcp"]
+    group: str = Field(min_length=1, description="the Auto Scaling group or managed group")
+    run_id: str = Field(
+        pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
+        description="the module's run_id: the job tag its VMs carry and their run in Redis",
+    )
+    region: str | None = Field(None, description="AWS: the group's region")
+    lifecycle_hook: str | None = Field(None, description="AWS: the termination hook's name")
+    project: str | None = Field(None, description="GCP: the project")
+    zone: str | None = Field(None, description="GCP: the managed group's zone")
+
+    @model_validator(mode="after")
+    def _per_cloud(self) -> Self:
+        need = ("region",) if self.cloud == "aws" else ("project", "zone")
+        missing = [k for k in need if not getattr(self, k)]
+        if missing:
+            raise ValueError(
+                f"a fleet on {self.cloud} needs {' and '.join(missing)} (from the module's "
+                "spottrain_fleet output)"
+            )
+        other = ("project", "zone") if self.cloud == "aws" else ("region", "lifecycle_hook")
+        extra = [k for k in other if getattr(self, k)]
+        if extra:
+            raise ValueError(f"{', '.join(extra)}: not a setting of a fleet on {self.cloud}")
+        return self
+
+
 _JOB_KEYS = (
     "name",
     "code",
@@ -440,6 +473,7 @@ _JOB_KEYS = (
     "local",
     "aws",
     "gcp",
+    "fleet",
 )
 
 
@@ -459,6 +493,7 @@ class JobSpec(_Model):
     local: LocalCloudSpec | None = None
     aws: AwsCloudSpec | None = None
     gcp: GcpCloudSpec | None = None
+    fleet: FleetSpec | None = None
 
     @field_validator("name")
     @classmethod
@@ -493,8 +528,13 @@ class JobSpec(_Model):
                 "redis.url: 'embedded' only works for the local cloud; real VMs need a Redis "
                 "they can reach (redis[s]://HOST:PORT)"
             )
+        if self.fleet is not None and clouds != {self.fleet.cloud}:
+            raise ValueError(
+                f"resources.clouds: the fleet managed by Terraform is on {self.fleet.cloud}, "
+                f"so the job runs there only: set clouds: [{self.fleet.cloud}]"
+            )
         for cloud in ("aws", "gcp"):
-            if cloud in clouds and getattr(self, cloud) is None:
+            if cloud in clouds and getattr(self, cloud) is None and self.fleet is None:
                 raise ValueError(
                     f"resources.clouds lists {cloud} but the spec has no `{cloud}:` section "
                     f"(see the README's job spec reference)"

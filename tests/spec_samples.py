@@ -56,3 +56,18 @@ def _with(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
     else:
         node[last] = value
     return data
+
+
+# A job on a fleet that terraform/aws provisioned: the controller adopts the group's VMs.
+FLEET_AWS: dict[str, Any] = {
+    **{k: copy.deepcopy(v) for k, v in VALID.items() if k not in ("aws", "gcp", "resources")},
+    "resources": {"clouds": ["aws"]},
+    "fleet": {
+        "managed_by": "terraform",
+        "cloud": "aws",
+        "group": "spottrain-gpt-small",
+        "run_id": "gpt-small-1",
+        "region": "us-east-1",
+        "lifecycle_hook": "spottrain-gpt-small-drain",
+    },
+}

@@ -1,0 +1,319 @@
+"""The controller of a fleet that a cloud group owns (provisioned by ``terraform/aws`` or
+``terraform/gcp``): it adopts the group's VMs by the job tag the modules set, keeps the
+run's state in Redis like the launching controller does, and applies
+:func:`~spottrain.controller.group_plan.plan_group`'s decisions. It is the only code that
+calls the group.
+
+Each VM of the group is a node of the run, named by its id (the modules' boot scripts make
+the instance id, or the GCP instance name, the agent's node id). The launch ledger records
+each one when first seen, so cost, savings, ``spottrain status`` and the final report work
+as for launched fleets.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from spottrain.cloud.base import Market, Offer
+from spottrain.cloud.catalog import Catalog, bundled
+from spottrain.cloud.groups import Group, GroupView, Member, MemberState
+from spottrain.spec import JobSpec
+
+from .group_plan import (
+    DrainMember,
+    GroupObserved,
+    GroupPlan,
+    GroupPolicy,
+    MemberObs,
+    ReleaseMember,
+    RemoveMembers,
+    SetTarget,
+    StopRun,
+    plan_group,
+)
+from .loop import Summary, drive_passes, finished, summarize
+from .state import ENDED, LAUNCHED, LaunchRecord, RunState
+
+log = logging.getLogger(__name__)
+
+
+GROUP_TUNABLES = frozenset(GroupPolicy.__dataclass_fields__) - {"min_nodes", "max_nodes"}
+
+
+def group_policy_from_spec(spec: JobSpec, **overrides: float) -> GroupPolicy:
+    base = GroupPolicy(
+        min_nodes=spec.nodes.min, max_nodes=spec.nodes.max, budget_usd=spec.budget.max_usd
+    )
+    return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def wanted_nodes(spec: JobSpec, ctl: Mapping[str, str]) -> int:
+    """The node count the job wants now: ``spottrain scale``'s, else ``nodes.max``."""
+    raw = ctl.get("target_nodes")
+    return int(raw) if raw else spec.nodes.max
+
+
+@dataclass
+class GroupController:
+    """Drives one run on a group-owned fleet. Same surface as
+    :class:`~spottrain.controller.loop.Controller` (``step``, ``run``, ``summary``, ``done``).
+
+    Args:
+        spec: the job (its ``fleet:`` section names the group).
+        run_id: the run; the group's VMs carry it as their job tag.
+        group: the group.
+        state: the run's state in Redis.
+        policy: the planner's tunables.
+        notice_window_s: the deadline a drain request gives an agent.
+    """
+
+    spec: JobSpec
+    run_id: str
+    group: Group
+    state: RunState
+    policy: GroupPolicy
+    interval_s: float = 5.0
+    notice_window_s: float = 120.0
+    clock: Callable[[], float] = time.time
+    catalog: Catalog = field(default_factory=bundled)
+    owner: str = "controller"
+    region: str = ""
+    _last_reason: str = ""
+
+    # --- observe -------------------------------------------------------------------------
+    def _marks(self) -> dict[str, dict[str, Any]]:
+        raw = self.state.client.hgetall(self.state.keys.ctl_group)
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    def _mark(self, member_id: str, **fields: Any) -> None:
+        marks = self._marks().get(member_id, {})
+        marks.update(fields)
+        self.state.client.hset(self.state.keys.ctl_group, member_id, json.dumps(marks))
+
+    def _offer_of(self, m: Member) -> Offer:
+        cloud = self.group.cloud
+        region = self.region or _region_of(cloud, m.zone)
+        try:
+            t = self.catalog.get(cloud, m.instance_type)
+            price = self.catalog.price(cloud, m.instance_type, region, m.market)
+            gpus, gpu_type, risk = t.gpus, t.gpu_type, t.interruption_risk
+        except (KeyError, ValueError):
+            # A type the catalog lacks (the module's variable allows any): cost unknown.
+            price, gpus, gpu_type, risk = 0.0, self.spec.nodes.gpus, "", 0.0
+        return Offer(
+            cloud=cloud,
+            region=region,
+            zone=m.zone,
+            instance_type=m.instance_type,
+            gpus=gpus,
+            gpu_type=gpu_type,
+            market=m.market,
+            price_per_hour=price,
+            interruption_risk=risk if m.market is Market.SPOT else 0.0,
+        )
+
+    def _od_price(self, offer: Offer) -> float:
+        try:
+            return self.catalog.price(
+                offer.cloud, offer.instance_type, offer.region, Market.ON_DEMAND
+            )
+        except (KeyError, ValueError):
+            return offer.price_per_hour
+
+    def _new_record(self, m: Member, now: float, why: str) -> LaunchRecord:
+        offer = self._offer_of(m)
+        rec = LaunchRecord(
+            node=m.id,
+            request_id=m.id,
+            offer=offer,
+            launched_at=now,
+            status=LAUNCHED,
+            instance_id=m.id,
+            od_price=self._od_price(offer),
+            reason=why,
+        )
+        self.state.put_launch(rec)
+        return rec
+
+    def _reincarnated(self, m: Member, rec: LaunchRecord, now: float, why: str) -> LaunchRecord:
+        """A new VM under an old name (a GCP MIG recreates members by name): the old VM's
+        record is kept under ``<name>@<launch time>`` so its cost still counts, and the
+        name starts a new record."""
+        old = rec if rec.status == ENDED else replace(rec, status=ENDED, ended_at=now, reason=why)
+        archived = replace(old, node=f"{m.id}@{old.launched_at:.0f}")
+        self.state.put_launch(archived)
+        self.state.client.hdel(self.state.keys.ctl_group, m.id)
+        self.state.event("adopted", vm=m.id, node_name=m.id, why=why)
+        return self._new_record(m, now, f"{why} in group {self.group.name}")
+
+    def _forget_agent(self, node: str) -> None:
+        # The VM is gone: its agent's last state ("left", "failed") must not be read as the
+        # state of the VM the group may bring back under the same name.
+        self.state.client.delete(self.state.keys.node(node), self.state.keys.heartbeat(node))
+
+    def _reconcile(self, view: GroupView, now: float) -> dict[str, LaunchRecord]:
+        """Record members first seen, and end the records of members gone; a member that
+        went without the controller removing it was taken by the cloud (a preemption)."""
+        ledger = self.state.ledger()
+        marks = self._marks()
+        listed = {m.id: m for m in view.members}
+        agents = self.state.node_records(list(listed))
+        for m in view.members:
+            rec = ledger.records.get(m.id)
+            mark = marks.get(m.id, {})
+            # A replaced member's agent record is deleted when it is removed, so a record
+            # registered since is the new VM's agent (GCP recreates members by name).
+            registered_anew = bool(mark.get("replace")) and "registered_at" in agents.get(m.id, {})
+            if rec is None and m.state.alive:
+                rec = self._new_record(m, now, f"adopted from group {view.name}")
+                self.state.event(
+                    "adopted", vm=m.id, node_name=m.id, zone=m.zone, itype=m.instance_type
+                )
+            elif rec is not None and rec.status == ENDED and m.state.alive:
+                rec = self._reincarnated(m, rec, now, "restarted by group")
+            elif rec is not None and mark.get("removed_at") is not None and registered_anew:
+                # An agent registered after the removal: the group replaced the VM in place.
+                rec = self._reincarnated(m, rec, now, "replaced by group")
+            else:
+                continue
+            ledger.records[m.id] = rec
+        for node, rec in list(ledger.records.items()):
+            if rec.status != LAUNCHED:
+                continue
+            seen = listed.get(node)
+            if seen is not None and seen.state is not MemberState.GONE:
+                continue
+            removed = marks.get(node, {}).get("removed_at") is not None
+            interrupted = not removed and rec.offer.market is Market.SPOT
+            rec = replace(
+                rec,
+                status=ENDED,
+                ended_at=now,
+                interrupted=interrupted,
+                reason="removed" if removed else (seen.status if seen else "gone"),
+            )
+            self.state.put_launch(rec)
+            ledger.records[node] = rec
+            self._forget_agent(node)
+            if interrupted:
+                key = (rec.offer.cloud, rec.offer.zone, rec.offer.instance_type)
+                self.state.count(key, "preemptions")
+                self.state.event("preempted", vm=node, node_name=node, zone=rec.offer.zone)
+            else:
+                self.state.event("vm-ended", vm=node, node_name=node, reason=rec.reason)
+        return ledger.records
+
+    def observe(self, now: float) -> GroupObserved:
+        view = self.group.describe()
+        records = self._reconcile(view, now)
+        ids = [m.id for m in view.members]
+        agents = self.state.node_records(ids)
+        beats = self.state.heartbeats(ids)
+        marks = self._marks()
+        members = tuple(
+            MemberObs(
+                member=m,
+                agent_state=agents.get(m.id, {}).get("state"),
+                alive_beat=beats.get(m.id, False),
+                first_seen=records[m.id].launched_at if m.id in records else now,
+                drain_asked_at=marks.get(m.id, {}).get("drain_asked_at"),
+                removed_at=marks.get(m.id, {}).get("removed_at"),
+            )
+            for m in view.members
+        )
+        ctl = self.state.ctl()
+        return GroupObserved(
+            now=now,
+            wanted=wanted_nodes(self.spec, ctl),
+            group_target=view.target,
+            members=members,
+            max_size=view.max_size,
+            finished=finished(self.state),
+            stopping=ctl.get("stopping", ""),
+            spent_usd=self.state.ledger().spent(now),
+        )
+
+    # --- act -----------------------------------------------------------------------------
+    def act(self, p: GroupPlan, obs: GroupObserved) -> None:
+        from spottrain.agent.agent import inject_notice
+
+        for a in p.actions:
+            if isinstance(a, StopRun):
+                self.state.set_ctl(stopping=a.why, stopping_since=str(obs.now))
+                if a.error:
+                    self.state.set_ctl(error=a.why)
+                self.state.event("stopping", why=a.why, error=int(a.error))
+            elif isinstance(a, ReleaseMember):
+                self.group.release(a.id)
+                self.state.event("released", vm=a.id, node_name=a.id, why=a.why)
+            elif isinstance(a, DrainMember):
+                # Mark first: a controller killed between the two asks the same VM again
+                # (the agent dedups) instead of choosing another victim.
+                self._mark(a.id, drain_asked_at=obs.now)
+                inject_notice(
+                    self.state.client, self.state.keys, a.id, "terminate", self.notice_window_s
+                )
+                self.state.event("drain", vm=a.id, node_name=a.id, why=a.why)
+            elif isinstance(a, RemoveMembers):
+                for member_id in a.ids:
+                    self._mark(member_id, removed_at=obs.now, replace=a.replace)
+                self.group.remove(a.ids, replace=a.replace)
+                if a.replace:
+                    for member_id in a.ids:
+                        self._forget_agent(member_id)
+                for member_id in a.ids:
+                    self.state.event(
+                        "terminate", vm=member_id, node_name=member_id, why=a.why, replace=a.replace
+                    )
+            elif isinstance(a, SetTarget):
+                self.group.set_target(a.size)
+                self.state.event("group-size", size=a.size, why=a.why)
+
+    def step(self) -> GroupPlan:
+        now = self.clock()
+        obs = self.observe(now)
+        p = plan_group(self.policy, obs)
+        self.act(p, obs)
+        self._after(p, obs)
+        return p
+
+    def _after(self, p: GroupPlan, obs: GroupObserved) -> None:
+        ctl = self.state.ctl()
+        updates = {"reason": p.reason}
+        if ctl.get("stopping") and not ctl.get("stopped") and p.active == 0:
+            updates["stopped"] = ctl["stopping"]
+        self.state.set_ctl(**updates)
+        if p.reason != self._last_reason:
+            self.state.event("plan", reason=p.reason)
+            log.info("plan: %s", p.reason)
+            self._last_reason = p.reason
+
+    # --- the run -------------------------------------------------------------------------
+    def live_vms(self) -> list[str]:
+        return [r.node for r in self.state.ledger().records.values() if r.status == LAUNCHED]
+
+    def done(self) -> bool:
+        """Over: stopped or finished, and the group holds no VM."""
+        ctl = self.state.ctl()
+        if not (finished(self.state) or ctl.get("stopped")):
+            return False
+        view = self.group.describe()
+        return view.target == 0 and not view.alive
+
+    def summary(self) -> Summary:
+        return summarize(self.state, self.clock())
+
+    def run(self, *, on_pass: Callable[[Summary], object] | None = None) -> Summary:
+        return drive_passes(self, on_pass)
+
+
+def _region_of(cloud: str, zone: str) -> str:
+    # us-east-1a -> us-east-1; us-central1-a -> us-central1.
+    if cloud == "gcp":
+        return zone.rsplit("-", 1)[0]
+    return zone[:-1] if zone and zone[-1].isalpha() else zone
