@@ -1,0 +1,117 @@
+# An optional small on-demand VM for the spottrain controller, so the fleet does not depend
+# on a workstation staying up. It installs the pinned spottrain; given a job spec, it starts
+# `spottrain up` once, with the spec's fleet: section pointing at this module's group.
+
+data "aws_ami" "controller" {
+  count = var.create_controller && var.controller_ami_id == "" ? 1 : 0
+
+  owners      = ["amazon"]
+  most_recent = true
+
+  filter {
+    name   = "name"
+    values = ["al2023-ami-2023.*-x86_64"]
+  }
+  filter {
+    name   = "state"
+    values = ["available"]
+  }
+}
+
+locals {
+  # The operator's spec with the fleet section this module owns (it adopts the group
+  # instead of launching VMs); base64 so no character of the YAML can end a heredoc.
+  controller_job_spec = var.controller_job_spec_yaml == "" ? "" : yamlencode(merge(
+    yamldecode(var.controller_job_spec_yaml),
+    { fleet = local.spottrain_fleet },
+  ))
+  controller_job_spec_b64 = local.controller_job_spec == "" ? "" : base64encode(local.controller_job_spec)
+
+  # `spottrain up` starts a new run each time it runs, so the unit runs it until it has
+  # succeeded once on this VM (the marker file); after a reboot an operator restarts the
+  # controller with `spottrain resume --detach`. Type=oneshot + RemainAfterExit keeps the detached
+  # controller in the unit's cgroup, so stopping the unit stops it.
+  controller_user_data = <<-EOT
+    #!/bin/bash
+    # spottrain ${var.spottrain_version}: the controller VM of run ${var.run_id}.
+    set -euo pipefail
+    exec >>/var/log/spottrain-controller-boot.log 2>&1
+    if [ ! -x /opt/spottrain/venv/bin/spottrain ]; then
+      python=$(command -v python3.12 || command -v python3.11 || true)
+      if [ -z "$python" ]; then
+        dnf install -y -q python3.11
+        python=$(command -v python3.11)
+      fi
+      "$python" -m venv /opt/spottrain/venv
+      /opt/spottrain/venv/bin/pip install -q 'spottrain[aws]==${var.spottrain_version}'
+    fi
+    ln -sf /opt/spottrain/venv/bin/spottrain /usr/local/bin/spottrain
+    install -d -m 0755 /etc/spottrain
+    install -d -m 0700 /var/lib/spottrain
+    cat > /etc/profile.d/spottrain.sh <<'PROFILE'
+    export SPOTTRAIN_HOME=/var/lib/spottrain
+    export AWS_DEFAULT_REGION=${local.region}
+    PROFILE
+    JOB_SPEC_B64='${local.controller_job_spec_b64}'
+    if [ -n "$JOB_SPEC_B64" ]; then
+      umask 077
+      echo "$JOB_SPEC_B64" | base64 -d > /etc/spottrain/job.yaml
+      umask 022
+      cat > /etc/systemd/system/spottrain-controller.service <<'UNIT'
+    [Unit]
+    Description=spottrain controller of run ${var.run_id}
+    Wants=network-online.target
+    After=network-online.target
+    ConditionPathExists=!/var/lib/spottrain/.up-started
+
+    [Service]
+    Type=oneshot
+    RemainAfterExit=yes
+    Environment=SPOTTRAIN_HOME=/var/lib/spottrain
+    Environment=AWS_DEFAULT_REGION=${local.region}
+    ExecStart=/opt/spottrain/venv/bin/spottrain up /etc/spottrain/job.yaml --detach
+    ExecStartPost=/usr/bin/touch /var/lib/spottrain/.up-started
+
+    [Install]
+    WantedBy=multi-user.target
+    UNIT
+      systemctl daemon-reload
+      systemctl enable --now spottrain-controller.service
+    fi
+  EOT
+}
+
+resource "aws_instance" "controller" {
+  count = var.create_controller ? 1 : 0
+
+  ami                    = var.controller_ami_id != "" ? var.controller_ami_id : data.aws_ami.controller[0].id
+  instance_type          = var.controller_instance_type
+  subnet_id              = var.subnet_ids[0]
+  vpc_security_group_ids = [aws_security_group.controller[0].id]
+  iam_instance_profile   = aws_iam_instance_profile.controller[0].name
+  key_name               = var.key_name == "" ? null : var.key_name
+  user_data_base64       = base64encode(local.controller_user_data)
+
+  metadata_options {
+    http_endpoint = "enabled"
+    http_tokens   = "required"
+    # No containers here: the credentials stay on the VM itself.
+    http_put_response_hop_limit = 1
+    instance_metadata_tags      = "enabled"
+  }
+
+  root_block_device {
+    volume_size           = 30
+    volume_type           = "gp3"
+    encrypted             = true
+    delete_on_termination = true
+  }
+
+  tags        = merge(local.tags, { Name = "${local.name}-controller" })
+  volume_tags = merge(local.tags, { Name = "${local.name}-controller" })
+
+  lifecycle {
+    # A newer Amazon Linux release must not replace a controller in the middle of a run.
+    ignore_changes = [ami]
+  }
+}

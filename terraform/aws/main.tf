@@ -1,0 +1,134 @@
+data "aws_region" "current" {}
+
+data "aws_partition" "current" {}
+
+data "aws_caller_identity" "current" {}
+
+data "aws_subnet" "fleet" {
+  for_each = toset(var.subnet_ids)
+  id       = each.value
+}
+
+# The GPU AMI, read for its root device name (the root volume mapping must name it exactly,
+# or EC2 adds a second volume instead of resizing the root one).
+data "aws_ami" "fleet" {
+  filter {
+    name   = "image-id"
+    values = [var.ami_id]
+  }
+}
+
+locals {
+  # Names are computed from run_id, never read back from the resources: the launch
+  # template's user data carries the group's name, and the group refers to the template,
+  # so reading aws_autoscaling_group.fleet.name there would be a dependency cycle.
+  name                = "spottrain-${var.run_id}"
+  asg_name            = local.name
+  lifecycle_hook_name = "${local.name}-drain"
+
+  region     = data.aws_region.current.name
+  partition  = data.aws_partition.current.partition
+  account_id = data.aws_caller_identity.current.account_id
+
+  vpc_id = data.aws_subnet.fleet[var.subnet_ids[0]].vpc_id
+  zones  = distinct([for id in var.subnet_ids : data.aws_subnet.fleet[id].availability_zone])
+  # One subnet per zone: EFS takes a single mount target per zone.
+  subnet_per_zone = { for id in var.subnet_ids : data.aws_subnet.fleet[id].availability_zone => id... }
+
+  initial_size = var.initial_size == null ? var.nodes_max : var.initial_size
+
+  # The group's ARN as IAM sees it, built from the name (the group's id is random), so the
+  # agents' policy exists before the group launches its first VM.
+  asg_arn = "arn:${local.partition}:autoscaling:${local.region}:${local.account_id}:autoScalingGroup:*:autoScalingGroupName/${local.asg_name}"
+
+  tags = merge(var.tags, {
+    # TAG_JOB in spottrain/cloud/base.py: the controller finds and adopts the VMs by it.
+    "spottrain-job"        = var.run_id
+    "spottrain-managed-by" = "terraform"
+  })
+
+  # --- checkpoint copies and code in S3 ------------------------------------------------------
+  copy_to     = trimsuffix(var.checkpoint_copy_to, "/")
+  copy_bucket = local.copy_to == "" ? "" : regex("^s3://([^/]+)", local.copy_to)[0]
+  copy_prefix = local.copy_to == "" ? "" : trimprefix(trimprefix(local.copy_to, "s3://${local.copy_bucket}"), "/")
+  # Agents copy their checkpoints to <copy_to>/<run id>/ (agent/ckpt_copy.py): the VMs may
+  # write there and nowhere else in the bucket.
+  copy_run_objects = local.copy_to == "" ? "" : (
+    "arn:${local.partition}:s3:::${local.copy_bucket}/${local.copy_prefix == "" ? "" : "${local.copy_prefix}/"}${var.run_id}/*"
+  )
+  copy_prefix_objects = local.copy_to == "" ? "" : (
+    "arn:${local.partition}:s3:::${local.copy_bucket}/${local.copy_prefix == "" ? "*" : "${local.copy_prefix}/*"}"
+  )
+  code_archive_object = var.code_archive_url == "" ? "" : "arn:${local.partition}:s3:::${trimprefix(var.code_archive_url, "s3://")}"
+
+  # --- the shared checkpoint volume, as /etc/fstab sees it ------------------------------------
+  fsx = var.checkpoint_filesystem == "fsx-lustre"
+  checkpoint_fs = local.fsx ? {
+    id     = aws_fsx_lustre_file_system.checkpoint[0].id
+    dns    = aws_fsx_lustre_file_system.checkpoint[0].dns_name
+    mount  = aws_fsx_lustre_file_system.checkpoint[0].mount_name
+    type   = "lustre"
+    source = "${aws_fsx_lustre_file_system.checkpoint[0].dns_name}@tcp:/${aws_fsx_lustre_file_system.checkpoint[0].mount_name}"
+    # flock: the checkpoint commit relies on POSIX locks and atomic renames across nodes.
+    options = "defaults,relatime,flock,_netdev,x-systemd.requires=network-online.target"
+    } : {
+    id    = aws_efs_file_system.checkpoint[0].id
+    dns   = aws_efs_file_system.checkpoint[0].dns_name
+    mount = "/"
+    type  = "nfs4"
+    # AWS's recommended NFS options for EFS; `hard` so a slow server delays a checkpoint
+    # instead of corrupting it.
+    source  = "${aws_efs_file_system.checkpoint[0].dns_name}:/"
+    options = "nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport,_netdev"
+  }
+
+  # --- Redis ----------------------------------------------------------------------------------
+  redis_url = var.create_elasticache ? (
+    "rediss://${aws_elasticache_replication_group.redis[0].primary_endpoint_address}:${var.redis_port}"
+  ) : var.redis_url
+  redis_password_file = var.redis_password_secret_arn == "" ? "" : "/etc/spottrain/redis-password"
+
+  # --- the training command as SPOTTRAIN_TRAIN_CMD --------------------------------------------
+  # The agent splits the value like a POSIX shell (shlex.split), so each argument goes in
+  # single quotes, with a ' inside written as '\''. The environment file then wraps the
+  # value in double quotes, inside which systemd unescapes only \\ and \".
+  # tests/unit/test_terraform_aws.py mirrors these two expressions; change both together.
+  train_command_shell = join(" ", [for a in var.train_command : "'${replace(a, "'", "'\\''")}'"])
+  train_command_env   = replace(replace(local.train_command_shell, "\\", "\\\\"), "\"", "\\\"")
+
+  # Every placeholder of boot.sh.tftpl. Values in single quotes in the script are
+  # validated to hold no quote; the template chooses between code sources and mounts with
+  # plain bash, so it needs no template directives.
+  boot_template_values = {
+    spottrain_version     = var.spottrain_version
+    run_id                = var.run_id
+    region                = local.region
+    redis_url             = local.redis_url
+    redis_password_secret = var.redis_password_secret_arn
+    redis_password_file   = local.redis_password_file
+    checkpoint_fs_type    = local.checkpoint_fs.type
+    checkpoint_fs_source  = local.checkpoint_fs.source
+    checkpoint_fs_options = local.checkpoint_fs.options
+    checkpoint_copy_to    = local.copy_to
+    code_archive_url      = var.code_archive_url
+    code_archive_sha256   = var.code_archive_sha256
+    git_repo              = var.git_repo
+    git_commit            = var.git_commit
+    nnodes                = "${var.nodes_min}:${var.nodes_max}"
+    nproc_per_node        = var.nproc_per_node
+    expect_gpus           = var.gpus_per_node
+    train_command         = local.train_command_env
+    asg_name              = local.asg_name
+    lifecycle_hook_name   = local.lifecycle_hook_name
+  }
+
+  # The fleet: section of a job spec that adopts this fleet instead of launching VMs.
+  spottrain_fleet = {
+    managed_by     = "terraform"
+    cloud          = "aws"
+    region         = local.region
+    group          = local.asg_name
+    lifecycle_hook = local.lifecycle_hook_name
+    run_id         = var.run_id
+  }
+}

@@ -1,0 +1,521 @@
+# Inputs of the spottrain AWS fleet module. Every value that can be wrong is validated here,
+# so a bad input fails `terraform plan` with a message naming the fix; checks that involve
+# two inputs at once are lifecycle preconditions on the resources they affect.
+
+# --- the run ---------------------------------------------------------------------------------
+
+variable "run_id" {
+  type        = string
+  description = "The run's id: the `spottrain-job` tag the controller adopts the VMs by, the Redis key namespace and torchrun's --rdzv-id. Changing it replaces the whole fleet."
+  nullable    = false
+
+  validation {
+    # The same shape the controller accepts for run ids; names built from it stay within
+    # AWS's limits (ASG and launch template names, tag values).
+    condition     = can(regex("^[a-z0-9][a-z0-9-]{0,62}$", var.run_id))
+    error_message = "run_id must be 1-63 characters of lowercase letters, digits and '-', starting with a letter or digit."
+  }
+}
+
+variable "tags" {
+  type        = map(string)
+  description = "Extra tags for every resource (and, through the launch template, every VM, volume and network interface)."
+  default     = {}
+  nullable    = false
+
+  validation {
+    # instance_metadata_tags is on, and EC2 then refuses to launch a VM whose tag keys hold
+    # a '/' or a space; the spottrain- keys are this module's own.
+    condition = alltrue([
+      for k in keys(var.tags) :
+      can(regex("^[A-Za-z0-9+=.,_:@-]{1,128}$", k)) && !startswith(lower(k), "aws:") && !startswith(k, "spottrain-")
+    ])
+    error_message = "tag keys may only use letters, digits and + = . , _ : @ - (no '/' or spaces: instance metadata tags are on), and may not start with 'aws:' or 'spottrain-'."
+  }
+}
+
+# --- the fleet -------------------------------------------------------------------------------
+
+variable "ami_id" {
+  type        = string
+  description = "The GPU AMI of the fleet (NVIDIA driver, python3 >= 3.11, the AWS CLI, an NFS client, and the Lustre client for fsx-lustre; an AWS Deep Learning Base GPU AMI fits)."
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^ami-([0-9a-f]{8}|[0-9a-f]{17})$", var.ami_id))
+    error_message = "ami_id must be an AMI id such as ami-0123456789abcdef0."
+  }
+}
+
+variable "instance_types" {
+  type        = list(string)
+  description = "The 8-GPU instance types of one family the group may launch (each an override of the mixed instances policy). Mixing GPU models in one job makes the slowest or smallest one set the pace."
+  default     = ["p5.48xlarge"]
+  nullable    = false
+
+  validation {
+    condition     = length(var.instance_types) > 0
+    error_message = "instance_types must name at least one instance type."
+  }
+  validation {
+    condition     = alltrue([for t in var.instance_types : can(regex("^[a-z][a-z0-9-]*\\.[0-9]*x?large$", t))])
+    error_message = "instance_types must be EC2 instance type names such as p5.48xlarge."
+  }
+  validation {
+    condition     = length(distinct(var.instance_types)) == length(var.instance_types)
+    error_message = "instance_types must not repeat a type."
+  }
+}
+
+variable "subnet_ids" {
+  type        = list(string)
+  description = "Private subnets (with a NAT gateway or VPC endpoints) the VMs, the checkpoint file system and the optional ElastiCache live in. One zone when cluster_placement_group is on."
+  nullable    = false
+
+  validation {
+    condition     = length(var.subnet_ids) > 0 && alltrue([for s in var.subnet_ids : can(regex("^subnet-([0-9a-f]{8}|[0-9a-f]{17})$", s))])
+    error_message = "subnet_ids must list at least one subnet id such as subnet-0123456789abcdef0."
+  }
+  validation {
+    condition     = length(distinct(var.subnet_ids)) == length(var.subnet_ids)
+    error_message = "subnet_ids must not repeat a subnet."
+  }
+}
+
+variable "nodes_min" {
+  type        = number
+  description = "The fewest nodes training runs with (torchrun's --nnodes MIN); fewer, and the survivors wait for a backfill."
+  default     = 1
+  nullable    = false
+
+  validation {
+    condition     = var.nodes_min >= 1 && floor(var.nodes_min) == var.nodes_min
+    error_message = "nodes_min must be a whole number of at least 1."
+  }
+}
+
+variable "nodes_max" {
+  type        = number
+  description = "The most nodes of the job: the group's max_size and torchrun's --nnodes MAX."
+  default     = 4
+  nullable    = false
+
+  validation {
+    condition     = var.nodes_max >= 1 && var.nodes_max <= 1000 && floor(var.nodes_max) == var.nodes_max
+    error_message = "nodes_max must be a whole number from 1 to 1000."
+  }
+}
+
+variable "initial_size" {
+  type        = number
+  description = "The group's desired capacity when it is created (null: nodes_max). The spottrain controller owns the size afterwards; Terraform never resets it."
+  default     = null
+
+  validation {
+    # A conditional, not ||: HCL evaluates both sides of || and null >= 0 is an error.
+    condition     = var.initial_size == null ? true : (var.initial_size >= 0 && floor(var.initial_size) == var.initial_size)
+    error_message = "initial_size must be null or a whole number of at least 0."
+  }
+}
+
+variable "gpus_per_node" {
+  type        = number
+  description = "GPUs every VM must show at the agent's boot health check (SPOTTRAIN_EXPECT_GPUS); a VM with fewer stays out of the job."
+  default     = 8
+  nullable    = false
+
+  validation {
+    condition     = var.gpus_per_node >= 0 && var.gpus_per_node <= 16 && floor(var.gpus_per_node) == var.gpus_per_node
+    error_message = "gpus_per_node must be a whole number from 0 to 16."
+  }
+}
+
+variable "nproc_per_node" {
+  type        = number
+  description = "Training processes per VM (torchrun's --nproc-per-node), usually one per GPU."
+  default     = 8
+  nullable    = false
+
+  validation {
+    condition     = var.nproc_per_node >= 1 && var.nproc_per_node <= 64 && floor(var.nproc_per_node) == var.nproc_per_node
+    error_message = "nproc_per_node must be a whole number from 1 to 64."
+  }
+}
+
+variable "efa_enabled" {
+  type        = bool
+  description = "Give each VM EFA network interfaces (the p4d/p4de/p5 families and other EFA types). Turn off for types without EFA: EC2 refuses an EFA interface on them."
+  default     = true
+  nullable    = false
+}
+
+variable "efa_interface_count" {
+  type        = number
+  description = "EFA interfaces per VM, one per network card (1 works everywhere; p4d/p4de have 4 cards and p5 32, for their full bandwidth). At most the card count of the smallest type in instance_types."
+  default     = 1
+  nullable    = false
+
+  validation {
+    condition     = var.efa_interface_count >= 1 && var.efa_interface_count <= 32 && floor(var.efa_interface_count) == var.efa_interface_count
+    error_message = "efa_interface_count must be a whole number from 1 to 32."
+  }
+}
+
+variable "cluster_placement_group" {
+  type        = bool
+  description = "Launch the VMs into a cluster placement group (low-latency, high-bandwidth network for the collectives). Needs every subnet in one availability zone."
+  default     = true
+  nullable    = false
+}
+
+variable "capacity_rebalance" {
+  type        = bool
+  description = "Let the group replace a spot VM at elevated interruption risk before it is interrupted (the old VM then drains through the termination hook). Off by default: the controller backfills by itself."
+  default     = false
+  nullable    = false
+}
+
+variable "lifecycle_heartbeat_timeout_s" {
+  type        = number
+  description = "Seconds the termination lifecycle hook holds a VM the group terminates, so the agent can commit an emergency checkpoint and complete the lifecycle action itself."
+  default     = 600
+  nullable    = false
+
+  validation {
+    # 180 s: EC2's 2-minute spot notice window plus the agent's commit and leave margin
+    # (the unit's TimeoutStopSec is 170). Shorter, and the group could terminate a VM whose
+    # checkpoint still had time to commit. 7200 is the hook's API limit.
+    condition     = var.lifecycle_heartbeat_timeout_s >= 180 && var.lifecycle_heartbeat_timeout_s <= 7200 && floor(var.lifecycle_heartbeat_timeout_s) == var.lifecycle_heartbeat_timeout_s
+    error_message = "lifecycle_heartbeat_timeout_s must be a whole number of seconds from 180 (time for an emergency checkpoint) to 7200."
+  }
+}
+
+variable "root_volume_size_gb" {
+  type        = number
+  description = "Root EBS volume size of each VM, GiB (gp3, encrypted). At least the AMI's snapshot size; deep learning AMIs need about 100 GiB plus the job's environment."
+  default     = 200
+  nullable    = false
+
+  validation {
+    condition     = var.root_volume_size_gb >= 30 && var.root_volume_size_gb <= 16384 && floor(var.root_volume_size_gb) == var.root_volume_size_gb
+    error_message = "root_volume_size_gb must be a whole number from 30 to 16384."
+  }
+}
+
+variable "key_name" {
+  type        = string
+  description = "An EC2 key pair for SSH to the VMs and the controller (empty: none; prefer enable_ssm)."
+  default     = ""
+  nullable    = false
+
+  validation {
+    condition     = length(var.key_name) <= 255
+    error_message = "key_name must be at most 255 characters."
+  }
+}
+
+variable "enable_ssm" {
+  type        = bool
+  description = "Attach AWS's AmazonSSMManagedInstanceCore policy to the VMs' and the controller's roles, for shell access through Session Manager without SSH or inbound rules."
+  default     = false
+  nullable    = false
+}
+
+# --- network ---------------------------------------------------------------------------------
+
+variable "redis_port" {
+  type        = number
+  description = "The TCP port of the job's Redis (the ElastiCache port when create_elasticache)."
+  default     = 6379
+  nullable    = false
+
+  validation {
+    condition     = var.redis_port >= 1 && var.redis_port <= 65535 && floor(var.redis_port) == var.redis_port
+    error_message = "redis_port must be a TCP port from 1 to 65535."
+  }
+}
+
+variable "controller_cidrs" {
+  type        = list(string)
+  description = "IPv4 CIDRs the spottrain controller reaches Redis from (a workstation's VPN range, say), besides controller_security_group_ids and the optional controller VM."
+  default     = []
+  nullable    = false
+
+  validation {
+    condition     = alltrue([for c in var.controller_cidrs : can(cidrhost(c, 0)) && can(regex("^[0-9.]+/[0-9]+$", c))])
+    error_message = "controller_cidrs must be IPv4 CIDR blocks such as 10.20.0.0/16."
+  }
+  validation {
+    # Redis holds the rendezvous and the fleet's state: the open internet must never reach it.
+    condition     = alltrue([for c in var.controller_cidrs : !endswith(c, "/0")])
+    error_message = "controller_cidrs must not contain 0.0.0.0/0 (or any /0): Redis must not be reachable from the internet."
+  }
+}
+
+variable "controller_security_group_ids" {
+  type        = list(string)
+  description = "Security groups of an existing spottrain controller that must reach Redis."
+  default     = []
+  nullable    = false
+
+  validation {
+    condition     = alltrue([for g in var.controller_security_group_ids : can(regex("^sg-([0-9a-f]{8}|[0-9a-f]{17})$", g))])
+    error_message = "controller_security_group_ids must be security group ids such as sg-0123456789abcdef0."
+  }
+}
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+variable "checkpoint_filesystem" {
+  type        = string
+  description = "The shared checkpoint volume mounted at /mnt/spottrain: fsx-lustre (FSx for Lustre, the fastest emergency checkpoints) or efs (EFS, elastic throughput, multi-zone)."
+  default     = "fsx-lustre"
+  nullable    = false
+
+  validation {
+    condition     = contains(["fsx-lustre", "efs"], var.checkpoint_filesystem)
+    error_message = "checkpoint_filesystem must be \"fsx-lustre\" or \"efs\"."
+  }
+}
+
+variable "fsx_deployment_type" {
+  type        = string
+  description = "FSx for Lustre deployment type: SCRATCH_2 (cheapest, no replication: fine for checkpoints also copied to checkpoint_copy_to) or PERSISTENT_2."
+  default     = "SCRATCH_2"
+  nullable    = false
+
+  validation {
+    condition     = contains(["SCRATCH_2", "PERSISTENT_2"], var.fsx_deployment_type)
+    error_message = "fsx_deployment_type must be \"SCRATCH_2\" or \"PERSISTENT_2\"."
+  }
+}
+
+variable "fsx_storage_capacity_gib" {
+  type        = number
+  description = "FSx for Lustre capacity, GiB (throughput grows with it: about 200 MB/s per TiB for SCRATCH_2)."
+  default     = 1200
+  nullable    = false
+
+  validation {
+    condition     = var.fsx_storage_capacity_gib == 1200 || (var.fsx_storage_capacity_gib >= 2400 && var.fsx_storage_capacity_gib % 2400 == 0)
+    error_message = "fsx_storage_capacity_gib must be 1200 or a multiple of 2400 (FSx for Lustre SSD sizes)."
+  }
+}
+
+variable "fsx_per_unit_storage_throughput" {
+  type        = number
+  description = "MB/s per TiB of a PERSISTENT_2 file system (ignored for SCRATCH_2)."
+  default     = 250
+  nullable    = false
+
+  validation {
+    condition     = contains([125, 250, 500, 1000], var.fsx_per_unit_storage_throughput)
+    error_message = "fsx_per_unit_storage_throughput must be 125, 250, 500 or 1000."
+  }
+}
+
+variable "checkpoint_copy_to" {
+  type        = string
+  description = "s3://bucket/prefix the agents copy committed checkpoints to (and restore from when the volume has nothing as new), so the job can move zones. Empty: no copies. The VMs may write only under <prefix>/<run_id>/."
+  default     = ""
+  nullable    = false
+
+  validation {
+    condition     = var.checkpoint_copy_to == "" || can(regex("^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9!_.*()=-]+)*/?$", var.checkpoint_copy_to))
+    error_message = "checkpoint_copy_to must be empty or s3://bucket[/prefix] (prefix characters: letters, digits and ! _ . * ( ) = -)."
+  }
+}
+
+# --- the job's code and command --------------------------------------------------------------
+
+variable "spottrain_version" {
+  type        = string
+  description = "The spottrain release every VM installs (pip `spottrain[agent,aws]==<version>`), pinned so a backfilled node runs what the others run."
+  default     = "0.1.0"
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^[0-9]+(\\.[0-9]+)*((a|b|rc)[0-9]+)?(\\.post[0-9]+)?(\\.dev[0-9]+)?$", var.spottrain_version))
+    error_message = "spottrain_version must be an exact release such as 0.1.0 (no ranges: every node must run the same agent)."
+  }
+}
+
+variable "code_archive_url" {
+  type        = string
+  description = "The job's code as an archive uploaded by spottrain (s3://bucket/prefix/code/<sha256>.tar.gz); set this and code_archive_sha256, or git_repo and git_commit."
+  default     = ""
+  nullable    = false
+
+  validation {
+    condition     = var.code_archive_url == "" || can(regex("^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9!_.*()=-]+)+$", var.code_archive_url))
+    error_message = "code_archive_url must be empty or s3://bucket/key of the archive."
+  }
+}
+
+variable "code_archive_sha256" {
+  type        = string
+  description = "The sha256 the archive must have (the boot refuses any other content)."
+  default     = ""
+  nullable    = false
+
+  validation {
+    condition     = var.code_archive_sha256 == "" || can(regex("^[0-9a-f]{64}$", var.code_archive_sha256))
+    error_message = "code_archive_sha256 must be empty or 64 lowercase hex digits."
+  }
+}
+
+variable "git_repo" {
+  type        = string
+  description = "The job's code as a git repository the VMs can fetch without credentials (https:// or ssh:// with a deploy key baked into the AMI)."
+  default     = ""
+  nullable    = false
+
+  validation {
+    condition     = var.git_repo == "" || can(regex("^(https://|ssh://|git@)[A-Za-z0-9@:/._~+-]+$", var.git_repo))
+    error_message = "git_repo must be empty or an https://, ssh:// or git@ URL without quotes or spaces."
+  }
+}
+
+variable "git_commit" {
+  type        = string
+  description = "The full commit every VM checks out and verifies (a branch or tag would let backfilled nodes run other code)."
+  default     = ""
+  nullable    = false
+
+  validation {
+    condition     = var.git_commit == "" || can(regex("^[0-9a-f]{40}$", var.git_commit))
+    error_message = "git_commit must be empty or a full 40-hex-digit commit id."
+  }
+}
+
+variable "train_command" {
+  type        = list(string)
+  description = "The training script and its arguments as torchrun starts them in each worker, one list item per argument (run from /opt/job), e.g. [\"train.py\", \"--config\", \"gpt.yaml\"]."
+  nullable    = false
+
+  validation {
+    condition     = length(var.train_command) > 0 && var.train_command[0] != ""
+    error_message = "train_command must name at least the training script."
+  }
+  validation {
+    # An environment file holds one value per line.
+    condition     = alltrue([for a in var.train_command : !can(regex("[\r\n]", a))])
+    error_message = "train_command arguments cannot hold line breaks."
+  }
+}
+
+# --- Redis -----------------------------------------------------------------------------------
+
+variable "redis_url" {
+  type        = string
+  description = "The job's existing Redis as the VMs reach it, redis://HOST:PORT or rediss://HOST:PORT (TLS). Never with a password in it: give redis_password_secret_arn. Leave empty with create_elasticache."
+  default     = ""
+  nullable    = false
+
+  validation {
+    # No user info: the URL travels in user data, which anyone allowed to describe the
+    # launch template can read.
+    condition     = var.redis_url == "" || can(regex("^rediss?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[0-9]{1,2})?$", var.redis_url))
+    error_message = "redis_url must be empty or redis[s]://HOST[:PORT][/DB] without credentials (put the password in Secrets Manager: redis_password_secret_arn)."
+  }
+}
+
+variable "redis_password_secret_arn" {
+  type        = string
+  description = "A Secrets Manager secret (its full ARN, with the 6-character suffix) whose SecretString is the bare Redis password; each VM fetches it at boot into /etc/spottrain/redis-password (mode 0600). Empty: Redis without a password (only on a private network). Required with create_elasticache."
+  default     = ""
+  nullable    = false
+
+  validation {
+    condition     = var.redis_password_secret_arn == "" || can(regex("^arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:[0-9]{12}:secret:[A-Za-z0-9/_+=.@-]+$", var.redis_password_secret_arn))
+    error_message = "redis_password_secret_arn must be empty or a Secrets Manager secret ARN."
+  }
+}
+
+variable "kms_key_arns" {
+  type        = list(string)
+  description = "Customer-managed KMS keys encrypting the Redis password secret or the checkpoint copy bucket; the roles may use them only through Secrets Manager and S3."
+  default     = []
+  nullable    = false
+
+  validation {
+    condition     = alltrue([for k in var.kms_key_arns : can(regex("^arn:aws[a-z-]*:kms:[a-z0-9-]+:[0-9]{12}:key/[0-9a-f-]+$", k))])
+    error_message = "kms_key_arns must be KMS key ARNs (arn:aws:kms:REGION:ACCOUNT:key/ID)."
+  }
+}
+
+variable "create_elasticache" {
+  type        = bool
+  description = "Create an ElastiCache for Redis replication group (TLS, encrypted at rest, AUTH from redis_password_secret_arn) in the fleet's subnets, instead of using redis_url."
+  default     = false
+  nullable    = false
+}
+
+variable "elasticache_node_type" {
+  type        = string
+  description = "Node type of the ElastiCache replication group. The job's Redis traffic is small (rendezvous, heartbeats, events)."
+  default     = "cache.t4g.medium"
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^cache\\.[a-z0-9]+\\.[a-z0-9]+$", var.elasticache_node_type))
+    error_message = "elasticache_node_type must be an ElastiCache node type such as cache.t4g.medium."
+  }
+}
+
+variable "elasticache_num_nodes" {
+  type        = number
+  description = "ElastiCache nodes (a primary and replicas); 2 or more turns on automatic failover."
+  default     = 2
+  nullable    = false
+
+  validation {
+    condition     = var.elasticache_num_nodes >= 1 && var.elasticache_num_nodes <= 6 && floor(var.elasticache_num_nodes) == var.elasticache_num_nodes
+    error_message = "elasticache_num_nodes must be a whole number from 1 to 6."
+  }
+}
+
+# --- the optional controller VM --------------------------------------------------------------
+
+variable "create_controller" {
+  type        = bool
+  description = "Create a small on-demand VM with spottrain installed that runs the job's controller."
+  default     = false
+  nullable    = false
+}
+
+variable "controller_instance_type" {
+  type        = string
+  description = "Instance type of the controller VM (x86_64 when controller_ami_id is empty)."
+  default     = "t3.small"
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9-]*\\.[a-z0-9]+$", var.controller_instance_type))
+    error_message = "controller_instance_type must be an EC2 instance type such as t3.small."
+  }
+}
+
+variable "controller_ami_id" {
+  type        = string
+  description = "AMI of the controller VM (empty: the newest Amazon Linux 2023 for x86_64, read once; later releases do not replace the VM)."
+  default     = ""
+  nullable    = false
+
+  validation {
+    condition     = var.controller_ami_id == "" || can(regex("^ami-([0-9a-f]{8}|[0-9a-f]{17})$", var.controller_ami_id))
+    error_message = "controller_ami_id must be empty or an AMI id such as ami-0123456789abcdef0."
+  }
+}
+
+variable "controller_job_spec_yaml" {
+  type        = string
+  description = "A spottrain job spec (YAML). When set, the controller VM starts `spottrain up /etc/spottrain/job.yaml --detach` once at first boot, with the spec's fleet: section set to this module's spottrain_fleet output. Empty: an operator starts the controller."
+  default     = ""
+  nullable    = false
+
+  validation {
+    condition     = var.controller_job_spec_yaml == "" || can(keys(yamldecode(var.controller_job_spec_yaml)))
+    error_message = "controller_job_spec_yaml must be empty or a YAML mapping (a spottrain job spec)."
+  }
+}

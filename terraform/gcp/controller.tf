@@ -1,0 +1,75 @@
+# An optional small on-demand VM for the spottrain controller. On-demand on purpose: the
+# controller is what replaces preempted nodes, so it must not be preempted itself.
+resource "google_compute_instance" "controller" {
+  count        = var.create_controller ? 1 : 0
+  project      = var.project
+  zone         = var.zone
+  name         = "${local.name}-controller"
+  description  = "spottrain controller of run ${var.run_id} (managed by terraform/gcp)"
+  machine_type = var.controller_machine_type
+  # Not the fleet's labels: a VM labelled spottrain-job would be counted as a node.
+  labels = local.controller_labels
+  # Its own tag, which the Redis rule admits; it needs no port on the nodes.
+  tags = [local.controller_tag]
+
+  boot_disk {
+    auto_delete = true
+    initialize_params {
+      image  = var.controller_image
+      size   = 20
+      type   = "pd-balanced"
+      labels = local.controller_labels
+    }
+  }
+
+  network_interface {
+    network            = var.network
+    subnetwork         = var.subnetwork
+    subnetwork_project = var.project
+
+    dynamic "access_config" {
+      for_each = var.external_ip ? [1] : []
+      content {
+        network_tier = "PREMIUM"
+      }
+    }
+  }
+
+  scheduling {
+    provisioning_model  = "STANDARD"
+    preemptible         = false
+    automatic_restart   = true
+    on_host_maintenance = "MIGRATE"
+  }
+
+  # The controller calls the Compute, Storage and Secret Manager APIs: cloud-platform, capped
+  # by the account's roles (iam.tf).
+  service_account {
+    email  = google_service_account.controller[0].email
+    scopes = ["https://www.googleapis.com/auth/cloud-platform"]
+  }
+
+  # No GPU driver to load, so Secure Boot costs nothing here.
+  shielded_instance_config {
+    enable_secure_boot          = true
+    enable_vtpm                 = true
+    enable_integrity_monitoring = true
+  }
+
+  metadata = {
+    startup-script         = templatefile("${path.module}/controller.sh.tftpl", local.controller_vars)
+    enable-oslogin         = "TRUE"
+    block-project-ssh-keys = "TRUE"
+  }
+
+  # A new machine type stops and starts this VM in place instead of failing the apply. A new
+  # startup script is updated in place too and runs at the next boot; it never recreates a
+  # controller that is driving a run.
+  allow_stopping_for_update = true
+
+  depends_on = [
+    google_project_iam_member.controller,
+    google_secret_manager_secret_iam_member.controller_redis_password,
+    google_storage_bucket_iam_member.controller_ckpt_copy,
+  ]
+}

@@ -1,0 +1,129 @@
+locals {
+  # Every name derives from the run id, so two runs in one project never collide and an
+  # operator can tell what belongs to which run from a listing.
+  name           = "spottrain-${var.run_id}"
+  region         = join("-", slice(split("-", var.zone), 0, 2))
+  fleet_tag      = local.name
+  controller_tag = "${local.name}-controller"
+
+  # spottrain-job (cloud/base.py's TAG_JOB) is how the controller finds the run's VMs: it lists
+  # instances by this label alone, so a controller that lost its memory adopts the fleet.
+  own_labels = {
+    "spottrain-job"        = var.run_id
+    "spottrain-managed-by" = "terraform"
+  }
+  labels = merge(var.labels, local.own_labels)
+  # The controller VM must not carry spottrain-job: the controller would count its own VM as a
+  # node of the fleet. It gets a label of its own instead.
+  controller_own_labels = {
+    "spottrain-controller" = var.run_id
+    "spottrain-managed-by" = "terraform"
+  }
+  controller_labels = merge(var.labels, local.controller_own_labels)
+
+  # A3 and A2 types come with their GPUs attached; the count is what the agent's boot health
+  # check requires (SPOTTRAIN_EXPECT_GPUS) and the default number of workers.
+  gpus_by_machine_type = {
+    "a3-highgpu-8g"  = 8
+    "a3-megagpu-8g"  = 8
+    "a3-ultragpu-8g" = 8
+    "a2-highgpu-8g"  = 8
+    "a2-ultragpu-8g" = 8
+    "a2-megagpu-16g" = 16
+  }
+  expect_gpus    = local.gpus_by_machine_type[var.machine_type]
+  nproc_per_node = coalesce(var.nproc_per_node, local.expect_gpus)
+  # A3 Ultra boots only from Hyperdisk; A3 needs gVNIC (the image must support it).
+  boot_disk_type = coalesce(var.boot_disk_type, startswith(var.machine_type, "a3-ultragpu-") ? "hyperdisk-balanced" : "pd-balanced")
+  nic_type       = startswith(var.machine_type, "a3-") ? "GVNIC" : null
+
+  # The smallest share each Filestore tier accepts, GiB.
+  filestore_min_gb = {
+    BASIC_SSD      = 2560
+    ZONAL          = 1024
+    HIGH_SCALE_SSD = 10240
+  }
+
+  # Checkpoints of this run live in a directory of their own on the share, so runs sharing a
+  # Filestore never restore each other's state (bootstrap.py's run_ckpt_dir).
+  volume_root = "/mnt/spottrain"
+  ckpt_dir    = "${local.volume_root}/${var.run_id}"
+
+  # The mount, as an /etc/fstab line: systemd then has a mount unit for /mnt/spottrain at
+  # every boot, which the agent's RequiresMountsFor= orders it after (and keeps mounted until
+  # the agent's emergency checkpoint is done). nofail: a VM whose share does not mount still
+  # boots and can be inspected; the agent, which requires the mount, stays down. The rest are
+  # Filestore's recommended NFS options.
+  filestore_ip     = google_filestore_instance.ckpt.networks[0].ip_addresses[0]
+  filestore_export = "${local.filestore_ip}:/${var.filestore_share_name}"
+  nfs_fstab_entry  = "${local.filestore_export} ${local.volume_root} nfs rw,hard,timeo=600,retrans=3,rsize=262144,wsize=1048576,resvport,_netdev,nofail 0 0"
+
+  # Buckets the nodes need: the checkpoint copies (read and write) and a code archive on
+  # Cloud Storage (read).
+  copy_bucket    = var.checkpoint_copy_to == "" ? "" : split("/", trimprefix(var.checkpoint_copy_to, "gs://"))[0]
+  archive_bucket = startswith(var.code_archive_url, "gs://") ? split("/", trimprefix(var.code_archive_url, "gs://"))[0] : ""
+
+  # The training command as SPOTTRAIN_TRAIN_CMD holds it: shell-quoted the way Python's
+  # shlex.join does (the agent splits it with shlex), then escaped for a double-quoted systemd
+  # EnvironmentFile value (backslash and double quote), as bootstrap.py's render_env_file.
+  train_cmd_shell = join(" ", [
+    for a in var.train_command :
+    can(regex("^[A-Za-z0-9_@%+=:,./-]+$", a)) ? a : "'${replace(a, "'", "'\"'\"'")}'"
+  ])
+  train_cmd_env = replace(replace(local.train_cmd_shell, "\\", "\\\\"), "\"", "\\\"")
+
+  # The code step of the startup script, chosen here so the script holds only the one that
+  # applies (bootstrap.py's _code_lines).
+  code_fetch = var.code_archive_url != "" ? templatefile("${path.module}/code_archive.sh.tftpl", local.code_archive_vars) : templatefile("${path.module}/code_git.sh.tftpl", local.code_git_vars)
+  code_archive_vars = {
+    archive_url    = var.code_archive_url
+    archive_sha256 = var.code_archive_sha256
+  }
+  code_git_vars = {
+    git_repo    = var.git_repo
+    git_commit  = var.git_commit
+    git_workdir = var.git_subdir == "" ? "/opt/job" : "/opt/job/${var.git_subdir}"
+  }
+
+  startup_vars = {
+    spottrain_version     = var.spottrain_version
+    spottrain_requirement = "spottrain[agent,gcp]==${var.spottrain_version}"
+    run_id                = var.run_id
+    nfs_fstab_entry       = local.nfs_fstab_entry
+    ckpt_dir              = local.ckpt_dir
+    code_fetch            = local.code_fetch
+    redis_password_secret = var.redis_password_secret
+    redis_url             = var.redis_url
+    nnodes                = "${var.nnodes_min}:${var.nnodes_max}"
+    nproc_per_node        = local.nproc_per_node
+    expect_gpus           = local.expect_gpus
+    ckpt_copy_to          = var.checkpoint_copy_to
+    train_cmd_env         = local.train_cmd_env
+  }
+
+  controller_vars = {
+    spottrain_version     = var.spottrain_version
+    spottrain_requirement = "spottrain[gcp]==${var.spottrain_version}"
+    run_id                = var.run_id
+    redis_password_secret = var.redis_password_secret
+    # base64, so that no line of the YAML can end the script's heredoc or be read by bash.
+    job_spec_b64 = base64encode(var.controller_job_spec)
+  }
+
+  # Access scopes only cap what the VM's token may do; the service accounts' IAM roles
+  # (iam.tf) are what grant it. Secret Manager has no narrower scope than cloud-platform, so
+  # a node that reads the Redis password gets that one, still limited by its roles.
+  fleet_scopes = distinct(concat(
+    ["https://www.googleapis.com/auth/logging.write"],
+    local.copy_bucket != "" ? ["https://www.googleapis.com/auth/devstorage.read_write"] : [],
+    local.archive_bucket != "" ? ["https://www.googleapis.com/auth/devstorage.read_only"] : [],
+    var.redis_password_secret != "" ? ["https://www.googleapis.com/auth/cloud-platform"] : [],
+  ))
+}
+
+# The subnetwork's primary range is the only client range the Filestore share is exported to.
+data "google_compute_subnetwork" "fleet" {
+  project = var.project
+  region  = local.region
+  name    = var.subnetwork
+}

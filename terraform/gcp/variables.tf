@@ -1,0 +1,427 @@
+# ---------------------------------------------------------------------------------------------
+# Where the fleet lives
+# ---------------------------------------------------------------------------------------------
+
+variable "project" {
+  type        = string
+  description = "GCP project id that holds every resource of the fleet."
+
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9-]{4,28}[a-z0-9]$", var.project))
+    error_message = "project: give a project id (6-30 lowercase letters, digits and dashes, starting with a letter), not its name or number."
+  }
+}
+
+variable "zone" {
+  type        = string
+  description = "Zone of the whole fleet, its Filestore and the controller VM (e.g. us-central1-a). One zone on purpose: synchronous training needs the fast, uniform network of one zone, and the Filestore tiers offered here are zonal."
+
+  validation {
+    condition     = can(regex("^[a-z]+-[a-z]+[0-9]+-[a-z]$", var.zone))
+    error_message = "zone: give a zone such as us-central1-a (region plus a letter), not a region."
+  }
+}
+
+variable "run_id" {
+  type        = string
+  description = "The run id the fleet trains under: the `spottrain-job` label the controller adopts VMs by, every agent's SPOTTRAIN_RUN_ID (torchrun's rendezvous id), and part of every resource name (spottrain-<run_id>...)."
+
+  # The label rule (GCP label values: lowercase letters, digits, '-' and '_'; '_' is left out
+  # because the id also goes into resource names, which refuse it).
+  validation {
+    condition     = can(regex("^[a-z0-9][a-z0-9-]{0,62}$", var.run_id))
+    error_message = "run_id: use lowercase letters, digits and dashes, starting with a letter or digit (it becomes the spottrain-job label)."
+  }
+
+  # The names built from it: "spottrain-<run_id>-controller" must fit GCP's 63 characters and
+  # the template's name_prefix its 54, and a name cannot end with a dash.
+  validation {
+    condition     = length(var.run_id) <= 40 && !endswith(var.run_id, "-")
+    error_message = "run_id: at most 40 characters, not ending with a dash (resource names spottrain-<run_id>-... must stay within GCP's 63)."
+  }
+}
+
+variable "network" {
+  type        = string
+  description = "VPC network name of the fleet, its Filestore and firewall rules. A dedicated network is safer than `default`, whose default-allow-internal rule opens every port to the whole 10.128.0.0/9 range."
+  default     = "default"
+
+  validation {
+    condition     = can(regex("^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$", var.network))
+    error_message = "network: give the network's name (lowercase letters, digits, dashes), not a URL."
+  }
+}
+
+variable "subnetwork" {
+  type        = string
+  description = "Subnetwork name (in the zone's region) of the fleet and controller VMs. Its primary range is the only one the Filestore share is exported to. VMs have no external IP unless external_ip is set, so the subnetwork needs Cloud NAT (for pip) and Private Google Access (for Cloud Storage, Secret Manager, Logging)."
+  default     = "default"
+
+  validation {
+    condition     = can(regex("^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$", var.subnetwork))
+    error_message = "subnetwork: give the subnetwork's name (lowercase letters, digits, dashes), not a URL."
+  }
+}
+
+variable "external_ip" {
+  type        = bool
+  description = "Give each VM an ephemeral external IP, for networks without Cloud NAT. No firewall rule of this module admits traffic from the internet either way."
+  default     = false
+}
+
+variable "labels" {
+  type        = map(string)
+  description = "Extra labels on every resource (cost centre, team). The module's own labels (spottrain-job, spottrain-managed-by) win over these."
+  default     = {}
+
+  validation {
+    condition = alltrue([
+      for k, v in var.labels :
+      can(regex("^[a-z][a-z0-9_-]{0,62}$", k)) && can(regex("^[a-z0-9_-]{0,63}$", v))
+    ])
+    error_message = "labels: keys start with a lowercase letter; keys and values use only lowercase letters, digits, '-' and '_' (at most 63)."
+  }
+}
+
+# ---------------------------------------------------------------------------------------------
+# The spot VMs
+# ---------------------------------------------------------------------------------------------
+
+variable "machine_type" {
+  type        = string
+  description = "GPU machine type of every node. A3 and A2 types come with their GPUs attached (no guest_accelerator block): a3-highgpu-8g, a3-megagpu-8g (8 H100), a3-ultragpu-8g (8 H200), a2-highgpu-8g (8 A100 40GB), a2-ultragpu-8g (8 A100 80GB), a2-megagpu-16g (16 A100 40GB)."
+  default     = "a3-highgpu-8g"
+
+  validation {
+    condition = contains([
+      "a3-highgpu-8g", "a3-megagpu-8g", "a3-ultragpu-8g",
+      "a2-highgpu-8g", "a2-ultragpu-8g", "a2-megagpu-16g",
+    ], var.machine_type)
+    error_message = "machine_type: use one of a3-highgpu-8g, a3-megagpu-8g, a3-ultragpu-8g, a2-highgpu-8g, a2-ultragpu-8g, a2-megagpu-16g."
+  }
+}
+
+variable "image" {
+  type        = string
+  description = "Boot image of the nodes (projects/P/global/images/family/F or .../images/NAME): Debian or Ubuntu with the NVIDIA driver, python3 >= 3.11 and gcloud, e.g. an Ubuntu 24.04 accelerator image. The startup script installs nfs-common, python3-venv and git with apt-get when they are missing."
+
+  validation {
+    condition     = can(regex("^(projects/[a-z][-a-z0-9]*/global/images/(family/)?[a-z][-a-z0-9]*|[a-z][-a-z0-9]*/[a-z][-a-z0-9]*)$", var.image))
+    error_message = "image: give projects/PROJECT/global/images/family/FAMILY, projects/PROJECT/global/images/NAME, or PROJECT/FAMILY."
+  }
+}
+
+variable "boot_disk_gb" {
+  type        = number
+  description = "Boot disk size of each node, GB: the NVIDIA stack, the venv with torch and the job's code live there."
+  default     = 200
+
+  validation {
+    condition     = var.boot_disk_gb == floor(var.boot_disk_gb) && var.boot_disk_gb >= 50 && var.boot_disk_gb <= 10000
+    error_message = "boot_disk_gb: a whole number of GB between 50 and 10000."
+  }
+}
+
+variable "boot_disk_type" {
+  type        = string
+  description = "Boot disk type. Default (null): hyperdisk-balanced for a3-ultragpu-8g, which supports only Hyperdisk, pd-balanced for the others."
+  default     = null
+
+  validation {
+    condition     = var.boot_disk_type == null ? true : contains(["pd-balanced", "pd-ssd", "hyperdisk-balanced"], var.boot_disk_type)
+    error_message = "boot_disk_type: use pd-balanced, pd-ssd or hyperdisk-balanced (or leave it null)."
+  }
+}
+
+variable "termination_action" {
+  type        = string
+  description = "What GCP does to a preempted node: STOP (default: the stopped VM keeps its labels, so the controller, even one restarted meanwhile, sees the preemption) or DELETE. The MIG recreates the VM either way; see fleet.tf."
+  default     = "STOP"
+
+  validation {
+    condition     = contains(["STOP", "DELETE"], var.termination_action)
+    error_message = "termination_action: use STOP or DELETE."
+  }
+}
+
+variable "secure_boot" {
+  type        = bool
+  description = "Shielded VM Secure Boot on the nodes. Off by default: it refuses unsigned kernel modules, and many GPU images' NVIDIA drivers are not signed with a key the firmware trusts. vTPM and integrity monitoring are always on."
+  default     = false
+}
+
+variable "initial_size" {
+  type        = number
+  description = "Nodes the instance group starts with. Terraform sets it at creation only: afterwards the spottrain controller owns the group's size."
+
+  validation {
+    condition     = var.initial_size == floor(var.initial_size) && var.initial_size >= 0 && var.initial_size <= 256
+    error_message = "initial_size: a whole number from 0 to 256 (the largest fleet spottrain supports per job)."
+  }
+}
+
+variable "nnodes_min" {
+  type        = number
+  description = "Fewest nodes training runs with (the MIN of torchrun's --nnodes MIN:MAX)."
+
+  validation {
+    condition     = var.nnodes_min == floor(var.nnodes_min) && var.nnodes_min >= 1 && var.nnodes_min <= 256
+    error_message = "nnodes_min: a whole number from 1 to 256."
+  }
+}
+
+variable "nnodes_max" {
+  type        = number
+  description = "Most nodes training runs with (the MAX of torchrun's --nnodes MIN:MAX); at least nnodes_min."
+
+  validation {
+    condition     = var.nnodes_max == floor(var.nnodes_max) && var.nnodes_max >= 1 && var.nnodes_max <= 256
+    error_message = "nnodes_max: a whole number from 1 to 256."
+  }
+}
+
+variable "nproc_per_node" {
+  type        = number
+  description = "Workers per node (torchrun's --nproc-per-node). Default (null): one per GPU of machine_type."
+  default     = null
+
+  validation {
+    condition     = var.nproc_per_node == null ? true : (var.nproc_per_node == floor(var.nproc_per_node) && var.nproc_per_node >= 1 && var.nproc_per_node <= 64)
+    error_message = "nproc_per_node: a whole number from 1 to 64, or null for one per GPU."
+  }
+}
+
+# ---------------------------------------------------------------------------------------------
+# What every node runs
+# ---------------------------------------------------------------------------------------------
+
+variable "spottrain_version" {
+  type        = string
+  description = "The spottrain release every VM installs (pip's spottrain[agent,gcp]==VERSION). Use the controller's own version: agents and controller share the Redis schema."
+
+  validation {
+    condition     = can(regex("^[0-9]+(\\.[0-9]+)*((a|b|rc)[0-9]+)?(\\.post[0-9]+)?(\\.dev[0-9]+)?$", var.spottrain_version))
+    error_message = "spottrain_version: give an exact release such as 0.1.0 (a PEP 440 version, no range and no local part)."
+  }
+}
+
+variable "train_command" {
+  type        = list(string)
+  description = "The training script and its arguments, as the job spec's train.command: one list item per argument, no shell quoting needed (the module quotes them)."
+
+  validation {
+    condition     = length(var.train_command) > 0 && alltrue([for a in var.train_command : length(a) > 0 && !can(regex("[\\r\\n]", a))])
+    error_message = "train_command: at least the script, and no empty argument or argument with a newline (an environment file cannot carry one)."
+  }
+}
+
+variable "code_archive_url" {
+  type        = string
+  description = "The job's code as a spottrain code archive (gs://BUCKET/.../code/<sha256>.tar.gz, as `spottrain up` uploads it). Give this and code_archive_sha256, or git_repo and git_commit."
+  default     = ""
+
+  validation {
+    condition     = var.code_archive_url == "" || can(regex("^(gs|s3|https)://[A-Za-z0-9._~:/?#@!&+,;=%-]+$", var.code_archive_url))
+    error_message = "code_archive_url: give a gs://, s3:// or https:// URL without spaces, quotes or '$'."
+  }
+}
+
+variable "code_archive_sha256" {
+  type        = string
+  description = "sha256 of the code archive (64 hex digits); the VM refuses an archive with another hash."
+  default     = ""
+
+  validation {
+    condition     = var.code_archive_sha256 == "" || can(regex("^[0-9a-f]{64}$", var.code_archive_sha256))
+    error_message = "code_archive_sha256: 64 lowercase hex digits."
+  }
+}
+
+variable "git_repo" {
+  type        = string
+  description = "The job's code as a git repository the VMs can clone (https:// or ssh), checked out at git_commit."
+  default     = ""
+
+  validation {
+    condition     = var.git_repo == "" || can(regex("^(https://|ssh://|git@)[A-Za-z0-9._~:/@+%-]+$", var.git_repo))
+    error_message = "git_repo: give an https://, ssh:// or git@host:path URL without spaces, quotes or '$'."
+  }
+}
+
+variable "git_commit" {
+  type        = string
+  description = "The full commit the nodes check out (40 hex digits): a backfilled node must run exactly what the others run, so no branch or tag."
+  default     = ""
+
+  validation {
+    condition     = var.git_commit == "" || can(regex("^[0-9a-f]{40}$", var.git_commit))
+    error_message = "git_commit: the full 40-hex-digit commit id, not a branch, tag or short id."
+  }
+}
+
+variable "git_subdir" {
+  type        = string
+  description = "Directory inside the repository whose requirements.txt is installed (the job's own dependencies); empty for the top."
+  default     = ""
+
+  validation {
+    condition     = var.git_subdir == "" || can(regex("^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$", var.git_subdir)) && !can(regex("(^|/)\\.\\.(/|$)", var.git_subdir))
+    error_message = "git_subdir: a relative path of letters, digits, '.', '_' and '-', without '..'."
+  }
+}
+
+variable "checkpoint_copy_to" {
+  type        = string
+  description = "Cloud Storage prefix (gs://BUCKET/PREFIX) every node copies the checkpoints it commits to, so the job can move zones; empty for none. The nodes get storage.objectAdmin on that bucket only."
+  default     = ""
+
+  validation {
+    condition     = var.checkpoint_copy_to == "" || can(regex("^gs://[a-z0-9][a-z0-9._-]{1,221}[a-z0-9](/[A-Za-z0-9._/-]*)?$", var.checkpoint_copy_to))
+    error_message = "checkpoint_copy_to: give gs://BUCKET or gs://BUCKET/PREFIX (letters, digits, '.', '_', '-', '/'), or leave it empty."
+  }
+}
+
+# ---------------------------------------------------------------------------------------------
+# Redis
+# ---------------------------------------------------------------------------------------------
+
+variable "redis_url" {
+  type        = string
+  description = "The job's Redis as the VMs reach it: redis://HOST:PORT or rediss://HOST:PORT (TLS), with an explicit port. Never a password in it: use redis_password_secret."
+
+  validation {
+    condition     = can(regex("^rediss?://[A-Za-z0-9.-]+:[0-9]{1,5}(/[0-9]{1,2})?$", var.redis_url))
+    error_message = "redis_url: give redis://HOST:PORT or rediss://HOST:PORT (no credentials: the password comes from redis_password_secret)."
+  }
+}
+
+variable "redis_password_secret" {
+  type        = string
+  description = "Secret Manager secret (its id, in this project) holding the Redis password; empty when Redis has none. The nodes get secretAccessor on this secret only and read it at every boot into a root-only file."
+  default     = ""
+
+  validation {
+    condition     = var.redis_password_secret == "" || can(regex("^[A-Za-z0-9_-]{1,255}$", var.redis_password_secret))
+    error_message = "redis_password_secret: a secret id (letters, digits, '_' and '-'), not a path or a version."
+  }
+}
+
+variable "redis_port" {
+  type        = number
+  description = "TCP port of the job's Redis (the port in redis_url), opened on the Redis hosts to the fleet, the controller VM and controller_cidrs only."
+  default     = 6379
+
+  validation {
+    condition     = var.redis_port == floor(var.redis_port) && var.redis_port >= 1 && var.redis_port <= 65535
+    error_message = "redis_port: a TCP port, 1 to 65535."
+  }
+}
+
+variable "redis_target_tags" {
+  type        = list(string)
+  description = "Network tags of the VMs that serve the job's Redis: the Redis firewall rule admits the fleet and the controllers to them. (Memorystore is not governed by VPC firewall rules; its authorized network does that.)"
+  default     = ["spottrain-redis"]
+
+  validation {
+    condition     = length(var.redis_target_tags) > 0 && alltrue([for t in var.redis_target_tags : can(regex("^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$", t))])
+    error_message = "redis_target_tags: at least one network tag (lowercase letters, digits and dashes, starting with a letter)."
+  }
+}
+
+variable "controller_cidrs" {
+  type        = list(string)
+  description = "Address ranges of spottrain controllers outside this module (a workstation's VPN range, a CI runner) that may reach Redis. Never the whole internet."
+  default     = []
+
+  validation {
+    condition     = alltrue([for c in var.controller_cidrs : can(cidrhost(c, 0))])
+    error_message = "controller_cidrs: every item must be a CIDR range such as 10.20.0.0/24."
+  }
+
+  # Redis is the job's control plane (rendezvous, drain requests): it must never be open to
+  # the internet, whatever its password.
+  validation {
+    condition     = alltrue([for c in var.controller_cidrs : !contains(["0.0.0.0/0", "::/0"], c) && try(tonumber(split("/", c)[1]) >= 8, false)])
+    error_message = "controller_cidrs: 0.0.0.0/0, ::/0 and any range wider than /8 would expose Redis to the internet; list your controllers' ranges."
+  }
+}
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint volume (Filestore)
+# ---------------------------------------------------------------------------------------------
+
+variable "filestore_tier" {
+  type        = string
+  description = "Filestore tier of the checkpoint volume: ZONAL (default; throughput grows with capacity), BASIC_SSD, or HIGH_SCALE_SSD. GCP's 30-second preemption notice leaves about 20 s to write an emergency checkpoint, which rules out BASIC_HDD."
+  default     = "ZONAL"
+
+  validation {
+    condition     = contains(["BASIC_SSD", "ZONAL", "HIGH_SCALE_SSD"], var.filestore_tier)
+    error_message = "filestore_tier: use BASIC_SSD, ZONAL or HIGH_SCALE_SSD."
+  }
+}
+
+variable "filestore_capacity_gb" {
+  type        = number
+  description = "Capacity of the checkpoint share, GiB. Tier minimums: ZONAL 1024, BASIC_SSD 2560, HIGH_SCALE_SSD 10240. Size for the write rate an emergency checkpoint needs, not only for space."
+  default     = 2560
+
+  validation {
+    condition     = var.filestore_capacity_gb == floor(var.filestore_capacity_gb) && var.filestore_capacity_gb >= 1024 && var.filestore_capacity_gb <= 102400
+    error_message = "filestore_capacity_gb: a whole number of GiB from 1024 to 102400."
+  }
+}
+
+variable "filestore_share_name" {
+  type        = string
+  description = "Name of the Filestore file share (the NFS export /<name>)."
+  default     = "spottrain"
+
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9_]{0,15}$", var.filestore_share_name))
+    error_message = "filestore_share_name: 1-16 lowercase letters, digits and '_', starting with a letter."
+  }
+}
+
+# ---------------------------------------------------------------------------------------------
+# Optional controller VM
+# ---------------------------------------------------------------------------------------------
+
+variable "create_controller" {
+  type        = bool
+  description = "Create a small on-demand VM that runs the spottrain controller (so backfill does not depend on a workstation staying awake)."
+  default     = false
+}
+
+variable "controller_machine_type" {
+  type        = string
+  description = "Machine type of the controller VM: it runs one Python process and no GPU."
+  default     = "e2-small"
+
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9]*-[a-z0-9-]+$", var.controller_machine_type)) && !can(regex("^(a2|a3|a4|g2)-", var.controller_machine_type))
+    error_message = "controller_machine_type: a machine type such as e2-small; the controller needs no GPU."
+  }
+}
+
+variable "controller_image" {
+  type        = string
+  description = "Boot image of the controller VM; it needs python3 >= 3.11 and gcloud (Debian 12 has both)."
+  default     = "debian-cloud/debian-12"
+
+  validation {
+    condition     = can(regex("^(projects/[a-z][-a-z0-9]*/global/images/(family/)?[a-z][-a-z0-9]*|[a-z][-a-z0-9]*/[a-z][-a-z0-9]*)$", var.controller_image))
+    error_message = "controller_image: give projects/PROJECT/global/images/family/FAMILY, projects/PROJECT/global/images/NAME, or PROJECT/FAMILY."
+  }
+}
+
+variable "controller_job_spec" {
+  type        = string
+  description = "The text of the job spec the controller VM runs with `spottrain up` (-var \"controller_job_spec=$(cat job.yaml)\"), whose fleet: section names this module's group; empty to only install spottrain there. Its redis.password_file should be /etc/spottrain/redis-password, where the VM puts redis_password_secret."
+  default     = ""
+
+  validation {
+    condition     = var.controller_job_spec == "" || can(keys(yamldecode(var.controller_job_spec)))
+    error_message = "controller_job_spec: not a YAML mapping; give the job spec's text, not its path."
+  }
+}
