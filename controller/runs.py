@@ -388,3 +388,6 @@ def archive_run(info: RunInfo, client: redis.Redis, summary: dict[str, Any]) -> 
             row["id"] = entry_id.decode()
             f.write(json.dumps(row) + "\n")
     (info.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    from .report import write_report_inputs  # here: report imports this module
+
+    write_report_inputs(info.dir, client, keys)
