@@ -12,7 +12,7 @@ every optimizer step::
             ...                                   # forward/backward on those samples
         ...                                       # all-reduce, optimizer step
         step += 1
-        session.step(step, state, loss=loss.item())
+        session.step(step, state, loss=loss.item(), tokens=256 * seq_len)
     session.finish(step, state)
 
 **Agreeing on the step.** At agreement steps, :meth:`TrainSession.step` starts one tiny
@@ -33,6 +33,13 @@ stopping its workers) raises the drain flag itself; rank 0 polls the run's check
 requests in Redis, which the agent writes when its watchers see a notice. After an
 emergency save for a drain, ranks that got SIGTERM exit 0; the others hold, without
 training, until their torchrun stops them for the new round (or ``hold_timeout`` passes).
+
+**Tracking.** With wandb configured (``WANDB_PROJECT`` in the environment, which the job
+spec's ``wandb:`` section sets on every VM), rank 0 logs each step (the metrics given to
+:meth:`TrainSession.step`, ``step_time_s``, ``world_size`` and, from ``tokens=``,
+``tokens_per_s``) and records each committed checkpoint as a wandb reference artifact; see
+:mod:`spottrain.tracking`. Each rendezvous round is a wandb run of its own
+(``<run id>-r<round>``) in the group ``<run id>``, plotted against ``step``.
 
 **Commit and fencing.** See :mod:`spottrain.agent.checkpoint`. A save is committed by rank 0
 only if its rendezvous round (``SPOTTRAIN_RDZV_ROUND``, set by the Redis rendezvous) is still
@@ -75,6 +82,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from spottrain.keys import EVENTS_MAXLEN, RunKeys
+from spottrain.tracking import Tracker, WandbSettings, active_run, run_id_for, start_run
 
 from .checkpoint import dcp_io
 from .checkpoint.directory import CheckpointDir
@@ -86,6 +94,10 @@ ENV_CKPT_DIR = "SPOTTRAIN_CKPT_DIR"
 ENV_REDIS = "SPOTTRAIN_REDIS"
 ENV_ROUND = "SPOTTRAIN_RDZV_ROUND"
 ENV_NODE = "SPOTTRAIN_NODE_ID"
+ENV_COPY_TO = "SPOTTRAIN_CKPT_COPY_TO"
+# How long an exiting worker gives wandb to write its last records (the checkpoint that
+# matters is committed by then; the VM may have seconds left).
+_EXIT_TRACKING_S = 3.0
 
 # Positions in the agreement vector (all-reduced with MAX).
 _DRAIN, _EARLY, _PERIODIC, _REQUEST, _SIGTERM, _EVERY = range(6)
@@ -232,6 +244,10 @@ class TrainSession:
             injected requests, no progress reports and no round check in Redis.
         run_id: Default ``$TORCHELASTIC_RUN_ID`` (torchrun's ``--rdzv-id``).
         install_signal_handlers: Catch SIGTERM (set False if the script handles it).
+        tracking: Rank 0's wandb run: True (default) takes the settings from
+            ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE`` and ``WANDB_RUN_GROUP`` (no
+            project: a run the script started with ``wandb.init`` is used, else nothing is
+            tracked); explicit :class:`~spottrain.tracking.WandbSettings`; False: off.
     """
 
     def __init__(
@@ -250,6 +266,7 @@ class TrainSession:
         run_id: str | None = None,
         poll_interval: float = 0.2,
         install_signal_handlers: bool = True,
+        tracking: WandbSettings | bool = True,
     ) -> None:
         root = ckpt_dir if ckpt_dir is not None else os.environ.get(ENV_CKPT_DIR)
         if not root:
@@ -310,12 +327,16 @@ class TrainSession:
         self.saves: list[dcp_io.SaveResult] = []
         self.last_restored: Manifest | None = None
 
+        self.run_id = (
+            run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SPOTTRAIN_RUN_ID")
+        )
         self._requests = _RequestPoller(
             redis_url if redis_url is not None else os.environ.get(ENV_REDIS),
-            run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SPOTTRAIN_RUN_ID"),
+            self.run_id,
             poll_interval,
             active=self.rank == 0,
         )
+        self._tracker = self._start_tracking(tracking) if self.rank == 0 else Tracker()
         self._step_reporter: threading.Thread | None = None
         if os.environ.get("LOCAL_RANK", "0") == "0" and self._requests.client is not None:
             # One worker per node tells the controller how fast this node steps, which is
@@ -371,18 +392,39 @@ class TrainSession:
         return step
 
     # -- every step -------------------------------------------------------------------------
-    def step(self, step: int, state: dict[str, Any], **metrics: float) -> None:
+    def step(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        tokens: float | None = None,
+        **metrics: float,
+    ) -> None:
         """Tell the SDK that ``step`` optimizer steps are done; it may save here.
 
         Every rank must call it after every step. It returns at once unless a save is due;
         after an emergency save for a drain it does not return (the worker exits or holds
         until torchrun restarts it).
+
+        ``metrics`` (``loss=...``) are reported to the controller and tracked. ``tokens``
+        is how many tokens this step trained on across all ranks (global batch x sequence
+        length): rank 0 tracks ``tokens_per_s`` from it and the step's time.
         """
         now = time.monotonic()
-        self._step_times.append(now - self._last_progress)
+        step_s = now - self._last_progress
+        self._step_times.append(step_s)
         self._mark()
+        if tokens is not None:
+            metrics["tokens"] = tokens
         if self.rank == 0 and metrics:
             self._requests.report_progress(step, self.world, self.round, metrics)
+        if self._tracker.active:
+            row: dict[str, float] = {"step": step, **metrics}
+            row["step_time_s"] = step_s
+            row["world_size"] = self.world
+            if tokens is not None and step_s > 0:
+                row["tokens_per_s"] = tokens / step_s
+            self._tracker.log(row)
         flags = _ZEROS
         if step >= self._next_agree:
             flags = self._exchange()
@@ -423,6 +465,7 @@ class TrainSession:
         self._wait_async()
         self._executor.shutdown(wait=True)
         self._requests.stop()
+        self._tracker.finish()
         if self._watchdog is not None:
             self._watchdog.stop()
         self._phase = "closed"
@@ -580,7 +623,55 @@ class TrainSession:
                 result.path,
             )
             self._requests.report_commit(result, kind, drain, request_id)
+            self._track_commit(result, kind, drain)
         return result.committed
+
+    def _start_tracking(self, option: WandbSettings | bool) -> Tracker:
+        """Rank 0's wandb run (see the module docstring): one per rendezvous round, so a
+        re-formed group starts a new run of the job's group, and a rank 0 restarted in the
+        same round resumes its run."""
+        if option is False:
+            return Tracker()
+        settings = option if isinstance(option, WandbSettings) else WandbSettings.from_env()
+        if settings is None:
+            script_run = active_run()
+            return Tracker(lambda: script_run, owned=False) if script_run is not None else Tracker()
+        wandb_id = None
+        if self.run_id:
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            suffix = f"r{self.round}" if self.round >= 0 else f"t{restart}"
+            wandb_id = run_id_for(self.run_id, suffix)
+        return start_run(
+            settings,
+            run_id=wandb_id,
+            job_type="train",
+            group=self.run_id,
+            config={"spottrain_run": self.run_id, "round": self.round, "world_size": self.world},
+            step_metric="step",
+        )
+
+    def _track_commit(self, result: dcp_io.SaveResult, kind: str, drain: bool) -> None:
+        """Record a committed checkpoint as a reference artifact: the volume's directory and,
+        when the agent copies checkpoints out, the copy it makes of this one."""
+        if not self._tracker.active or result.path is None or result.manifest is None:
+            return
+        path = Path(result.path).absolute()
+        run = self.run_id or "spottrain"
+        refs = {"volume": path.as_uri(), "copy": _copy_uri(run, path.name)}
+        self._tracker.log_checkpoint(
+            run_id_for(run, "ckpt"),
+            refs,
+            metadata={
+                "step": result.step,
+                "kind": kind,
+                "drain": drain,
+                "world_size": result.manifest.world_size,
+                "round": result.manifest.round,
+                "bytes": result.manifest.total_bytes,
+                "node": self.node,
+            },
+            aliases=["latest", f"step-{result.step}", kind],
+        )
 
     def _wait_async(self) -> None:
         if self._inflight is not None:
@@ -601,14 +692,17 @@ class TrainSession:
     def _after_drain_save(self, step: int, committed: bool) -> None:
         if self._sigterm:
             if committed:
-                _exit_clean(f"stopping after the emergency checkpoint at step {step}")
+                _exit_clean(
+                    f"stopping after the emergency checkpoint at step {step}", self._tracker
+                )
             log.error(
                 "the emergency checkpoint at step %d did not commit: stopping anyway; the "
                 "steps since the newest committed checkpoint are lost",
                 step,
             )
-            _exit_clean("stopping without an emergency checkpoint", code=1)
+            _exit_clean("stopping without an emergency checkpoint", self._tracker, code=1)
         self._holding.set()
+        self._tracker.flush(_EXIT_TRACKING_S)  # its artifact, before a SIGTERM ends us
         log.warning(
             "holding after the emergency checkpoint at step %d until torchrun restarts this "
             "worker (at most %.0f s)",
@@ -618,7 +712,7 @@ class TrainSession:
         deadline = time.monotonic() + self.hold_timeout
         while time.monotonic() < deadline:
             if self._sigterm:
-                _exit_clean(f"stopped while holding at step {step}")
+                _exit_clean(f"stopped while holding at step {step}", self._tracker)
             time.sleep(0.05)
         self._holding.clear()
         log.warning("no restart came within %.0f s: training on", self.hold_timeout)
@@ -650,8 +744,28 @@ def _stage(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-def _exit_clean(why: str, code: int = 0) -> None:
+def _copy_uri(run: str, name: str) -> str:
+    """Where the agent copies checkpoint ``name`` (``<copy_to>/<run>/<name>``, as
+    :mod:`spottrain.agent.ckpt_copy` lays it out), or "" when it copies none."""
+    copy_to = os.environ.get(ENV_COPY_TO, "")
+    if not copy_to:
+        return ""
+    from spottrain.cloud.storage import parse_store_url
+
+    try:
+        url = parse_store_url(copy_to)
+    except ValueError:
+        return ""
+    if url.scheme == "file":
+        return (Path(url.path) / run / name).as_uri()
+    prefix = f"{url.path}/" if url.path else ""
+    return f"{url.scheme}://{url.bucket}/{prefix}{run}/{name}"
+
+
+def _exit_clean(why: str, tracker: Tracker | None = None, code: int = 0) -> None:
     log.warning("%s", why)
+    if tracker is not None:
+        tracker.finish(exit_code=code, timeout=_EXIT_TRACKING_S)
     logging.shutdown()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
@@ -698,7 +812,10 @@ class _SignalWatch:
             self.session._sigterm = True
             while not self._stopped:
                 if self.session._holding.is_set():
-                    _exit_clean("SIGTERM while holding after the emergency checkpoint")
+                    _exit_clean(
+                        "SIGTERM while holding after the emergency checkpoint",
+                        self.session._tracker,
+                    )
                 if self.session._stuck():
                     log.error(
                         "SIGTERM and the training loop has not moved for %.1f s (a peer is "

@@ -9,6 +9,7 @@ from typing import Any
 
 from .loop import ControllerError, Summary
 from .runs import RunError, RunInfo, archive_run, build_controller, stop_embedded_redis
+from .tracking import FleetTracker
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -47,6 +48,9 @@ def drive_run(
 ) -> int:
     """Run the controller of ``info`` until the run ends; keep its record; report.
 
+    With a ``wandb:`` section in the spec, each pass is logged to the run's fleet run in
+    wandb (:mod:`spottrain.controller.tracking`).
+
     Returns:
         0 when training finished, 1 when the run stopped before (budget, crash loop, a cloud
         or Redis refusing).
@@ -58,9 +62,11 @@ def drive_run(
         return EXIT_FAILED
     last: list[Any] = []
     last_at = 0.0
+    fleet = FleetTracker.start(info.run_id, ctl.spec, ctl.state)
 
     def on_pass(s: Summary) -> None:
         nonlocal last, last_at
+        fleet.on_pass(s)
         lines = format_summary(s)
         now = time.monotonic()
         # Print when something changed (dollars always do), or every 30 s as a sign of life.
@@ -80,6 +86,10 @@ def drive_run(
         ctl.state.set_ctl(phase="failed", error=str(e))
         summary = ctl.summary()
         code = EXIT_FAILED
+    except BaseException:
+        fleet.finish(None)  # interrupted: what was logged so far is kept
+        raise
+    fleet.finish(summary)
     if summary.final_step is None:
         code = EXIT_FAILED
     for line in final_report(summary):

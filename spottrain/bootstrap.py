@@ -7,8 +7,10 @@ render the same agent settings into their own templates.
 
 Everything the agent needs travels in ``/etc/spottrain/agent.env`` (the systemd unit's
 ``EnvironmentFile=``), using only the ``SPOTTRAIN_*`` variables that ``spottrain-agent run``
-reads. Secrets never travel in a boot script, which anyone allowed to describe the VM can
-read: the Redis password is fetched at boot from the cloud's secret store.
+reads; beside them, the job's own variables for its workers (``train.env``, and the
+``WANDB_*`` ones of its ``wandb:`` section), which torchrun passes on. Secrets never travel
+in a boot script, which anyone allowed to describe the VM can read: the Redis password is
+fetched at boot from the cloud's secret store.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from spottrain import __version__
 from spottrain.spec import ArchiveCode, GitCode, ImageCode, JobSpec
+from spottrain.tracking import trainer_env
 
 AGENT_ENV_PATH = "/etc/spottrain/agent.env"
 PASSWORD_PATH = "/etc/spottrain/redis-password"
@@ -70,7 +73,11 @@ def agent_env(
     """The ``SPOTTRAIN_*`` settings of one node's agent, plus the job's own variables.
 
     ``copy_to`` (default: ``checkpoint.copy_to``) is where checkpoints are copied, so that
-    the job can move zones and restore there."""
+    the job can move zones and restore there. The ``wandb:`` section becomes
+    ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE`` (when the spec sets it) and
+    ``WANDB_RUN_GROUP=<run id>`` for the workers' rank 0; ``train.env`` overrides them. No
+    API key travels here: give the VMs one through the image or ``~/.netrc``, or use
+    ``mode: offline`` and ``wandb sync`` afterwards."""
     env = {
         "SPOTTRAIN_REDIS": redis_url,
         "SPOTTRAIN_RUN_ID": node.run_id,
@@ -88,7 +95,7 @@ def agent_env(
         env["SPOTTRAIN_REDIS_PASSWORD_FILE"] = password_file
     if copy_to or spec.checkpoint.copy_to:
         env["SPOTTRAIN_CKPT_COPY_TO"] = copy_to or spec.checkpoint.copy_to or ""
-    return {**spec.train.env, **env}
+    return {**trainer_env(spec.wandb, node.run_id), **spec.train.env, **env}
 
 
 def render_env_file(env: Mapping[str, str]) -> str:
