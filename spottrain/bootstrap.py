@@ -160,13 +160,16 @@ def _code_lines(spec: JobSpec, code: CodeRef) -> str:
     return f"docker pull {shlex.quote(spec.code.image)}\n"
 
 
-def _unit_lines(spec: JobSpec) -> str:
+def _unit_lines(spec: JobSpec, ckpt_dir: str) -> str:
     """Install the packaged unit, plus a drop-in for what differs per job."""
-    drop = ["[Service]"]
+    # The run's checkpoint directory is made once the volume is mounted (ExecStartPre runs
+    # after RequiresMountsFor's mounts); the agent refuses a missing one rather than write
+    # where a mount belongs.
+    drop = ["[Service]", f"ExecStartPre=/bin/mkdir -p {shlex.quote(ckpt_dir)}"]
     volume = spec.checkpoint.volume.path
     unit_lines = ""
     if not volume.startswith(VOLUME_ROOT + "/") and volume != VOLUME_ROOT:
-        drop = ["[Unit]", f"RequiresMountsFor={volume}", "", "[Service]"]
+        drop = ["[Unit]", f"RequiresMountsFor={volume}", "", *drop]
     if isinstance(spec.code, ImageCode):
         image = spec.code.image
         # The agent runs inside the job's image (which must have spottrain installed); --init
@@ -232,7 +235,8 @@ def render_boot_script(
         f"# spottrain {__version__}: boot script of node {node.node_id} of run {node.run_id}.\n",
         "set -euo pipefail\n",
         "exec >>/var/log/spottrain-boot.log 2>&1\n",
-        f"install -d -m 0755 /etc/spottrain /opt/spottrain {JOB_DIR}\n",
+        # Not /opt/job: the code step creates it (an archive fetch refuses an existing one).
+        "install -d -m 0755 /etc/spottrain /opt/spottrain\n",
         f"if [ ! -x {VENV}/bin/spottrain-agent ]; then\n",
         f"  python3 -m venv {VENV}\n",
         f"  {VENV}/bin/pip install -q {shlex.quote(requirement)}\n",
@@ -255,7 +259,7 @@ def render_boot_script(
             "".join(f"{k}={v}\n" for k, v in env.items()),
             "ENV\n",
         ]
-    parts += ["umask 022\n", _unit_lines(spec)]
+    parts += ["umask 022\n", _unit_lines(spec, env["SPOTTRAIN_CKPT_DIR"])]
     return "".join(parts)
 
 

@@ -21,6 +21,7 @@ from spottrain.bootstrap import (
     render_boot_script,
     render_env_file,
     render_local_boot,
+    run_ckpt_dir,
 )
 from spottrain.spec import JobSpec, parse_spec
 
@@ -134,9 +135,17 @@ def test_archive_code_needs_its_upload_first() -> None:
         render_boot_script(spec, NODE, REDIS)
     sha = "cd" * 32
     script = render_boot_script(spec, NODE, REDIS, code=CodeRef(f"s3://b/code/{sha}.tar.gz", sha))
-    assert (
-        f"-m spottrain.cloud.code_archive fetch s3://b/code/{sha}.tar.gz {sha} /opt/job" in script
-    )
+    fetch = f"-m spottrain.cloud.code_archive fetch s3://b/code/{sha}.tar.gz {sha} /opt/job"
+    assert fetch in script
+    # The fetch refuses a directory that exists without its marker: nothing makes it first.
+    assert "/opt/job" not in script[: script.index(fetch)]
+
+
+def test_the_unit_makes_the_runs_checkpoint_directory_once_the_volume_is_mounted() -> None:
+    script = render_boot_script(_spec(VALID), NODE, REDIS)
+    drop_in = script[script.index("job.conf <<'UNIT'") :]
+    ckpt = run_ckpt_dir(_spec(VALID), NODE)
+    assert f"ExecStartPre=/bin/mkdir -p {ckpt}\n" in drop_in
 
 
 def test_a_volume_outside_mnt_spottrain_is_required_by_the_unit() -> None:

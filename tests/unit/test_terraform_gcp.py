@@ -480,7 +480,9 @@ def test_startup_script_pins_spottrain_and_installs_the_packaged_unit(mod: Modul
             _with(VALID, "code", {"git": {"repo": "https://github.com/acme/t", "commit": COMMIT}})
         )
     ).spec
-    unit = _unit_lines(spec)
+    ckpt_dir = re.search(r'^SPOTTRAIN_CKPT_DIR="([^"]*)"$', script, re.M)
+    assert ckpt_dir is not None
+    unit = _unit_lines(spec, ckpt_dir.group(1))
     assert unit[: unit.index("systemctl daemon-reload\n")] in script
     assert "systemctl enable --now spottrain-agent.service" in script
     assert f"{FILESTORE_IP}:/{inputs['filestore_share_name']} /mnt/spottrain nfs " in script, (
