@@ -95,6 +95,8 @@ ENV_REDIS = "SPOTTRAIN_REDIS"
 ENV_ROUND = "SPOTTRAIN_RDZV_ROUND"
 ENV_NODE = "SPOTTRAIN_NODE_ID"
 ENV_COPY_TO = "SPOTTRAIN_CKPT_COPY_TO"
+# Seconds between the progress events rank 0 adds to the run's event stream.
+PROGRESS_EVENT_S = 60.0
 # How long an exiting worker gives wandb to write its last records (the checkpoint that
 # matters is committed by then; the VM may have seconds left).
 _EXIT_TRACKING_S = 3.0
@@ -847,6 +849,8 @@ class _RequestPoller:
         self._lock = threading.Lock()
         self._requests: dict[str, dict[str, Any]] = {}
         self._progress: dict[str, Any] | None = None
+        self._event_world: Any = None
+        self._event_at = float("-inf")
         self._stop = threading.Event()
         self._warned = False
         if url and run_id:
@@ -874,7 +878,26 @@ class _RequestPoller:
                     self._requests = reqs
                     progress, self._progress = self._progress, None
                 if progress is not None:
-                    self.client.hset(self.keys.progress, mapping=progress)
+                    pipe = self.client.pipeline(transaction=False)
+                    pipe.hset(self.keys.progress, mapping=progress)
+                    if self._progress_event_due(progress):
+                        # The hash keeps only the newest step; this keeps a thinned history
+                        # in the stream for `spottrain report`'s step-rate timeline.
+                        row = {k: str(progress[k]) for k in ("step", "world_size", "round")}
+                        if "loss" in progress:
+                            row["loss"] = str(progress["loss"])
+                        pipe.xadd(
+                            self.keys.events,
+                            {
+                                "type": "progress",
+                                "node": os.environ.get(ENV_NODE, ""),
+                                "at": f"{progress['at']:.3f}",
+                                **row,
+                            },
+                            maxlen=EVENTS_MAXLEN,
+                            approximate=True,
+                        )
+                    pipe.execute()
                 self._warned = False
             except Exception as exc:
                 if not self._warned:
@@ -903,6 +926,15 @@ class _RequestPoller:
     def newest_id(self) -> int:
         with self._lock:
             return max((int(r.get("id", 0)) for r in self._requests.values()), default=0)
+
+    def _progress_event_due(self, progress: dict[str, Any]) -> bool:
+        """At most one progress event a minute, and one whenever the world size changes
+        (about 1,440 a day, far under the stream's cap)."""
+        world, at = progress.get("world_size"), float(progress.get("at", 0.0))
+        if world != self._event_world or at - self._event_at >= PROGRESS_EVENT_S:
+            self._event_world, self._event_at = world, at
+            return True
+        return False
 
     def report_progress(
         self, step: int, world: int, round_: int, metrics: dict[str, float]

@@ -298,7 +298,7 @@ def main() -> None:
                     "accum": batch.accum_steps,
                 },
             )
-        session.step(step, state, loss=total.item())
+        session.step(step, state, tokens=args.global_batch * args.context, loss=total.item())
         if args.step_time:
             time.sleep(args.step_time)
         if args.stop_at and step == args.stop_at:

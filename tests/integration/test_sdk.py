@@ -14,6 +14,7 @@ import pytest
 import redis
 import torch
 
+from spottrain.agent import sdk
 from spottrain.agent.checkpoint.dcp_io import CheckpointLoadError
 from spottrain.agent.checkpoint.directory import CheckpointDir, CheckpointDirError
 from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession
@@ -164,6 +165,37 @@ def test_a_request_in_redis_makes_rank_zero_save_once(
     assert last[b"kind"] == b"requested" and last[b"request_id"] == b"7"
     progress = redis_client.hgetall(keys.progress)
     assert int(progress[b"step"]) >= 3 and b"loss" in progress
+
+
+@pytest.mark.parametrize(("every_s", "expect_many"), [(3600.0, False), (0.0, True)])
+def test_rank_zero_keeps_a_thinned_progress_history_in_the_event_stream(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    run_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+    every_s: float,
+    expect_many: bool,
+) -> None:
+    monkeypatch.setattr(sdk, "PROGRESS_EVENT_S", every_s)
+    keys = RunKeys(run_id)
+    state, model = make_state()
+    s = session(tmp_path, redis_url=redis_server.endpoint, run_id=run_id, poll_interval=0.02)
+    s.restore(state)
+    for step in range(6):
+        train(s, state, model, range(step, step + 1))
+        time.sleep(0.06)
+    s.close()
+    rows = [
+        {k.decode(): v.decode() for k, v in f.items()} for _, f in redis_client.xrange(keys.events)
+    ]
+    progress = [r for r in rows if r["type"] == "progress"]
+    assert progress and all(r["world_size"] == "1" and "loss" in r for r in progress)
+    steps = [int(r["step"]) for r in progress]
+    assert steps == sorted(steps)
+    # At most one a minute (and one per world size): a single one here, unless the interval
+    # is zero, when each poll that found new progress adds one.
+    assert (len(progress) > 2) if expect_many else (len(progress) == 1)
 
 
 def test_a_drain_request_holds_the_worker_then_training_goes_on(
