@@ -165,6 +165,13 @@ def _validate(args: argparse.Namespace) -> int:
             f"clouds {', '.join(spec.resources.clouds)}, spot policy {spec.spot.policy.value}, "
             f"budget ${spec.budget.max_usd:,.2f}"
         )
+        if spec.fleet is not None:
+            f = spec.fleet
+            where = f.region if f.cloud == "aws" else f"{f.project}/{f.zone}"
+            print(
+                f"  fleet: the {f.cloud} group {f.group} in {where}, made by Terraform, "
+                f"adopted as run {f.run_id}"
+            )
         if size is None:
             print(
                 "  emergency checkpoint: size unknown (set checkpoint.size_gb or "
@@ -185,6 +192,8 @@ def _check_clouds(spec: JobSpec, *, quiet: bool) -> bool:
     from spottrain.cloud.base import ProviderError
     from spottrain.controller.providers import build_provider, offer_query
 
+    if spec.fleet is not None:
+        return _check_group(spec, quiet=quiet)
     ok = True
     with tempfile.TemporaryDirectory(prefix="spottrain-validate-") as tmp:
         for cloud in spec.resources.clouds:
@@ -209,6 +218,27 @@ def _check_clouds(spec: JobSpec, *, quiet: bool) -> bool:
                     f"{o.zone} at ${o.price_per_hour:,.2f}/h"
                 )
     return ok
+
+
+def _check_group(spec: JobSpec, *, quiet: bool) -> bool:
+    """Ask the cloud for the Terraform fleet's group; print what it holds."""
+    from spottrain.cloud.base import ProviderError
+    from spottrain.controller.providers import build_group
+
+    assert spec.fleet is not None
+    cloud = spec.fleet.cloud
+    try:
+        view = build_group(spec).describe()
+    except (ProviderError, ImportError, ValueError) as e:
+        print(f"  {cloud}: cannot use the fleet's group: {e}", file=sys.stderr)
+        return False
+    if not quiet:
+        cap = f" of at most {view.max_size}" if view.max_size is not None else ""
+        print(
+            f"  {cloud}: group {view.name}: size {view.target}{cap}, "
+            f"{len(view.alive)} VMs running or starting"
+        )
+    return True
 
 
 def _local(args: argparse.Namespace) -> int:

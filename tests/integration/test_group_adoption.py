@@ -10,6 +10,7 @@ real agent completing the lifecycle action is in tests/e2e/test_asg_lifecycle.py
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -322,3 +323,26 @@ def test_growing_past_the_groups_max_size_says_which_variable_to_raise(
 ) -> None:
     with pytest.raises(BadRequestError, match="max_size variable"):
         fleet.group().set_target(7)
+
+
+def test_validate_check_clouds_describes_the_fleets_group(
+    fleet: AsgFleet,
+    run_keys: RunKeys,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from spottrain import cli
+
+    for k, v in fleet.process_env().items():
+        monkeypatch.setenv(k, v)
+    data = _with(FLEET_AWS, "fleet.run_id", run_keys.run_id)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(_with(data, "fleet.group", fleet.name)))
+    assert cli.main(["validate", str(spec), "--check-clouds"]) == 0
+    out = capsys.readouterr().out
+    assert f"fleet: the aws group {fleet.name} in us-east-1" in out
+    assert f"aws: group {fleet.name}: size 3 of at most 6, 3 VMs running or starting" in out
+    spec.write_text(yaml.safe_dump(_with(data, "fleet.group", "spottrain-typo")))
+    assert cli.main(["validate", str(spec), "--check-clouds"]) == 1
+    assert "no Auto Scaling group 'spottrain-typo'" in capsys.readouterr().err
