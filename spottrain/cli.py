@@ -97,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("nodes", type=int, help="the node count to keep")
     scale.add_argument("run", nargs="?", help="run id or job name (default: the newest run)")
 
-    from spottrain.controller import report
+    from spottrain.controller import report, simulate
 
     report.add_parser(sub)
+    simulate.add_parser(sub)
 
     local = sub.add_parser(
         "local", help="the local cloud's levers: list VMs, preempt, set capacity, refuse"
@@ -297,10 +298,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _validate(args)
     if args.command == "local":
         return _local(args)
-    if args.command == "report":
-        from spottrain.controller import report
+    if args.command in ("report", "simulate"):
+        from spottrain.controller import report, simulate
 
-        return report.command(args)
+        if args.command == "report":
+            return report.command(args)
+        return simulate.command(args)
     if args.command in ("up", "resume", "status", "logs", "down", "scale"):
         from spottrain.controller import commands
 

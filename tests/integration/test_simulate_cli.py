@@ -1,0 +1,179 @@
+"""``spottrain simulate`` through its argparse front: the table, ``--json``, ``--png``, a
+spec, a trace, and every kind of bad input refused with exit 2 and one clear line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from spottrain.controller.simulate import add_parser, command
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="spottrain")
+    sub = parser.add_subparsers(dest="command")
+    add_parser(sub)
+    args = parser.parse_args(["simulate", *argv])
+    return command(args)
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    assert _run(*argv, "--json") == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1
+    data = json.loads(out[0])
+    assert isinstance(data, dict)
+    return data
+
+
+def test_table_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run("--gpus", "800", "--hours", "24", "--rate-per-node-hour", "0.01") == 0
+    out = capsys.readouterr().out
+    assert "800 GPUs (100 x p5.48xlarge, aws us-east-1a) for 24 h" in out
+    for word in ("sync", "elastic", "replica", "$/useful GPU-h", "x on-demand", "preemptions"):
+        assert word in out
+
+
+def test_json_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(
+        capsys,
+        "--gpus",
+        "1600",
+        "--days",
+        "2",
+        "--rate-per-node-hour",
+        "0.01",
+        "--seed",
+        "4",
+        "--policies",
+        "sync,replica",
+    )
+    assert data["gpus"] == 1600 and data["nodes"] == 200 and data["hours"] == 48
+    assert isinstance(data["preemptions"], int) and data["preemptions"] > 0
+    policies = data["policies"]
+    assert isinstance(policies, dict) and list(policies) == ["sync", "replica"]
+    for fig in policies.values():
+        assert 0 <= fig["effective"] <= 1
+        assert fig["usd_per_useful_gpu_h"] > data["spot_usd_per_gpu_h"]
+        assert "lost_gpu_h_per_preemption" in fig and "vs_on_demand" in fig
+    assert policies["replica"]["effective"] > policies["sync"]["effective"]
+    settings = data["settings"]
+    assert isinstance(settings, dict)
+    assert settings["rendezvous_s"] == 4.4 and settings["save_s"] == 21.0
+
+
+def test_default_rate_comes_from_the_catalog_band(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, "--gpus", "8000", "--hours", "12")
+    settings = data["settings"]
+    assert isinstance(settings, dict)
+    assert settings["rate_per_node_hour"] == pytest.approx(0.25 / 730)  # p5: ">20%"
+    assert settings["notice_s"] == 120
+    gcp = _json(capsys, "--gpus", "800", "--hours", "1", "--cloud", "gcp")
+    assert "a3-highgpu-8g" in str(gcp["instance"])
+    gcp_settings = gcp["settings"]
+    assert isinstance(gcp_settings, dict) and gcp_settings["notice_s"] == 30
+
+
+def test_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "sim.png"
+    assert (
+        _run("--gpus", "800", "--hours", "24", "--rate-per-node-hour", "0.02", "--png", str(png))
+        == 0
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot: {png}" in capsys.readouterr().out
+
+
+def test_trace_file(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(
+        capsys,
+        "--gpus",
+        "800",
+        "--days",
+        "1",
+        "--trace",
+        str(REPO / "examples/preemption_trace_sim.yaml"),
+    )
+    # A trace alone: no rate unless one is given; every row within the day happens.
+    assert data["preemptions"] == 10 and data["with_notice"] == 8
+
+
+def test_spec_sets_size_prices_and_checkpoints(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, "--spec", str(REPO / "examples/aws_job.yaml"), "--hours", "24")
+    # nodes.max 4 of the cheapest allowed spot type (p4d, 8 GPUs); 7B at 12 B/param.
+    assert data["nodes"] == 4 and data["gpus"] == 32
+    assert "p4d.24xlarge" in str(data["instance"])
+    settings = data["settings"]
+    assert isinstance(settings, dict)
+    assert settings["ckpt_gb"] == pytest.approx(84.0) and settings["write_gbps"] == 4
+    assert settings["ckpt_every_min"] == 20
+    # Options on the command line win over the spec.
+    data = _json(
+        capsys, "--spec", str(REPO / "examples/aws_job.yaml"), "--hours", "24", "--gpus", "64"
+    )
+    assert data["nodes"] == 8
+
+
+def test_local_spec_uses_its_injected_preemptions(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(
+        capsys,
+        "--spec",
+        str(REPO / "examples/local_job.yaml"),
+        "--gpus-per-node",
+        "8",
+        "--hours",
+        "1",
+    )
+    # examples/preemptions.yaml: one with notice at 25 s, one without at 55 s.
+    assert data["preemptions"] == 2 and data["with_notice"] == 1
+    settings = data["settings"]
+    assert isinstance(settings, dict) and settings["notice_s"] == 20
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--gpus", "0"], "--gpus must be at least 1"),
+        (["--gpus", "12"], "not a whole number of 8-GPU nodes"),
+        (["--gpus", "80", "--replica-nodes", "3"], "do not split into replicas of 3"),
+        (["--policies", "sync,bogus"], "bogus; choose from sync, elastic, replica"),
+        (["--policies", "sync,sync"], "name each policy once"),
+        (["--rate-per-node-hour", "-1"], "--rate-per-node-hour must be a number >= 0"),
+        (["--write-gbps", "0"], "--write-gbps must be a number > 0"),
+        (["--notice-fraction", "1.5"], "--notice-fraction is a share in [0, 1]"),
+        (["--instance-type", "p9.huge"], "p9.huge"),
+        (["--region", "mars-1"], "mars-1"),
+        (["--trace", "/nonexistent/trace.yaml"], "cannot read it"),
+        (["--png", "/nonexistent/dir/out.png"], "does not exist"),
+        (["--spec", "/nonexistent/job.yaml"], "cannot read the file"),
+        (["--gpus", "8000000", "--rate-per-node-hour", "1"], "at most 125,000"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _run("--hours", "1", *argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert words in captured.err and captured.err.startswith("spottrain simulate: ")
+
+
+def test_bad_trace_rows_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "trace.yaml"
+    bad.write_text(yaml.safe_dump([{"at_s": -5}]))
+    assert _run("--hours", "1", "--trace", str(bad)) == 2
+    assert "at_s must be seconds >= 0" in capsys.readouterr().err
+
+
+def test_local_spec_without_gpus_says_how_to_count_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _run("--spec", str(REPO / "examples/local_job.yaml"), "--hours", "1") == 2
+    assert "--gpus-per-node" in capsys.readouterr().err
