@@ -79,6 +79,14 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "home"
 
 
+@pytest.fixture(autouse=True)
+def no_progress_events(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scripted run's step timeline is checked from its commits and restores; rank 0's
+    thinned progress events are added only where a test asks for them."""
+    if "progress_events" not in request.keywords:
+        monkeypatch.setattr(_RequestPoller, "_progress_event_due", lambda self, p: False)
+
+
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     c = FakeClock(T0)
@@ -186,6 +194,15 @@ class Script:
         self.poller.report_commit(result, kind, kind == "emergency", 0)
 
 
+# Rank 0's progress events in the script: the first report, then each world-size change (89 s
+# and 100 s); the one at 150 s comes less than a minute after the last and is thinned out.
+PROGRESS_POINTS: list[tuple[float, int, str]] = [
+    (58, 38, "progress"),
+    (89, 48, "progress"),
+    (100, 53, "progress"),
+]
+
+
 def play(script: Script, until: float = 1e9) -> None:
     """Run the script's steps up to ``until`` seconds after T0."""
     steps: list[tuple[float, Any]] = [
@@ -255,6 +272,19 @@ def _hours(*spans: float) -> float:
 
 
 # --- the panels ------------------------------------------------------------------------------
+
+
+@pytest.mark.progress_events
+def test_progress_events_add_points_to_the_step_timeline(scripted: Script) -> None:
+    play(scripted)
+    data = report.load_report_data(scripted.run.info, now=T0 + 999)
+    progress = [p for p in _rel(data.steps, "step", "source") if p[2] == "progress"]
+    assert progress == PROGRESS_POINTS
+    # They refine the rate between commits without changing what the commits say.
+    commits = [p for p in _rel(data.steps, "step", "source") if p[2] == "checkpoint"]
+    assert commits == [(30, 10, "checkpoint"), (50, 30, "checkpoint"), (85, 45, "checkpoint"),
+                       (89, 48, "checkpoint"), (120, 73, "checkpoint"),
+                       (150, 103, "checkpoint")]  # fmt: skip
 
 
 def test_finished_run_panels_from_redis(scripted: Script) -> None:
