@@ -355,6 +355,7 @@ def classify_error(
     zone: str = "",
     instance_type: str = "",
     market: Market = Market.SPOT,
+    service: str = "EC2",
 ) -> ProviderError:
     """Turn a boto3/botocore failure into the typed error the planner acts on.
 
@@ -390,6 +391,7 @@ def classify_error(
         zone: the availability zone of a launch, for capacity errors.
         instance_type: the type of a launch, for capacity errors.
         market: the market of a launch, for capacity errors.
+        service: the AWS service called, for messages (``Auto Scaling`` for groups).
 
     Returns:
         The :class:`ProviderError` to raise (the caller raises it ``from exc``).
@@ -403,7 +405,11 @@ def classify_error(
             return AuthError(CLOUD, f"{type(exc).__name__}: {exc}; {_CREDENTIALS_FIX}")
         if isinstance(exc, bad_kinds):
             return BadRequestError(CLOUD, f"{type(exc).__name__}: {exc}")
-        what = "could not reach EC2" if isinstance(exc, transient_kinds) else "EC2 call failed"
+        what = (
+            f"could not reach {service}"
+            if isinstance(exc, transient_kinds)
+            else f"{service} call failed"
+        )
         return TransientError(CLOUD, f"{what} in {region}: {type(exc).__name__}: {exc}")
 
     code = error_code(exc)
@@ -440,7 +446,7 @@ def classify_error(
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     if isinstance(status, int) and status >= 500:
         return TransientError(CLOUD, f"{operation} in {region}: {said} (HTTP {status})")
-    return BadRequestError(CLOUD, f"{operation} in {region}: unrecognised EC2 error {said}")
+    return BadRequestError(CLOUD, f"{operation} in {region}: unrecognised {service} error {said}")
 
 
 # --- launch parameters ----------------------------------------------------------------------

@@ -84,13 +84,13 @@ class AwsAsgGroup:
             )
 
     @contextmanager
-    def _errors(self) -> Iterator[None]:
+    def _errors(self, service: str = "Auto Scaling") -> Iterator[None]:
         try:
             yield
         except ProviderError:
             raise
         except Exception as e:
-            raise classify_error(e, region=self.region) from e
+            raise classify_error(e, region=self.region, service=service) from e
 
     def _group(self) -> dict[str, Any]:
         with self._errors():
@@ -109,7 +109,7 @@ class AwsAsgGroup:
         if not ids:
             return {}
         out: dict[str, dict[str, Any]] = {}
-        with self._errors():
+        with self._errors("EC2"):
             pages = self._ec2.get_paginator("describe_instances").paginate(InstanceIds=ids)
             for page in pages:
                 for res in page.get("Reservations", []):

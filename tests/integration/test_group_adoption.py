@@ -346,3 +346,21 @@ def test_validate_check_clouds_describes_the_fleets_group(
     spec.write_text(yaml.safe_dump(_with(data, "fleet.group", "spottrain-typo")))
     assert cli.main(["validate", str(spec), "--check-clouds"]) == 1
     assert "no Auto Scaling group 'spottrain-typo'" in capsys.readouterr().err
+
+
+def test_an_unreachable_auto_scaling_endpoint_is_a_transient_error_naming_it(
+    run_keys: RunKeys,
+) -> None:
+    import boto3
+
+    from spottrain.cloud.aws_group import AwsAsgGroup
+    from spottrain.cloud.base import TransientError
+
+    session = boto3.Session(
+        aws_access_key_id="x", aws_secret_access_key="y", region_name="us-east-1"
+    )
+    g = AwsAsgGroup(
+        "us-east-1", "g", run_keys.run_id, session=session, endpoint_url="http://127.0.0.1:9"
+    )
+    with pytest.raises(TransientError, match="could not reach Auto Scaling in us-east-1"):
+        g.describe()
