@@ -40,3 +40,13 @@ def run_keys(redis_client: redis.Redis) -> Iterator[RunKeys]:
     stale = list(redis_client.scan_iter(match=keys.pattern, count=1000))
     if stale:
         redis_client.delete(*stale)
+
+
+@pytest.fixture
+def no_egress(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every HTTP(S) proxy variable points at a dead port and only 127.0.0.1 is exempt, so a
+    client that tried to leave for a real cloud fails at once instead of passing unseen."""
+    for var in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(var, "127.0.0.1,localhost")
