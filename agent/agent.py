@@ -294,13 +294,13 @@ class Agent:
             return
         if not any(n.kind is NoticeKind.SCALE_IN for n in notices):
             return  # no hook holds the VM (a spot notice, or the controller's drain)
-        from .asg_lifecycle import AsgHook, complete, region_of_zone
+        from .asg_lifecycle import AsgHook, complete, hook_region
 
         hook = AsgHook(
             group=self.cfg.asg_name,
             hook=self.cfg.asg_lifecycle_hook,
             instance_id=self.cfg.node_id,
-            region=region_of_zone(self.cfg.zone),
+            region=hook_region(self.cfg.zone),
         )
         problem = complete(hook)
         if problem:

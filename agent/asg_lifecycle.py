@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from spottrain.cloud.base import region_of_zone
+
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 3
@@ -39,12 +41,10 @@ class AsgHook:
     region: str
 
 
-def region_of_zone(zone: str) -> str:
+def hook_region(zone: str) -> str:
     """``us-east-1a`` -> ``us-east-1`` (``AWS_REGION`` wins when set)."""
     env = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if env:
-        return env
-    return zone[:-1] if zone and zone[-1].isalpha() else zone
+    return env or region_of_zone("aws", zone)
 
 
 def complete(

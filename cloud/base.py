@@ -138,6 +138,14 @@ class OfferQuery:
         )
 
 
+def region_of_zone(cloud: str, zone: str) -> str:
+    """The region a zone is in: ``us-central1-a`` -> ``us-central1`` on GCP, ``us-east-1a``
+    -> ``us-east-1`` on AWS (a zone not ending in a letter is returned as it is)."""
+    if cloud == "gcp":
+        return zone.rsplit("-", 1)[0]
+    return zone[:-1] if zone and zone[-1].isalpha() else zone
+
+
 def validate_request_id(request_id: str) -> str:
     """Check a launch request id (it becomes a tag, a label and an AWS ClientToken).
 

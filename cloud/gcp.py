@@ -56,6 +56,7 @@ from .base import (
     ProviderError,
     QuotaError,
     TransientError,
+    region_of_zone,
     sort_offers,
 )
 from .catalog import Catalog, bundled
@@ -1060,7 +1061,7 @@ class GcpProvider:
         return Instance(
             id=found.name,
             cloud=CLOUD,
-            region=_region_of(zone),
+            region=region_of_zone(CLOUD, zone),
             zone=zone,
             instance_type=_last(found.machine_type),
             market=Market.SPOT if spot else Market.ON_DEMAND,
@@ -1092,7 +1093,7 @@ class GcpProvider:
                 zone = self._zone_of(name)
                 if zone is None:
                     continue
-                target = CallTarget(zone=zone, region=_region_of(zone))
+                target = CallTarget(zone=zone, region=region_of_zone(CLOUD, zone))
                 try:
                     self._call(
                         target,
@@ -1170,10 +1171,6 @@ def _last(link: str) -> str:
     """The last segment of a resource URL or path (``.../zones/us-central1-a`` ->
     ``us-central1-a``)."""
     return link.rstrip("/").rsplit("/", 1)[-1]
-
-
-def _region_of(zone: str) -> str:
-    return zone.rsplit("-", 1)[0]
 
 
 def _timestamp(text: str) -> float | None:

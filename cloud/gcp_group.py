@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .base import BadRequestError, Market
+from .base import BadRequestError, Market, region_of_zone
 from .gcp import (
     _NAME_RE,
     _PROJECT_RE,
@@ -197,7 +197,7 @@ class GcpMigGroup:
         self._credentials = credentials
         self._timeout = request_timeout_s
         self._op_wait_s = op_wait_s
-        self._target = CallTarget(zone=zone, region=zone.rsplit("-", 1)[0])
+        self._target = CallTarget(zone=zone, region=region_of_zone("gcp", zone))
         self._lock = threading.Lock()
         self._clients: _Clients | None = None
         # Instance templates cannot change once created, so what one says is cached for good;

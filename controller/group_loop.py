@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from spottrain.cloud.base import Market, Offer
+from spottrain.cloud.base import Market, Offer, region_of_zone
 from spottrain.cloud.catalog import Catalog, bundled
 from spottrain.cloud.groups import Group, GroupView, Member, MemberState
 from spottrain.spec import JobSpec
@@ -36,7 +36,7 @@ from .group_plan import (
     StopRun,
     plan_group,
 )
-from .loop import Summary, drive_passes, finished, summarize
+from .loop import Summary, catalog_offer, drive_passes, finished, od_price, summarize
 from .state import ENDED, LAUNCHED, LaunchRecord, RunState
 
 log = logging.getLogger(__name__)
@@ -97,33 +97,22 @@ class GroupController:
 
     def _offer_of(self, m: Member) -> Offer:
         cloud = self.group.cloud
-        region = self.region or _region_of(cloud, m.zone)
+        region = self.region or region_of_zone(cloud, m.zone)
         try:
-            t = self.catalog.get(cloud, m.instance_type)
-            price = self.catalog.price(cloud, m.instance_type, region, m.market)
-            gpus, gpu_type, risk = t.gpus, t.gpu_type, t.interruption_risk
-        except (KeyError, ValueError):
+            return catalog_offer(self.catalog, cloud, region, m.zone, m.instance_type, m.market)
+        except ValueError:
             # A type the catalog lacks (the module's variable allows any): cost unknown.
-            price, gpus, gpu_type, risk = 0.0, self.spec.nodes.gpus, "", 0.0
-        return Offer(
-            cloud=cloud,
-            region=region,
-            zone=m.zone,
-            instance_type=m.instance_type,
-            gpus=gpus,
-            gpu_type=gpu_type,
-            market=m.market,
-            price_per_hour=price,
-            interruption_risk=risk if m.market is Market.SPOT else 0.0,
-        )
-
-    def _od_price(self, offer: Offer) -> float:
-        try:
-            return self.catalog.price(
-                offer.cloud, offer.instance_type, offer.region, Market.ON_DEMAND
+            return Offer(
+                cloud=cloud,
+                region=region,
+                zone=m.zone,
+                instance_type=m.instance_type,
+                gpus=self.spec.nodes.gpus,
+                gpu_type="",
+                market=m.market,
+                price_per_hour=0.0,
+                interruption_risk=0.0,
             )
-        except (KeyError, ValueError):
-            return offer.price_per_hour
 
     def _new_record(self, m: Member, now: float, why: str) -> LaunchRecord:
         offer = self._offer_of(m)
@@ -134,7 +123,7 @@ class GroupController:
             launched_at=now,
             status=LAUNCHED,
             instance_id=m.id,
-            od_price=self._od_price(offer),
+            od_price=od_price(self.catalog, offer),
             reason=why,
         )
         self.state.put_launch(rec)
@@ -310,10 +299,3 @@ class GroupController:
 
     def run(self, *, on_pass: Callable[[Summary], object] | None = None) -> Summary:
         return drive_passes(self, on_pass)
-
-
-def _region_of(cloud: str, zone: str) -> str:
-    # us-east-1a -> us-east-1; us-central1-a -> us-central1.
-    if cloud == "gcp":
-        return zone.rsplit("-", 1)[0]
-    return zone[:-1] if zone and zone[-1].isalpha() else zone

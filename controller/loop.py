@@ -97,6 +97,37 @@ def crash_point(name: str) -> None:
 _CRASH_COUNTS: dict[str, int] = {}
 
 
+def catalog_offer(
+    catalog: Catalog, cloud: str, region: str, zone: str, instance_type: str, market: Market
+) -> Offer:
+    """The offer a VM was bought on, from the catalog (a VM adopted without its offer).
+
+    Raises:
+        ValueError: the catalog does not know the type or its region.
+    """
+    t = catalog.get(cloud, instance_type)
+    return Offer(
+        cloud=cloud,
+        region=region,
+        zone=zone,
+        instance_type=instance_type,
+        gpus=t.gpus,
+        gpu_type=t.gpu_type,
+        market=market,
+        price_per_hour=catalog.price(cloud, instance_type, region, market),
+        interruption_risk=t.interruption_risk if market is Market.SPOT else 0.0,
+    )
+
+
+def od_price(catalog: Catalog, offer: Offer) -> float:
+    """The on-demand price of an offer's type and region ("$ saved" is against it); the
+    offer's own price when the catalog has none."""
+    try:
+        return catalog.price(offer.cloud, offer.instance_type, offer.region, Market.ON_DEMAND)
+    except ValueError:
+        return offer.price_per_hour
+
+
 def policy_from_spec(spec: JobSpec, **overrides: float) -> Policy:
     """The planner's policy for ``spec``; ``overrides`` set the tunables (tests, CLI).
 
@@ -272,28 +303,12 @@ class Controller:
         for o in self._offers:
             if o.key == (inst.cloud, inst.zone, inst.instance_type, inst.market.value):
                 return o
-        t = self.catalog.get(inst.cloud, inst.instance_type)
-        return Offer(
-            cloud=inst.cloud,
-            region=inst.region,
-            zone=inst.zone,
-            instance_type=inst.instance_type,
-            gpus=t.gpus,
-            gpu_type=t.gpu_type,
-            market=inst.market,
-            price_per_hour=self.catalog.price(
-                inst.cloud, inst.instance_type, inst.region, inst.market
-            ),
-            interruption_risk=t.interruption_risk if inst.market is Market.SPOT else 0.0,
+        return catalog_offer(
+            self.catalog, inst.cloud, inst.region, inst.zone, inst.instance_type, inst.market
         )
 
     def _od_price(self, offer: Offer) -> float:
-        try:
-            return self.catalog.price(
-                offer.cloud, offer.instance_type, offer.region, Market.ON_DEMAND
-            )
-        except ValueError:
-            return offer.price_per_hour
+        return od_price(self.catalog, offer)
 
     def observe(self, now: float) -> tuple[Observed, Ledger, dict[str, Instance]]:
         """Gather the planner's input. Raises ProviderError when a cloud cannot be listed

@@ -72,7 +72,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from spottrain.cloud.base import Market, Offer
+from spottrain.cloud.base import Market, Offer, region_of_zone
 from spottrain.cloud.catalog import Catalog, UnknownInstanceType, UnknownRegion, bundled
 from spottrain.cloud.local import TracedPreemption, load_trace
 from spottrain.controller.planner import HOURS_PER_MONTH
@@ -208,9 +208,7 @@ def _offers(
     try:
         t = cat.get(cloud, itype)
         regions = cat.regions(cloud)
-        reg = region or (zone.rsplit("-", 1)[0] if cloud == "gcp" and zone else None)
-        if reg is None and zone and cloud == "aws":
-            reg = zone[:-1]
+        reg = region or (region_of_zone(cloud, zone) if zone and cloud != "local" else None)
         reg = reg or (t.regions[0] if t.regions else regions[0])
         spot_price = cat.price(cloud, itype, reg, Market.SPOT)
         od_price = cat.price(cloud, itype, reg, Market.ON_DEMAND)
