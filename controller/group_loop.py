@@ -37,7 +37,7 @@ from .group_plan import (
     plan_group,
 )
 from .loop import Summary, catalog_offer, drive_passes, finished, od_price, summarize
-from .state import ENDED, LAUNCHED, LaunchRecord, RunState
+from .state import ENDED, LAUNCHED, LaunchRecord, Ledger, RunState
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ class GroupController:
         return {k.decode(): json.loads(v) for k, v in raw.items()}
 
     def _mark(self, member_id: str, **fields: Any) -> None:
-        marks = self._marks().get(member_id, {})
-        marks.update(fields)
+        raw = self.state.client.hget(self.state.keys.ctl_group, member_id)
+        marks = {**(json.loads(raw) if raw else {}), **fields}
         self.state.client.hset(self.state.keys.ctl_group, member_id, json.dumps(marks))
 
     def _offer_of(self, m: Member) -> Offer:
@@ -129,13 +129,16 @@ class GroupController:
         self.state.put_launch(rec)
         return rec
 
-    def _reincarnated(self, m: Member, rec: LaunchRecord, now: float, why: str) -> LaunchRecord:
+    def _reincarnated(
+        self, m: Member, rec: LaunchRecord, now: float, why: str, ledger: Ledger
+    ) -> LaunchRecord:
         """A new VM under an old name (a GCP MIG recreates members by name): the old VM's
         record is kept under ``<name>@<launch time>`` so its cost still counts, and the
         name starts a new record."""
         old = rec if rec.status == ENDED else replace(rec, status=ENDED, ended_at=now, reason=why)
         archived = replace(old, node=f"{m.id}@{old.launched_at:.0f}")
         self.state.put_launch(archived)
+        ledger.records[archived.node] = archived
         self.state.client.hdel(self.state.keys.ctl_group, m.id)
         self.state.event("adopted", vm=m.id, node_name=m.id, why=why)
         return self._new_record(m, now, f"{why} in group {self.group.name}")
@@ -145,13 +148,18 @@ class GroupController:
         # state of the VM the group may bring back under the same name.
         self.state.client.delete(self.state.keys.node(node), self.state.keys.heartbeat(node))
 
-    def _reconcile(self, view: GroupView, now: float) -> dict[str, LaunchRecord]:
+    def _reconcile(
+        self,
+        view: GroupView,
+        now: float,
+        ledger: Ledger,
+        marks: dict[str, dict[str, Any]],
+        agents: dict[str, dict[str, str]],
+    ) -> None:
         """Record members first seen, and end the records of members gone; a member that
-        went without the controller removing it was taken by the cloud (a preemption)."""
-        ledger = self.state.ledger()
-        marks = self._marks()
+        went without the controller removing it was taken by the cloud (a preemption).
+        ``ledger``, ``marks`` and ``agents`` (read once per pass) are kept up to date."""
         listed = {m.id: m for m in view.members}
-        agents = self.state.node_records(list(listed))
         for m in view.members:
             rec = ledger.records.get(m.id)
             mark = marks.get(m.id, {})
@@ -164,10 +172,12 @@ class GroupController:
                     "adopted", vm=m.id, node_name=m.id, zone=m.zone, itype=m.instance_type
                 )
             elif rec is not None and rec.status == ENDED and m.state.alive:
-                rec = self._reincarnated(m, rec, now, "restarted by group")
+                rec = self._reincarnated(m, rec, now, "restarted by group", ledger)
+                marks.pop(m.id, None)
             elif rec is not None and mark.get("removed_at") is not None and registered_anew:
                 # An agent registered after the removal: the group replaced the VM in place.
-                rec = self._reincarnated(m, rec, now, "replaced by group")
+                rec = self._reincarnated(m, rec, now, "replaced by group", ledger)
+                marks.pop(m.id, None)
             else:
                 continue
             ledger.records[m.id] = rec
@@ -189,21 +199,22 @@ class GroupController:
             self.state.put_launch(rec)
             ledger.records[node] = rec
             self._forget_agent(node)
+            agents.pop(node, None)
             if interrupted:
                 key = (rec.offer.cloud, rec.offer.zone, rec.offer.instance_type)
                 self.state.count(key, "preemptions")
                 self.state.event("preempted", vm=node, node_name=node, zone=rec.offer.zone)
             else:
                 self.state.event("vm-ended", vm=node, node_name=node, reason=rec.reason)
-        return ledger.records
 
     def observe(self, now: float) -> GroupObserved:
         view = self.group.describe()
-        records = self._reconcile(view, now)
         ids = [m.id for m in view.members]
+        ledger, marks = self.state.ledger(), self._marks()
         agents = self.state.node_records(ids)
+        self._reconcile(view, now, ledger, marks, agents)
+        records = ledger.records
         beats = self.state.heartbeats(ids)
-        marks = self._marks()
         members = tuple(
             MemberObs(
                 member=m,
@@ -224,7 +235,7 @@ class GroupController:
             max_size=view.max_size,
             finished=finished(self.state),
             stopping=ctl.get("stopping", ""),
-            spent_usd=self.state.ledger().spent(now),
+            spent_usd=ledger.spent(now),
         )
 
     # --- act -----------------------------------------------------------------------------
