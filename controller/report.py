@@ -254,11 +254,7 @@ def read_redis_inputs(client: redis.Redis, keys: RunKeys, now: float) -> ReportI
     from .state import RunState
 
     state = RunState(client, keys)
-    events = []
-    for entry_id, fields in client.xrange(keys.events):
-        row = {k.decode(): v.decode() for k, v in fields.items()}
-        row["id"] = entry_id.decode()
-        events.append(row)
+    events = state.events()
     ledger = state.ledger()
     launches = list(ledger.records.values()) or None
     progress = state.progress()

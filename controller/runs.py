@@ -383,9 +383,7 @@ def archive_run(info: RunInfo, client: redis.Redis, summary: dict[str, Any]) -> 
     """Keep the run's events and summary on disk (its Redis may go away)."""
     keys = RunKeys(info.run_id)
     with open(info.dir / "events.jsonl", "w") as f:
-        for entry_id, fields in client.xrange(keys.events):
-            row = {k.decode(): v.decode() for k, v in fields.items()}
-            row["id"] = entry_id.decode()
+        for row in RunState(client, keys).events():
             f.write(json.dumps(row) + "\n")
     (info.dir / "summary.json").write_text(json.dumps(summary, indent=1))
     from .report import write_report_inputs  # here: report imports this module

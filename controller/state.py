@@ -223,6 +223,16 @@ class RunState:
         return out
 
     # --- events --------------------------------------------------------------------------
+    def events(self) -> list[dict[str, str]]:
+        """Every event of the run still in the stream, oldest first, each with its stream
+        id as ``id``."""
+        out = []
+        for entry_id, fields in self.client.xrange(self.keys.events):
+            row = {k.decode(): v.decode() for k, v in fields.items()}
+            row["id"] = entry_id.decode()
+            out.append(row)
+        return out
+
     def event(self, type_: str, **fields: Any) -> None:
         entry = {
             "type": type_,
