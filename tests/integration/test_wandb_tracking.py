@@ -86,8 +86,11 @@ class Records:
 
 
 def offline_runs(wandb_dir: Path, run_id: str) -> list[Path]:
-    """The transaction logs of ``run_id`` under ``WANDB_DIR``, oldest first."""
-    return sorted(wandb_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    """The transaction logs of ``run_id`` under ``WANDB_DIR``, oldest first. wandb names a
+    run's folder ``offline-run-<second>-<id>`` and adds ``-1``, ``-2`` when a resumed run
+    starts within the same second; the log's own name is exact."""
+    found = wandb_dir.glob(f"wandb/offline-run-*-{run_id}*/run-{run_id}.wandb")
+    return sorted(found, key=lambda p: (p.parent.name.rsplit(run_id, 1)[0], len(p.parent.name)))
 
 
 def read_run(path: Path) -> Records:
