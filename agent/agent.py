@@ -35,7 +35,15 @@ from .lifecycle import Lifecycle, NodeState
 from .node_record import NodeInfo, NodeRecord
 from .notice_handler import DrainOutcome, NoticeHandler
 from .notices import Notice, NoticeKind
-from .processes import child_pids, descendants, running, torchrun_command
+from .processes import (
+    WorkerUser,
+    child_pids,
+    descendants,
+    hand_over,
+    resolve_worker_user,
+    running,
+    torchrun_command,
+)
 
 log = logging.getLogger("spottrain.agent")
 
@@ -75,6 +83,9 @@ class AgentConfig:
     asg_lifecycle_hook: str = ""
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
+    # The unprivileged user torchrun and the workers run as when the agent is root (the
+    # systemd unit sets "spottrain"); empty: the agent's own user.
+    worker_user: str = ""
 
     def validate(self) -> None:
         if self.cloud not in ("local", "aws", "gcp"):
@@ -140,6 +151,7 @@ class Agent:
         self._stopping = False
         self._loops: list[Any] = []
         self._seen_pids: set[int] = set()
+        self.worker: WorkerUser | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def _advance(self, state: NodeState, reason: str = "") -> None:
@@ -162,6 +174,12 @@ class Agent:
             self.record.stop(remove_heartbeat=True)
 
     def _run(self) -> int:
+        try:
+            self.worker = resolve_worker_user(self.cfg.worker_user)
+        except ValueError as exc:
+            self._advance(NodeState.FAILED, str(exc))
+            log.error("%s", exc)
+            return EXIT_CONFIG
         if self.cfg.ckpt_dir:
             problem = _check_ckpt_dir(self.cfg.ckpt_dir)
             if problem:
@@ -179,6 +197,12 @@ class Agent:
                 return EXIT_UNHEALTHY
         if self.cfg.ckpt_copy_to and self.cfg.ckpt_dir:
             problem = self._start_copier()
+            if problem:
+                self._advance(NodeState.FAILED, problem)
+                log.error("%s", problem)
+                return EXIT_CONFIG
+        if self.worker is not None and self.cfg.ckpt_dir:
+            problem = _hand_over_ckpt_dir(self.cfg.ckpt_dir, self.worker)
             if problem:
                 self._advance(NodeState.FAILED, problem)
                 log.error("%s", problem)
@@ -229,7 +253,9 @@ class Agent:
         with self._launch_lock:
             if self._stopping:
                 return
-            self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+            drop = self.worker.popen_kwargs() if self.worker else {}
+            env = self.worker.env(env) if self.worker else env
+            self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, **drop)
         self.record.event("torchrun-started", pid=self.proc.pid, command=cmd)
 
     def _supervise(self) -> int:
@@ -474,4 +500,17 @@ def _check_ckpt_dir(path: str) -> str | None:
         CheckpointDir(path).check_writable()
     except CheckpointDirError as exc:
         return exc.strerror
+    return None
+
+
+def _hand_over_ckpt_dir(path: str, worker: WorkerUser) -> str | None:
+    try:
+        hand_over(path, worker)
+    except OSError as exc:
+        return (
+            f"checkpoint directory {path}: cannot make {exc.filename or path} the worker "
+            f"user {worker.name}'s ({exc.strerror}); a network file system that squashes "
+            f"root refuses this: create the directory as uid {worker.uid} there, or set "
+            "SPOTTRAIN_WORKER_USER= (empty) to run the workers as root"
+        )
     return None

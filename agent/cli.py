@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the group's termination hook: completed once the emergency checkpoint commits",
     )
     run.add_argument("--rdzv-conf", default="", help="k=v,... passed to the Redis rendezvous")
+    run.add_argument(
+        "--worker-user",
+        default=env("SPOTTRAIN_WORKER_USER", ""),
+        help="run torchrun and the workers as this unprivileged user (the agent must be "
+        "root; the systemd unit sets spottrain); empty: the agent's own user",
+    )
 
     notify = sub.add_parser(
         "notify", help="inject a preemption notice for a node through Redis (local cloud)"
@@ -189,6 +195,7 @@ def _run(args: argparse.Namespace) -> int:
         asg_name=args.asg_name,
         asg_lifecycle_hook=args.asg_lifecycle_hook,
         rdzv_conf=conf,
+        worker_user=args.worker_user,
     )
     logging.basicConfig(
         level=logging.INFO,

@@ -31,6 +31,10 @@ PASSWORD_PATH = "/etc/spottrain/redis-password"
 VOLUME_ROOT = "/mnt/spottrain"
 JOB_DIR = "/opt/job"
 VENV = "/opt/spottrain/venv"
+# The unprivileged user torchrun and the workers run as (the unit's SPOTTRAIN_WORKER_USER).
+# Fixed ids: every VM writes the same shared checkpoint volume, which knows owners by number.
+WORKER_USER = "spottrain"
+WORKER_UID = 2470
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,22 @@ def _code_lines(spec: JobSpec, code: CodeRef) -> str:
     return f"docker pull {shlex.quote(spec.code.image)}\n"
 
 
+def worker_user_lines() -> str:
+    """Shell lines that create the workers' user with its fixed ids, or stop the boot when
+    the image has one with other ids (the Terraform templates hold the same lines)."""
+    u, i = WORKER_USER, WORKER_UID
+    return (
+        f"if ! id -u {u} >/dev/null 2>&1; then\n"
+        f"  getent group {u} >/dev/null || groupadd --system --gid {i} {u}\n"
+        f"  useradd --system --uid {i} --gid {i} --home-dir /var/lib/{u} --create-home "
+        f"--shell /usr/sbin/nologin {u}\n"
+        "fi\n"
+        f'[ "$(id -u {u}):$(id -g {u})" = {i}:{i} ] || {{ echo "spottrain: the user {u} is '
+        f"$(id -u {u}):$(id -g {u}), not {i}:{i}; VMs sharing the checkpoint volume need the "
+        f'same ids: give it these or remove it from the image" >&2; exit 1; }}\n'
+    )
+
+
 def _unit_lines(spec: JobSpec, ckpt_dir: str) -> str:
     """Install the packaged unit, plus a drop-in for what differs per job."""
     # The run's checkpoint directory is made once the volume is mounted (ExecStartPre runs
@@ -237,6 +257,7 @@ def render_boot_script(
         "exec >>/var/log/spottrain-boot.log 2>&1\n",
         # Not /opt/job: the code step creates it (an archive fetch refuses an existing one).
         "install -d -m 0755 /etc/spottrain /opt/spottrain\n",
+        worker_user_lines(),
         f"if [ ! -x {VENV}/bin/spottrain-agent ]; then\n",
         f"  python3 -m venv {VENV}\n",
         f"  {VENV}/bin/pip install -q {shlex.quote(requirement)}\n",

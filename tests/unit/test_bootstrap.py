@@ -22,6 +22,7 @@ from spottrain.bootstrap import (
     render_env_file,
     render_local_boot,
     run_ckpt_dir,
+    worker_user_lines,
 )
 from spottrain.spec import JobSpec, parse_spec
 
@@ -146,6 +147,12 @@ def test_the_unit_makes_the_runs_checkpoint_directory_once_the_volume_is_mounted
     drop_in = script[script.index("job.conf <<'UNIT'") :]
     ckpt = run_ckpt_dir(_spec(VALID), NODE)
     assert f"ExecStartPre=/bin/mkdir -p {ckpt}\n" in drop_in
+
+
+def test_boot_creates_the_workers_user_before_the_agent_starts() -> None:
+    # tests/integration/test_worker_user.py runs these lines in a throwaway namespace.
+    script = render_boot_script(_spec(VALID), NODE, REDIS)
+    assert script.index(worker_user_lines()) < script.index("systemctl enable --now")
 
 
 def test_a_volume_outside_mnt_spottrain_is_required_by_the_unit() -> None:

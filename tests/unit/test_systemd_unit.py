@@ -132,6 +132,123 @@ def test_env_example_train_command_splits_like_a_shell(
     assert shlex.split(inner[0])[-2:] == ["--name", "gpt 1.3b"]
 
 
+# Sandboxing. The hardening directives the unit may use, each with the only value that
+# still lets a node train on GPUs (why each is safe, and why the others are left out, is in
+# the unit's comments). A directive systemd knows as hardening that is not here fails the
+# test below: adding one means checking it against CUDA, NCCL, EFA and docker first.
+HARDENING_ALLOWED = {
+    "NoNewPrivileges": "yes",
+    "RestrictSUIDSGID": "yes",
+    "ProtectSystem": "full",
+    "ProtectHome": "yes",
+    "PrivateTmp": "yes",
+    "ProtectKernelTunables": "yes",
+    "ProtectKernelModules": "yes",
+    "ProtectKernelLogs": "yes",
+    "ProtectControlGroups": "yes",
+    "ProtectHostname": "yes",
+    "LockPersonality": "yes",
+    "RestrictRealtime": "yes",
+    "SystemCallArchitectures": "native",
+}
+# Each of these breaks GPU training: hides /dev/nvidia* or /dev/infiniband (PrivateDevices,
+# DevicePolicy, DeviceAllow, ProtectClock through its implied DeviceAllow=char-rtc), the
+# W+X pages CUDA and Triton JIT need (MemoryDenyWriteExecute), NCCL's and EFA's netlink and
+# unix sockets (RestrictAddressFamilies), shared memory, peers or device owners (PrivateIPC,
+# PrivateNetwork, PrivateUsers, IPAddressDeny), or a syscall a driver makes (SystemCallFilter).
+HARDENING_BREAKS_GPUS = {
+    "PrivateDevices",
+    "DevicePolicy",
+    "DeviceAllow",
+    "ProtectClock",
+    "MemoryDenyWriteExecute",
+    "RestrictAddressFamilies",
+    "PrivateIPC",
+    "PrivateNetwork",
+    "PrivateUsers",
+    "IPAddressDeny",
+    "SystemCallFilter",
+}
+# Every other sandboxing directive of systemd.exec(5) and systemd.resource-control(5): none
+# may appear unless moved to HARDENING_ALLOWED after checking it.
+HARDENING_UNCHECKED = {
+    "ProtectProc",
+    "ProcSubset",
+    "RestrictNamespaces",
+    "RestrictFileSystems",
+    "PrivateMounts",
+    "CapabilityBoundingSet",
+    "AmbientCapabilities",
+    "DynamicUser",
+    "RemoveIPC",
+    "ReadOnlyPaths",
+    "InaccessiblePaths",
+    "ReadWritePaths",
+    "TemporaryFileSystem",
+    "BindPaths",
+    "BindReadOnlyPaths",
+    "RootDirectory",
+    "RootImage",
+    "SystemCallErrorNumber",
+    "SocketBindDeny",
+    "SocketBindAllow",
+    "NetworkNamespacePath",
+    "IPCNamespacePath",
+    "KeyringMode",
+    "SecureBits",
+    "User",
+    "Group",
+    "SupplementaryGroups",
+    "MemoryMax",
+    "MemoryHigh",
+}
+
+
+def _hardening(unit: dict[str, dict[str, list[str]]]) -> dict[str, list[str]]:
+    known = set(HARDENING_ALLOWED) | HARDENING_BREAKS_GPUS | HARDENING_UNCHECKED
+    return {k: v for k, v in unit["Service"].items() if k in known}
+
+
+def test_hardening_is_exactly_the_allowlist(unit: dict[str, dict[str, list[str]]]) -> None:
+    assert _hardening(unit) == {k: [v] for k, v in HARDENING_ALLOWED.items()}
+
+
+def test_nothing_that_hides_gpus_or_breaks_nccl_is_set(
+    unit: dict[str, dict[str, list[str]]],
+) -> None:
+    assert not HARDENING_BREAKS_GPUS & set(unit["Service"])
+    # /dev/shm stays the host's: NCCL and data loaders need it large.
+    assert not any("/dev/shm" in v for vs in unit["Service"].values() for v in vs)
+
+
+def test_limits_let_rdma_pin_memory_and_workers_spawn_threads(
+    unit: dict[str, dict[str, list[str]]],
+) -> None:
+    assert one(unit, "Service", "LimitMEMLOCK") == "infinity"
+    assert one(unit, "Service", "TasksMax") == "infinity"
+
+
+def test_the_agent_stays_root_and_names_an_unprivileged_worker_user(
+    unit: dict[str, dict[str, list[str]]], env_example: dict[str, tuple[bool, str]]
+) -> None:
+    # docker, powering the VM off and reading the root-only password file need root.
+    assert "User" not in unit["Service"] and "DynamicUser" not in unit["Service"]
+    env = dict(e.split("=", 1) for e in unit["Service"]["Environment"])
+    assert env["SPOTTRAIN_WORKER_USER"] == "spottrain"
+    assert env_example["SPOTTRAIN_WORKER_USER"] == (False, "spottrain")
+
+
+def test_gpu_device_nodes_are_made_outside_the_sandbox(
+    unit: dict[str, dict[str, list[str]]],
+) -> None:
+    # NoNewPrivileges stops the setuid nvidia-modprobe that CUDA runs on first use, and
+    # ProtectKernelModules stops root loading nvidia-uvm: a "+" line does it before.
+    [pre] = [v for v in unit["Service"]["ExecStartPre"] if "nvidia-modprobe" in v]
+    flags, _, command = pre.partition("/")
+    assert set(flags) == {"-", "+"}
+    assert "nvidia-modprobe -u -c=0" in command
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not here")
 def test_systemd_itself_accepts_every_setting(tmp_path: Path) -> None:
     # verify refuses a missing ExecStart binary, which only exists on a VM: point it at one

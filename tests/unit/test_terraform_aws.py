@@ -25,7 +25,7 @@ from terraform_hcl import TERRAFORM, Module, clean, load_module, render_template
 from spottrain import __version__
 from spottrain import cli as spottrain_cli
 from spottrain.agent import cli as agent_cli
-from spottrain.bootstrap import parse_env_file
+from spottrain.bootstrap import parse_env_file, worker_user_lines
 from spottrain.cloud.base import TAG_JOB
 from spottrain.spec import FleetSpec
 
@@ -734,6 +734,14 @@ def test_boot_installs_the_packaged_unit_with_the_job_directory(mod: Module) -> 
     assert "[Service]\nWorkingDirectory=/opt/job\nUNIT\n" in script
     assert script.rstrip().splitlines()[-2] == "systemctl enable --now spottrain-agent.service"
     assert _packaged_unit().count("EnvironmentFile=/etc/spottrain/agent.env") == 1
+
+
+def test_boot_creates_the_workers_user_before_the_agent_starts(mod: Module) -> None:
+    # The same lines as the controller's own VMs (tests/integration/test_worker_user.py runs
+    # them): a fixed uid, as the shared checkpoint volume needs.
+    script = _render(mod)
+    assert worker_user_lines() in script
+    assert script.index(worker_user_lines()) < script.index("systemctl enable --now")
 
 
 # --- the controller VM -----------------------------------------------------------------------

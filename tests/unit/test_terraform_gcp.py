@@ -20,7 +20,7 @@ from terraform_hcl import TERRAFORM, Module, clean, load_module, render_template
 
 from spottrain import cli as spottrain_cli
 from spottrain.agent import cli as agent_cli
-from spottrain.bootstrap import _unit_lines, parse_env_file
+from spottrain.bootstrap import _unit_lines, parse_env_file, worker_user_lines
 from spottrain.cloud.base import TAG_JOB
 from spottrain.spec import parse_spec
 
@@ -490,6 +490,14 @@ def test_startup_script_pins_spottrain_and_installs_the_packaged_unit(mod: Modul
     )
     assert "gcloud secrets versions access latest --secret=" in script
     assert "-H 'Metadata-Flavor: Google'" in script
+
+
+def test_startup_script_creates_the_workers_user_before_the_agent_starts(mod: Module) -> None:
+    # The same lines as the controller's own VMs (tests/integration/test_worker_user.py runs
+    # them): a fixed uid, as the shared checkpoint volume needs.
+    script, _ = _render_startup(mod)
+    assert worker_user_lines() in script
+    assert script.index(worker_user_lines()) < script.index("systemctl enable --now")
 
 
 def test_controller_script_runs_real_spottrain_commands(mod: Module) -> None:
