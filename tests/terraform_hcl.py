@@ -8,7 +8,10 @@ Expressions stay as text (``"${var.x > 0}"``) and tests look into them as text.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,3 +126,32 @@ def render_template(text: str, values: dict[str, str]) -> str:
     escaped = text.replace("$${", "\0")
     out = _TEMPLATE_REF.sub(lambda m: values[m.group(1)], escaped)
     return out.replace("\0", "${").replace("%%{", "%{")
+
+
+def block_text(text: str, header: str) -> str:
+    """The source of one top-level block (``variable "x" {`` ... its closing ``}``), as
+    written, for a scratch module that evaluates it with a real Terraform."""
+    start = text.index(header + " {\n")
+    end = text.index("\n}\n", start) + 3
+    return text[start:end]
+
+
+def terraform_console(
+    module_text: str, expression: str, variables: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Evaluate ``expression`` with ``terraform console`` in a scratch module holding only
+    ``module_text`` (no provider, no state), with ``-var`` for each of ``variables``.
+    A refused variable does not change the exit status: its ``Error:`` is on stderr.
+    The caller skips when there is no ``terraform`` on PATH."""
+    args = [f"-var={k}={v}" for k, v in (variables or {}).items()]
+    with tempfile.TemporaryDirectory() as scratch:
+        Path(scratch, "main.tf").write_text(module_text)
+        return subprocess.run(
+            ["terraform", "console", "-no-color", *args],
+            input=expression + "\n",
+            cwd=scratch,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "TF_CLI_CONFIG_FILE": os.devnull, "CHECKPOINT_DISABLE": "1"},
+        )

@@ -37,6 +37,8 @@ locals {
 
   initial_size = var.initial_size == null ? var.nodes_max : var.initial_size
 
+  redis_subnet_ids = length(var.elasticache_subnet_ids) > 0 ? var.elasticache_subnet_ids : var.subnet_ids
+
   # The group's ARN as IAM sees it, built from the name (the group's id is random), so the
   # agents' policy exists before the group launches its first VM.
   asg_arn = "arn:${local.partition}:autoscaling:${local.region}:${local.account_id}:autoScalingGroup:*:autoScalingGroupName/${local.asg_name}"

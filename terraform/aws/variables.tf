@@ -465,13 +465,25 @@ variable "elasticache_node_type" {
 
 variable "elasticache_num_nodes" {
   type        = number
-  description = "ElastiCache nodes (a primary and replicas); 2 or more turns on automatic failover."
+  description = "ElastiCache nodes: a primary and 1 to 5 replicas, spread over zones (Multi-AZ, automatic failover)."
   default     = 2
   nullable    = false
 
   validation {
-    condition     = var.elasticache_num_nodes >= 1 && var.elasticache_num_nodes <= 6 && floor(var.elasticache_num_nodes) == var.elasticache_num_nodes
-    error_message = "elasticache_num_nodes must be a whole number from 1 to 6."
+    condition     = var.elasticache_num_nodes >= 2 && var.elasticache_num_nodes <= 6 && floor(var.elasticache_num_nodes) == var.elasticache_num_nodes
+    error_message = "elasticache_num_nodes must be a whole number from 2 to 6: one node has no replica, and losing it stops every membership change of the job."
+  }
+}
+
+variable "elasticache_subnet_ids" {
+  type        = list(string)
+  description = "Subnets of the ElastiCache replication group, in at least two availability zones (Multi-AZ) of the fleet's VPC; empty: subnet_ids."
+  default     = []
+  nullable    = false
+
+  validation {
+    condition     = alltrue([for id in var.elasticache_subnet_ids : can(regex("^subnet-[0-9a-f]+$", id))])
+    error_message = "elasticache_subnet_ids must be subnet ids (subnet-...)."
   }
 }
 

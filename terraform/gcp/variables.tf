@@ -272,7 +272,7 @@ variable "git_subdir" {
 
 variable "checkpoint_copy_to" {
   type        = string
-  description = "Cloud Storage prefix (gs://BUCKET/PREFIX) every node copies the checkpoints it commits to, so the job can move zones; empty for none. The nodes get storage.objectAdmin on that bucket only."
+  description = "Cloud Storage prefix (gs://BUCKET/PREFIX) every node copies the checkpoints it commits to, so the job can move zones; empty for none. The nodes get storage.objectAdmin under <checkpoint_copy_to>/<run_id>/ only (an IAM condition: the bucket needs uniform bucket-level access)."
   default     = ""
 
   validation {

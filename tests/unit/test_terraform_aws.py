@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import stat
 import subprocess
 from importlib import resources
@@ -20,7 +21,16 @@ from typing import Any
 
 import hcl2
 import pytest
-from terraform_hcl import TERRAFORM, Module, clean, load_module, render_template, template_names
+from terraform_hcl import (
+    TERRAFORM,
+    Module,
+    block_text,
+    clean,
+    load_module,
+    render_template,
+    template_names,
+    terraform_console,
+)
 
 from spottrain import __version__
 from spottrain import cli as spottrain_cli
@@ -509,6 +519,36 @@ def test_redis_port_opens_only_to_the_fleet_and_the_controller(mod: Module) -> N
     cache = mod.resources("aws_elasticache_replication_group")["redis"]
     assert [_ref(g) for g in cache["security_group_ids"]] == ["aws_security_group.redis.id"]
     assert cache["transit_encryption_enabled"] is True
+
+
+def test_elasticache_has_a_replica_in_another_zone_and_fails_over(mod: Module) -> None:
+    cache = mod.resources("aws_elasticache_replication_group")["redis"]
+    assert cache["automatic_failover_enabled"] is True
+    assert cache["multi_az_enabled"] is True
+    assert _ref(cache["num_cache_clusters"]) == "var.elasticache_num_nodes"
+    (nodes,) = [v["condition"] for v in _validations(mod, "elasticache_num_nodes")]
+    assert "var.elasticache_num_nodes >= 2" in nodes
+    zones = " ".join(p["condition"] for p in _plain(cache["lifecycle"][0]["precondition"]))
+    assert "data.aws_subnet.redis" in zones and ">= 2" in zones
+    group = mod.resources("aws_elasticache_subnet_group")["redis"]
+    assert _ref(group["subnet_ids"]) == "local.redis_subnet_ids"
+
+
+@pytest.mark.skipif(shutil.which("terraform") is None, reason="no terraform binary here")
+@pytest.mark.parametrize(("nodes", "accepted"), [(1, False), (2, True), (6, True), (7, False)])
+def test_terraform_refuses_an_elasticache_without_a_replica(
+    mod: Module, nodes: int, accepted: bool
+) -> None:
+    variable = block_text(mod.texts["variables.tf"], 'variable "elasticache_num_nodes"')
+    out = terraform_console(
+        variable, "var.elasticache_num_nodes", {"elasticache_num_nodes": str(nodes)}
+    )
+    refused = "Error: Invalid value for variable" in out.stderr
+    assert refused is not accepted, out.stderr
+    if accepted:
+        assert out.stdout.strip() == str(nodes)
+    else:
+        assert "from 2 to 6: one node has no replica" in " ".join(out.stderr.split())
 
 
 def test_fleet_members_reach_each_other_on_every_port(mod: Module) -> None:

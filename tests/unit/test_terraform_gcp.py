@@ -8,6 +8,7 @@ import base64
 import json
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,21 @@ import hcl2
 import pytest
 import yaml
 from spec_samples import COMMIT, VALID, _with
-from terraform_hcl import TERRAFORM, Module, clean, load_module, render_template, template_names
+from terraform_hcl import (
+    TERRAFORM,
+    Module,
+    clean,
+    load_module,
+    render_template,
+    template_names,
+    terraform_console,
+)
 
 from spottrain import cli as spottrain_cli
 from spottrain.agent import cli as agent_cli
 from spottrain.bootstrap import _unit_lines, parse_env_file, worker_user_lines
 from spottrain.cloud.base import TAG_JOB
+from spottrain.cloud.storage import parse_store_url
 from spottrain.spec import parse_spec
 
 MODULE_DIR = TERRAFORM / "gcp"
@@ -391,6 +401,62 @@ def test_service_account_grants_are_scoped(mod: Module) -> None:
     assert secret["count"] == '${var.redis_password_secret != "" ? 1 : 0}'
     copy = mod.resources("google_storage_bucket_iam_member")["fleet_ckpt_copy"]
     assert copy["role"] == "roles/storage.objectAdmin" and copy["bucket"] == "${local.copy_bucket}"
+
+
+def test_copy_bucket_grant_is_limited_to_the_runs_prefix(mod: Module) -> None:
+    copy = mod.resources("google_storage_bucket_iam_member")["fleet_ckpt_copy"]
+    (condition,) = copy["condition"]
+    expression = condition["expression"]
+    # Objects by name, under the run's prefix only; a list only when it asks for that prefix.
+    objects = 'resource.name.startsWith(\\"projects/_/buckets/${local.copy_bucket}/objects/'
+    assert objects + '${local.copy_run_prefix}\\")' in expression
+    listing = (
+        'resource.type == \\"storage.googleapis.com/Bucket\\" && api.getAttribute('
+        '\\"storage.googleapis.com/objectListPrefix\\", \\"\\").startsWith('
+        '\\"${local.copy_run_prefix}\\")'
+    )
+    assert listing in expression
+    assert expression.count("||") == 1 and "&&" in expression
+
+
+def _eval_locals(mod: Module, names: list[str], variables: dict[str, str]) -> dict[str, str]:
+    """The module's own expressions for ``names``, evaluated by a real Terraform in a
+    scratch module that declares only ``variables``."""
+    locals_ = _locals(mod)
+    body = "".join(f'variable "{k}" {{\n  type = string\n}}\n' for k in variables)
+    body += "locals {\n" + "".join(f"  {n} = {locals_[n][2:-1]}\n" for n in names) + "}\n"
+    got = {}
+    for n in names:
+        out = terraform_console(body, f"local.{n}", variables)
+        assert out.returncode == 0 and "Error" not in out.stderr, out.stderr
+        got[n] = json.loads(out.stdout.strip())
+    return got
+
+
+@pytest.mark.skipif(shutil.which("terraform") is None, reason="no terraform binary here")
+@pytest.mark.parametrize(
+    ("copy_to", "prefix"),
+    [
+        ("gs://acme-ckpt", "r-1/"),
+        ("gs://acme-ckpt/", "r-1/"),
+        ("gs://acme-ckpt/teams/nlp", "teams/nlp/r-1/"),
+        ("gs://acme-ckpt/teams/nlp/", "teams/nlp/r-1/"),
+    ],
+)
+def test_the_granted_prefix_is_where_the_agent_writes(
+    mod: Module, copy_to: str, prefix: str
+) -> None:
+    got = _eval_locals(
+        mod,
+        ["copy_bucket", "copy_path", "copy_run_prefix"],
+        {"checkpoint_copy_to": copy_to, "run_id": "r-1"},
+    )
+    assert got["copy_bucket"] == "acme-ckpt"
+    assert got["copy_run_prefix"] == prefix
+    # The agent's own object names: the store's path, then the run id (agent/ckpt_copy.py).
+    store = parse_store_url(copy_to)
+    agent_prefix = "/".join(p for p in (store.path, "r-1") if p) + "/"
+    assert (store.bucket, agent_prefix) == (got["copy_bucket"], got["copy_run_prefix"])
 
 
 # -- the startup scripts ---------------------------------------------------------------------
