@@ -166,7 +166,9 @@ def _code_lines(spec: JobSpec, code: CodeRef) -> str:
 
 def worker_user_lines() -> str:
     """Shell lines that create the workers' user with its fixed ids, or stop the boot when
-    the image has one with other ids (the Terraform templates hold the same lines)."""
+    the image has one with other ids (the Terraform templates hold the same lines). The user
+    joins ``video`` and ``render`` where the image has them: some distributions give GPU
+    device files to those groups instead of mode 0666."""
     u, i = WORKER_USER, WORKER_UID
     return (
         f"if ! id -u {u} >/dev/null 2>&1; then\n"
@@ -177,6 +179,8 @@ def worker_user_lines() -> str:
         f'[ "$(id -u {u}):$(id -g {u})" = {i}:{i} ] || {{ echo "spottrain: the user {u} is '
         f"$(id -u {u}):$(id -g {u}), not {i}:{i}; VMs sharing the checkpoint volume need the "
         f'same ids: give it these or remove it from the image" >&2; exit 1; }}\n'
+        'for g in video render; do if getent group "$g" >/dev/null; then '
+        f'usermod -a -G "$g" {u}; fi; done\n'
     )
 
 

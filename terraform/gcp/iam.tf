@@ -27,8 +27,8 @@ resource "google_secret_manager_secret_iam_member" "fleet_redis_password" {
 # (cloud/storage.py's upload_dir), and a restore lists and reads the copies. Only under this
 # run's prefix: a node of one run must not overwrite or delete another run's checkpoints in a
 # shared bucket. Objects are matched by name; a list (a bucket-level call) by the prefix it
-# asks for, which the agent always gives. IAM conditions need uniform bucket-level access on
-# the bucket.
+# asks for, which the agent always gives (only a list has that attribute, and the run's
+# prefix is never empty). IAM conditions need uniform bucket-level access on the bucket.
 resource "google_storage_bucket_iam_member" "fleet_ckpt_copy" {
   count  = local.copy_bucket != "" ? 1 : 0
   bucket = local.copy_bucket
@@ -38,7 +38,7 @@ resource "google_storage_bucket_iam_member" "fleet_ckpt_copy" {
   condition {
     title       = "spottrain-run-${substr(sha1(var.run_id), 0, 12)}"
     description = "Checkpoint copies of spottrain run ${var.run_id} only"
-    expression  = "resource.name.startsWith(\"projects/_/buckets/${local.copy_bucket}/objects/${local.copy_run_prefix}\") || (resource.type == \"storage.googleapis.com/Bucket\" && api.getAttribute(\"storage.googleapis.com/objectListPrefix\", \"\").startsWith(\"${local.copy_run_prefix}\"))"
+    expression  = "resource.name.startsWith(\"projects/_/buckets/${local.copy_bucket}/objects/${local.copy_run_prefix}\") || api.getAttribute(\"storage.googleapis.com/objectListPrefix\", \"\").startsWith(\"${local.copy_run_prefix}\")"
   }
 }
 

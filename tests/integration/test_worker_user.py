@@ -91,7 +91,7 @@ def test_boot_creates_the_worker_user_with_fixed_ids_once(namespaces: None) -> N
     lines = worker_user_lines()
     res = in_namespace(
         f"{lines}\nid -u {WORKER_USER}; id -g {WORKER_USER}\n{lines}\n"
-        f"getent passwd {WORKER_USER}; stat -c %U {pwd_home()}",
+        f"getent passwd {WORKER_USER}; stat -c %U {pwd_home()}; id -Gn {WORKER_USER} | tr ' ' ,",
         ("/etc", "/var/lib"),
     )
     assert res.returncode == 0, res.stderr
@@ -101,6 +101,10 @@ def test_boot_creates_the_worker_user_with_fixed_ids_once(namespaces: None) -> N
     assert fields[0] == WORKER_USER and fields[2] == fields[3] == str(WORKER_UID)
     assert fields[6].endswith("nologin"), "nobody logs in as the workers' user"
     assert out[3] == WORKER_USER, "its home (the workers' caches) is its own"
+    groups = set(out[4].split(","))
+    for gpu_group in ("video", "render"):
+        if _group_exists(gpu_group):
+            assert gpu_group in groups, f"GPU device files may belong to {gpu_group}"
     assert f":x:{WORKER_UID}:" not in Path("/etc/passwd").read_text(), "the host is untouched"
 
 
@@ -113,6 +117,10 @@ def test_boot_stops_when_the_image_has_the_user_with_other_ids(namespaces: None)
     assert res.returncode == 1
     assert "reached" not in res.stdout
     assert f"is 2471:2471, not {WORKER_UID}:{WORKER_UID}" in res.stderr
+
+
+def _group_exists(name: str) -> bool:
+    return subprocess.run(["getent", "group", name], capture_output=True).returncode == 0
 
 
 def pwd_home() -> str:
