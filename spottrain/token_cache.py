@@ -12,9 +12,24 @@ in seconds instead of tokenizing again::
 **Key.** ``sha256`` over a format version, the tokenizer's identity (``name``,
 ``fingerprint()``, ``vocab_size``) and each source file in order: its name (the basename of
 a file given directly, ``<dir>/<relative path>`` for the files of a directory, sorted), its
-size and its bytes, streamed. A different corpus or tokenizer gets a different cache; the
-same one found under another mount point gets the same. Every open reads the whole corpus
-once to hash it (sha256 runs at about 1 GB/s per core).
+size and the sha256 of its bytes. A different corpus or tokenizer gets a different cache; the
+same one found under another mount point gets the same.
+
+**Hashing once.** Each file's sha256 is kept in ``cache_dir/digests/``, one small JSON file
+named by the file's path and identity: its size, ``st_mtime_ns``, ``st_ctime_ns`` and inode.
+An open whose sources keep their identity stats them and reads nothing (a backfilled node
+starts without reading the corpus); a file that changed in any way the kernel records (an
+edit, ``cp`` over it, a restored mtime: ``ctime`` still moves) is hashed again. A node that
+has its own copy of the corpus hashes it once. The digests are only a shortcut to the key:
+a build hashes each source again as it tokenizes it and refuses to commit tokens whose
+sources no longer match. ``TokenCache.hashed_bytes`` says how much an open read to hash.
+
+**Parallel tokenizing.** A build cuts the sources into chunks that end at a newline and,
+with ``workers`` above 1, tokenizes them in that many processes (``spawn``), writing the
+results in order: the token file is byte for byte the one a serial build writes. A
+tokenizer that cannot be pickled, or declares ``parallel = False``, is run serially, and so
+is a corpus below ``parallel_min_bytes`` (starting the processes costs more than it saves).
+The default is one worker per core, up to 8.
 
 **Files**, in ``cache_dir``: ``<key>.tokens`` (the ids, little-endian ``uint16`` when the
 vocabulary has at most 65535 entries, else ``uint32``), ``<key>.json`` (the manifest: key,
@@ -53,11 +68,15 @@ import fcntl
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
+import pickle
 import socket
 import stat
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -79,9 +98,13 @@ __all__ = [
 log = logging.getLogger("spottrain.token_cache")
 
 # Part of the key: a change to the file layout or to how sources are read makes old caches
-# misses instead of misreads.
-FORMAT_VERSION = 1
+# misses instead of misreads. 2: a source enters the key by its own sha256, not its bytes.
+FORMAT_VERSION = 2
 DEFAULT_CHUNK_BYTES = 8 << 20
+# Below this a build runs serially: spawning tokenizer processes (each imports the
+# tokenizer's module afresh) costs seconds.
+DEFAULT_PARALLEL_MIN_BYTES = 64 << 20
+DIGESTS_DIR = "digests"
 _READ_BYTES = 1 << 20
 _DTYPES = ("<u2", "<u4")
 
@@ -91,6 +114,10 @@ PathLike = str | os.PathLike[str]
 
 class TokenCacheError(RuntimeError):
     """The cache cannot be opened or built; the message says why and what to do."""
+
+
+class _SourceChanged(TokenCacheError):
+    """A source's bytes are not those its digest says (it changed, or a digest is stale)."""
 
 
 class Tokenizer(Protocol):
@@ -110,6 +137,10 @@ class Tokenizer(Protocol):
     def fingerprint(self) -> str: ...
 
     def encode(self, text: str) -> Sequence[int]: ...
+
+
+# A tokenizer may set ``parallel = False`` (a class or instance attribute) when ``encode``
+# must run in the calling process: one that holds a GPU, a lock or a connection.
 
 
 class ByteTokenizer:
@@ -138,6 +169,9 @@ class TokenCache:
     path: Path
     manifest_path: Path
     manifest: dict[str, Any]
+    # Bytes of the sources this open read to compute the key: 0 when every source kept the
+    # identity its digest was recorded under.
+    hashed_bytes: int = 0
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -148,6 +182,8 @@ class _Source:
     path: Path
     name: str
     size: int
+    # Changes whenever the file's bytes can have changed (see the module docstring).
+    identity: str
 
 
 @dataclass(frozen=True)
@@ -201,9 +237,9 @@ def _resolve_sources(sources: PathLike | Sequence[PathLike]) -> list[_Source]:
             )
             for member in members:
                 name = f"{path.name}/{member.relative_to(path).as_posix()}"
-                out.append(_Source(member, name, _source_size(member)))
+                out.append(_stat_source(member, name))
         else:
-            out.append(_Source(path, path.name, _source_size(path)))
+            out.append(_stat_source(path, path.name))
     return out
 
 
@@ -219,7 +255,7 @@ def _unreadable(path: Path, exc: OSError) -> TokenCacheError:
     )
 
 
-def _source_size(path: Path) -> int:
+def _stat_source(path: Path, name: str) -> _Source:
     try:
         st = path.stat()
         if not stat.S_ISREG(st.st_mode):  # before opening: a FIFO would block the open
@@ -229,7 +265,13 @@ def _source_size(path: Path) -> int:
             pass
     except OSError as exc:
         raise _unreadable(path, exc) from exc
-    return st.st_size
+    return _Source(path, name, st.st_size, _identity(st))
+
+
+def _identity(st: os.stat_result) -> str:
+    # No st_dev: the same file on a shared volume has one inode but a different device
+    # number on each host, and should be hashed once for all of them.
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
 
 
 def _field(h: hashlib._Hash, value: str) -> None:
@@ -261,27 +303,109 @@ def _changed(src: _Source) -> TokenCacheError:
     )
 
 
-def _key(srcs: list[_Source], tokenizer: Tokenizer) -> str:
-    h = _key_hasher(tokenizer, len(srcs))
-    for src in srcs:
-        _field(h, src.name)
-        _field(h, str(src.size))
-        read = 0
-        try:
-            with open(src.path, "rb") as f:
-                while block := f.read(_READ_BYTES):
-                    h.update(block)
-                    read += len(block)
-        except OSError as exc:
-            raise _read_error(src, exc) from exc
-        if read != src.size:
-            raise _changed(src)
+def _file_sha256(src: _Source) -> str:
+    h = hashlib.sha256()
+    read = 0
+    try:
+        with open(src.path, "rb") as f:
+            while block := f.read(_READ_BYTES):
+                h.update(block)
+                read += len(block)
+            after = os.fstat(f.fileno())
+    except OSError as exc:
+        raise _read_error(src, exc) from exc
+    if read != src.size or _identity(after) != src.identity:
+        raise _changed(src)
     return h.hexdigest()
 
 
-def cache_key(sources: PathLike | Sequence[PathLike], tokenizer: Tokenizer) -> str:
-    """The key ``open_tokens`` would use for these sources and this tokenizer."""
-    return _key(_resolve_sources(sources), tokenizer)
+@dataclass(frozen=True)
+class _Digests:
+    """The sources' digests kept in ``cache_dir/digests`` (None: hash every open)."""
+
+    root: Path | None
+
+    def _entry(self, src: _Source) -> Path | None:
+        if self.root is None:
+            return None
+        ident = hashlib.sha256(f"{src.path.resolve()}\0{src.identity}".encode()).hexdigest()
+        return self.root / f"{ident[:40]}.json"
+
+    def recall(self, src: _Source) -> str | None:
+        entry = self._entry(src)
+        if entry is None:
+            return None
+        try:
+            found = json.loads(entry.read_bytes())
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring the unreadable source digest %s (%s)", entry, exc)
+            return None
+        ok = (
+            isinstance(found, dict)
+            and found.get("identity") == src.identity
+            and isinstance(found.get("sha256"), str)
+            and len(found["sha256"]) == 64
+        )
+        return str(found["sha256"]) if ok else None
+
+    def forget(self, src: _Source) -> None:
+        entry = self._entry(src)
+        if entry is not None:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+
+    def remember(self, src: _Source, digest: str) -> None:
+        entry = self._entry(src)
+        if entry is None:
+            return
+        record = {"path": str(src.path.resolve()), "identity": src.identity, "sha256": digest}
+        tmp = entry.with_name(f"{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, entry)
+        except OSError as exc:
+            # A read-only cache directory: the key is still right, the next open hashes again.
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            log.debug("cannot record the digest of %s in %s: %s", src.path, entry.parent, exc)
+
+
+@dataclass(frozen=True)
+class _Keyed:
+    key: str
+    digests: list[str]  # each source's sha256, in order
+    hashed_bytes: int  # read to compute them (0: all recalled)
+
+
+def _key(srcs: list[_Source], tokenizer: Tokenizer, digests: _Digests) -> _Keyed:
+    h = _key_hasher(tokenizer, len(srcs))
+    hashed = 0
+    found: list[str] = []
+    for src in srcs:
+        _field(h, src.name)
+        _field(h, str(src.size))
+        digest = digests.recall(src)
+        if digest is None:
+            digest = _file_sha256(src)
+            hashed += src.size
+            digests.remember(src, digest)
+        _field(h, digest)
+        found.append(digest)
+    return _Keyed(h.hexdigest(), found, hashed)
+
+
+def cache_key(
+    sources: PathLike | Sequence[PathLike],
+    tokenizer: Tokenizer,
+    cache_dir: PathLike | None = None,
+) -> str:
+    """The key ``open_tokens`` would use for these sources and this tokenizer (reading the
+    digests recorded in ``cache_dir``, when given)."""
+    digests = _Digests(Path(cache_dir) / DIGESTS_DIR if cache_dir is not None else None)
+    return _key(_resolve_sources(sources), tokenizer, digests).key
 
 
 # -- file system helpers ----------------------------------------------------------------------
@@ -448,91 +572,168 @@ def _timeout_message(paths: _Paths, timeout_s: float) -> str:
 
 
 # -- build ------------------------------------------------------------------------------------
+def _encode_piece(
+    tokenizer: Tokenizer, dtype: str, path: str, piece: bytes, offset: int
+) -> tuple[bytes, int]:
+    """One newline-ended piece of a source as token bytes, and how many tokens they are."""
+    try:
+        text = piece.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TokenCacheError(
+            f"source {path} is not UTF-8 text (byte {offset + exc.start}); the token "
+            "cache tokenizes text files: convert it to UTF-8 or leave it out"
+        ) from exc
+    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    if ids.ndim != 1:
+        raise TokenCacheError(f"tokenizer {tokenizer.name} returned a {ids.ndim}-d array")
+    vocab = tokenizer.vocab_size
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise TokenCacheError(
+            f"tokenizer {tokenizer.name} returned ids outside [0, {vocab}) for {path}: "
+            f"min {int(ids.min())}, max {int(ids.max())}; fix its vocab_size"
+        )
+    return ids.astype(dtype).tobytes(), int(ids.size)
+
+
+# The tokenizer of a tokenizing process, sent once when the process starts.
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _start_worker(pickled: bytes) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = pickle.loads(pickled)
+
+
+def _encode_in_worker(dtype: str, path: str, piece: bytes, offset: int) -> tuple[bytes, int]:
+    assert _worker_tokenizer is not None, "tokenizing process started without its tokenizer"
+    return _encode_piece(_worker_tokenizer, dtype, path, piece, offset)
+
+
+def _pieces(
+    srcs: list[_Source], digests: list[str], chunk_bytes: int
+) -> Iterator[tuple[_Source, bytes, int]]:
+    """Each source in newline-ended pieces of about ``chunk_bytes``, in order, with each
+    piece's offset; raises once a source turns out not to be what its digest says."""
+    for src, want in zip(srcs, digests, strict=True):
+        h = hashlib.sha256()
+        read = 0
+        pending = bytearray()  # bytes after the last newline, waiting for more
+        try:
+            f = open(src.path, "rb")  # noqa: SIM115 - closed by the with below
+        except OSError as exc:
+            raise _read_error(src, exc) from exc
+        with f:
+            while True:
+                try:
+                    block = f.read(chunk_bytes)
+                except OSError as exc:
+                    raise _read_error(src, exc) from exc
+                if not block:
+                    break
+                h.update(block)
+                read += len(block)
+                # Search the new block only, so a long line is not scanned again on every
+                # read.
+                cut = block.rfind(b"\n")
+                if cut < 0:
+                    pending += block
+                    continue
+                piece = bytes(pending) + block[: cut + 1]
+                yield src, piece, read - len(block) - len(pending)
+                pending = bytearray(block[cut + 1 :])
+            if pending:
+                yield src, bytes(pending), read - len(pending)
+        if read != src.size:
+            raise _changed(src)
+        # Tokens from a file that changed since the key was computed must not be committed
+        # under that key.
+        if h.hexdigest() != want:
+            raise _SourceChanged(
+                f"source {src.path} changed between hashing and tokenizing; the token cache "
+                "needs sources that stay the same: finish writing them, then run again"
+            )
+
+
+def _parallelism(tokenizer: Tokenizer, workers: int | None, total: int, min_bytes: int) -> int:
+    if workers is None:
+        workers = min(8, os.cpu_count() or 1)
+    if workers <= 1 or total < min_bytes:
+        return 1
+    if getattr(tokenizer, "parallel", True) is False:
+        return 1
+    try:
+        pickle.dumps(tokenizer)
+    except Exception as exc:  # any pickling failure means "not in processes"
+        log.info("tokenizer %s cannot be pickled (%s): tokenizing serially", tokenizer.name, exc)
+        return 1
+    return workers
+
+
+def _tokenized(
+    tokenizer: Tokenizer,
+    dtype: str,
+    pieces: Iterator[tuple[_Source, bytes, int]],
+    workers: int,
+) -> Iterator[tuple[bytes, int]]:
+    """The token bytes of each piece, in the order of the pieces."""
+    if workers <= 1:
+        for src, piece, offset in pieces:
+            yield _encode_piece(tokenizer, dtype, str(src.path), piece, offset)
+        return
+    # spawn, not fork: the caller is often a training process with threads (torch, NCCL)
+    # that a forked child would inherit in whatever state they were.
+    pool = ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_start_worker,
+        initargs=(pickle.dumps(tokenizer),),
+    )
+    inflight: deque[Future[tuple[bytes, int]]] = deque()
+    try:
+        for src, piece, offset in pieces:
+            inflight.append(pool.submit(_encode_in_worker, dtype, str(src.path), piece, offset))
+            # Two pieces a process keeps them busy and bounds memory to a few chunks.
+            if len(inflight) >= 2 * workers:
+                yield inflight.popleft().result()
+        while inflight:
+            yield inflight.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _build(
-    paths: _Paths, srcs: list[_Source], tokenizer: Tokenizer, chunk_bytes: int
+    paths: _Paths,
+    srcs: list[_Source],
+    digests: list[str],
+    tokenizer: Tokenizer,
+    chunk_bytes: int,
+    workers: int,
 ) -> dict[str, Any]:
     started = time.time()
     dtype = token_dtype(tokenizer.vocab_size)
     vocab = tokenizer.vocab_size
     total = sum(s.size for s in srcs)
     log.info(
-        "building token cache %s in %s: %d source(s), %d bytes, tokenizer %s",
+        "building token cache %s in %s: %d source(s), %d bytes, tokenizer %s, %d process(es)",
         paths.key,
         paths.root,
         len(srcs),
         total,
         tokenizer.name,
+        workers,
     )
     tmp = paths.tmp(paths.tokens)
-    # The sources are hashed again as they are tokenized: tokens from a file that changed
-    # since the key was computed must not be committed under that key.
-    again = _key_hasher(tokenizer, len(srcs))
     digest = hashlib.sha256()
     count = 0
-
-    def emit(out: Any, src: _Source, piece: bytes, offset: int) -> None:
-        nonlocal count
-        try:
-            text = piece.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise TokenCacheError(
-                f"source {src.path} is not UTF-8 text (byte {offset + exc.start}); the token "
-                "cache tokenizes text files: convert it to UTF-8 or leave it out"
-            ) from exc
-        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
-        if ids.ndim != 1:
-            raise TokenCacheError(f"tokenizer {tokenizer.name} returned a {ids.ndim}-d array")
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise TokenCacheError(
-                f"tokenizer {tokenizer.name} returned ids outside [0, {vocab}) for {src.path}: "
-                f"min {int(ids.min())}, max {int(ids.max())}; fix its vocab_size"
-            )
-        data = ids.astype(dtype).tobytes()
-        out.write(data)
-        digest.update(data)
-        count += int(ids.size)
-
     try:
         with open(tmp, "wb") as out:
-            for src in srcs:
-                _field(again, src.name)
-                _field(again, str(src.size))
-                read = 0
-                pending = bytearray()  # bytes after the last newline, waiting for more
-                try:
-                    f = open(src.path, "rb")  # noqa: SIM115 - closed by the with below
-                except OSError as exc:
-                    raise _read_error(src, exc) from exc
-                with f:
-                    while True:
-                        try:
-                            block = f.read(chunk_bytes)
-                        except OSError as exc:
-                            raise _read_error(src, exc) from exc
-                        if not block:
-                            break
-                        again.update(block)
-                        read += len(block)
-                        # Search the new block only, so a long line is not scanned again
-                        # on every read.
-                        cut = block.rfind(b"\n")
-                        if cut < 0:
-                            pending += block
-                            continue
-                        piece = bytes(pending) + block[: cut + 1]
-                        emit(out, src, piece, read - len(block) - len(pending))
-                        pending = bytearray(block[cut + 1 :])
-                    if pending:
-                        emit(out, src, bytes(pending), read - len(pending))
-                if read != src.size:
-                    raise _changed(src)
+            pieces = _pieces(srcs, digests, chunk_bytes)
+            for data, n in _tokenized(tokenizer, dtype.str, pieces, workers):
+                out.write(data)
+                digest.update(data)
+                count += n
             out.flush()
             os.fsync(out.fileno())
-        if again.hexdigest() != paths.key:
-            raise TokenCacheError(
-                "a source changed between hashing and tokenizing; the token cache needs "
-                "sources that stay the same: finish writing them, then run again"
-            )
         os.replace(tmp, paths.tokens)
     except OSError as exc:
         _unlink(tmp)
@@ -552,9 +753,12 @@ def _build(
             "fingerprint": tokenizer.fingerprint(),
             "vocab_size": vocab,
         },
-        "sources": [{"name": s.name, "size": s.size} for s in srcs],
+        "sources": [
+            {"name": s.name, "size": s.size, "sha256": d}
+            for s, d in zip(srcs, digests, strict=True)
+        ],
         "created_at": time.time(),
-        "builder": {"host": socket.gethostname(), "pid": os.getpid()},
+        "builder": {"host": socket.gethostname(), "pid": os.getpid(), "processes": workers},
         "build_seconds": round(time.time() - started, 3),
     }
     tmp_manifest = paths.tmp(paths.manifest)
@@ -586,6 +790,8 @@ def open_tokens(
     verify: Verify = "size",
     lock_timeout_s: float = 600.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    workers: int | None = None,
+    parallel_min_bytes: int = DEFAULT_PARALLEL_MIN_BYTES,
 ) -> TokenCache:
     """The tokens of ``sources`` (files, or directories read recursively in name order), from
     the cache in ``cache_dir`` if it holds them, else tokenized once and committed there.
@@ -593,7 +799,8 @@ def open_tokens(
     Any number of processes, on any number of hosts sharing ``cache_dir``, may call this at
     once: one builds, the others wait up to ``lock_timeout_s`` for it and then reuse its
     result. A committed cache is opened without the lock (a read-only ``cache_dir`` is fine
-    then); building needs a writable one.
+    then); building needs a writable one. ``workers`` processes tokenize a build of at least
+    ``parallel_min_bytes`` (None: one per core, up to 8; see the module docstring).
 
     Raises TokenCacheError, naming the cause and the fix, when a source cannot be read, the
     directory cannot be written, or the lock is not had in time.
@@ -604,14 +811,18 @@ def open_tokens(
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     srcs = _resolve_sources(sources)
     token_dtype(tokenizer.vocab_size)
-    paths = _Paths(Path(cache_dir), _key(srcs, tokenizer))
+    root = Path(cache_dir)
+    digests = _Digests(root / DIGESTS_DIR)
+    keyed = _key(srcs, tokenizer, digests)
+    paths = _Paths(root, keyed.key)
+    hashed = keyed.hashed_bytes
 
     try:
         found = _open_committed(paths, verify)
     except _Corrupt:
         found = None  # judged again under the lock, where it may be removed
     if found is not None:
-        return _result(paths, *found, hit=True)
+        return _result(paths, *found, hit=True, hashed=hashed)
 
     try:
         paths.root.mkdir(parents=True, exist_ok=True)
@@ -624,12 +835,21 @@ def open_tokens(
             _remove_corrupt(paths, str(exc))
             found = None
         if found is not None:
-            return _result(paths, *found, hit=True)
+            return _result(paths, *found, hit=True, hashed=hashed)
         for stale in paths.stale_tmps():
             # Holding the lock, no live builder of this key can own these.
             log.info("removing %s, left by a build that did not finish", stale)
             _unlink(stale)
-        _build(paths, srcs, tokenizer, chunk_bytes)
+        total = sum(s.size for s in srcs)
+        workers = _parallelism(tokenizer, workers, total, parallel_min_bytes)
+        try:
+            _build(paths, srcs, keyed.digests, tokenizer, chunk_bytes, workers)
+        except _SourceChanged:
+            # Whether a file changed or a recorded digest was wrong, the next open reads
+            # every source again rather than failing once per stale digest.
+            for src in srcs:
+                digests.forget(src)
+            raise
         # Mapped from the file as committed, so the builder reads what everyone else reads.
         try:
             found = _open_committed(paths, "size")
@@ -643,13 +863,14 @@ def open_tokens(
                 f"the manifest {paths.manifest} vanished right after it was committed: "
                 "another process is removing files in the token cache directory"
             )
-        return _result(paths, *found, hit=False)
+        return _result(paths, *found, hit=False, hashed=hashed)
 
 
 def _result(
-    paths: _Paths, manifest: dict[str, Any], tokens: npt.NDArray[Any], *, hit: bool
+    paths: _Paths, manifest: dict[str, Any], tokens: npt.NDArray[Any], *, hit: bool, hashed: int
 ) -> TokenCache:
     return TokenCache(
+        hashed_bytes=hashed,
         tokens=tokens,
         key=paths.key,
         hit=hit,

@@ -47,6 +47,7 @@ def main() -> int:
     p.add_argument("--lock-timeout", type=float, default=60.0)
     p.add_argument("--chunk-bytes", type=int, default=1 << 20)
     p.add_argument("--slow", type=float, default=0.0, help="seconds each encode call sleeps")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     p.add_argument("--go-file", help="wait until this file exists, so workers start together")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
@@ -69,6 +70,8 @@ def main() -> int:
             verify=args.verify,
             lock_timeout_s=args.lock_timeout,
             chunk_bytes=args.chunk_bytes,
+            workers=args.workers,
+            parallel_min_bytes=0,
         )
     except TokenCacheError as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
@@ -87,6 +90,8 @@ def main() -> int:
                 "created_at": cache.manifest["created_at"],
                 "inode": os.stat(cache.path).st_ino,
                 "writeable": bool(cache.tokens.flags.writeable),
+                "hashed_bytes": cache.hashed_bytes,
+                "processes": cache.manifest["builder"]["processes"],
             }
         ),
         flush=True,

@@ -304,3 +304,114 @@ def test_ids_outside_the_vocabulary_are_refused(tmp_path: Path) -> None:
     with pytest.raises(TokenCacheError, match=r"outside \[0, 100\)"):
         open_tokens([src], Liar(), tmp_path / "cache")
     assert leftovers(tmp_path / "cache") == []
+
+
+def corpus_bytes(sources: list[Path]) -> int:
+    return sum(f.stat().st_size for s in sources for f in (s.rglob("*") if s.is_dir() else [s]))
+
+
+def test_a_restart_reads_no_source_to_find_its_cache(tmp_path: Path, corpus: list[Path]) -> None:
+    """The corpus is hashed once per file identity: a later process (a restarted rank, a
+    backfilled node on the same volume) stats the sources and opens the cache."""
+    cache = tmp_path / "cache"
+    first = run(cache, corpus)
+    assert first["hit"] is False
+    assert first["hashed_bytes"] == corpus_bytes(corpus)
+    again = run(cache, corpus)
+    assert again["hit"] is True
+    assert again["hashed_bytes"] == 0
+    assert again["key"] == first["key"] == cache_key(corpus, ByteTokenizer(), cache)
+    assert again["read_sha256"] == expected_sha(corpus)
+
+
+def test_an_edit_behind_a_restored_mtime_is_still_seen(tmp_path: Path, corpus: list[Path]) -> None:
+    """Same size, mtime put back: the inode's ctime moved, so the file is hashed again and a
+    new cache holds the new bytes."""
+    cache = tmp_path / "cache"
+    first = run(cache, corpus)
+    victim = corpus[0]
+    st = victim.stat()
+    data = bytearray(victim.read_bytes())
+    data[0:4] = b"LINE"
+    victim.write_bytes(bytes(data))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert victim.stat().st_mtime_ns == st.st_mtime_ns and victim.stat().st_size == st.st_size
+    second = run(cache, corpus)
+    assert second["hit"] is False
+    assert second["key"] != first["key"]
+    assert second["hashed_bytes"] == victim.stat().st_size  # only the edited file
+    assert second["read_sha256"] == expected_sha(corpus)
+
+
+def test_unreadable_or_wrong_digests_never_give_wrong_tokens(
+    tmp_path: Path, corpus: list[Path]
+) -> None:
+    cache = tmp_path / "cache"
+    run(cache, corpus)
+    entries = sorted((cache / "digests").glob("*.json"))
+    assert len(entries) == 3  # one per source file
+    # Garbage: ignored, the file is hashed again.
+    entries[0].write_text("{not json")
+    assert run(cache, corpus)["hit"] is True
+    # A well-formed entry with another file's digest: the key it gives has no cache, and the
+    # build, which hashes each source as it reads it, refuses to commit under it.
+    for entry in entries:
+        record = json.loads(entry.read_text())
+        record["sha256"] = "0" * 64
+        entry.write_text(json.dumps(record))
+    out = run(cache, corpus, rc=3)
+    assert "changed between hashing and tokenizing" in out["error"]
+    # ... and drops the stale digest, so the next open hashes that file and succeeds.
+    healed = run(cache, corpus)
+    assert healed["read_sha256"] == expected_sha(corpus)
+
+
+def test_a_read_only_cache_dir_still_opens_without_recording_digests(
+    tmp_path: Path, corpus: list[Path]
+) -> None:
+    cache = tmp_path / "cache"
+    run(cache, corpus)
+    for entry in (cache / "digests").glob("*.json"):
+        entry.unlink()
+    cache.chmod(0o555)
+    (cache / "digests").chmod(0o555)
+    try:
+        out = run(cache, corpus)
+    finally:
+        (cache / "digests").chmod(0o755)
+        cache.chmod(0o755)
+    assert out["hit"] is True
+    assert out["read_sha256"] == expected_sha(corpus)
+
+
+def test_a_parallel_build_writes_the_serial_bytes(tmp_path: Path, corpus: list[Path]) -> None:
+    """Two tokenizing processes on small chunks: the same key, the same token bytes, in
+    order, as a serial build."""
+    serial = run(tmp_path / "serial", corpus, "--chunk-bytes", "512")
+    parallel = run(tmp_path / "parallel", corpus, "--chunk-bytes", "512", "--workers", "2")
+    assert serial["processes"] == 1
+    assert parallel["processes"] == 2
+    assert parallel["key"] == serial["key"]
+    assert parallel["read_sha256"] == serial["read_sha256"] == expected_sha(corpus)
+
+
+def test_a_parallel_build_names_a_bad_source(tmp_path: Path) -> None:
+    src = tmp_path / "bad.txt"
+    src.write_bytes(b"fine line\n" * 200 + b"\xff\xfe broken\n" + b"more\n" * 50)
+    out = run(tmp_path / "cache", [src], "--chunk-bytes", "256", "--workers", "2", rc=3)
+    assert "bad.txt is not UTF-8 text (byte 2000)" in out["error"]
+    assert leftovers(tmp_path / "cache") == []
+
+
+class _Unpicklable(ByteTokenizer):
+    def __init__(self) -> None:
+        self.hook = lambda text: text  # a lambda cannot be pickled
+
+
+def test_a_tokenizer_that_cannot_be_pickled_runs_serially(
+    tmp_path: Path, corpus: list[Path]
+) -> None:
+    cache = open_tokens(corpus, _Unpicklable(), tmp_path / "cache", workers=4, parallel_min_bytes=0)
+    assert cache.manifest["builder"]["processes"] == 1
+    data = np.ascontiguousarray(cache.tokens).tobytes()
+    assert hashlib.sha256(data).hexdigest() == expected_sha(corpus)
