@@ -489,8 +489,8 @@ def rank_steps(args: argparse.Namespace, workdir: Path) -> None:
         for micro in batch.micro_ranges(step):
             x, y = gpt.sample(corpus, micro, context)
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            (loss / batch.accum_steps).backward()
-            total += loss.detach() / batch.accum_steps
+            (loss * batch.weight(micro)).backward()
+            total += loss.detach() * batch.weight(micro)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         flat = torch.cat([g.flatten() for g in grads])
         dist.all_reduce(flat)

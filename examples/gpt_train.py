@@ -53,7 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--progress", help="JSON-lines file every worker appends to")
     p.add_argument(
-        "--global-batch", type=int, default=24, help="samples per step (divisible by 2, 3 and 4)"
+        "--global-batch",
+        type=int,
+        default=24,
+        help="samples per step (any world size up to global/micro)",
     )
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--every-steps", type=int, default=20)
@@ -209,8 +212,10 @@ def local_gradients(
     for micro in batch.micro_ranges(step):
         x, y = sample(corpus, micro, context)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        (loss / batch.accum_steps).backward()
-        total += loss.detach() / batch.accum_steps
+        # Weighted by the samples it holds: with uneven splits, ranks and micro-batches
+        # differ in size, and every sample must count the same.
+        (loss * batch.weight(micro)).backward()
+        total += loss.detach() * batch.weight(micro)
     flat = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     return flat, total
 

@@ -57,23 +57,64 @@ def session(tmp_path: Path, **kwargs: object) -> TrainSession:
 
 
 # -- the global batch ---------------------------------------------------------------------------
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_every_sample_of_a_step_is_used_once_whatever_the_world_size(world: int) -> None:
+@pytest.mark.parametrize(
+    ("global_size", "micro", "world"),
+    [(32, 4, 1), (32, 4, 2), (32, 4, 4), (32, 4, 3), (30, 4, 5), (768, 8, 40), (768, 8, 56)],
+)
+def test_every_sample_of_a_step_is_used_once_whatever_the_world_size(
+    global_size: int, micro: int, world: int
+) -> None:
     for step in (0, 7):
         seen = []
+        counts = []
         for rank in range(world):
-            for r in GlobalBatch(32, 4, world, rank).micro_ranges(step):
+            ranges = GlobalBatch(global_size, micro, world, rank).micro_ranges(step)
+            counts.append(len(ranges))
+            for r in ranges:
+                assert 0 < len(r) <= micro
                 seen.extend(r)
-        assert sorted(seen) == list(range(step * 32, (step + 1) * 32))
+        assert sorted(seen) == list(range(step * global_size, (step + 1) * global_size))
+        assert max(counts) - min(counts) <= 1  # as even as the micro-batches allow
 
 
 def test_gradient_accumulation_follows_the_world_size() -> None:
     assert [GlobalBatch(32, 4, w, 0).accum_steps for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    # 768 in micro batches of 8 is 96 micro-batches: 5 nodes of 8 GPUs run 3 or 2 each.
+    counts = [GlobalBatch(768, 8, 40, r).accum_steps for r in range(40)]
+    assert counts.count(3) == 16 and counts.count(2) == 24
 
 
-def test_a_global_batch_that_does_not_divide_says_how_to_pick_one() -> None:
-    with pytest.raises(ValueError, match=r"not a multiple of micro batch 4 x world size 3 = 12"):
-        GlobalBatch(32, 4, 3, 0)
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 7])
+def test_uneven_splits_average_to_the_global_batch_gradient(world: int) -> None:
+    """Ranks' gradients of ``loss * weight``, averaged as an all-reduce does, are the
+    gradient of the mean loss over the whole global batch, at any world size."""
+    torch.manual_seed(0)
+    global_size, micro = 30, 4  # 8 micro-batches, the last of 2 samples
+    xs, ys = torch.randn(global_size, 6), torch.randn(global_size, 1)
+    model = torch.nn.Linear(6, 1)
+
+    def grad_of(loss: torch.Tensor) -> torch.Tensor:
+        model.zero_grad()
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    want = grad_of(torch.nn.functional.mse_loss(model(xs), ys))
+    summed = torch.zeros_like(want)
+    for rank in range(world):
+        batch = GlobalBatch(global_size, micro, world, rank)
+        model.zero_grad()
+        for r in batch.micro_ranges(0):
+            idx = torch.tensor(list(r))
+            loss = torch.nn.functional.mse_loss(model(xs[idx]), ys[idx])
+            (loss * batch.weight(r)).backward()
+        summed += torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    torch.testing.assert_close(summed / world, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_world_with_more_ranks_than_micro_batches_names_the_largest_usable_one() -> None:
+    with pytest.raises(ValueError, match=r"fewer than world size 9.*largest usable world size"):
+        GlobalBatch(32, 4, 9, 0)
+    GlobalBatch(32, 4, 8, 7)
     with pytest.raises(ValueError, match="positive"):
         GlobalBatch(0, 4, 1, 0)
 
