@@ -42,6 +42,12 @@ def home_dir() -> Path:
     return Path(os.environ.get("SPOTTRAIN_HOME") or Path.home() / ".spottrain")
 
 
+# The specs this process has parsed, by (text, source, base dir): `up` validates the file
+# once and hands its spec on, and each later `RunInfo.spec()` of the same run reuses it
+# instead of parsing the text again. A JobSpec is frozen, so sharing it is safe.
+_parsed_specs: dict[tuple[str, str, str], JobSpec] = {}
+
+
 @dataclass
 class RunInfo:
     """``run.json``: what every command needs to find a run's parts."""
@@ -69,7 +75,12 @@ class RunInfo:
         os.replace(tmp, self.dir / "run.json")
 
     def spec(self) -> JobSpec:
-        return parse_spec(self.spec_text, self.spec_source, Path(self.base_dir)).spec
+        key = (self.spec_text, self.spec_source, self.base_dir)
+        spec = _parsed_specs.get(key)
+        if spec is None:
+            spec = parse_spec(self.spec_text, self.spec_source, Path(self.base_dir)).spec
+            _parsed_specs[key] = spec
+        return spec
 
     @classmethod
     def load(cls, run_id: str) -> RunInfo:
@@ -262,13 +273,14 @@ def create_run(loaded: LoadedSpec, *, run_id: str | None = None) -> RunInfo:
         rid = make_run_id(spec.name)
     info = RunInfo(
         run_id=rid,
-        spec_text=_spec_text(loaded),
+        spec_text=loaded.text,
         spec_source=loaded.source,
         base_dir=str(loaded.base_dir),
         redis_url="",
         embedded_redis=spec.redis.url == "embedded",
         created_at=time.time(),
     )
+    _parsed_specs[(info.spec_text, info.spec_source, info.base_dir)] = spec
     info.dir.mkdir(parents=True, exist_ok=True)
     if info.embedded_redis:
         info.redis_url = start_embedded_redis(info.dir)
@@ -290,11 +302,6 @@ def create_run(loaded: LoadedSpec, *, run_id: str | None = None) -> RunInfo:
     jobs.mkdir(parents=True, exist_ok=True)
     (jobs / spec.name).write_text(rid)
     return info
-
-
-def _spec_text(loaded: LoadedSpec) -> str:
-    path = Path(loaded.source)
-    return path.read_text() if path.exists() else ""
 
 
 def build_controller(

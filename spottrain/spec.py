@@ -10,6 +10,8 @@ the same words in its field descriptions.
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import shlex
 from collections.abc import Iterator, Mapping
@@ -20,6 +22,8 @@ from typing import Annotated, Any, Literal, Self
 
 import yaml
 from pydantic import (
+    AfterValidator,
+    AllowInfNan,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -46,6 +50,15 @@ _COMMIT_RE = re.compile(r"^([0-9a-f]{40}|[0-9a-f]{64})\Z")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMbBtT]?)\s*\Z")
 _STORE_RE = re.compile(r"^(s3://|gs://|file://)[^\s]+\Z")
+# user:password@ (or token@) in any URL: shown as ***@ wherever an error quotes a URL.
+_USERINFO_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#@\s]*@")
+
+# Bounds of the spec file itself (see the README's "Job spec"): a job spec is a few hundred
+# values, so anything past these is a mistake or an attack on the parser (a billion-laughs
+# alias bomb, a binary file, a stream that never ends), refused before it costs memory.
+MAX_SPEC_BYTES = 1 << 20
+MAX_SPEC_VALUES = 100_000
+MAX_SPEC_DEPTH = 32
 
 
 class SpecError(ValueError):
@@ -59,8 +72,64 @@ class SpecError(ValueError):
 
 
 class _Model(BaseModel):
-    # Frozen: a parsed spec is a value the controller hands around, never edits.
-    model_config = ConfigDict(extra="forbid", frozen=True, str_strip_whitespace=True)
+    # Frozen: a parsed spec is a value the controller hands around, never edits. No .inf or
+    # .nan in any number: the planner's arithmetic would carry them into every decision.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, str_strip_whitespace=True, allow_inf_nan=False
+    )
+
+
+def _amount(high: float) -> str:
+    return f"{high:,.0f}" if high == int(high) else f"{high:g}"
+
+
+def within(high: float, unit: str, *, low: float = 0.0, low_allowed: bool = False) -> Any:
+    """The validator of a float field that must be finite and within ``(low, high]``
+    (``[low, high]`` with ``low_allowed``); use it as
+    ``Annotated[float, AllowInfNan(True), within(...)]``. ``high`` is past any real setting
+    of what the field measures: a larger value (``1e308``) is a typo or an attack, and would
+    overflow the arithmetic that plans with it. The error states the whole range and unit."""
+
+    def check(v: float) -> float:
+        above = v >= low if low_allowed else v > low
+        if not (math.isfinite(v) and above and v <= high):
+            least = f"from {low:g}" if low_allowed else f"above {low:g}"
+            raise ValueError(f"use a number {least} up to {_amount(high)} {unit}")
+        return v
+
+    return AfterValidator(check)
+
+
+def _env_name(v: str) -> str:
+    # Never quote the value: a password pasted where a variable name belongs must not be
+    # printed back.
+    if not _ENV_NAME_RE.match(v):
+        raise ValueError(
+            "not an environment variable name (letters, digits and _, not starting with a "
+            "digit): give the variable's name, never its value"
+        )
+    return v
+
+
+# The name of an environment variable.
+EnvName = Annotated[str, AfterValidator(_env_name)]
+
+# Bounded numbers. AllowInfNan(True) lets .inf reach ``within``, whose error states the range,
+# instead of pydantic's bare "must be a finite number".
+USD_PER_HOUR = Annotated[float, AllowInfNan(True), within(1_000, "USD per VM-hour")]
+USD = Annotated[float, AllowInfNan(True), within(100_000_000, "USD")]
+MINUTES = Annotated[float, AllowInfNan(True), within(10_080, "minutes (a week)")]
+GB_PER_S = Annotated[float, AllowInfNan(True), within(10_000, "GB/s")]
+GB = Annotated[float, AllowInfNan(True), within(1_000_000, "GB")]
+BYTES_PER_PARAM = Annotated[float, AllowInfNan(True), within(64, "bytes per parameter")]
+SECONDS_AFTER_START = Annotated[
+    float, AllowInfNan(True), within(31_536_000, "seconds (a year)", low_allowed=True)
+]
+PER_NODE_HOUR = Annotated[
+    float, AllowInfNan(True), within(3_600, "per node-hour", low_allowed=True)
+]
+# Parameters a checkpoint may hold: far past any model trained (about 2T).
+MAX_PARAMS = 1e15
 
 
 class ImageCode(_Model):
@@ -144,7 +213,7 @@ class TrainSpec(_Model):
     """What each worker runs (torchrun starts it once per worker)."""
 
     command: tuple[str, ...] = Field(description="script and arguments (a list, or a string)")
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[EnvName, str] = Field(default_factory=dict)
 
     @field_validator("command", mode="before")
     @classmethod
@@ -167,8 +236,6 @@ class TrainSpec(_Model):
     @classmethod
     def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
         for name in v:
-            if not _ENV_NAME_RE.match(name):
-                raise ValueError(f"{name!r} is not an environment variable name")
             if name.startswith("SPOTTRAIN_"):
                 raise ValueError(f"{name}: SPOTTRAIN_* variables are set by spottrain itself")
         return v
@@ -221,11 +288,10 @@ class ResourcesSpec(_Model):
     regions: tuple[str, ...] = ()
     zones: tuple[str, ...] = ()
     instance_types: tuple[str, ...] = ()
-    max_price_per_hour: float | None = Field(None, gt=0, description="USD per VM-hour")
+    max_price_per_hour: USD_PER_HOUR | None = Field(None, description="USD per VM-hour")
     placement: Placement = Placement.SAME_ZONE
-    move_after_minutes: float = Field(
+    move_after_minutes: MINUTES = Field(
         10,
-        gt=0,
         description="minutes the job may stay below nodes.min in its zone before it moves",
     )
 
@@ -239,19 +305,19 @@ class ResourcesSpec(_Model):
 
 class SpotSpec(_Model):
     policy: SpotPolicy = SpotPolicy.SPOT
-    fallback_after_minutes: float = Field(
-        30, gt=0, description="minutes without spot capacity before on-demand"
+    fallback_after_minutes: MINUTES = Field(
+        30, description="minutes without spot capacity before on-demand"
     )
 
 
 class BudgetSpec(_Model):
-    max_usd: float = Field(gt=0, description="the job never spends more than this")
+    max_usd: USD = Field(description="the job never spends more than this")
 
 
 class VolumeSpec(_Model):
     path: str = Field("/mnt/spottrain/ckpt", description="checkpoint directory on every node")
-    write_gbps: float = Field(
-        gt=0, description="aggregate write bandwidth of the volume, GB/s (all nodes together)"
+    write_gbps: GB_PER_S = Field(
+        description="aggregate write bandwidth of the volume, GB/s (all nodes together)"
     )
 
     @field_validator("path")
@@ -264,15 +330,15 @@ class VolumeSpec(_Model):
 
 class CheckpointSpec(_Model):
     volume: VolumeSpec
-    every_steps: int | None = Field(None, ge=1)
-    every_minutes: float | None = Field(None, gt=0)
+    every_steps: int | None = Field(None, ge=1, le=1_000_000_000)
+    every_minutes: MINUTES | None = None
     keep: int = Field(3, ge=1, le=1000)
-    size_gb: float | None = Field(None, gt=0, description="size of one checkpoint")
+    size_gb: GB | None = Field(None, description="size of one checkpoint")
     params: str | None = Field(
         None, description="model size ('7B', '350M'); estimates size_gb when it is not given"
     )
-    bytes_per_param: float = Field(
-        12, gt=0, description="checkpoint bytes per parameter (fp32 weights + Adam: 12)"
+    bytes_per_param: BYTES_PER_PARAM = Field(
+        12, description="checkpoint bytes per parameter (fp32 weights + Adam: 12)"
     )
     copy_to: str | None = Field(
         None, description="object storage the checkpoints are copied to (s3://, gs://, file://)"
@@ -281,8 +347,8 @@ class CheckpointSpec(_Model):
     @field_validator("params")
     @classmethod
     def _params(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_count(v)
+        if v is not None and parse_count(v) > MAX_PARAMS:
+            raise ValueError("use a parameter count up to 1000T (1e15)")
         return v
 
     @field_validator("copy_to")
@@ -312,7 +378,7 @@ class RedisSpec(_Model):
     url: str = Field(
         "embedded", description="redis[s]://HOST:PORT, or 'embedded' (local cloud only)"
     )
-    password_env: str = DEFAULT_PASSWORD_ENV
+    password_env: EnvName = DEFAULT_PASSWORD_ENV
     password_file: str | None = None
     password_secret: str | None = Field(
         None,
@@ -341,13 +407,6 @@ class RedisSpec(_Model):
             raise ValueError(str(e)) from None
         return v
 
-    @field_validator("password_env")
-    @classmethod
-    def _env_name(cls, v: str) -> str:
-        if not _ENV_NAME_RE.match(v):
-            raise ValueError(f"{v!r} is not an environment variable name")
-        return v
-
 
 class WandbSpec(_Model):
     project: str = Field(min_length=1)
@@ -356,7 +415,7 @@ class WandbSpec(_Model):
 
 
 class PreemptionTraceRow(_Model):
-    at_s: float = Field(ge=0, description="seconds after the job starts")
+    at_s: SECONDS_AFTER_START = Field(description="seconds after the job starts")
     node: str | None = Field(None, description="which node (default: a random one)")
     notice: bool = True
 
@@ -364,7 +423,7 @@ class PreemptionTraceRow(_Model):
 class LocalPreemptions(_Model):
     """Preemptions the local cloud injects: a rate, a trace, or both."""
 
-    rate_per_hour: float = Field(0, ge=0, description="per node")
+    rate_per_hour: PER_NODE_HOUR = Field(0, description="per node")
     notice_fraction: float = Field(
         1.0, ge=0, le=1, description="share of preemptions that come with a notice"
     )
@@ -373,7 +432,7 @@ class LocalPreemptions(_Model):
 
 
 class LocalZone(_Model):
-    capacity: int = Field(ge=0, description="nodes this zone can hold")
+    capacity: int = Field(ge=0, le=10_000, description="nodes this zone can hold")
 
 
 class LocalCloudSpec(_Model):
@@ -665,26 +724,32 @@ def _zone_region(zone: str) -> str:
 
 @dataclass(frozen=True)
 class LoadedSpec:
-    """A spec and where it came from (relative paths in it are relative to ``base_dir``)."""
+    """A spec, where it came from (relative paths in it are relative to ``base_dir``), and
+    the exact text it was parsed from (what a run records, so it never re-reads the file)."""
 
     spec: JobSpec
     source: str
     base_dir: Path
+    text: str = ""
+
+
+# libyaml's parser when PyYAML has it (the pure-Python one is ten times slower).
+_Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def parse_spec(
     text: str, source: str = "<spec>", base_dir: Path | None = None, catalog: Catalog | None = None
 ) -> LoadedSpec:
-    """Parse and validate a spec given as YAML text.
+    """Parse and validate a spec given as YAML text. The text is parsed once: the values and
+    the line of every key come from the same YAML node tree.
 
     Raises:
-        SpecError: malformed YAML, or one line per bad key (path, line, what is allowed).
+        SpecError: malformed YAML, too large or too deeply nested, aliases that expand past
+            ``MAX_SPEC_VALUES``, or one line per bad key (path, line, what is allowed).
     """
-    try:
-        data = yaml.safe_load(text)
-        node = yaml.compose(text)
-    except yaml.YAMLError as e:
-        raise SpecError(source, [f"not valid YAML: {e}"]) from None
+    if len(text) > MAX_SPEC_BYTES:
+        raise SpecError(source, [_too_large(f"{len(text):,} characters")])
+    data, node = _load_yaml(text, source)
     if not isinstance(data, dict):
         raise SpecError(source, ["the spec must be a YAML mapping (key: value lines)"])
     lines = dict(_key_lines(node))
@@ -696,21 +761,160 @@ def parse_spec(
     problems = _check_catalog(spec, catalog or bundled()) + _check_files(spec, base)
     if problems:
         raise SpecError(source, problems)
-    return LoadedSpec(spec, source, base)
+    return LoadedSpec(spec, source, base, text)
 
 
 def load_spec(path: str | Path, catalog: Catalog | None = None) -> LoadedSpec:
     """Read, parse and validate the spec file at ``path``.
 
     Raises:
-        SpecError: the file cannot be read, or the spec is not valid.
+        SpecError: the file cannot be read, is larger than ``MAX_SPEC_BYTES``, is not UTF-8
+            text, or the spec is not valid.
     """
     p = Path(path)
+    return parse_spec(_read_spec_file(p), str(p), p.resolve().parent, catalog)
+
+
+def _read_spec_file(p: Path) -> str:
+    # Read no more than the cap (plus one byte to see it is past it): the path may name a
+    # huge file, a device or a pipe that never ends.
     try:
-        text = p.read_text()
+        with p.open("rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
+            size = os.fstat(f.fileno()).st_size
     except OSError as e:
         raise SpecError(str(p), [f"cannot read the file: {e.strerror or e}"]) from None
-    return parse_spec(text, str(p), p.resolve().parent, catalog)
+    if len(raw) > MAX_SPEC_BYTES:
+        # A device or a pipe has no size: say only that it went past the cap.
+        what = f"{size:,} bytes" if size > MAX_SPEC_BYTES else f"over {MAX_SPEC_BYTES:,} bytes"
+        raise SpecError(str(p), [_too_large(what)])
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(
+            str(p),
+            [
+                f"not a text file: byte 0x{raw[e.start]:02x} at offset {e.start} is not UTF-8; "
+                "give the job spec's YAML file"
+            ],
+        ) from None
+
+
+def _too_large(what: str) -> str:
+    return (
+        f"the spec is {what}; a job spec may be at most 1 MiB ({MAX_SPEC_BYTES:,} bytes): "
+        "is this the right file?"
+    )
+
+
+def _load_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
+    """The values of a YAML document and its node tree, from one parse. Refuses, before
+    building any value, a tree too deep or one whose aliases expand past
+    ``MAX_SPEC_VALUES`` values."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _check_tree(node, source)
+        return loader.construct_document(node), node
+    except SpecError:
+        raise
+    except yaml.YAMLError as e:
+        raise SpecError(source, [f"not valid YAML: {_yaml_problem(e)}"]) from None
+    except (ValueError, TypeError, AttributeError, OverflowError):
+        # PyYAML's constructors raise these for a scalar that matches a type's pattern but
+        # is not one (2020-13-45) or an explicit tag on the wrong text (!!int abc); their
+        # words quote the value, so they are not repeated.
+        raise SpecError(
+            source,
+            [
+                "not valid YAML: a value cannot be read as its type: a date that does not "
+                "exist (2020-13-45), or a !!int, !!float or !!timestamp tag on other text; "
+                "quote the value or fix it"
+            ],
+        ) from None
+    except RecursionError:
+        raise SpecError(source, [_too_deep()]) from None
+    finally:
+        loader.dispose()
+
+
+def _check_tree(root: yaml.Node, source: str) -> None:
+    """Refuse a node tree nested deeper than ``MAX_SPEC_DEPTH``, holding an alias to a node
+    that contains it, or counting more than ``MAX_SPEC_VALUES`` values once its aliases are
+    expanded (the billion-laughs bomb: 500 bytes that expand to 10^9 values). The count
+    visits each distinct node once, so the check costs what the file does."""
+    # per node: (values it expands to, its height)
+    seen: dict[int, tuple[int, int]] = {}
+    open_: set[int] = set()
+
+    def visit(node: yaml.Node, depth: int) -> tuple[int, int]:
+        if depth > MAX_SPEC_DEPTH:
+            raise SpecError(source, [_too_deep()])
+        known = seen.get(id(node))
+        if known is not None:
+            if depth + known[1] > MAX_SPEC_DEPTH:
+                raise SpecError(source, [_too_deep()])
+            return known
+        if id(node) in open_:
+            raise SpecError(
+                source,
+                [
+                    f"not valid YAML for a job spec: an alias (*name) at line {_line(node)} "
+                    "refers to a node that contains it"
+                ],
+            )
+        open_.add(id(node))
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        count, height = 1, 0
+        for child in children:
+            n, h = visit(child, depth + 1)
+            count, height = count + n, max(height, h + 1)
+            if count > MAX_SPEC_VALUES:
+                raise SpecError(
+                    source,
+                    [
+                        f"the spec holds more than {MAX_SPEC_VALUES:,} values once its YAML "
+                        "aliases (*name) are expanded; a job spec needs a few hundred: write the "
+                        "values out, or drop the aliases"
+                    ],
+                )
+        open_.discard(id(node))
+        seen[id(node)] = (count, height)
+        return count, height
+
+    visit(root, 1)
+
+
+def _line(node: yaml.Node) -> int:
+    return int(node.start_mark.line) + 1
+
+
+def _too_deep() -> str:
+    return (
+        f"the spec is nested more than {MAX_SPEC_DEPTH} levels deep; a job spec needs a few "
+        "(see the README's job spec reference)"
+    )
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    # What is wrong and where, never the line itself, nor a quoted token of it (an undefined
+    # alias, a tag): a password written unquoted may start with * or !.
+    if isinstance(e, yaml.MarkedYAMLError):
+        mark = e.problem_mark or e.context_mark
+        what = ", ".join(p for p in (e.problem, e.context) if p) or "malformed"
+        what = _QUOTED_RE.sub("(hidden)", what)
+        if mark is None:
+            return what
+        return f"{what} (line {mark.line + 1}, column {mark.column + 1})"
+    if isinstance(e, yaml.reader.ReaderError):
+        char = e.character if isinstance(e.character, int) else ord(e.character)
+        return f"{e.reason} (character #x{char:04x} at position {e.position})"
+    return type(e).__name__
 
 
 def _key_lines(node: yaml.Node | None, path: tuple[str, ...] = ()) -> Iterator[tuple[str, int]]:
@@ -731,7 +935,10 @@ def _describe(err: Any, lines: dict[str, int]) -> str:
     loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
     if loc[:1] == ["code"] and len(loc) > 2 and loc[1] == loc[2]:
         del loc[1]  # the discriminator's tag repeats the key it was chosen by
-    path = ".".join(loc) or "(top level)"
+    secret = _is_secret_place(loc)
+    # In a secret place, a key the user chose (a variable name) may be a pasted value too:
+    # name the fields down to it and give its line.
+    path = ".".join(_field_path(loc) if secret else loc) or "(top level)"
     line = None
     for n in range(len(loc), 0, -1):
         line = lines.get(".".join(loc[:n]))
@@ -747,31 +954,112 @@ def _describe(err: Any, lines: dict[str, int]) -> str:
         return f"{where}: required, missing"
     msg = str(err["msg"])
     msg = msg.removeprefix("Value error, ")
+    if kind == "finite_number":
+        msg += _range_of(loc)
     if kind in ("enum", "literal_error"):
         msg = msg.replace("Input should be", "use")
-    msg = msg.replace("Input should be", "must be")
+    msg = _redact_userinfo(msg.replace("Input should be", "must be"))
     value = err.get("input")
-    # Never echo a mapping (the error is about the whole block) or anything near a secret.
-    if isinstance(value, Mapping) or loc[:1] == ["redis"]:
+    if secret:
+        # A validator may have quoted the value, or a part of it, in its words: take every
+        # quotation and the value itself out of them too.
+        msg = _QUOTED_RE.sub("(hidden)", msg)
+        for text in sorted(_strings(value), key=len, reverse=True):
+            msg = msg.replace(text, "(hidden)")
+        return f"{where}: {msg}"
+    # Never echo a mapping: the error is about the whole block.
+    if isinstance(value, Mapping):
         return f"{where}: {msg}"
     return f"{where}: {msg} (got {_short(value)})"
 
 
+# Where a value may be, or hold, a secret (a password, a token, a credential in the
+# workers' environment): an error there names the key and its line, never what was written.
+_SECRET_PLACES = (("redis",), ("train", "env"), ("train", "secret_env"))
+# A quotation in a message, long enough to hold a secret ('@' is a character, not a value).
+_QUOTED_RE = re.compile(r"'[^']{4,}'|\"[^\"]{4,}\"")
+
+
+def _is_secret_place(loc: list[str]) -> bool:
+    return any(tuple(loc[: len(place)]) == place for place in _SECRET_PLACES)
+
+
+def _field_path(loc: list[str]) -> list[str]:
+    """The leading parts of ``loc`` that are fields of the spec, up to the first key the
+    user chose (a variable name of ``train.env``, an unknown key)."""
+    path: list[str] = []
+    for part in loc:
+        if part not in _allowed_keys(path):
+            break
+        path.append(part)
+    return path
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """The texts of a value (a mapping's values, not its keys), long enough to replace in a
+    message without mangling its words."""
+    if isinstance(value, str):
+        if len(value) >= 4:
+            yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
+
+
+def _redact_userinfo(text: str) -> str:
+    # A clone or storage URL may carry user:token@: keep the URL, drop the credential.
+    return _USERINFO_RE.sub(r"\1***@", text)
+
+
 def _is_union_tag(part: Any) -> bool:
-    # pydantic names the union member it tried ("ArchiveCode"); users never wrote that.
-    return isinstance(part, str) and part[:1].isupper()
+    # pydantic names the union member it tried ("ArchiveCode"); users never wrote that. A
+    # user's key (a variable name of train.env) may start with a capital too.
+    return isinstance(part, str) and part in _model_names()
+
+
+def _model_names() -> set[str]:
+    names, todo = set(), [_Model]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
+def _range_of(loc: list[str]) -> str:
+    """`` from LOW to HIGH``: the bounds of the number field at ``loc``, when it has both."""
+    field = getattr(_model_at(loc[:-1]), "model_fields", {}).get(loc[-1]) if loc else None
+    bounds = {
+        k: getattr(m, k)
+        for m in (field.metadata if field else [])
+        for k in ("ge", "le")
+        if getattr(m, k, None) is not None
+    }
+    if len(bounds) < 2:
+        return ""
+    return f" from {bounds['ge']:,} to {bounds['le']:,}"
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    text = _redact_userinfo(repr(value))
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _allowed_keys(loc: list[str]) -> list[str]:
+    if loc == ["code"]:
+        return list(_KINDS)
+    return list(getattr(_model_at(loc), "model_fields", {}))
+
+
+def _model_at(loc: list[str]) -> Any:
+    """The model of the block at ``loc``; None where it is no model (a value, a mapping)."""
     model: Any = JobSpec
     if loc[:1] == ["code"]:
         if len(loc) == 1:
-            return list(_KINDS)
+            return None
         model = _KINDS.get(loc[1])
         loc = loc[1:]
     mapping_key = False
@@ -781,10 +1069,10 @@ def _allowed_keys(loc: list[str]) -> list[str]:
             continue
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
-            return []
+            return None
         model = _model_of(field.annotation)
         mapping_key = getattr(field.annotation, "__origin__", None) is dict
-    return list(getattr(model, "model_fields", {}))
+    return model
 
 
 def _model_of(annotation: Any) -> Any:

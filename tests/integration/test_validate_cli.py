@@ -76,7 +76,9 @@ def test_invalid_spec_as_json(tmp_path: Path) -> None:
     assert result == {
         "valid": False,
         "source": str(tmp_path / "job.yaml"),
-        "problems": ["budget.max_usd (line 29): must be greater than 0 (got 0)"],
+        "problems": [
+            "budget.max_usd (line 29): use a number above 0 up to 100,000,000 USD (got 0)"
+        ],
     }
 
 

@@ -150,7 +150,8 @@ def test_git_code_needs_a_full_commit() -> None:
         (
             "resources.max_price_per_hour",
             0,
-            "resources.max_price_per_hour (line 24): must be greater than 0 (got 0)",
+            "resources.max_price_per_hour (line 24): use a number above 0 up to 1,000 USD per "
+            "VM-hour (got 0)",
         ),
         (
             "spot.policy",
@@ -158,7 +159,11 @@ def test_git_code_needs_a_full_commit() -> None:
             "spot.policy (line 26): use 'spot', 'spot-then-on-demand' or 'on-demand' "
             "(got 'cheapest')",
         ),
-        ("budget.max_usd", -5, "budget.max_usd (line 29): must be greater than 0 (got -5)"),
+        (
+            "budget.max_usd",
+            -5,
+            "budget.max_usd (line 29): use a number above 0 up to 100,000,000 USD (got -5)",
+        ),
         ("budget", ..., "budget: required, missing"),
         (
             "checkpoint.volume.path",
@@ -169,7 +174,8 @@ def test_git_code_needs_a_full_commit() -> None:
         (
             "checkpoint.volume.write_gbps",
             0,
-            "checkpoint.volume.write_gbps (line 33): must be greater than 0 (got 0)",
+            "checkpoint.volume.write_gbps (line 33): use a number above 0 up to 10,000 GB/s "
+            "(got 0)",
         ),
         (
             "checkpoint.every_steps",
