@@ -52,6 +52,8 @@ AWS_MAX_TOKEN_TTL = 21600
 # 3600 s, but an instance without a hook goes at once, so assume little: two minutes, the
 # same warning a spot interruption gets.
 DEFAULT_ASG_GRACE_S = 120.0
+# AWS documents a two-minute warning between the spot interruption notice and the action.
+AWS_SPOT_WARNING_S = 120.0
 
 GCP_HOST_ENV = "GCE_METADATA_HOST"
 DEFAULT_GCP_HOST = "metadata.google.internal"
@@ -206,6 +208,15 @@ def parse_aws_time(value: Any) -> float:
     return parsed.timestamp()
 
 
+def _readable_spot_time(resp: HttpResponse) -> float | None:
+    """The ``time`` of a spot notice whose other fields are wrong, if that one is fine."""
+    try:
+        data = json.loads(resp.body)
+        return parse_aws_time(data.get("time")) if isinstance(data, dict) else None
+    except ValueError:
+        return None
+
+
 _AWS_ACTIONS = {
     "terminate": NoticeKind.TERMINATE,
     "stop": NoticeKind.STOP,
@@ -225,6 +236,12 @@ class AwsImdsWatcher:
     expired early or revoked) fetches a new token once and retries that request in the same
     poll. There is no IMDSv1 fallback: an instance that requires tokens is the common case,
     and a failed token request is reported, not papered over.
+
+    A 200 on the spot path whose body is not the documented ``{"action", "time"}`` (bad
+    JSON, an unknown action, a bad time) is still a terminate notice, due two minutes after
+    it was first seen (or at its ``time``, if that is readable and sooner), with the problem
+    in :attr:`last_errors`: IMDS serves that path only
+    during an interruption, and ignoring it would lose the emergency checkpoint.
 
     Args:
         endpoint: Base URL of IMDS. Default: ``$AWS_EC2_METADATA_SERVICE_ENDPOINT``, else
@@ -264,6 +281,9 @@ class AwsImdsWatcher:
         self._token: str | None = None
         self._token_expires = 0.0  # time.monotonic()
         self._first_seen = _FirstSeen()
+        # Problems of a poll that did not stop a path from being checked (an unreadable
+        # notice still counts as one); they go to last_errors with the failures.
+        self._warnings: list[str] = []
 
     @property
     def timeout(self) -> float:
@@ -328,10 +348,44 @@ class AwsImdsWatcher:
         if resp.status == 404:
             self._first_seen.clear(source)
             return None
+        # Only a notice is ever served here (404 otherwise), so a 200 we cannot read is still
+        # a notice: dropping it would skip the emergency checkpoint the warning exists for.
+        try:
+            action, kind, when, deadline = self._parse_spot(resp)
+        except WatcherError as exc:
+            seen_at = self._first_seen.mark(source, f"unreadable {resp.text()}", now)
+            self._warnings.append(
+                f"{exc.problem}; treated as a terminate notice due "
+                f"{AWS_SPOT_WARNING_S:g}s after it was first seen"
+            )
+            deadline = seen_at + AWS_SPOT_WARNING_S
+            stated = _readable_spot_time(resp)
+            if stated is not None:
+                # An action we do not know yet still comes with AWS's own deadline.
+                deadline = min(deadline, stated)
+            return Notice(
+                source,
+                NoticeKind.TERMINATE,
+                deadline,
+                seen_at=seen_at,
+                detail={"unreadable": True, "body": resp.text()[:200]},
+            )
+        detail: dict[str, Any] = {"action": action, "time": when}
+        seen_at = self._first_seen.mark(source, f"{action} {when}", now)
+        if deadline < seen_at:
+            detail["late"] = True
+        return Notice(source, kind, deadline, seen_at=seen_at, detail=detail)
+
+    def _parse_spot(self, resp: HttpResponse) -> tuple[str, NoticeKind, str, float]:
+        """Reads a spot notice's action, kind, raw time and deadline.
+
+        Raises:
+            WatcherError: On a body that is not the documented ``{"action", "time"}``.
+        """
         data = self._json_object(AWS_SPOT_PATH, resp)
         action = data.get("action")
         kind = _AWS_ACTIONS.get(action) if isinstance(action, str) else None
-        if kind is None:
+        if kind is None or not isinstance(action, str):
             raise _request_error(
                 "GET",
                 self._url(AWS_SPOT_PATH),
@@ -343,11 +397,7 @@ class AwsImdsWatcher:
             raise _request_error(
                 "GET", self._url(AWS_SPOT_PATH), f"returned a bad time: {exc}"
             ) from None
-        detail: dict[str, Any] = {"action": action, "time": data["time"]}
-        seen_at = self._first_seen.mark(source, f"{action} {data['time']}", now)
-        if deadline < seen_at:
-            detail["late"] = True
-        return Notice(source, kind, deadline, seen_at=seen_at, detail=detail)
+        return action, kind, str(data["time"]), deadline
 
     def _check_rebalance(self, now: float) -> Notice | None:
         source = "aws-imds:rebalance"
@@ -392,13 +442,14 @@ class AwsImdsWatcher:
         """Checks all three paths once.
 
         Returns:
-            The notices showing now (empty when there are none). Paths that failed are in
-            :attr:`last_errors`, one line each.
+            The notices showing now (empty when there are none). Paths that failed, and
+            spot notices that could not be read, are in :attr:`last_errors`, one line each.
 
         Raises:
             WatcherError: When no path could be checked (no token, or every path failed).
         """
         self.last_errors = []
+        self._warnings = []
         try:
             self._current_token()
         except WatcherError as exc:
@@ -415,7 +466,7 @@ class AwsImdsWatcher:
                 continue
             if notice is not None:
                 notices.append(notice)
-        self.last_errors = [str(e) for e in errors]
+        self.last_errors = [str(e) for e in errors] + self._warnings
         if len(errors) == 3:
             raise _all_failed(errors)
         return notices

@@ -24,6 +24,10 @@ Choices that hold for every call (the contract itself is in :mod:`spottrain.clou
   Types without EFA get neither: a cluster group buys them little bandwidth and narrows
   where spot capacity can be found. Placement groups are left behind when a job ends (an
   empty one costs nothing); ``terraform destroy`` or the console removes them.
+* **Private and encrypted by default:** no public IP (set ``public_ip`` to have one) and an
+  encrypted root volume (the account's default EBS key unless ``root_volume_kms_key``).
+  A private VM reaches Redis, PyPI and S3 only through its subnet's NAT gateway or VPC
+  endpoints; the default VPC has neither.
 * **Offers are cached per region** for ``offers_ttl_s``: the describe calls behind them are
   slow and rate limited, and prices move on a scale of hours.
 * **Errors are classified in one place,** :func:`classify_error`; its table says why each
@@ -81,6 +85,11 @@ _SG_RE = re.compile(r"^sg-[0-9a-f]{8,17}\Z")
 _PROFILE_ARN_RE = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:instance-profile/[\w+=,.@/-]+\Z")
 _PROFILE_NAME_RE = re.compile(r"^[\w+=,.@-]{1,128}\Z")
 _ZONE_RE = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d+(-[a-z]+-\d+)?[a-z]\Z")
+# What EC2 takes as a KMS key: a key id, an alias, or the ARN of either.
+_KMS_KEY_RE = re.compile(
+    r"^(arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:(key/[0-9a-f-]{36}|alias/[\w/-]+)"
+    r"|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|alias/[\w/-]+)\Z"
+)
 
 _STATES = {
     "pending": InstanceState.PENDING,
@@ -106,10 +115,17 @@ class AwsSettings:
             the zone's default subnet, and get no EFA interface.
         security_group_ids: security groups (``sg-...``) for every VM; empty means the VPC's
             default group.
+        public_ip: give each VM a public IP address. Off by default: a VM with one is
+            reachable from the internet wherever its security groups allow; without one it
+            reaches the internet through its subnet's NAT gateway (or VPC endpoints).
         instance_profile: the IAM instance profile the VMs run as, by name or ARN; empty for
             none.
         key_name: an EC2 key pair for SSH; empty for none.
         root_volume_gb: the root volume's size in GiB (8 to 16384).
+        encrypt_root_volume: encrypt the root volume (on by default; off leaves it to the
+            AMI's snapshot and the account's EBS encryption-by-default setting).
+        root_volume_kms_key: the KMS key (id, alias or ARN) that encrypts it; empty: the
+            account's default EBS key.
         spot_price_source: ``api`` (the spot price history, with the catalog as fallback
             where it has no row) or ``table`` (the bundled catalog only).
         placement_group: put EFA types in a cluster placement group per job and zone.
@@ -125,6 +141,9 @@ class AwsSettings:
     instance_profile: str = ""
     key_name: str = ""
     root_volume_gb: int = 200
+    public_ip: bool = False
+    encrypt_root_volume: bool = True
+    root_volume_kms_key: str = ""
     spot_price_source: str = "api"
     placement_group: bool = True
     max_spot_price: float | None = None
@@ -198,6 +217,16 @@ class AwsSettings:
             raise ValueError(
                 f"AwsSettings.root_volume_gb must be a whole number of GiB from 8 to 16384, "
                 f"got {self.root_volume_gb!r}"
+            )
+        if self.root_volume_kms_key and not self.encrypt_root_volume:
+            raise ValueError(
+                "AwsSettings.root_volume_kms_key is set but encrypt_root_volume is off: "
+                "turn encryption on or drop the key"
+            )
+        if self.root_volume_kms_key and not _KMS_KEY_RE.match(self.root_volume_kms_key):
+            raise ValueError(
+                f"AwsSettings.root_volume_kms_key {self.root_volume_kms_key!r} is not a KMS key "
+                "id, alias/NAME or key or alias ARN"
             )
         if self.spot_price_source not in SPOT_PRICE_SOURCES:
             raise ValueError(
@@ -502,16 +531,7 @@ def run_instances_params(
             "HttpEndpoint": "enabled",
             "HttpPutResponseHopLimit": 2,
         },
-        "BlockDeviceMappings": [
-            {
-                "DeviceName": root_device,
-                "Ebs": {
-                    "VolumeSize": settings.root_volume_gb,
-                    "VolumeType": "gp3",
-                    "DeleteOnTermination": True,
-                },
-            }
-        ],
+        "BlockDeviceMappings": [{"DeviceName": root_device, "Ebs": _root_ebs(settings)}],
         "TagSpecifications": [
             {"ResourceType": "instance", "Tags": tags},
             {"ResourceType": "volume", "Tags": tags},
@@ -530,31 +550,52 @@ def run_instances_params(
         if settings.max_spot_price is not None:
             spot["MaxPrice"] = f"{settings.max_spot_price:.4f}"
         params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": spot}
-    subnet = settings.subnet_ids.get(offer.zone, "")
-    groups = list(settings.security_group_ids)
-    if subnet and offer.network == "efa":
-        # The interface carries the subnet and groups; EC2 refuses them at the top level too.
-        nic: dict[str, Any] = {
-            "DeviceIndex": 0,
-            "NetworkCardIndex": 0,
-            "InterfaceType": "efa",
-            "SubnetId": subnet,
-            "DeleteOnTermination": True,
-        }
-        if groups:
-            nic["Groups"] = groups
-        params["NetworkInterfaces"] = [nic]
-    else:
-        if subnet:
-            params["SubnetId"] = subnet
-        if groups:
-            params["SecurityGroupIds"] = groups
+    params["NetworkInterfaces"] = [_primary_interface(settings, offer)]
     if settings.instance_profile:
         key = "Arn" if settings.instance_profile.startswith("arn:") else "Name"
         params["IamInstanceProfile"] = {key: settings.instance_profile}
     if settings.key_name:
         params["KeyName"] = settings.key_name
     return params
+
+
+def _root_ebs(settings: AwsSettings) -> dict[str, Any]:
+    ebs: dict[str, Any] = {
+        "VolumeSize": settings.root_volume_gb,
+        "VolumeType": "gp3",
+        "DeleteOnTermination": True,
+    }
+    # Off sends nothing rather than False: EC2 refuses False for an AMI whose snapshot is
+    # encrypted, and an account that encrypts by default should still do so.
+    if settings.encrypt_root_volume:
+        ebs["Encrypted"] = True
+        if settings.root_volume_kms_key:
+            ebs["KmsKeyId"] = settings.root_volume_kms_key
+    return ebs
+
+
+def _primary_interface(settings: AwsSettings, offer: Offer) -> dict[str, Any]:
+    """The VM's one network interface, always given explicitly.
+
+    Only an interface can say "no public IP" (``AssociatePublicIpAddress``); left out, a VM
+    in a public subnet, such as any default subnet, gets one. An interface then carries the
+    subnet and groups too, since EC2 refuses them at the top level beside it.
+    """
+    nic: dict[str, Any] = {
+        "DeviceIndex": 0,
+        "AssociatePublicIpAddress": settings.public_ip,
+        "DeleteOnTermination": True,
+    }
+    subnet = settings.subnet_ids.get(offer.zone, "")
+    if subnet:
+        nic["SubnetId"] = subnet
+        if offer.network == "efa":
+            # An EFA interface needs an explicit subnet; without one, plain networking.
+            nic["NetworkCardIndex"] = 0
+            nic["InterfaceType"] = "efa"
+    if settings.security_group_ids:
+        nic["Groups"] = list(settings.security_group_ids)
+    return nic
 
 
 # --- the provider ---------------------------------------------------------------------------

@@ -138,11 +138,13 @@ class GcpSettings:
         subnetwork: a subnetwork name, taken as ``regions/REGION/subnetworks/NAME`` in whatever
             region a VM launches (the Terraform module creates the same name in each), or a
             full ``regions/R/subnetworks/NAME`` path, which pins ``regions`` to ``(R,)``.
-        external_ip: give each VM an ephemeral public address. Turn it off where a Cloud NAT
-            lets VMs reach the internet.
+        external_ip: give each VM an ephemeral public address. Off by default: a VM with one
+            is reachable from the internet wherever the network's firewall allows (the
+            ``default`` network opens SSH to all); without one it needs Cloud NAT to reach
+            the internet and Private Google Access to reach Google APIs.
         service_account: the email of the service account the VMs run as; ``default`` is the
-            project's Compute Engine default account; empty attaches none (the VMs then cannot
-            reach Cloud Storage).
+            project's Compute Engine default account (usually Editor on the project); empty,
+            the default, attaches none (the VMs then cannot reach Cloud Storage).
         scopes: the OAuth scopes of that service account.
         boot_disk_gb: the boot disk's size.
         boot_disk_type: ``pd-balanced``, ``pd-ssd``, ...
@@ -167,8 +169,8 @@ class GcpSettings:
     source_image: str = DEFAULT_IMAGE
     network: str = ""
     subnetwork: str = ""
-    external_ip: bool = True
-    service_account: str = "default"
+    external_ip: bool = False
+    service_account: str = ""
     scopes: tuple[str, ...] = DEFAULT_SCOPES
     boot_disk_gb: int = 200
     boot_disk_type: str = "pd-balanced"

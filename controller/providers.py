@@ -114,6 +114,9 @@ def build_provider(
             instance_profile=aws.instance_profile or "",
             key_name=aws.key_name or "",
             root_volume_gb=aws.root_volume_gb,
+            public_ip=aws.public_ip,
+            encrypt_root_volume=aws.root_volume_encrypted,
+            root_volume_kms_key=aws.root_volume_kms_key or "",
             placement_group=aws.placement_group,
         )
         return AwsProvider(
@@ -131,7 +134,9 @@ def build_provider(
             source_image=gcp.image,
             network=gcp.network or "",
             subnetwork=gcp.subnetwork or "",
-            service_account=gcp.service_account or "default",
+            external_ip=gcp.external_ip,
+            service_account=gcp.service_account or "",
+            scopes=gcp.scopes,
             boot_disk_gb=gcp.boot_disk_gb,
         )
         return GcpProvider(

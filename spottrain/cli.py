@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from spottrain.exposure import exposure_warnings
     from spottrain.spec import SpecError, check_notice_windows, load_spec
 
     try:
@@ -140,6 +141,7 @@ def _validate(args: argparse.Namespace) -> int:
     size = spec.checkpoint.estimated_gb
     gbps = spec.checkpoint.volume.write_gbps
     fits = all(c.fits for c in checks)
+    warnings = exposure_warnings(spec)
     if args.json:
         print(
             json.dumps(
@@ -156,6 +158,7 @@ def _validate(args: argparse.Namespace) -> int:
                         }
                         for c in checks
                     ],
+                    "warnings": warnings,
                 }
             )
         )
@@ -181,6 +184,8 @@ def _validate(args: argparse.Namespace) -> int:
         for c in checks:
             assert size is not None
             print("  " + c.describe(size, gbps))
+        for warning in warnings:
+            print(f"  warning: {warning}", file=sys.stderr)
     if args.check_clouds and not _check_clouds(spec, quiet=args.json):
         return EXIT_FAILED
     return EXIT_OK if fits else EXIT_WINDOW

@@ -216,7 +216,8 @@ def connect(settings: RedisSettings, *, retries: int = 3) -> redis.Redis:
     """Return a client for ``settings``; nothing is sent until the first command.
 
     Commands that fail on a dropped connection are retried a few times with backoff, so a
-    Redis restart costs a pause, not an error.
+    Redis restart costs a pause, not an error. With TLS the server's certificate must be
+    signed by a trusted CA (``tls_ca_file``, else the system's) and name ``settings.host``.
     """
     kwargs: dict[str, Any] = {
         "host": settings.host,
@@ -232,6 +233,10 @@ def connect(settings: RedisSettings, *, retries: int = 3) -> redis.Redis:
     }
     if settings.tls:
         kwargs["ssl"] = True
+        # Said explicitly: redis-py 5 (which ``redis>=5`` allows) does not check the host name
+        # by default, so any certificate the CA ever signed would pass for this server.
+        kwargs["ssl_cert_reqs"] = "required"
+        kwargs["ssl_check_hostname"] = True
         if settings.tls_ca_file:
             kwargs["ssl_ca_certs"] = settings.tls_ca_file
     return redis.Redis(**kwargs)
@@ -251,6 +256,12 @@ def describe_error(exc: BaseException, settings: RedisSettings) -> str:
             f"Redis at {where} refused the password ({text}): check ${DEFAULT_PASSWORD_ENV} "
             "or the password_file"
         )
+    if settings.tls and _is_certificate_failure(exc):
+        return (
+            f"Redis at {where} presented a TLS certificate we do not trust ({text}): it must be "
+            f"signed by the CA in tls_ca_file (or a system CA) and name {settings.host!r} "
+            "(DNS or IP subject alternative name); connect by the name the certificate gives"
+        )
     if isinstance(exc, redis.TimeoutError):
         return f"Redis at {where} did not answer in time ({text}): is it overloaded or firewalled?"
     if isinstance(exc, redis.ConnectionError):
@@ -259,6 +270,10 @@ def describe_error(exc: BaseException, settings: RedisSettings) -> str:
             "can reach that address"
         )
     return f"Redis at {where} failed: {text}"
+
+
+def _is_certificate_failure(exc: BaseException) -> bool:
+    return isinstance(exc, redis.ConnectionError) and "CERTIFICATE_VERIFY_FAILED" in str(exc)
 
 
 def _is_auth_reply(exc: BaseException) -> bool:

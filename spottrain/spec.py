@@ -59,6 +59,12 @@ _USERINFO_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#@\s]*@")
 MAX_SPEC_BYTES = 1 << 20
 MAX_SPEC_VALUES = 100_000
 MAX_SPEC_DEPTH = 32
+# What EC2 takes as a KMS key: a key id, an alias, or the ARN of either.
+_KMS_KEY_RE = re.compile(
+    r"^(arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:(key/[0-9a-f-]{36}|alias/[\w/-]+)"
+    r"|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|alias/[\w/-]+)\Z"
+)
+GCP_SCOPE_PREFIX = "https://www.googleapis.com/auth/"
 
 
 class SpecError(ValueError):
@@ -458,9 +464,18 @@ class AwsCloudSpec(_Model):
     images: dict[str, str] = Field(description="GPU AMI id per region")
     subnets: dict[str, str] = Field(default_factory=dict, description="subnet id per zone")
     security_groups: tuple[str, ...] = ()
+    public_ip: bool = Field(
+        False,
+        description="give VMs a public IP; off, they reach Redis, PyPI and S3 through the "
+        "subnet's NAT gateway or VPC endpoints",
+    )
     instance_profile: str | None = None
     key_name: str | None = None
     root_volume_gb: int = Field(200, ge=8)
+    root_volume_encrypted: bool = Field(True, description="encrypt the root volume")
+    root_volume_kms_key: str | None = Field(
+        None, description="the KMS key (id, alias/NAME or ARN); default: the account's EBS key"
+    )
     placement_group: bool = Field(
         True,
         description="a cluster placement group per zone for EFA types (closer nodes, but "
@@ -475,14 +490,75 @@ class AwsCloudSpec(_Model):
                 raise ValueError(f"{region}: {ami!r} is not an AMI id (ami-<hex>)")
         return v
 
+    @field_validator("root_volume_kms_key")
+    @classmethod
+    def _kms_key(cls, v: str | None) -> str | None:
+        if v is not None and not _KMS_KEY_RE.match(v):
+            raise ValueError("not a KMS key: give its id, alias/NAME, or the key's or alias's ARN")
+        return v
+
+    @model_validator(mode="after")
+    def _encryption(self) -> Self:
+        if self.root_volume_kms_key and not self.root_volume_encrypted:
+            raise ValueError(
+                "root_volume_kms_key is set but root_volume_encrypted is false: turn "
+                "encryption on or drop the key"
+            )
+        return self
+
 
 class GcpCloudSpec(_Model):
     project: str = Field(pattern=r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
     image: str = Field(description="boot image (projects/P/global/images/family/F)")
     network: str | None = None
     subnetwork: str | None = None
-    service_account: str | None = None
+    external_ip: bool = Field(
+        False,
+        description="give VMs an external IP; off, they need Cloud NAT (and Private Google "
+        "Access) on their subnetwork",
+    )
+    service_account: str | None = Field(
+        None,
+        description="the email of the service account the VMs run as, or 'default' for the "
+        "Compute Engine default account",
+    )
+    scopes: tuple[str, ...] = Field(
+        (GCP_SCOPE_PREFIX + "cloud-platform",),
+        min_length=1,
+        description="OAuth scopes of that account, full URLs or short names",
+    )
     boot_disk_gb: int = Field(200, ge=10)
+
+    @field_validator("service_account")
+    @classmethod
+    def _account(cls, v: str | None) -> str | None:
+        if v is not None and v != "default" and not re.match(r"^[^@\s]+@[^@\s]+\Z", v):
+            raise ValueError("not a service account email (NAME@PROJECT.iam.gserviceaccount.com)")
+        return v
+
+    @field_validator("scopes")
+    @classmethod
+    def _scopes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        full = []
+        for scope in v:
+            if not re.match(r"^[a-z][a-z0-9._-]*\Z", scope.removeprefix(GCP_SCOPE_PREFIX)):
+                raise ValueError(
+                    f"{scope!r} is not an OAuth scope: give a short name like cloud-platform "
+                    f"or a URL like {GCP_SCOPE_PREFIX}devstorage.read_write"
+                )
+            full.append(scope if scope.startswith(GCP_SCOPE_PREFIX) else GCP_SCOPE_PREFIX + scope)
+        return tuple(full)
+
+    @model_validator(mode="after")
+    def _named_account(self) -> Self:
+        if self.service_account is None:
+            raise ValueError(
+                "service_account: name the service account the VMs run as (its email; the "
+                "terraform/gcp module makes one), with only the roles the job needs; "
+                "'default' picks the Compute Engine default account, which usually has "
+                "Editor on the whole project"
+            )
+        return self
 
 
 class FleetSpec(_Model):

@@ -29,7 +29,11 @@ VALID: dict[str, Any] = {
     },
     "redis": {"url": "rediss://redis.internal:6380", "password_secret": "spottrain/redis"},
     "aws": {"images": {"us-east-1": "ami-0123456789abcdef0"}},
-    "gcp": {"project": "acme-train", "image": "projects/p/global/images/family/f"},
+    "gcp": {
+        "project": "acme-train",
+        "image": "projects/p/global/images/family/f",
+        "service_account": "spottrain-agent@acme-train.iam.gserviceaccount.com",
+    },
 }
 
 LOCAL: dict[str, Any] = {

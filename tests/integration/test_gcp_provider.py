@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import requests
+import yaml
 from fakes.gce_server import GceFake
 from google.api_core import exceptions as api_exc
 from google.api_core.client_options import ClientOptions
@@ -23,6 +24,7 @@ from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 from harnesses.gcp import MACHINE_TYPE, REGION, GcpHarness
+from spec_samples import VALID, _with
 
 from spottrain.cloud.base import (
     TAG_JOB,
@@ -48,6 +50,8 @@ from spottrain.cloud.gcp import (
     classify_error,
     instance_name,
 )
+from spottrain.controller.providers import Endpoints, build_provider
+from spottrain.spec import parse_spec
 
 ZONE_A = "us-central1-a"
 ZONE_B = "us-central1-b"
@@ -236,7 +240,6 @@ def test_spot_launch_sends_spot_scheduling_labels_and_startup_script(gcp: GcpHar
     assert disk["initializeParams"]["sourceImage"] == GcpSettings(project="p-roject").source_image
     assert disk["initializeParams"]["diskSizeGb"] == "200"
     assert body["networkInterfaces"][0]["network"] == "global/networks/default"
-    assert body["serviceAccounts"][0]["email"] == "default"
     assert inst.market is Market.SPOT and inst.zone == ZONE_A and inst.state.alive
 
 
@@ -262,6 +265,56 @@ def test_a3_launch_asks_for_gvnic_and_max_run_duration_comes_with_an_action() ->
         assert body["scheduling"]["instanceTerminationAction"] == "DELETE"
     finally:
         h.close()
+
+
+def test_launch_gives_no_external_ip_and_no_service_account_unless_asked(gcp: GcpHarness) -> None:
+    gcp.provider.launch(_request())
+
+    body = gcp.fake.inserted[-1]
+    assert "accessConfigs" not in body["networkInterfaces"][0]
+    assert "serviceAccounts" not in body
+
+
+def _spec_provider(gcp: GcpHarness, **gcp_keys: Any) -> GcpProvider:
+    data = _with(VALID, "resources.clouds", ["gcp"])
+    data = _with(data, "resources.regions", [REGION])
+    data = _with(data, "resources.instance_types", [MACHINE_TYPE])
+    data = _with(data, "checkpoint.copy_to", "gs://acme/ckpt")
+    del data["aws"]
+    data["gcp"] = {**data["gcp"], "project": gcp.fake.project, **gcp_keys}
+    spec = parse_spec(yaml.safe_dump(data), "job.yaml").spec
+    endpoints = Endpoints(gcp_api_endpoint=gcp.fake.url, gcp_credentials=AnonymousCredentials())
+    provider = build_provider(spec, "gcp", endpoints=endpoints)
+    assert isinstance(provider, GcpProvider)
+    return provider
+
+
+def test_a_spec_launches_private_vms_as_its_named_service_account(gcp: GcpHarness) -> None:
+    _spec_provider(gcp, subnetwork="train").launch(_request())
+
+    body = gcp.fake.inserted[-1]
+    (nic,) = body["networkInterfaces"]
+    assert "accessConfigs" not in nic
+    assert nic["subnetwork"] == f"regions/{REGION}/subnetworks/train"
+    assert body["serviceAccounts"] == [
+        {
+            "email": "spottrain-agent@acme-train.iam.gserviceaccount.com",
+            "scopes": ["https://www.googleapis.com/auth/cloud-platform"],
+        }
+    ]
+
+
+def test_a_spec_can_ask_for_an_external_ip_and_narrower_scopes(gcp: GcpHarness) -> None:
+    scopes = ["devstorage.read_write", "https://www.googleapis.com/auth/logging.write"]
+    _spec_provider(gcp, external_ip=True, scopes=scopes).launch(_request())
+
+    body = gcp.fake.inserted[-1]
+    (config,) = body["networkInterfaces"][0]["accessConfigs"]
+    assert config["type"] == "ONE_TO_ONE_NAT"
+    assert body["serviceAccounts"][0]["scopes"] == [
+        "https://www.googleapis.com/auth/devstorage.read_write",
+        "https://www.googleapis.com/auth/logging.write",
+    ]
 
 
 def test_subnetwork_name_is_taken_in_the_region_of_the_launch() -> None:

@@ -69,6 +69,32 @@ def test_window_that_does_not_fit_exits_3_and_json_says_which(tmp_path: Path) ->
     assert {w["cloud"]: w["fits"] for w in result["windows"]} == {"aws": True, "gcp": False}
 
 
+def test_validate_warns_where_vms_are_reachable_from_the_internet(tmp_path: Path) -> None:
+    spec = _with(VALID, "checkpoint.params", "1B")  # fits both notice windows: exit 0
+    spec = _with(spec, "aws.public_ip", True)
+    spec = _with(spec, "gcp.external_ip", True)
+    spec = _with(spec, "gcp.service_account", "default")
+    path = _write(tmp_path, spec)
+
+    out = _run(str(path))
+
+    assert out.returncode == 0, out.stderr
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("  warning: ")]
+    assert any("aws.public_ip is true" in w for w in warnings)
+    assert any("aws.security_groups is empty" in w for w in warnings)
+    assert any("gcp.external_ip is true" in w for w in warnings)
+    assert any("gcp.service_account is 'default'" in w for w in warnings)
+    result = json.loads(_run(str(path), "--json").stdout)
+    assert result["valid"] and len(result["warnings"]) == len(warnings)
+
+
+@pytest.mark.parametrize("example", ["local_job.yaml", "aws_job.yaml", "gcp_job.yaml"])
+def test_the_example_specs_leave_no_vm_reachable_from_the_internet(example: str) -> None:
+    out = _run(f"examples/{example}", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["warnings"] == []
+
+
 def test_invalid_spec_as_json(tmp_path: Path) -> None:
     out = _run(str(_write(tmp_path, _with(VALID, "budget.max_usd", 0))), "--json")
     assert out.returncode == 2

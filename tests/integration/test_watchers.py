@@ -166,25 +166,76 @@ def test_aws_5xx_on_the_token_raises(aws: AwsImdsWatcher, md: MetadataServer) ->
     assert md.count(AWS_SPOT_PATH) == 0
 
 
-def test_aws_malformed_json_is_an_error(aws: AwsImdsWatcher, md: MetadataServer) -> None:
-    md.set_body(AWS_SPOT_PATH, b'{"action": "termin')
-    assert aws.poll() == []
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        pytest.param(b'{"action": "termin', "returned malformed JSON", id="malformed-json"),
+        pytest.param(b"", "returned malformed JSON", id="empty-body"),
+        pytest.param(b'["terminate"]', "returned JSON that is not an object", id="not-an-object"),
+        pytest.param(
+            b'{"action": "explode", "time": "2026-11-22T14:40:00Z"}',
+            "returned unknown action 'explode'",
+            id="unknown-action",
+        ),
+        pytest.param(
+            b'{"action": "terminate", "time": "in two minutes"}',
+            "returned a bad time",
+            id="bad-time",
+        ),
+        pytest.param(b'{"action": "terminate"}', "returned a bad time", id="no-time"),
+    ],
+)
+def test_aws_unreadable_spot_notice_is_a_terminate_notice_two_minutes_out(
+    md: MetadataServer, body: bytes, problem: str
+) -> None:
+    aws = AwsImdsWatcher(md.url, timeout=TIMEOUT, clock=lambda: 1000.0)
+    md.set_body(AWS_SPOT_PATH, body)
+    [notice] = aws.poll()
+    assert notice.source == "aws-imds:spot"
+    assert notice.kind is NoticeKind.TERMINATE
+    assert notice.drains
+    assert notice.seen_at == 1000.0
+    assert notice.deadline == 1120.0
+    assert notice.detail["unreadable"] is True
     [error] = aws.last_errors
-    assert f"{AWS_SPOT_PATH} returned malformed JSON" in error
+    assert f"{AWS_SPOT_PATH} {problem}" in error
+    assert "treated as a terminate notice" in error
 
 
-def test_aws_bad_timestamp_is_an_error(aws: AwsImdsWatcher, md: MetadataServer) -> None:
-    md.set_spot_action("terminate", "in two minutes")
+def test_aws_unknown_spot_action_keeps_the_time_aws_gave(md: MetadataServer) -> None:
+    aws = AwsImdsWatcher(md.url, timeout=TIMEOUT, clock=lambda: 1000.0)
+    md.set_spot_action("evaporate", iso(1090.0))
+    [notice] = aws.poll()
+    assert notice.kind is NoticeKind.TERMINATE
+    assert notice.deadline == 1090.0
+
+
+def test_aws_unreadable_spot_notice_keeps_its_deadline_from_poll_to_poll(
+    md: MetadataServer,
+) -> None:
+    now = [1000.0]
+    aws = AwsImdsWatcher(md.url, timeout=TIMEOUT, clock=lambda: now[0])
+    md.set_body(AWS_SPOT_PATH, b"garbage")
+    [first] = aws.poll()
+    now[0] = 1030.0
+    [second] = aws.poll()
+    assert first.deadline == second.deadline == 1120.0
+    md.set_body(AWS_SPOT_PATH, None)
     assert aws.poll() == []
-    [error] = aws.last_errors
-    assert "returned a bad time" in error and "'in two minutes'" in error
+    md.set_body(AWS_SPOT_PATH, b"garbage")
+    [third] = aws.poll()
+    assert third.deadline == 1150.0
 
 
-def test_aws_unknown_action_is_an_error(aws: AwsImdsWatcher, md: MetadataServer) -> None:
-    md.set_spot_action("explode", iso(time.time() + 120))
-    assert aws.poll() == []
-    [error] = aws.last_errors
-    assert "unknown action 'explode'" in error
+def test_aws_unreadable_spot_notice_survives_the_other_paths_failing(
+    aws: AwsImdsWatcher, md: MetadataServer
+) -> None:
+    md.set_body(AWS_SPOT_PATH, b"garbage")
+    md.set_status(AWS_REBALANCE_PATH, 500)
+    md.set_status(AWS_LIFECYCLE_PATH, 500)
+    [notice] = aws.poll()
+    assert notice.kind is NoticeKind.TERMINATE
+    assert len(aws.last_errors) == 3
 
 
 def test_aws_hanging_token_request_raises_within_the_timeout(

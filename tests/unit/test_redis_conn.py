@@ -15,6 +15,7 @@ from spottrain.redis_conn import (
     RedisConfigError,
     RedisSettings,
     RedisUnavailableError,
+    connect,
     describe_error,
     parse_endpoint,
     ping,
@@ -370,6 +371,15 @@ WITH_PASSWORD = RedisSettings(host="redis.internal", port=6380, password=SECRET)
             ["failed: ERR unknown command"],
             id="other-response-error",
         ),
+        pytest.param(
+            redis.ConnectionError(
+                "Error 1 connecting to redis.internal:6380. [SSL: CERTIFICATE_VERIFY_FAILED] "
+                "certificate verify failed: Hostname mismatch"
+            ),
+            RedisSettings(host="redis.internal", port=6380, tls=True),
+            ["TLS certificate we do not trust", "Hostname mismatch", "name 'redis.internal'"],
+            id="certificate",
+        ),
     ],
 )
 def test_describe_error_gives_one_actionable_line(
@@ -438,3 +448,12 @@ def test_ping_returns_quietly_when_redis_answers() -> None:
 )
 def test_parse_endpoint_reads_the_db_of_a_url(endpoint: str, db: int | None) -> None:
     assert parse_endpoint(endpoint).db == db
+
+
+def test_a_tls_client_requires_a_certificate_that_names_the_host() -> None:
+    # redis-py 5 checks no host name unless told to; whatever version runs, say it.
+    client = connect(RedisSettings(host="redis.internal", tls=True, tls_ca_file="/ca.pem"))
+    kwargs = client.connection_pool.connection_kwargs
+    assert kwargs["ssl_check_hostname"] is True
+    assert kwargs["ssl_cert_reqs"] == "required"
+    assert kwargs["ssl_ca_certs"] == "/ca.pem"

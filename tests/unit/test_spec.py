@@ -233,12 +233,12 @@ def test_git_code_needs_a_full_commit() -> None:
         (
             "wandb",
             {"project": "p", "mode": "sometimes"},
-            "wandb.mode (line 48): use 'online', 'offline' or 'disabled' (got 'sometimes')",
+            "wandb.mode (line 49): use 'online', 'offline' or 'disabled' (got 'sometimes')",
         ),
         (
             "colour",
             "blue",
-            "colour (line 46): unknown key; allowed here: name, code, train, nodes, resources, "
+            "colour (line 47): unknown key; allowed here: name, code, train, nodes, resources, "
             "spot, budget, checkpoint, redis, wandb, local, aws, gcp, fleet",
         ),
     ],
@@ -349,3 +349,60 @@ def test_spec_is_frozen() -> None:
     spec = parse_spec(yaml.safe_dump(VALID)).spec
     with pytest.raises(ValueError):
         spec.name = "other"  # type: ignore[misc]
+
+
+# -- network, service account and encryption of the VMs the controller launches -----------
+
+CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"
+
+
+def test_cloud_sections_default_to_private_encrypted_vms() -> None:
+    spec = parse_spec(yaml.safe_dump(VALID), "job.yaml").spec
+    assert spec.aws is not None and spec.gcp is not None
+    assert spec.aws.public_ip is False
+    assert spec.aws.root_volume_encrypted is True and spec.aws.root_volume_kms_key is None
+    assert spec.gcp.external_ip is False
+    assert spec.gcp.service_account == "spottrain-agent@acme-train.iam.gserviceaccount.com"
+    assert spec.gcp.scopes == (CLOUD_PLATFORM,)
+
+
+def test_gcp_scopes_take_short_names_or_urls() -> None:
+    data = _with(VALID, "gcp.scopes", ["devstorage.read_only", CLOUD_PLATFORM])
+    spec = parse_spec(yaml.safe_dump(data), "job.yaml").spec
+    assert spec.gcp is not None
+    assert spec.gcp.scopes == (
+        "https://www.googleapis.com/auth/devstorage.read_only",
+        CLOUD_PLATFORM,
+    )
+
+
+def test_gcp_needs_a_named_service_account() -> None:
+    (problem,) = _problems(_with(VALID, "gcp.service_account", ...))
+    assert problem.startswith("gcp (line ")
+    assert "service_account: name the service account the VMs run as" in problem
+    assert "'default' picks the Compute Engine default account" in problem
+    spec = parse_spec(yaml.safe_dump(_with(VALID, "gcp.service_account", "default"))).spec
+    assert spec.gcp is not None and spec.gcp.service_account == "default"
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "fragment"),
+    [
+        ("gcp.service_account", "nobody", "not a service account email"),
+        ("gcp.scopes", ["https://example.com/scope"], "is not an OAuth scope"),
+        ("gcp.scopes", [], "at least 1 item"),
+        ("gcp.external_ip", "maybe", "must be a valid boolean"),
+        ("aws.public_ip", "sometimes", "must be a valid boolean"),
+        ("aws.root_volume_kms_key", "my key", "not a KMS key: give its id, alias/NAME"),
+    ],
+)
+def test_bad_network_and_identity_keys_name_the_key(path: str, value: Any, fragment: str) -> None:
+    (problem,) = _problems(_with(VALID, path, value))
+    assert problem.startswith(path + " (line ") and fragment in problem
+
+
+def test_a_kms_key_needs_encryption_on() -> None:
+    data = _with(VALID, "aws.root_volume_kms_key", "alias/spottrain")
+    data = _with(data, "aws.root_volume_encrypted", False)
+    (problem,) = _problems(data)
+    assert "root_volume_kms_key is set but root_volume_encrypted is false" in problem
