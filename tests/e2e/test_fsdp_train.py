@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 pytestmark = pytest.mark.slow
 
@@ -90,6 +92,19 @@ def restored_step(log: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def shard_counts(checkpoint: Path) -> set[int]:
+    """How many pieces a weight matrix and its Adam moment were saved in: one per rank when
+    the state dicts are sharded (DTensors), one in all when a replicated copy was saved."""
+    meta = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    keys = ["model.model.blocks.0.mlp.0.weight", "model.optim.state.blocks.0.mlp.0.weight.exp_avg"]
+    counts = set()
+    for key in keys:
+        item = meta[key]
+        assert isinstance(item, TensorStorageMetadata), key
+        counts.add(len(item.chunks))
+    return counts
+
+
 def load_params(path: Path) -> dict[str, torch.Tensor]:
     params: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
     return params
@@ -114,6 +129,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = torchrun(tmp, ckpt, 2, "--die-at", str(DIE_AT))
     assert run.returncode != 0, "the workers were to kill themselves"
     assert run.progress[-1]["step"] == DIE_AT
+    assert shard_counts(ckpt / f"step-{EVERY:09d}") == {2}
     return ckpt
 
 
@@ -162,3 +178,4 @@ def test_checkpoint_of_two_ranks_restores_resharded_into_three_and_training_cont
     assert committed[-1] == f"step-{STEPS:09d}"
     manifest = json.loads((ckpt / committed[-1] / "MANIFEST.json").read_text())
     assert manifest["world_size"] == 3
+    assert shard_counts(ckpt / committed[-1]) == {3}
