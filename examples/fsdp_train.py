@@ -39,8 +39,10 @@ nothing is downloaded. For real data, map a token cache (``spottrain.token_cache
 ``examples/gpt_train.py`` does) and keep indexing it by the global sample index.
 
 The ``--preset 1b`` configuration (d_model 2048, 18 layers, 16 heads, vocabulary 32768,
-context 2048: about 1.04B parameters) fits 8 GPUs of 40 GB or more with
-``--micro-batch 4`` (80 GB: ``--micro-batch 8``, or more with activation checkpointing).
+context 2048: about 1.04B parameters) should fit 8 GPUs of 40 GB with ``--micro-batch 4``
+(80 GB: ``--micro-batch 8``, or more with activation checkpointing). Those are estimates
+(about 20 GB per GPU at micro batch 4, mostly activations and logits): this script has not
+run on a GPU yet.
 """
 
 from __future__ import annotations

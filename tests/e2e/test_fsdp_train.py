@@ -21,6 +21,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from spottrain.embedded_redis import free_port
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -182,3 +184,42 @@ def test_checkpoint_of_two_ranks_restores_resharded_into_three_and_training_cont
     manifest = json.loads((ckpt / committed[-1] / "MANIFEST.json").read_text())
     assert manifest["world_size"] == 3
     assert shard_counts(ckpt / committed[-1]) == {3}
+
+
+BF16_PROBE = """
+import importlib.util, json, sys, torch
+spec = importlib.util.spec_from_file_location("fsdp_train", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+sys.modules["fsdp_train"] = m
+spec.loader.exec_module(m)
+device = m.setup_device()
+model, opt, sched, cfg = m.build(m.parse_args(["--precision", "bf16"]), device)
+x, y = m.sample(range(2), cfg, 1, device)
+model(x).float().sum().backward()
+p = next(model.parameters())
+print(json.dumps([str(model(x).dtype), str(p.dtype), str(p.grad.dtype)]))
+"""
+
+
+def test_bf16_computes_in_bf16_and_keeps_fp32_weights_and_gradients() -> None:
+    """The mixed-precision policy the GPU path uses, on the CPU (gloo, one rank): FSDP2
+    gathers bf16 parameters for the forward, and the sharded weights and their reduced
+    gradients stay fp32."""
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", BF16_PROBE, SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    logits, weight, grad = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (logits, weight, grad) == ("torch.bfloat16", "torch.float32", "torch.float32")
