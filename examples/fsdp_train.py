@@ -128,6 +128,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints a line every N steps")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="one GPU's peak dense bf16 TFLOP/s (H100 SXM: 989, A100: 312), to log the\n"
+        "model FLOPs utilization",
+    )
     p.add_argument("--progress", help="JSON-lines file rank 0 appends one record per step to")
     p.add_argument("--dump-params", help="rank 0 writes the full final parameters here")
     p.add_argument(
@@ -249,7 +256,10 @@ def sample(
         noise = torch.rand(cfg.context + 1, generator=g) < 0.1
         seq = torch.where(noise, torch.randint(cfg.vocab, (cfg.context + 1,), generator=g), seq)
         rows.append(seq)
-    batch = torch.stack(rows).to(device, non_blocking=True)
+    batch = torch.stack(rows)
+    if device.type == "cuda":
+        batch = batch.pin_memory()  # so that the copy below overlaps the GPU's work
+    batch = batch.to(device, non_blocking=True)
     return batch[:, :-1], batch[:, 1:]
 
 
@@ -392,7 +402,15 @@ def main() -> None:
             )
         if rank == 0 and args.log_every and step % args.log_every == 0:
             elapsed, t_log = time.perf_counter() - t_log, time.perf_counter()
-            report_speed(step, loss, args.log_every * tokens_per_step / elapsed, world, device)
+            tokens_per_s = args.log_every * tokens_per_step / elapsed
+            report_speed(step, loss, tokens_per_s, world, device)
+            if args.peak_tflops:
+                mfu = (
+                    tokens_per_s
+                    * flops_per_token(cfg, n_params)
+                    / (world * args.peak_tflops * 1e12)
+                )
+                print(f"step {step} MFU {mfu:.1%}", file=sys.stderr, flush=True)
         if args.die_at and step == args.die_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -401,6 +419,12 @@ def main() -> None:
         dump_params(model, args.dump_params)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
+    """Training FLOPs per token: 6 per parameter (forward and backward) plus the attention
+    scores, which grow with the context (the PaLM paper's estimate)."""
+    return 6 * n_params + 12 * cfg.layers * cfg.d_model * cfg.context
 
 
 def report_speed(
