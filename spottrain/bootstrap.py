@@ -284,15 +284,17 @@ def render_local_boot(
     workdir: str | Path,
     code: CodeRef | None = None,
     copy_to: str | None = None,
+    password_file: str | None = None,
     python: str = sys.executable,
 ) -> str:
     """The local cloud's boot command as JSON: fetch the code archive into ``workdir`` (when
     ``code`` names one), then ``spottrain-agent run`` there.
 
     The settings travel as the same ``SPOTTRAIN_*`` variables a real VM's env file holds;
-    the password, if any, reaches the VM through the controller's own environment.
+    the password, if any, reaches the VM as ``password_file`` (the embedded Redis's, mode
+    0600) or else through the controller's own environment, never in this command.
     """
-    env = agent_env(spec, node, redis_url, copy_to=copy_to)
+    env = agent_env(spec, node, redis_url, copy_to=copy_to, password_file=password_file)
     env["PYTHONUNBUFFERED"] = "1"
     agent = [python, "-m", "spottrain.agent.cli", "run"]
     if spec.nodes.gpus == 0:
