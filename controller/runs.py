@@ -238,6 +238,32 @@ def open_redis(info: RunInfo, spec: JobSpec | None = None) -> redis.Redis:
 # --- code and boot ---------------------------------------------------------------------------
 
 
+def local_secret_files(spec: JobSpec) -> dict[str, str]:
+    """The local cloud's secret store: ``train.secret_env`` names files in
+    ``$SPOTTRAIN_HOME/secrets``, which only their owner may read.
+
+    Raises:
+        RunError: a secret is missing, outside that folder, or readable by others.
+    """
+    root = (home_dir() / "secrets").resolve()
+    files = {}
+    for name, secret in spec.train.secret_env.items():
+        path = (root / secret).resolve()
+        if not path.is_relative_to(root):
+            raise RunError(f"train.secret_env.{name}: {secret!r} leaves {root}")
+        if not path.is_file():
+            raise RunError(
+                f"train.secret_env.{name}: no secret {secret!r} on the local cloud: write it "
+                f"to {path} (install -m 600 /dev/stdin {path})"
+            )
+        if path.stat().st_mode & 0o077:
+            raise RunError(
+                f"train.secret_env.{name}: {path} is readable by others: chmod 600 {path}"
+            )
+        files[name] = str(path)
+    return files
+
+
 def prepare_code(spec: JobSpec, base_dir: Path, run_dir: Path) -> CodeRef:
     """Archive and upload ``code.archive`` (nothing to do for an image or a commit)."""
     if not isinstance(spec.code, ArchiveCode):
@@ -271,6 +297,7 @@ def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
     code = CodeRef(info.code_url, info.code_sha256)
     password = embedded_password_file(info.dir) if info.embedded_redis else None
     password_file = str(password) if password is not None and password.exists() else None
+    secrets = local_secret_files(spec) if "local" in spec.resources.clouds else {}
 
     def render(node: str, offer: Offer) -> str:
         ident = NodeIdentity(info.run_id, node, offer.cloud, offer.zone, offer.instance_type)
@@ -283,6 +310,7 @@ def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
                 code=code,
                 copy_to=local_copy_to(spec),
                 password_file=password_file,
+                secret_files=secrets,
             )
         return render_boot_script(
             spec, ident, info.redis_url, code=code, password_secret=spec.redis.password_secret
@@ -313,6 +341,8 @@ def create_run(loaded: LoadedSpec, *, run_id: str | None = None) -> RunInfo:
             )
     else:
         rid = make_run_id(spec.name)
+    if "local" in spec.resources.clouds:
+        local_secret_files(spec)  # fail now, before anything starts
     info = RunInfo(
         run_id=rid,
         spec_text=_spec_text(loaded),
