@@ -131,15 +131,13 @@ def _secret_get(cloud: str, secret: str) -> str:
     return f"gcloud secrets versions access latest --secret={q}"
 
 
-def _secret_fetch(
-    cloud: str, secret: str, path: str = PASSWORD_PATH, what: str = "the Redis password"
-) -> str:
-    """Shell lines that write a secret (the Redis password) from the cloud's secret store
-    into ``path``, readable by root only."""
+def _secret_fetch(cloud: str, secret: str) -> str:
+    """Shell lines that write the Redis password from the cloud's secret store."""
+    get = _secret_get(cloud, secret)
     return (
-        f"umask 077\n{_secret_get(cloud, secret)} > {path}.tmp\n"
-        f"test -s {path}.tmp || {{ echo 'spottrain: {what} secret is "
-        f"empty' >&2; exit 1; }}\nmv {path}.tmp {path}\numask 022\n"
+        f"umask 077\n{get} > {PASSWORD_PATH}.tmp\n"
+        f"test -s {PASSWORD_PATH}.tmp || {{ echo 'spottrain: the Redis password secret is "
+        f"empty' >&2; exit 1; }}\nmv {PASSWORD_PATH}.tmp {PASSWORD_PATH}\numask 022\n"
     )
 
 

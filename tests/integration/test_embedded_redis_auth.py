@@ -16,6 +16,7 @@ import yaml
 
 from spottrain.cloud.base import Market, Offer
 from spottrain.controller.runs import (
+    RunError,
     RunInfo,
     boot_renderer,
     create_run,
@@ -128,3 +129,32 @@ def test_a_redis_server_with_a_password_keeps_it_off_its_command_line(tmp_path: 
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(host=server.host, port=server.port).ping()
         assert server.client().ping()
+
+
+def test_a_local_secret_env_must_exist_and_be_private_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(home))
+    spec = {
+        "name": "sec",
+        "code": {"archive": {"path": str(tmp_path)}},
+        "train": {"command": "train.py", "secret_env": {"HF_TOKEN": "hf-token"}},
+        "nodes": {"min": 1, "max": 1, "gpus": 0},
+        "resources": {"clouds": ["local"]},
+        "budget": {"max_usd": 5},
+        "checkpoint": {"volume": {"path": str(tmp_path / "v"), "write_gbps": 1}, "every_steps": 5},
+        "local": {"zones": {"local-a": {"capacity": 1}}},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    secret = home / "secrets" / "hf-token"
+    with pytest.raises(
+        RunError, match=f"no secret 'hf-token' on the local cloud: write it to {secret}"
+    ):
+        create_run(load_spec(tmp_path / "job.yaml"))
+    secret.parent.mkdir(parents=True)
+    secret.write_text("hf_value\n")
+    secret.chmod(0o644)
+    with pytest.raises(RunError, match=f"readable by others: chmod 600 {secret}"):
+        create_run(load_spec(tmp_path / "job.yaml"))
+    assert not (home / "runs").exists() or not any((home / "runs").iterdir())
