@@ -30,6 +30,8 @@ CLOUDS = ("local", "aws", "gcp")
 # Every variable `run` reads, filled in as its parser is built (the systemd unit's
 # environment file is checked against it).
 RUN_ENV_VARS: set[str] = {"SPOTTRAIN_TRAIN_CMD"}
+# --rdzv-conf keys whose value is a secret itself.
+SECRET_RDZV_KEYS = frozenset({"password", "requirepass", "token"})
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -153,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _secret_rdzv_keys(conf: dict[str, str]) -> list[str]:
+    """The ``--rdzv-conf`` keys that would carry a secret (``password``); ``password_env`` and
+    ``password_file`` only name where it is, and stay allowed."""
+    return sorted(k for k in conf if k.lower() in SECRET_RDZV_KEYS)
+
+
 def _run(args: argparse.Namespace) -> int:
     from .agent import Agent, AgentConfig
 
@@ -169,6 +177,16 @@ def _run(args: argparse.Namespace) -> int:
             print(f"spottrain-agent run: --rdzv-conf item {item!r} is not k=v", file=sys.stderr)
             return 2
         conf[k.strip()] = v.strip()
+    if refused := _secret_rdzv_keys(conf):
+        # Refused before anything starts: torchrun would carry the value on its command line
+        # (world-readable in /proc) and the torchrun-started event would store it in Redis.
+        print(
+            f"spottrain-agent run: --rdzv-conf {', '.join(refused)} is refused: it would put "
+            f"the secret on torchrun's command line and in the run's event stream; set "
+            f"${DEFAULT_PASSWORD_ENV} or --password-file (SPOTTRAIN_REDIS_PASSWORD_FILE) instead",
+            file=sys.stderr,
+        )
+        return 2
     cfg = AgentConfig(
         redis_url=args.redis,
         run_id=args.run_id,

@@ -1,7 +1,8 @@
 """A run on this workstation: its directory, its Redis, its code, and its controller.
 
 ``$SPOTTRAIN_HOME/runs/<run id>/`` holds ``run.json`` (the spec, where Redis is, where the
-code archive went), the embedded Redis's data (append-only file), the controller's log, and,
+code archive went), the embedded Redis's data (append-only file) and its password
+(``redis/password``, mode 0600), the controller's log, and,
 after the run, ``summary.json`` and ``events.jsonl`` so ``status`` and ``logs`` still answer
 once its Redis is gone. ``$SPOTTRAIN_HOME/jobs/<name>`` names the newest run of a job.
 """
@@ -15,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,21 @@ import redis
 
 from spottrain.bootstrap import CodeRef, NodeIdentity, render_boot_script, render_local_boot
 from spottrain.cloud.base import Offer, Provider
-from spottrain.embedded_redis import find_redis_server, free_port
+from spottrain.embedded_redis import (
+    config_on_stdin,
+    find_redis_server,
+    free_port,
+    new_password_file,
+)
 from spottrain.keys import RunKeys, make_run_id, validate_run_id
-from spottrain.redis_conn import connect, describe_error, settings_from_url
+from spottrain.redis_conn import (
+    RedisConfigError,
+    RedisSettings,
+    connect,
+    describe_error,
+    resolve_password,
+    settings_from_url,
+)
 from spottrain.spec import ArchiveCode, JobSpec, LoadedSpec, parse_spec
 
 from .group_loop import GROUP_TUNABLES, GroupController, group_policy_from_spec
@@ -114,53 +127,87 @@ def find_run(name_or_id: str | None) -> RunInfo:
 # --- Redis ----------------------------------------------------------------------------------
 
 
-def _redis_daemon(data: Path, port: int | str) -> None:
+def embedded_password_file(run_dir: Path) -> Path:
+    """Where a run's embedded Redis keeps its password (mode 0600): every local client (the
+    controller, ``status``, ``logs``, ``down``, the local VMs' agents) reads it there."""
+    return run_dir / "redis" / "password"
+
+
+def _embedded_password(run_dir: Path) -> str | None:
+    """The embedded Redis's password; None for a run made before it had one."""
+    path = embedded_password_file(run_dir)
+    if not path.exists():
+        return None
+    try:
+        return resolve_password(None, str(path))
+    except RedisConfigError as e:
+        raise RunError(f"{e}: `spottrain down` the run and start it again") from None
+
+
+def _redis_daemon(data: Path, port: int | str, password: str | None) -> None:
     """Start a daemonized redis-server on ``port`` that keeps its data (append-only file)
-    in ``data``, and wait until it answers."""
-    data.mkdir(parents=True, exist_ok=True)
+    in ``data``, and wait until it answers. Only this machine can reach it (127.0.0.1,
+    protected mode), and only with ``password``, which goes through its standard input,
+    never its command line."""
+    data.mkdir(mode=0o700, parents=True, exist_ok=True)
+    head, config = config_on_stdin(password)
     args = [
-        find_redis_server(),
+        find_redis_server(), *head,
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--dir", str(data),
         "--appendonly", "yes",
         "--appendfsync", "everysec",
         "--save", "",
-        "--protected-mode", "no",
+        "--protected-mode", "yes",
         "--daemonize", "yes",
         "--pidfile", str(data / "redis.pid"),
         "--logfile", str(data / "redis.log"),
     ]  # fmt: skip
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
-    url = f"redis://127.0.0.1:{port}/0"
+    subprocess.run(args, input=config, check=True, capture_output=True, timeout=30)
+    settings = _embedded_settings(f"redis://127.0.0.1:{port}/0", password, socket_timeout=1.0)
     deadline = time.monotonic() + 10
-    while not _redis_up(url):
+    while not _redis_up(settings):
         if time.monotonic() > deadline:
             raise RunError(f"the run's Redis did not start; see {data / 'redis.log'}")
         time.sleep(0.05)
 
 
+def _embedded_settings(url: str, password: str | None, socket_timeout: float) -> RedisSettings:
+    settings = settings_from_url(url, password_env=None, socket_timeout=socket_timeout)
+    return replace(settings, password=password)
+
+
 def start_embedded_redis(run_dir: Path) -> str:
     """Start a redis-server for the run that outlives this process (a controller killed and
-    restarted finds its state), persisted to the run directory. Returns its URL."""
+    restarted finds its state), persisted to the run directory, with a fresh password kept
+    there (mode 0600). Returns its URL (which holds no password)."""
     port = free_port()
-    _redis_daemon(run_dir / "redis", port)
+    (run_dir / "redis").mkdir(mode=0o700, parents=True, exist_ok=True)
+    password = new_password_file(embedded_password_file(run_dir))
+    _redis_daemon(run_dir / "redis", port, password)
     return f"redis://127.0.0.1:{port}/0"
 
 
 def restart_embedded_redis(info: RunInfo) -> None:
-    """Start the run's embedded Redis again on its port, from its data, if it is down."""
-    if not info.embedded_redis or _redis_up(info.redis_url):
+    """Start the run's embedded Redis again on its port, from its data, with its password,
+    if it is down."""
+    if not info.embedded_redis:
+        return
+    password = _embedded_password(info.dir)
+    if _redis_up(_embedded_settings(info.redis_url, password, socket_timeout=1.0)):
         return
     port = info.redis_url.rsplit(":", 1)[1].split("/")[0]
-    _redis_daemon(info.dir / "redis", port)
+    _redis_daemon(info.dir / "redis", port, password)
 
 
 def stop_embedded_redis(info: RunInfo) -> None:
     pidfile = info.dir / "redis" / "redis.pid"
-    with contextlib.suppress(redis.RedisError):
-        client = connect(settings_from_url(info.redis_url, socket_timeout=2.0), retries=0)
-        client.shutdown(save=False)
+    with contextlib.suppress(redis.RedisError, RunError):
+        settings = _embedded_settings(
+            info.redis_url, _embedded_password(info.dir), socket_timeout=2.0
+        )
+        connect(settings, retries=0).shutdown(save=False)
     with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
         pid = int(pidfile.read_text())
         os.kill(pid, signal.SIGTERM)
@@ -169,9 +216,9 @@ def stop_embedded_redis(info: RunInfo) -> None:
             time.sleep(0.05)
 
 
-def _redis_up(url: str) -> bool:
+def _redis_up(settings: RedisSettings) -> bool:
     try:
-        connect(settings_from_url(url, socket_timeout=1.0), retries=0).ping()
+        connect(settings, retries=0).ping()
         return True
     except redis.RedisError:
         return False
@@ -183,11 +230,14 @@ def open_redis(info: RunInfo, spec: JobSpec | None = None) -> redis.Redis:
     Raises:
         RunError: unreachable or refusing (the message names the cause and the fix).
     """
-    password_env = spec.redis.password_env if spec else "SPOTTRAIN_REDIS_PASSWORD"
-    password_file = spec.redis.password_file if spec else None
-    settings = settings_from_url(
-        info.redis_url, password_file=password_file, password_env=password_env
-    )
+    if info.embedded_redis:
+        settings = _embedded_settings(info.redis_url, _embedded_password(info.dir), 5.0)
+    else:
+        password_env = spec.redis.password_env if spec else "SPOTTRAIN_REDIS_PASSWORD"
+        password_file = spec.redis.password_file if spec else None
+        settings = settings_from_url(
+            info.redis_url, password_file=password_file, password_env=password_env
+        )
     client = connect(settings, retries=0)
     try:
         client.ping()
@@ -197,6 +247,32 @@ def open_redis(info: RunInfo, spec: JobSpec | None = None) -> redis.Redis:
 
 
 # --- code and boot ---------------------------------------------------------------------------
+
+
+def local_secret_files(spec: JobSpec) -> dict[str, str]:
+    """The local cloud's secret store: ``train.secret_env`` names files in
+    ``$SPOTTRAIN_HOME/secrets``, which only their owner may read.
+
+    Raises:
+        RunError: a secret is missing, outside that folder, or readable by others.
+    """
+    root = (home_dir() / "secrets").resolve()
+    files = {}
+    for name, secret in spec.train.secret_env.items():
+        path = (root / secret).resolve()
+        if not path.is_relative_to(root):
+            raise RunError(f"train.secret_env.{name}: {secret!r} leaves {root}")
+        if not path.is_file():
+            raise RunError(
+                f"train.secret_env.{name}: no secret {secret!r} on the local cloud: write it "
+                f"to {path} (install -m 600 /dev/stdin {path})"
+            )
+        if path.stat().st_mode & 0o077:
+            raise RunError(
+                f"train.secret_env.{name}: {path} is readable by others: chmod 600 {path}"
+            )
+        files[name] = str(path)
+    return files
 
 
 def prepare_code(spec: JobSpec, base_dir: Path, run_dir: Path) -> CodeRef:
@@ -230,6 +306,9 @@ def local_copy_to(spec: JobSpec) -> str:
 
 def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
     code = CodeRef(info.code_url, info.code_sha256)
+    password = embedded_password_file(info.dir) if info.embedded_redis else None
+    password_file = str(password) if password is not None and password.exists() else None
+    secrets = local_secret_files(spec) if "local" in spec.resources.clouds else {}
 
     def render(node: str, offer: Offer) -> str:
         ident = NodeIdentity(info.run_id, node, offer.cloud, offer.zone, offer.instance_type)
@@ -241,6 +320,8 @@ def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
                 workdir=info.dir / "nodes" / node / "code",
                 code=code,
                 copy_to=local_copy_to(spec),
+                password_file=password_file,
+                secret_files=secrets,
             )
         return render_boot_script(
             spec, ident, info.redis_url, code=code, password_secret=spec.redis.password_secret
@@ -271,6 +352,8 @@ def create_run(loaded: LoadedSpec, *, run_id: str | None = None) -> RunInfo:
             )
     else:
         rid = make_run_id(spec.name)
+    if "local" in spec.resources.clouds:
+        local_secret_files(spec)  # fail now, before anything starts
     info = RunInfo(
         run_id=rid,
         spec_text=loaded.text,

@@ -9,8 +9,10 @@ Everything the agent needs travels in ``/etc/spottrain/agent.env`` (the systemd 
 ``EnvironmentFile=``), using only the ``SPOTTRAIN_*`` variables that ``spottrain-agent run``
 reads; beside them, the job's own variables for its workers (``train.env``, and the
 ``WANDB_*`` ones of its ``wandb:`` section), which torchrun passes on. Secrets never travel
-in a boot script, which anyone allowed to describe the VM can read: the Redis password is
-fetched at boot from the cloud's secret store.
+in a boot script, which anyone allowed to describe the VM can read: the Redis password, the
+git token (``code.git.token_secret``) and the job's secret variables (``train.secret_env``)
+are fetched at boot from the cloud's secret store into root-only files, and reach git and
+the agent through files and the environment, never a command line.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from spottrain.tracking import trainer_env
 
 AGENT_ENV_PATH = "/etc/spottrain/agent.env"
 PASSWORD_PATH = "/etc/spottrain/redis-password"
+GIT_TOKEN_PATH = "/etc/spottrain/git-token"
+GIT_ASKPASS_PATH = "/etc/spottrain/git-askpass"
+DOCKER_ENV_PATH = "/etc/spottrain/agent.docker.env"
 VOLUME_ROOT = "/mnt/spottrain"
 JOB_DIR = "/opt/job"
 VENV = "/opt/spottrain/venv"
@@ -118,17 +123,21 @@ def render_env_file(env: Mapping[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _secret_fetch(cloud: str, secret: str) -> str:
-    """Shell lines that write the Redis password from the cloud's secret store."""
+def _secret_get(cloud: str, secret: str) -> str:
+    """A shell command that prints a secret from the cloud's secret store to its stdout."""
     q = shlex.quote(secret)
     if cloud == "aws":
-        # The instance profile needs secretsmanager:GetSecretValue on this secret only.
-        get = (
+        # The instance profile needs secretsmanager:GetSecretValue on these secrets only.
+        return (
             f"aws secretsmanager get-secret-value --secret-id {q} "
             "--query SecretString --output text"
         )
-    else:
-        get = f"gcloud secrets versions access latest --secret={q}"
+    return f"gcloud secrets versions access latest --secret={q}"
+
+
+def _secret_fetch(cloud: str, secret: str) -> str:
+    """Shell lines that write the Redis password from the cloud's secret store."""
+    get = _secret_get(cloud, secret)
     return (
         f"umask 077\n{get} > {PASSWORD_PATH}.tmp\n"
         f"test -s {PASSWORD_PATH}.tmp || {{ echo 'spottrain: the Redis password secret is "
@@ -136,15 +145,74 @@ def _secret_fetch(cloud: str, secret: str) -> str:
     )
 
 
-def _code_lines(spec: JobSpec, code: CodeRef) -> str:
+# Appends `NAME="value"` (systemd's quoting) to the agent's env file, and `NAME=value` to
+# docker's, from the secret on stdin: printf is a bash builtin, so the value is on no
+# command line, and a secret holding a newline is refused (an env file cannot carry one).
+_SECRET_ENV_FN = r"""spottrain_secret_env() {
+  local raw quoted
+  raw="$(cat)"
+  [ -n "$raw" ] || { echo "spottrain: the secret for $1 is empty" >&2; exit 1; }
+  case "$raw" in *$'\n'*|*$'\r'*)
+    echo "spottrain: the secret for $1 holds a newline" >&2; exit 1;;
+  esac
+  quoted="${raw//\\/\\\\}"
+  quoted="${quoted//\"/\\\"}"
+  printf '%s="%s"\n' "$1" "$quoted" >> "$2"
+  if [ -n "${3:-}" ]; then printf '%s=%s\n' "$1" "$raw" >> "$3"; fi
+}
+"""
+
+
+def _secret_env_lines(spec: JobSpec, cloud: str) -> str:
+    """Shell lines that add ``train.secret_env`` to the agent's env file(s) (mode 0600)."""
+    if not spec.train.secret_env:
+        return ""
+    docker = DOCKER_ENV_PATH if isinstance(spec.code, ImageCode) else ""
+    lines = ["umask 077\n", _SECRET_ENV_FN]
+    for name, secret in spec.train.secret_env.items():
+        lines.append(
+            f"{_secret_get(cloud, secret)} | spottrain_secret_env {name} {AGENT_ENV_PATH}"
+            + (f" {docker}" if docker else "")
+            + "\n"
+        )
+    return "".join(lines) + "umask 022\n"
+
+
+def _git_fetch_lines(spec: JobSpec, cloud: str) -> str:
+    """Fetch the pinned commit; with ``token_secret``, git asks a root-only helper for the
+    token (GIT_ASKPASS), which is removed once the commit is fetched."""
+    assert isinstance(spec.code, GitCode)
+    g = spec.code.git
+    fetch = f"git -C {JOB_DIR} fetch -q --depth 1 {shlex.quote(g.repo)} {g.commit}"
+    if not g.token_secret:
+        return f"  {fetch}\n"
+    askpass = (
+        "#!/bin/sh\n"
+        f'case "$1" in Username*) echo {g.token_user} ;; *) cat {GIT_TOKEN_PATH} ;; esac\n'
+    )
+    return (
+        f"  umask 077\n"
+        f"  {_secret_get(cloud, g.token_secret)} > {GIT_TOKEN_PATH}\n"
+        f"  test -s {GIT_TOKEN_PATH} || {{ echo 'spottrain: the git token secret is empty' "
+        ">&2; exit 1; }\n"
+        f"  cat > {GIT_ASKPASS_PATH} <<'SH'\n{askpass}SH\n"
+        f"  chmod 0700 {GIT_ASKPASS_PATH}\n"
+        "  umask 022\n"
+        f"  GIT_ASKPASS={GIT_ASKPASS_PATH} GIT_TERMINAL_PROMPT=0 {fetch} || "
+        f"{{ rm -f {GIT_TOKEN_PATH} {GIT_ASKPASS_PATH}; exit 1; }}\n"
+        f"  rm -f {GIT_TOKEN_PATH} {GIT_ASKPASS_PATH}\n"
+    )
+
+
+def _code_lines(spec: JobSpec, code: CodeRef, cloud: str) -> str:
     if isinstance(spec.code, GitCode):
         g = spec.code.git
         workdir = f"{JOB_DIR}/{g.subdir}" if g.subdir else JOB_DIR
         return (
             f"if [ ! -d {JOB_DIR}/.git ]; then\n"
             f"  git init -q {JOB_DIR}\n"
-            f"  git -C {JOB_DIR} fetch -q --depth 1 {shlex.quote(g.repo)} {g.commit}\n"
-            f"  git -C {JOB_DIR} checkout -q FETCH_HEAD\n"
+            + _git_fetch_lines(spec, cloud)
+            + f"  git -C {JOB_DIR} checkout -q FETCH_HEAD\n"
             "fi\n"
             f'test "$(git -C {JOB_DIR} rev-parse HEAD)" = {g.commit} || '
             "{ echo 'spottrain: the job checkout is not at the pinned commit' >&2; exit 1; }\n"
@@ -268,7 +336,7 @@ def render_boot_script(
         "fi\n",
         f"mountpoint -q {VOLUME_ROOT} || echo 'spottrain: {VOLUME_ROOT} is not mounted yet; "
         "the agent waits for it (RequiresMountsFor)' >&2\n",
-        _code_lines(spec, code or CodeRef()),
+        _code_lines(spec, code or CodeRef(), node.cloud),
     ]
     if password_secret:
         parts.append(_secret_fetch(node.cloud, password_secret))
@@ -280,10 +348,11 @@ def render_boot_script(
     if isinstance(spec.code, ImageCode):
         # docker's --env-file takes values literally (no quotes), unlike systemd.
         parts += [
-            "cat > /etc/spottrain/agent.docker.env <<'ENV'\n",
+            f"cat > {DOCKER_ENV_PATH} <<'ENV'\n",
             "".join(f"{k}={v}\n" for k, v in env.items()),
             "ENV\n",
         ]
+    parts.append(_secret_env_lines(spec, node.cloud))
     parts += ["umask 022\n", _unit_lines(spec, env["SPOTTRAIN_CKPT_DIR"])]
     return "".join(parts)
 
@@ -309,15 +378,20 @@ def render_local_boot(
     workdir: str | Path,
     code: CodeRef | None = None,
     copy_to: str | None = None,
+    password_file: str | None = None,
+    secret_files: Mapping[str, str] | None = None,
     python: str = sys.executable,
 ) -> str:
     """The local cloud's boot command as JSON: fetch the code archive into ``workdir`` (when
     ``code`` names one), then ``spottrain-agent run`` there.
 
     The settings travel as the same ``SPOTTRAIN_*`` variables a real VM's env file holds;
-    the password, if any, reaches the VM through the controller's own environment.
+    the password, if any, reaches the VM as ``password_file`` (the embedded Redis's, mode
+    0600) or else through the controller's own environment, never in this command. So do
+    the values of ``train.secret_env``: ``secret_files`` maps each variable to the local
+    secret store's file, which the boot command reads into the agent's environment.
     """
-    env = agent_env(spec, node, redis_url, copy_to=copy_to)
+    env = agent_env(spec, node, redis_url, copy_to=copy_to, password_file=password_file)
     env["PYTHONUNBUFFERED"] = "1"
     agent = [python, "-m", "spottrain.agent.cli", "run"]
     if spec.nodes.gpus == 0:
@@ -341,6 +415,9 @@ def render_local_boot(
         steps.append(shlex.join(fetch))
     else:
         steps.append(f"mkdir -p {shlex.quote(str(workdir))}")
+    for name, path in (secret_files or {}).items():
+        # $(cat FILE) inside bash: the value lands in the environment, on no command line.
+        steps.append(f'{name}="$(cat {shlex.quote(path)})" && export {name}')
     # exec: the agent replaces the shell, so the VM's SIGTERM reaches it directly.
     steps += [f"cd {shlex.quote(str(workdir))}", f"exec {shlex.join(agent)}"]
     return json.dumps({"argv": ["bash", "-c", " && ".join(steps)], "env": env, "cwd": ""})

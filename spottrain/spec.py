@@ -65,6 +65,55 @@ _KMS_KEY_RE = re.compile(
     r"|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|alias/[\w/-]+)\Z"
 )
 GCP_SCOPE_PREFIX = "https://www.googleapis.com/auth/"
+# A name in the cloud's secret store: an AWS Secrets Manager name or ARN, a GCP Secret
+# Manager name or projects/P/secrets/NAME (also what the local cloud's secrets folder holds).
+_SECRET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9/_+=.@:-]{0,511}\Z")
+# Name parts that mark an environment variable as a credential (HF_TOKEN, WANDB_API_KEY,
+# AWS_SECRET_ACCESS_KEY): its value belongs in train.secret_env, not in the boot script.
+_SECRET_ENV_PARTS = re.compile(
+    r"(^|_)(TOKEN|PASSWORD|PASSWD|SECRET|APIKEY|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)(_|\Z)"
+)
+SECRET_STORE_HINT = (
+    "an AWS Secrets Manager id or a GCP Secret Manager name (on the local cloud: a file of "
+    "that name in $SPOTTRAIN_HOME/secrets, mode 0600)"
+)
+
+
+def check_secret_name(v: str) -> str:
+    """A secret store name, or ValueError saying what one looks like."""
+    if not _SECRET_NAME_RE.match(v):
+        raise ValueError(
+            "a secret name is letters, digits and / _ + = . @ : - (up to 512): " + SECRET_STORE_HINT
+        )
+    return v
+
+
+def _url_credentials(repo: str) -> str | None:
+    """What kind of credential a clone URL embeds, if any (never the credential itself)."""
+    scheme, sep, rest = repo.partition("://")
+    if not sep:
+        return None  # scp-like git@host:path: a user name for SSH, whose key is the secret
+    userinfo, at, _ = rest.partition("/")[0].rpartition("@")
+    if not at:
+        return None
+    if ":" in userinfo:
+        return "a user name and password or token"
+    if scheme.lower() in ("http", "https"):
+        # Over HTTPS a bare user part is how tokens are usually given (https://TOKEN@host/).
+        return "a token or user name"
+    return None
+
+
+def _check_secret_names(v: Mapping[str, str]) -> None:
+    for name, secret in v.items():
+        if not _ENV_NAME_RE.match(name):
+            raise ValueError(f"{name!r} is not an environment variable name")
+        if name.startswith("SPOTTRAIN_"):
+            raise ValueError(f"{name}: SPOTTRAIN_* variables are set by spottrain itself")
+        try:
+            check_secret_name(secret)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
 
 
 class SpecError(ValueError):
@@ -155,9 +204,53 @@ class ImageCode(_Model):
 
 
 class GitSource(_Model):
-    repo: str = Field(description="clone URL")
+    repo: str = Field(description="clone URL (no credentials in it: use token_secret)")
     commit: str = Field(description="the full commit hash (40 or 64 hex characters)")
     subdir: str = ""
+    token_secret: str | None = Field(
+        None,
+        description="the cloud secret holding an HTTPS access token for a private repo, "
+        "fetched at boot and given to git through GIT_ASKPASS (" + SECRET_STORE_HINT + ")",
+    )
+    token_user: str = Field(
+        "x-access-token",
+        description="the user name git sends with the token (GitHub ignores it; GitLab "
+        "takes any; Bitbucket wants x-token-auth)",
+    )
+
+    @field_validator("repo")
+    @classmethod
+    def _no_credentials(cls, v: str) -> str:
+        kind = _url_credentials(v)
+        if kind:
+            # Never echo the URL: whatever precedes the '@' is probably a credential.
+            raise ValueError(
+                f"the clone URL embeds {kind} (it has '@' before the host): anyone who can "
+                "describe a VM would read it in the boot script; remove it and name a secret "
+                "with code.git.token_secret (" + SECRET_STORE_HINT + ")"
+            )
+        return v
+
+    @field_validator("token_secret")
+    @classmethod
+    def _secret_name(cls, v: str | None) -> str | None:
+        return None if v is None else check_secret_name(v)
+
+    @field_validator("token_user")
+    @classmethod
+    def _user(cls, v: str) -> str:
+        if not re.match(r"^[A-Za-z0-9._-]{1,64}\Z", v):
+            raise ValueError("a git user name is letters, digits, . _ - (up to 64)")
+        return v
+
+    @model_validator(mode="after")
+    def _token_over_https(self) -> Self:
+        if self.token_secret and not self.repo.lower().startswith("https://"):
+            raise ValueError(
+                "token_secret works with an https:// clone URL only (SSH clones use the VM's "
+                "SSH key)"
+            )
+        return self
 
     @field_validator("commit")
     @classmethod
@@ -220,6 +313,13 @@ class TrainSpec(_Model):
 
     command: tuple[str, ...] = Field(description="script and arguments (a list, or a string)")
     env: dict[EnvName, str] = Field(default_factory=dict)
+    secret_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="ENV_NAME: secret name; each value is read from the cloud's secret store "
+        "at boot into a file only root reads, never into the boot script ("
+        + SECRET_STORE_HINT
+        + ")",
+    )
 
     @field_validator("command", mode="before")
     @classmethod
@@ -244,7 +344,28 @@ class TrainSpec(_Model):
         for name in v:
             if name.startswith("SPOTTRAIN_"):
                 raise ValueError(f"{name}: SPOTTRAIN_* variables are set by spottrain itself")
+            if _SECRET_ENV_PARTS.search(name.upper()):
+                # Never echo the value; env is rendered into the boot script in the clear.
+                raise ValueError(
+                    f"{name} looks like a credential: env values are written into the VMs' "
+                    f"boot script, which anyone who can describe a VM reads; put the value in "
+                    f"the cloud's secret store and name it in train.secret_env ({name}: "
+                    "SECRET_NAME)"
+                )
         return v
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_names(cls, v: dict[str, str]) -> dict[str, str]:
+        _check_secret_names(v)
+        return v
+
+    @model_validator(mode="after")
+    def _env_or_secret(self) -> Self:
+        both = sorted(set(self.env) & set(self.secret_env))
+        if both:
+            raise ValueError(f"{', '.join(both)}: set in both env and secret_env; keep one")
+        return self
 
 
 class NodesSpec(_Model):
@@ -1051,7 +1172,12 @@ def _describe(err: Any, lines: dict[str, int]) -> str:
 
 # Where a value may be, or hold, a secret (a password, a token, a credential in the
 # workers' environment): an error there names the key and its line, never what was written.
-_SECRET_PLACES = (("redis",), ("train", "env"), ("train", "secret_env"))
+_SECRET_PLACES = (
+    ("redis",),
+    ("train", "env"),
+    ("train", "secret_env"),
+    ("code", "git", "repo"),
+)
 # A quotation in a message, long enough to hold a secret ('@' is a character, not a value).
 _QUOTED_RE = re.compile(r"'[^']{4,}'|\"[^\"]{4,}\"")
 

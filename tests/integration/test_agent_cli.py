@@ -157,6 +157,32 @@ def test_a_healthy_cpu_node_runs_the_job_and_a_failing_script_fails_the_node(
     assert redis_client.exists(RunKeys(run_id).heartbeat("n1")) == 0
 
 
+@pytest.mark.parametrize("key", ["password", "Password"])
+def test_run_refuses_a_password_in_rdzv_conf_before_anything_starts(
+    redis_server: RedisServer, redis_client: redis.Redis, run_id: str, tmp_path: Path, key: str
+) -> None:
+    """torchrun would carry the password on its command line, and the torchrun-started
+    event (which `spottrain logs` prints) would store it: nothing may start."""
+    secret = f"hunter2-{uuid.uuid4().hex}"
+    script = tmp_path / "ok.py"
+    script.write_text("pass")
+    res = agent(
+        "run",
+        f"--redis={redis_server.endpoint}",
+        f"--run-id={run_id}",
+        "--node-id=n1",
+        "--no-health-check",
+        f"--rdzv-conf=timeout=30,{key}={secret}",
+        "--",
+        str(script),
+    )
+    assert res.returncode == 2, res.stderr
+    assert key in res.stderr and "SPOTTRAIN_REDIS_PASSWORD" in res.stderr
+    assert secret not in res.stderr + res.stdout
+    # Not even the node's registration reached Redis, let alone a torchrun-started event.
+    assert list(redis_client.scan_iter(match=RunKeys(run_id).pattern)) == []
+
+
 def test_notify_queues_a_notice_the_agent_understands(
     redis_server: RedisServer, redis_client: redis.Redis, run_id: str
 ) -> None:

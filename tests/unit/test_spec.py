@@ -88,7 +88,8 @@ def test_git_code_needs_a_full_commit() -> None:
         (
             "code",
             {"git": {"repo": "r", "commit": COMMIT, "branch": "main"}},
-            "code.git.branch (line 6): unknown key; allowed here: repo, commit, subdir",
+            "code.git.branch (line 6): unknown key; allowed here: repo, commit, subdir, "
+            "token_secret, token_user",
         ),
         (
             "code",

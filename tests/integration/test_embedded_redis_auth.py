@@ -1,0 +1,160 @@
+"""The embedded Redis of a local run: a fresh password per run, kept in the run's directory
+(mode 0600), given to redis-server through its standard input and to the local VMs as a file
+path, never on a command line; only 127.0.0.1, protected mode on."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from spottrain.cloud.base import Market, Offer
+from spottrain.controller.runs import (
+    RunError,
+    RunInfo,
+    boot_renderer,
+    create_run,
+    embedded_password_file,
+    open_redis,
+    restart_embedded_redis,
+    stop_embedded_redis,
+)
+from spottrain.embedded_redis import RedisServer
+from spottrain.spec import load_spec
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def _port(info: RunInfo) -> int:
+    return int(info.redis_url.rsplit(":", 1)[1].split("/")[0])
+
+
+@pytest.fixture
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RunInfo]:
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
+    # A password the user exported for some other Redis must not be what the run uses.
+    monkeypatch.setenv("SPOTTRAIN_REDIS_PASSWORD", "not-this-one")
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text("print('hi')\n")
+    spec = {
+        "name": "auth",
+        "code": {"archive": {"path": str(code)}},
+        "train": {"command": "train.py"},
+        "nodes": {"min": 1, "max": 1, "gpus": 0},
+        "resources": {"clouds": ["local"]},
+        "budget": {"max_usd": 5},
+        "checkpoint": {
+            "volume": {"path": str(tmp_path / "vol"), "write_gbps": 1},
+            "every_steps": 10,
+        },
+        "local": {"zones": {"local-a": {"capacity": 1}}},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    info = create_run(load_spec(tmp_path / "job.yaml"))
+    try:
+        yield info
+    finally:
+        stop_embedded_redis(info)
+
+
+def test_each_run_gets_its_own_password_in_a_file_only_its_owner_reads(run: RunInfo) -> None:
+    path = embedded_password_file(run.dir)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    password = path.read_text().strip()
+    assert len(password) >= 32
+    assert password not in run.redis_url
+    assert password not in (run.dir / "run.json").read_text()
+
+
+def test_a_client_without_the_runs_password_is_refused(run: RunInfo) -> None:
+    anonymous = redis.Redis(host="127.0.0.1", port=_port(run), socket_timeout=2)
+    with pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    wrong = redis.Redis(host="127.0.0.1", port=_port(run), password="not-this-one")
+    with pytest.raises(redis.AuthenticationError):
+        wrong.ping()
+    client = open_redis(run, run.spec())
+    assert client.ping()
+    assert client.config_get("protected-mode") == {"protected-mode": "yes"}
+    assert client.config_get("bind")["bind"] == "127.0.0.1"
+
+
+def test_the_password_is_on_no_command_line_of_redis_server(run: RunInfo) -> None:
+    password = embedded_password_file(run.dir).read_text().strip()
+    pid = int((run.dir / "redis" / "redis.pid").read_text())
+    assert "redis-server" in _cmdline(pid)
+    assert password not in _cmdline(pid)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                assert password not in _cmdline(int(entry)), f"process {entry}"
+            except OSError:
+                continue
+
+
+def test_a_restarted_embedded_redis_keeps_the_runs_password_and_data(run: RunInfo) -> None:
+    open_redis(run).set("kept", "yes")
+    stop_embedded_redis(run)
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(host="127.0.0.1", port=_port(run), socket_timeout=1).ping()
+    restart_embedded_redis(run)
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host="127.0.0.1", port=_port(run), socket_timeout=2).ping()
+    assert open_redis(run).get("kept") == b"yes"
+
+
+def test_local_vms_get_the_password_file_not_the_password(run: RunInfo) -> None:
+    password = embedded_password_file(run.dir).read_text().strip()
+    boot = boot_renderer(run.spec(), run)(
+        "n1", Offer("local", "local", "local-a", "cpu", 0, "", Market.SPOT, 0.0, 0.0)
+    )
+    assert password not in boot
+    env = json.loads(boot)["env"]
+    assert env["SPOTTRAIN_REDIS_PASSWORD_FILE"] == str(embedded_password_file(run.dir))
+
+
+def test_a_redis_server_with_a_password_keeps_it_off_its_command_line(tmp_path: Path) -> None:
+    with RedisServer(data_dir=tmp_path, password="pw-only-on-stdin") as server:
+        assert server.proc is not None
+        assert "pw-only-on-stdin" not in _cmdline(server.proc.pid)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host=server.host, port=server.port).ping()
+        assert server.client().ping()
+
+
+def test_a_local_secret_env_must_exist_and_be_private_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(home))
+    spec = {
+        "name": "sec",
+        "code": {"archive": {"path": str(tmp_path)}},
+        "train": {"command": "train.py", "secret_env": {"HF_TOKEN": "hf-token"}},
+        "nodes": {"min": 1, "max": 1, "gpus": 0},
+        "resources": {"clouds": ["local"]},
+        "budget": {"max_usd": 5},
+        "checkpoint": {"volume": {"path": str(tmp_path / "v"), "write_gbps": 1}, "every_steps": 5},
+        "local": {"zones": {"local-a": {"capacity": 1}}},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    secret = home / "secrets" / "hf-token"
+    with pytest.raises(
+        RunError, match=f"no secret 'hf-token' on the local cloud: write it to {secret}"
+    ):
+        create_run(load_spec(tmp_path / "job.yaml"))
+    secret.parent.mkdir(parents=True)
+    secret.write_text("hf_value\n")
+    secret.chmod(0o644)
+    with pytest.raises(RunError, match=f"readable by others: chmod 600 {secret}"):
+        create_run(load_spec(tmp_path / "job.yaml"))
+    assert not (home / "runs").exists() or not any((home / "runs").iterdir())
