@@ -304,8 +304,9 @@ def save(
         try:
             path = ckdir.commit(tmp, manifest, fence)
             outcome = ("committed", str(path), manifest)
-            with contextlib.suppress(OSError):
-                ckdir.prune(keep, round_, epoch)
+            if kind != "emergency":  # seconds count there; the next save prunes
+                with contextlib.suppress(OSError):
+                    ckdir.prune(keep, round_, epoch)
         except StaleCommitError as exc:
             outcome = ("refused", str(exc), None)
         except CheckpointDirError as exc:

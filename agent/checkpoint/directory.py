@@ -152,6 +152,9 @@ class CheckpointDir:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        # Checkpoints this process saw verify, by name, with the (name, size, mtime, inode)
+        # of their files then: pruning re-reads only what changed since.
+        self._verified: dict[str, tuple[tuple[str, int, int, int], ...]] = {}
         if not self.root.exists():
             raise CheckpointDirError(
                 errno.ENOENT,
@@ -326,6 +329,8 @@ class CheckpointDir:
                 skipped.append((path.name, reason))
                 log.warning("skipping checkpoint %s: %s", path.name, reason)
                 continue
+            if checksums:
+                self._remember_verified(path)
             return Restorable(path, manifest, skipped)
         return None
 
@@ -388,6 +393,8 @@ class CheckpointDir:
                 raise
             failpoint("after-rename")
             fsync_dir(self.root)
+            # Its checksums were taken from the bytes as they were written and synced.
+            self._remember_verified(target)
         except StaleCommitError:
             raise
         except OSError as exc:
@@ -434,10 +441,63 @@ class CheckpointDir:
         fsync_dir(self.root)
         failpoint("after-latest")
 
+    # -- verification -------------------------------------------------------------------------
+    @staticmethod
+    def _signature(path: Path) -> tuple[tuple[str, int, int, int], ...]:
+        out = []
+        with os.scandir(path) as entries:
+            for e in entries:
+                st = e.stat(follow_symlinks=False)
+                out.append((e.name, st.st_size, st.st_mtime_ns, st.st_ino))
+        return tuple(sorted(out))
+
+    def _remember_verified(self, path: Path) -> None:
+        with contextlib.suppress(OSError):
+            self._verified[path.name] = self._signature(path)
+
+    def verifies(self, step: int, path: Path) -> bool:
+        """Whether committed checkpoint ``path`` (of ``step``) has a good manifest and files
+        that match it, checksums included; a checkpoint this process saw verify (or wrote) is
+        read again only if one of its files changed since."""
+        try:
+            signature = self._signature(path)
+        except OSError:
+            return False
+        if self._verified.get(path.name) == signature:
+            return True
+        try:
+            manifest = Manifest.read(path)
+        except ManifestError:
+            return False
+        if manifest.step != step or verify_files(path, manifest):
+            return False
+        self._verified[path.name] = signature
+        return True
+
+    def _beyond_keep(self, committed: list[tuple[int, Path]], keep: int) -> list[Path]:
+        """The committed checkpoints older than the ``keep``-th newest one that verifies.
+
+        Checkpoints that fail verification do not count towards ``keep``, and are not
+        deleted for failing it (a read error is not proof that a checkpoint is bad); they
+        go once ``keep`` newer ones verify, like any other.
+        """
+        good = 0
+        for i in range(len(committed) - 1, -1, -1):
+            if good >= keep:
+                return [path for _, path in committed[: i + 1]]
+            step, path = committed[i]
+            if self.verifies(step, path):
+                good += 1
+        return []
+
     # -- housekeeping -------------------------------------------------------------------------
     def prune(self, keep: int, round_: int, epoch: int = -1) -> list[str]:
-        """Keep the newest ``keep`` committed checkpoints; drop the temporary directories
-        that no live writer can commit any more, and epoch claims far below the newest.
+        """Keep the newest ``keep`` committed checkpoints that verify (and any newer ones
+        that do not); drop the temporary directories that no live writer can commit any
+        more, and epoch claims far below the newest.
+
+        Verifying reads each checkpoint once per process (see :meth:`verifies`), and only
+        when there are more than ``keep`` to choose from.
 
         A temporary directory is dead when its epoch is below the directory's newest (it
         can never commit), or, for the writer's own epoch or round, when its step is below
@@ -448,8 +508,9 @@ class CheckpointDir:
         removed = []
         committed = self.committed()
         newest = committed[-1][0] if committed else -1
-        for _, path in committed[: max(0, len(committed) - keep)]:
+        for path in self._beyond_keep(committed, keep) if len(committed) > keep else []:
             shutil.rmtree(path, ignore_errors=True)
+            self._verified.pop(path.name, None)
             removed.append(path.name)
         newest_epoch = self.newest_epoch(epoch)
         standing = {path.name for _, path in committed}  # an .old-* standing in for its step

@@ -143,6 +143,58 @@ def test_keep_prunes_all_but_the_newest_k(ckdir: CheckpointDir) -> None:
     assert_bitwise_equal(loaded, state_for(5))
 
 
+def test_prune_never_deletes_good_checkpoints_for_newer_damaged_ones(tmp_path: Path) -> None:
+    """keep=2 counts only checkpoints that verify: with the newest ones damaged (a flipped
+    byte, a lost shard, a torn manifest), the last good ones stay and restore finds them.
+    Each save is by a new process (as after each restart), which knows nothing yet."""
+
+    def fresh() -> CheckpointDir:
+        return CheckpointDir(tmp_path)
+
+    save(fresh(), 1, keep=2)
+    save(fresh(), 2, keep=2)
+    flip_byte(biggest_shard(save(fresh(), 3, keep=2).path or Path("/nonexistent")))
+    assert [s for s, _ in fresh().committed()] == [2, 3]  # step 3 was good when it committed
+    biggest_shard(save(fresh(), 4, keep=2).path or Path("/nonexistent")).unlink()
+    tear_manifest(save(fresh(), 5, keep=2).path or Path("/nonexistent"))
+    assert save(fresh(), 6, keep=2).committed
+    assert [s for s, _ in fresh().committed()] == [2, 3, 4, 5, 6]
+    flip_byte(biggest_shard(fresh().step_path(6)))
+    found = fresh().find_restorable()
+    assert found is not None and found.manifest.step == 2
+    assert [name for name, _ in found.skipped] == [step_name(s) for s in (6, 5, 4, 3)]
+    step, loaded = restore(fresh(), state_for(2))
+    assert step == 2
+    assert_bitwise_equal(loaded, state_for(2))
+    # Two newer good ones: everything older than the second of them goes, damaged or not.
+    save(fresh(), 7, keep=2)
+    assert [s for s, _ in fresh().committed()] == [2, 3, 4, 5, 6, 7]
+    save(fresh(), 8, keep=2)
+    assert [s for s, _ in fresh().committed()] == [7, 8]
+
+
+def test_prune_reads_again_a_checkpoint_changed_since_it_verified(ckdir: CheckpointDir) -> None:
+    for step in (1, 2, 3):
+        save(ckdir, step, keep=2)
+    assert [s for s, _ in ckdir.committed()] == [2, 3]
+    # Damaged after this very process wrote it (and so took it as verified).
+    shard = biggest_shard(ckdir.step_path(3))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    save(ckdir, 4, keep=2)
+    assert [s for s, _ in ckdir.committed()] == [2, 3, 4]
+    save(ckdir, 5, keep=2)
+    assert [s for s, _ in ckdir.committed()] == [4, 5]
+
+
+def test_an_emergency_save_leaves_pruning_to_the_next_save(ckdir: CheckpointDir) -> None:
+    for step in (1, 2):
+        save(ckdir, step, keep=1)
+    assert dcp_io.save(state_for(3), ckdir, step=3, round_=0, kind="emergency", keep=1).committed
+    assert [s for s, _ in ckdir.committed()] == [2, 3]
+    save(ckdir, 4, keep=1)
+    assert [s for s, _ in ckdir.committed()] == [4]
+
+
 def biggest_shard(path: Path) -> Path:
     return max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
 
