@@ -456,23 +456,29 @@ class CheckpointDir:
             self._verified[path.name] = self._signature(path)
 
     def verifies(self, step: int, path: Path) -> bool:
-        """Whether committed checkpoint ``path`` (of ``step``) has a good manifest and files
-        that match it, checksums included; a checkpoint this process saw verify (or wrote) is
-        read again only if one of its files changed since."""
+        """Whether checkpoint ``path`` of ``step`` verifies (see :meth:`check`)."""
+        return self.check(step, path) is None
+
+    def check(self, step: int, path: Path) -> str | None:
+        """What is wrong with checkpoint ``path`` of ``step`` (None: its manifest and files
+        verify, checksums included). A checkpoint this process saw verify (or wrote) is read
+        again only if one of its files changed since."""
         try:
             signature = self._signature(path)
-        except OSError:
-            return False
+        except OSError as exc:
+            return f"cannot list it: {exc.strerror or exc}"
         if self._verified.get(path.name) == signature:
-            return True
+            return None
         try:
             manifest = Manifest.read(path)
-        except ManifestError:
-            return False
-        if manifest.step != step or verify_files(path, manifest):
-            return False
+        except ManifestError as exc:
+            return str(exc)
+        problems = [f"its manifest is for step {manifest.step}"] if manifest.step != step else []
+        problems += verify_files(path, manifest)
+        if problems:
+            return "; ".join(problems)
         self._verified[path.name] = signature
-        return True
+        return None
 
     def _beyond_keep(self, committed: list[tuple[int, Path]], keep: int) -> list[Path]:
         """The committed checkpoints older than the ``keep``-th newest one that verifies.
