@@ -27,7 +27,7 @@ import redis
 
 from spottrain.keys import RunKeys
 
-from .checkpoint.directory import CheckpointDir
+from .checkpoint.directory import CheckpointDir, fsync_dir
 from .node_record import NodeRecord
 
 if TYPE_CHECKING:
@@ -185,6 +185,7 @@ class CheckpointCopier:
             shutil.rmtree(tmp, ignore_errors=True)
             return f"its checkpoint does not verify once downloaded ({problem})"
         tmp.rename(self.ckpt_dir / name)
+        fsync_dir(self.ckpt_dir)
         return None
 
     # --- out, in the background ----------------------------------------------------------
