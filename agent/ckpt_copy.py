@@ -4,9 +4,11 @@ A checkpoint volume is zonal (FSx, Filestore, a local disk), so a job that moves
 behind. The agent of the node that committed a checkpoint copies it to
 ``<copy_to>/<run id>/step-N/`` in the background (its manifest last, so a partial copy is
 never taken for a whole one); before starting torchrun, an agent whose volume holds nothing
-newer than the newest complete copy brings that copy in. Both report to the run's event
-stream; the newest copy is also recorded in ``ckpt:copied``, which the controller waits on
-before it restarts a moved job elsewhere.
+newer than the newest complete copy brings that copy in. A copy that cannot be used (an
+object corrupt or missing, a checkpoint that does not verify once downloaded) is skipped for
+the next older one, and each one skipped is reported with why. Both directions report to the
+run's event stream; the newest copy is also recorded in ``ckpt:copied``, which the
+controller waits on before it restarts a moved job elsewhere.
 """
 
 from __future__ import annotations
@@ -14,22 +16,41 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 
 from spottrain.keys import RunKeys
 
-from .checkpoint.directory import CheckpointDir
+from .checkpoint.directory import CheckpointDir, fsync_dir
 from .node_record import NodeRecord
+
+if TYPE_CHECKING:
+    from spottrain.cloud.storage import ObjectStore
 
 log = logging.getLogger("spottrain.agent.ckpt_copy")
 
 
 def _step_of(name: str) -> int:
     return int(name.rsplit("-", 1)[1])
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """What :meth:`CheckpointCopier.pull_newest` did.
+
+    Attributes:
+        step: the step brought in, or None (the volume was as new, or no copy was usable).
+        skipped: (copy name, why) of each newer copy passed over, newest first.
+    """
+
+    step: int | None
+    skipped: tuple[tuple[str, str], ...] = ()
 
 
 class CheckpointCopier:
@@ -40,6 +61,8 @@ class CheckpointCopier:
         ckpt_dir: the node's checkpoint directory.
         client, keys, node_id, record: the run's Redis, this node, its event recorder.
         poll_s: how often to look for a new commit.
+        store: the store itself, when it is not opened from ``store_url`` alone (an
+            endpoint or credentials of its own); ``store_url`` then only names it.
     """
 
     def __init__(
@@ -51,10 +74,11 @@ class CheckpointCopier:
         node_id: str,
         record: NodeRecord,
         poll_s: float = 1.0,
+        store: ObjectStore | None = None,
     ) -> None:
         from spottrain.cloud.storage import open_store
 
-        self.store = open_store(store_url)
+        self.store = store if store is not None else open_store(store_url)
         self.url = store_url
         self.ckpt_dir = Path(ckpt_dir)
         self.client = client
@@ -73,38 +97,96 @@ class CheckpointCopier:
         return self.keys.run_id
 
     # --- in, at boot ---------------------------------------------------------------------
-    def pull_newest(self) -> int | None:
-        """Bring in the newest complete copy if the volume has nothing as new; return its
-        step, or None when the volume is already as new (or there is no copy)."""
-        from spottrain.cloud.storage import download_dir, list_dirs
+    def pull_newest(self) -> PullResult:
+        """Bring in the newest usable copy if the volume has nothing as new.
 
-        copies = list_dirs(self.store, self.prefix)
+        Copies are tried newest first. One whose objects are corrupt or missing, or whose
+        checkpoint does not verify once downloaded, is skipped for the next older one, with
+        a ``checkpoint-copy-skipped`` event saying why; one left at ``.tmp-step-N-r-1-pull``
+        never counts as committed until it verified.
+
+        Raises:
+            StorageError: the store failed (unreachable, credentials), or every copy newer
+                than the volume's checkpoints was unusable and the volume has none: starting
+                from nothing would lose the run's progress unseen.
+        """
+        from spottrain.cloud.storage import list_dirs
+
+        copies = sorted(list_dirs(self.store, self.prefix), key=_step_of, reverse=True)
         if not copies:
-            return None
-        newest = max(copies, key=_step_of)
-        step = _step_of(newest)
+            return PullResult(None)
         # Every node of a zone shares its volume and boots at about the same time: one
         # brings the copy in, the others wait for it and find it there.
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        skipped: list[tuple[str, str]] = []
+        t0 = time.monotonic()
         with open(self.ckpt_dir / ".pull.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                local = CheckpointDir(str(self.ckpt_dir)).committed()
-                if local and local[-1][0] >= step:
-                    return None
-                t0 = time.monotonic()
-                download_dir(self.store, f"{self.prefix}/{newest}", self.ckpt_dir / newest)
-                (self.ckpt_dir / "latest").write_text(newest)
+                ckdir = CheckpointDir(str(self.ckpt_dir))
+                local = ckdir.committed()
+                local_newest = local[-1][0] if local else -1
+                pulled = None
+                for name in copies:
+                    if _step_of(name) <= local_newest:
+                        break
+                    why = self._pull_one(ckdir, name)
+                    if why is None:
+                        pulled = name
+                        break
+                    skipped.append((name, why))
+                    log.error("skipping checkpoint copy %s/%s: %s", self.url, name, why)
+                    self.record.event(
+                        "checkpoint-copy-skipped",
+                        step=_step_of(name),
+                        source=f"{self.url}/{self.prefix}/{name}",
+                        reason=why,
+                    )
+                if pulled is not None:
+                    (self.ckpt_dir / "latest").write_text(pulled)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+        if pulled is None:
+            if skipped and local_newest < 0:
+                from spottrain.cloud.storage import StorageError
+
+                raise StorageError(
+                    f"no usable checkpoint copy in {self.url}/{self.prefix} and none on the "
+                    f"volume {self.ckpt_dir}: "
+                    + "; ".join(f"{name}: {why}" for name, why in skipped)
+                )
+            return PullResult(None, tuple(skipped))
+        step = _step_of(pulled)
         self.record.event(
             "checkpoint-pulled",
             step=step,
-            source=f"{self.url}/{self.prefix}/{newest}",
+            source=f"{self.url}/{self.prefix}/{pulled}",
             seconds=round(time.monotonic() - t0, 3),
+            skipped=[name for name, _ in skipped],
         )
         log.info("brought in checkpoint step %d from %s", step, self.url)
-        return step
+        return PullResult(step, tuple(skipped))
+
+    def _pull_one(self, ckdir: CheckpointDir, name: str) -> str | None:
+        """Download copy ``name`` and commit it to the volume if it verifies; return why it
+        cannot be used, or None. Transient store errors are raised, not skipped."""
+        from spottrain.cloud.storage import CorruptObject, IncompleteCopy, download_dir
+
+        step = _step_of(name)
+        # A name that no writer uses, and that pruning clears as a dead temporary directory.
+        tmp = self.ckpt_dir / f".tmp-{name}-r-1-pull"
+        shutil.rmtree(tmp, ignore_errors=True)  # a pull that died here before
+        try:
+            download_dir(self.store, f"{self.prefix}/{name}", tmp)
+        except (CorruptObject, IncompleteCopy, ValueError) as exc:
+            return str(exc)
+        problem = ckdir.check(step, tmp)
+        if problem is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return f"its checkpoint does not verify once downloaded ({problem})"
+        tmp.rename(self.ckpt_dir / name)
+        fsync_dir(self.ckpt_dir)
+        return None
 
     # --- out, in the background ----------------------------------------------------------
     def start(self) -> None:

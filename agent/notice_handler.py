@@ -50,6 +50,7 @@ class DrainOutcome:
     committed_step: int | None
     waited_s: float
     left: bool
+    refused: str | None = None  # why the trainers' commit for it was refused, if one was
 
 
 class NoticeHandler:
@@ -101,6 +102,7 @@ class NoticeHandler:
         self._early_thread: threading.Thread | None = None
         self.outcome: DrainOutcome | None = None
         self.done = threading.Event()
+        self._refused: str | None = None
 
     @property
     def draining(self) -> bool:
@@ -151,6 +153,7 @@ class NoticeHandler:
         joined = self.lifecycle.state in (NodeState.JOINED, NodeState.CHECKPOINTING)
         self._advance(NodeState.DRAINING, f"{notice.kind.value} from {notice.source}")
         step = None
+        self._refused = None
         if joined:
             request_id = self._request(notice, drain=True)
             if request_id == 0:
@@ -168,13 +171,14 @@ class NoticeHandler:
         left = self._leave()
         remaining = max(1.0, (self._deadline or self.clock()) - self.clock())
         self.stop_workers(remaining)
-        self.outcome = DrainOutcome(notice, step, waited, left)
+        self.outcome = DrainOutcome(notice, step, waited, left, self._refused)
         self.record.event(
             "drained",
             committed_step=step,
             waited_s=round(waited, 3),
             left_rendezvous=left,
             source=notice.source,
+            **({"refused": self._refused} if self._refused and step is None else {}),
         )
         if self.on_drained is not None:
             # After the commit and the leave: what runs here may let the VM go.
@@ -238,7 +242,29 @@ class NoticeHandler:
                     step = int(last["step"])
                     self.record.event("checkpoint-seen", step=step, request_id=request_id)
                     return step
+            self._note_refusal(request_id, noticed_at, drain)
             time.sleep(0.1)
+
+    def _note_refusal(self, request_id: int, noticed_at: float, drain: bool) -> None:
+        """Report, once, a refused commit that would have answered the request. The wait
+        goes on: a newer round's rank 0 reads the same request and may still commit."""
+        if self._refused is not None:
+            return
+        try:
+            raw = self.client.hgetall(self.keys.ckpt_refused)
+        except redis.RedisError:
+            return
+        last = {k.decode(): v.decode() for k, v in raw.items()}
+        if not last or not _covers(last, request_id, noticed_at, drain):
+            return
+        self._refused = f"step {last.get('step', '?')}: {last.get('reason', '')}"
+        log.error("the checkpoint for this drain was refused: %s", self._refused)
+        self.record.event(
+            "drain-checkpoint-refused",
+            step=last.get("step", ""),
+            request_id=request_id,
+            reason=last.get("reason", ""),
+        )
 
     def _commits(self) -> list[dict[str, str]]:
         """The newest commit as Redis has it, and, when Redis is silent, as the checkpoint

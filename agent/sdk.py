@@ -41,10 +41,16 @@ spec's ``wandb:`` section sets on every VM), rank 0 logs each step (the metrics 
 :mod:`spottrain.tracking`. Each rendezvous round is a wandb run of its own
 (``<run id>-r<round>``) in the group ``<run id>``, plotted against ``step``.
 
-**Commit and fencing.** See :mod:`spottrain.agent.checkpoint`. A save is committed by rank 0
-only if its rendezvous round (``SPOTTRAIN_RDZV_ROUND``, set by the Redis rendezvous) is still
-the newest: a node frozen mid-save and woken after its peers moved on cannot overwrite their
-progress.
+**Commit and fencing.** See :mod:`spottrain.agent.checkpoint.directory`. Each session is a
+generation of writers: rank 0 claims a fencing epoch from the checkpoint directory when the
+session starts and shares it with every rank. A save is committed by rank 0 only if no newer
+epoch has been claimed there since, and, while Redis holds the rendezvous, no newer round
+(``SPOTTRAIN_RDZV_ROUND``, set by the Redis rendezvous) trains: a node frozen mid-save and
+woken after its peers moved on cannot overwrite their progress. Rounds that restart at 0 (a
+Redis that lost its data, expired keys, a relaunch under a new ``--rdzv-id``) start a new
+generation with a higher epoch and commit as usual. A refused commit is an error in the log,
+a ``checkpoint-refused`` event in the run's stream and a count in ``ckpt:refused``, which
+``spottrain status`` and a draining agent report.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ import statistics
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -323,8 +330,12 @@ class TrainSession:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spottrain-save")
         self._inflight: Future[bool] | None = None
 
+        # This session's fencing epoch, claimed by rank 0 and the same on every rank.
+        self.epoch = -1
         if self.rank == 0:
             self.ckdir.check_writable()  # fail before any training, not at the first save
+            self.epoch = self.ckdir.claim_epoch(_generation(self.round, self.node))
+        self.epoch = dcp_io.broadcast_from_first(self.epoch, self._group)
 
         # A plain bool: the signal handler must not take a lock (an Event's would deadlock
         # if the signal lands while the main thread holds it).
@@ -625,6 +636,7 @@ class TrainSession:
                 fence=self._requests.fence,
                 thread_count=self.thread_count,
                 keep=self.keep,
+                epoch=self.epoch,
             )
         except dcp_io.CheckpointWriteError as exc:
             log.error("%s checkpoint at step %d failed: %s", kind, step, exc)
@@ -635,6 +647,8 @@ class TrainSession:
         self._served_request = max(self._served_request, request_id)
         if drain and result.manifest is not None:
             self._served_at = result.manifest.created_at
+        if result.refused is not None and self.rank == 0:
+            self._requests.report_refused(result, kind, drain, request_id, self.round, self.epoch)
         if result.committed and self.rank == 0:
             log.warning(
                 "%s checkpoint step %d committed in %.2f s (%s)",
@@ -763,6 +777,13 @@ def _stage(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return type(obj)(_stage(v) for v in obj)
     return copy.deepcopy(obj)
+
+
+def _generation(round_: int, node: str) -> str:
+    """A name for this session's generation of writers, unique to it: a rendezvous round
+    may repeat (a new rendezvous state starts again at 0), so the round only describes it."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SPOTTRAIN_RUN_ID") or "-"
+    return f"run {run} round {round_} node {node} pid {os.getpid()} {uuid.uuid4().hex[:12]}"
 
 
 def _copy_uri(run: str, name: str) -> str:
@@ -1033,9 +1054,49 @@ class _RequestPoller:
         except Exception as exc:
             log.warning("checkpoint committed but not reported to Redis: %s", exc)
 
+    def report_refused(
+        self,
+        result: dcp_io.SaveResult,
+        kind: str,
+        drain: bool,
+        request_id: int,
+        round_: int,
+        epoch: int,
+    ) -> None:
+        """Make a refused commit loud: an event in the run's stream and a count with the
+        newest refusal in ``ckpt:refused`` (read by ``spottrain status`` and the agents)."""
+        if self.client is None or self.keys is None:
+            return
+        record = {
+            "node": os.environ.get(ENV_NODE, ""),
+            "step": str(result.step),
+            "kind": kind,
+            "drain": str(int(drain)),
+            "request_id": str(request_id),
+            "round": str(round_),
+            "epoch": str(epoch),
+            "reason": result.refused or "",
+            "at": f"{time.time():.3f}",
+        }
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hincrby(self.keys.ckpt_refused, "count", 1)
+            pipe.hset(self.keys.ckpt_refused, mapping=record)
+            pipe.xadd(
+                self.keys.events,
+                {"type": "checkpoint-refused", **record},
+                maxlen=EVENTS_MAXLEN,
+                approximate=True,
+            )
+            pipe.execute()
+        except Exception as exc:
+            log.warning("refused checkpoint not reported to Redis: %s", exc)
+
     def fence(self, round_: int) -> str | None:
-        """Why a commit from ``round_`` must be refused, or None. Redis unreachable: allow
-        (the checkpoint directory's own round check still applies)."""
+        """Why a commit from ``round_`` must be refused, or None. Redis unreachable, or
+        without the view (lost data, expired keys, another run id): allow; the checkpoint
+        directory's fencing epoch still applies. A view's round only ever grows within one
+        Redis state, so a higher one there means a newer round of this very state trains."""
         if self.client is None or self.keys is None:
             return None
         try:

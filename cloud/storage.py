@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, NoReturn, Protocol, runtime_checkable
+from typing import IO, Any, BinaryIO, NoReturn, Protocol, runtime_checkable
 from urllib.parse import unquote, urlsplit
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,11 @@ class StorageUnavailable(StorageError):
     """A transient failure (timeout, 5xx, throttling, an object replaced mid-read): retry."""
 
 
+class SourceChanged(StorageUnavailable):
+    """A local file or directory changed while it was uploaded (a newer commit of the same
+    checkpoint replaced it): what was sent is withdrawn; upload it again."""
+
+
 class CorruptObject(StorageError):
     """An object's bytes do not match the sha256 recorded when it was written."""
 
@@ -149,7 +154,10 @@ class ObjectStore(Protocol):
       renames it into place, so a crash never leaves a torn destination file.
     - **Checksummed.** Every put records the sha256 of the bytes with the object (S3 user
       metadata, GCS custom metadata, a sidecar file locally); every get checks the bytes it
-      received against it and raises :class:`CorruptObject` on a mismatch.
+      received against it and raises :class:`CorruptObject` on a mismatch. A file is hashed
+      and sent through one open descriptor, and checked unchanged after sending, so the
+      recorded sha256 is that of the bytes sent; a file that changed in between is
+      withdrawn with :class:`SourceChanged`, never stored under another file's hash.
     - **Consistency** is the backend's: S3 and GCS are strongly consistent for reads after
       writes and for listings; no operation is atomic across keys.
     - **Errors** are one of the :class:`StorageError` subclasses: :class:`ObjectNotFound`,
@@ -161,17 +169,32 @@ class ObjectStore(Protocol):
     def put_file(
         self, key: str, path: str | os.PathLike[str], *, sha256: str | None = None
     ) -> None:
-        """Upload a local file, in parts when it is large.
+        """Upload a local file, in parts when it is large (see :meth:`put_fileobj`).
 
         Args:
             key: where to put it.
             path: the file.
-            sha256: its hex sha256, if the caller already computed it (else it is computed).
+            sha256: its hex sha256 as the caller computed it: if the file's bytes no longer
+                hash to it, :class:`SourceChanged` is raised and nothing is sent.
 
         Raises:
             ValueError: a bad key.
             FileNotFoundError: ``path`` does not exist.
-            StorageError: one of its subclasses, as in the class docstring.
+            SourceChanged: the file changed since the caller hashed it, or while it was
+                sent (then the object is deleted again).
+            StorageError: another subclass, as in the class docstring.
+        """
+        ...
+
+    def put_fileobj(self, key: str, f: BinaryIO, *, sha256: str | None = None) -> None:
+        """Upload an open regular file, from its start: hashed through ``f``, then sent from
+        ``f``, then checked unchanged (size, mtime, ctime). Whoever renames or replaces the
+        file's path meanwhile does not change what ``f`` reads.
+
+        Raises:
+            ValueError: a bad key, or ``f`` is not a regular file.
+            SourceChanged: as for :meth:`put_file`.
+            StorageError: another subclass, as in the class docstring.
         """
         ...
 
@@ -406,6 +429,21 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
+def _stream_sha256(f: BinaryIO) -> tuple[str, int]:
+    """The hex sha256 of what ``f`` reads from here to its end, and how many bytes."""
+    digest = hashlib.sha256()
+    size = 0
+    while chunk := f.read(_READ_CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when a file's content is written (for the same open file)."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -439,7 +477,8 @@ class _StoreBase:
     def _stat(self, key: str) -> ObjectInfo:
         raise NotImplementedError
 
-    def _put_file(self, key: str, path: Path, sha256: str) -> None:
+    def _put_fileobj(self, key: str, f: BinaryIO, size: int, sha256: str) -> None:
+        """Send ``size`` bytes of ``f`` from its current position (its start)."""
         raise NotImplementedError
 
     def _put_bytes(self, key: str, data: bytes, sha256: str) -> None:
@@ -467,7 +506,36 @@ class _StoreBase:
         src = Path(path)
         if not src.is_file():
             raise FileNotFoundError(errno.ENOENT, "no such file to upload", str(src))
-        self._put_file(key, src, sha256 or file_sha256(src))
+        with open(src, "rb") as f:
+            self.put_fileobj(key, f, sha256=sha256)
+
+    def put_fileobj(self, key: str, f: BinaryIO, *, sha256: str | None = None) -> None:
+        validate_key(key)
+        name = getattr(f, "name", None)
+        name = name if isinstance(name, str) else "the file"
+        before = os.fstat(f.fileno())
+        if not stat_mod.S_ISREG(before.st_mode):
+            raise ValueError(f"{name} is not a regular file; only regular files are uploaded")
+        f.seek(0)
+        digest, size = _stream_sha256(f)
+        if sha256 is not None and sha256 != digest:
+            raise SourceChanged(
+                f"{name} changed since it was hashed (its bytes hash to {digest}, not "
+                f"{sha256}); nothing was sent for {self._describe(key)}: upload it again"
+            )
+        if size != before.st_size:
+            raise SourceChanged(f"{name} changed while it was hashed; upload it again")
+        f.seek(0)
+        self._put_fileobj(key, f, size, digest)
+        if _identity(os.fstat(f.fileno())) != _identity(before):
+            # What went up may not be what was hashed: withdraw it rather than leave an
+            # object that a reader would later refuse as corrupt.
+            with contextlib.suppress(StorageError):
+                self._delete(key)
+            raise SourceChanged(
+                f"{name} changed while it was uploaded to {self._describe(key)}, which was "
+                "deleted again; upload it again"
+            )
 
     def put_bytes(self, key: str, data: bytes) -> None:
         validate_key(key)
@@ -625,13 +693,11 @@ class LocalStore(_StoreBase):
         record = json.dumps({SHA256_METADATA: sha256, "size": size}).encode()
         self._write_atomically(meta, lambda f: f.write(record))
 
-    def _put_file(self, key: str, path: Path, sha256: str) -> None:
+    def _put_fileobj(self, key: str, f: BinaryIO, size: int, sha256: str) -> None:
         with self._errors(key, "writing"):
-            size = path.stat().st_size
 
-            def write(f: IO[bytes]) -> None:
-                with open(path, "rb") as src:
-                    shutil.copyfileobj(src, f, _READ_CHUNK)
+            def write(out: IO[bytes]) -> None:
+                shutil.copyfileobj(f, out, _READ_CHUNK)
 
             self._put(key, write, sha256, size)
 
@@ -917,10 +983,11 @@ class S3Store(_BucketStore):
             str(head.get("ETag", "")),
         )
 
-    def _put_file(self, key: str, path: Path, sha256: str) -> None:
-        with self._errors(key):
-            self._client.upload_file(
-                str(path),
+    def _put_fileobj(self, key: str, f: BinaryIO, size: int, sha256: str) -> None:
+        # s3transfer closes the file it is given; the caller still needs its own.
+        with self._errors(key), os.fdopen(os.dup(f.fileno()), "rb") as body:
+            self._client.upload_fileobj(
+                body,
                 self.bucket,
                 self._full(key),
                 ExtraArgs={"Metadata": {SHA256_METADATA: sha256}},
@@ -1123,12 +1190,12 @@ class GcsStore(_BucketStore):
     def _stat(self, key: str) -> ObjectInfo:
         return self._info(key, self._reloaded(key))
 
-    def _put_file(self, key: str, path: Path, sha256: str) -> None:
+    def _put_fileobj(self, key: str, f: BinaryIO, size: int, sha256: str) -> None:
         blob = self._bucket.blob(self._full(key), chunk_size=self._chunk_size)
         blob.metadata = {SHA256_METADATA: sha256}
         with self._errors(key):
-            blob.upload_from_filename(
-                str(path), content_type="application/octet-stream", retry=self._retry
+            blob.upload_from_file(
+                f, size=size, content_type="application/octet-stream", retry=self._retry
             )
 
     def _put_bytes(self, key: str, data: bytes, sha256: str) -> None:
@@ -1200,25 +1267,24 @@ def _dir_prefix(prefix: str) -> str:
     return prefix
 
 
-def _local_files(local_dir: Path) -> dict[str, Path]:
-    files: dict[str, Path] = {}
-    for dirpath, dirnames, filenames in os.walk(local_dir):
+def _local_files(local_dir: Path, dir_fd: int) -> list[str]:
+    """The regular files under the directory open as ``dir_fd``, as relative paths."""
+    rels: list[str] = []
+    for dirpath, dirnames, filenames, fd in os.fwalk(".", dir_fd=dir_fd):
         dirnames.sort()
         for name in [*dirnames, *filenames]:
-            path = Path(dirpath) / name
-            if path.is_symlink():
+            if stat_mod.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
                 raise ValueError(
-                    f"{path} is a symbolic link; upload_dir copies regular files only "
-                    "(replace the link with the file it points to)"
+                    f"{local_dir / dirpath / name} is a symbolic link; upload_dir copies "
+                    "regular files only (replace the link with the file it points to)"
                 )
         for name in filenames:
-            path = Path(dirpath) / name
-            rel = path.relative_to(local_dir).as_posix()
+            rel = (Path(dirpath) / name).as_posix()
             problem = _key_problem(rel)
             if problem:
-                raise ValueError(f"{path} cannot be stored as an object: {problem}")
-            files[rel] = path
-    return files
+                raise ValueError(f"{local_dir / rel} cannot be stored as an object: {problem}")
+            rels.append(rel)
+    return rels
 
 
 def upload_dir(
@@ -1237,8 +1303,12 @@ def upload_dir(
     interrupted upload cheap to resume. The prefix ends up mirroring the directory: objects
     under it that the directory does not have are deleted.
 
-    The directory must not change while it is uploaded (a committed checkpoint does not):
-    each file's sha256 is computed before it is sent.
+    Every file is read through one descriptor of the directory, opened at the start, and
+    each is hashed and sent through one descriptor of its own (see
+    :meth:`ObjectStore.put_fileobj`). A directory renamed away and replaced meanwhile (a
+    checkpoint step committed again by a newer round) is therefore still copied whole, from
+    the directory as it was at the start, or, if it was deleted before all its files were
+    opened, the upload stops with :class:`SourceChanged`, leaving no marker: upload again.
 
     Args:
         store: where to copy to.
@@ -1253,40 +1323,61 @@ def upload_dir(
         ValueError: an empty prefix, a directory without the marker, a symbolic link, or a
             file name that cannot be a key.
         FileNotFoundError: ``local_dir`` does not exist.
-        StorageError: a subclass, from the store.
+        SourceChanged: the directory changed or vanished while it was uploaded.
+        StorageError: another subclass, from the store.
     """
     root = Path(local_dir)
     if not root.is_dir():
         raise FileNotFoundError(errno.ENOENT, "no directory to upload", str(root))
     prefix = _dir_prefix(prefix)
     validate_key(commit_marker)
-    files = _local_files(root)
-    if commit_marker not in files:
+    dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return _upload_dir_at(store, root, dir_fd, prefix, commit_marker)
+    except FileNotFoundError as exc:
+        raise SourceChanged(
+            f"{root} was replaced or removed while it was uploaded ({exc.filename or exc} is "
+            "gone; a newer commit of the same checkpoint?); the copy has no "
+            f"{commit_marker}, so it is not taken for a complete one: upload it again"
+        ) from exc
+    finally:
+        os.close(dir_fd)
+
+
+def _upload_dir_at(
+    store: ObjectStore, root: Path, dir_fd: int, prefix: str, commit_marker: str
+) -> UploadReport:
+    rels = _local_files(root, dir_fd)
+    if commit_marker not in rels:
         raise ValueError(
             f"{root} has no {commit_marker}: upload_dir needs the directory's commit marker "
             "(a copy counts as complete only once its marker is stored); pass "
             "commit_marker= naming a file the directory has"
         )
-    local_sha = {rel: file_sha256(path) for rel, path in files.items()}
-    remote = {key[len(prefix) + 1 :] for key in store.list(prefix + "/")}
 
+    def open_rel(rel: str) -> BinaryIO:
+        def opener(_: str, flags: int) -> int:
+            return os.open(rel, flags | os.O_NOFOLLOW, dir_fd=dir_fd)
+
+        return open(root / rel, "rb", opener=opener)
+
+    remote = {key[len(prefix) + 1 :] for key in store.list(prefix + "/")}
     to_upload: list[str] = []
     skipped: list[str] = []
-    for rel in sorted(files):
+    for rel in sorted(rels):
         if rel in remote:
             try:
                 info = store.stat(f"{prefix}/{rel}")
             except ObjectNotFound:
                 info = None
-            if (
-                info is not None
-                and info.size == files[rel].stat().st_size
-                and info.sha256 == local_sha[rel]
-            ):
-                skipped.append(rel)
-                continue
+            if info is not None and info.sha256 is not None:
+                with open_rel(rel) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if info.size == size and _stream_sha256(f)[0] == info.sha256:
+                        skipped.append(rel)
+                        continue
         to_upload.append(rel)
-    stale = sorted(remote - set(files))
+    stale = sorted(remote - set(rels))
 
     marker_key = f"{prefix}/{commit_marker}"
     if (to_upload or stale) and commit_marker in remote:
@@ -1296,15 +1387,19 @@ def upload_dir(
             skipped.remove(commit_marker)
             to_upload.append(commit_marker)
     sent = 0
+
+    def send(rel: str) -> int:
+        with open_rel(rel) as f:
+            store.put_fileobj(f"{prefix}/{rel}", f)
+            return os.fstat(f.fileno()).st_size
+
     ordered = [rel for rel in to_upload if rel != commit_marker]
     for rel in ordered:
-        store.put_file(f"{prefix}/{rel}", files[rel], sha256=local_sha[rel])
-        sent += files[rel].stat().st_size
+        sent += send(rel)
     for rel in stale:
         store.delete(f"{prefix}/{rel}")
     if commit_marker in to_upload:
-        store.put_file(marker_key, files[commit_marker], sha256=local_sha[commit_marker])
-        sent += files[commit_marker].stat().st_size
+        sent += send(commit_marker)
         ordered.append(commit_marker)
     report = UploadReport(
         url=store.url(prefix),

@@ -112,22 +112,34 @@ def status(args: argparse.Namespace) -> int:
         _err(str(e))
         return EXIT_BAD_INPUT
     state = _state(info)
+    refused: dict[str, str] = {}
     if state is not None:
         summary: dict[str, Any] = asdict(summarize(state, time.time()))
+        refused = state.ckpt_refused()
     elif (info.dir / "summary.json").exists():
         summary = json.loads((info.dir / "summary.json").read_text())
     else:
         _err(f"run {info.run_id}: its Redis ({info.redis_url}) is down and it left no summary")
         return EXIT_FAILED
     if args.json:
-        print(json.dumps({"run_id": info.run_id, **summary}))
+        print(json.dumps({"run_id": info.run_id, **summary, "ckpt_refused": refused}))
         return EXIT_OK
     from .loop import Summary
 
     _say(f"run {info.run_id}")
     for line in format_summary(Summary(**summary)):
         _say(f"  {line}")
+    if refused:
+        _say(f"  {_refused_line(refused)}")
     return EXIT_OK
+
+
+def _refused_line(refused: dict[str, str]) -> str:
+    """A refused checkpoint commit must not pass unseen: the trainers went on training."""
+    return (
+        f"{refused.get('count', '?')} checkpoint commits refused (newest: step "
+        f"{refused.get('step', '?')} by {refused.get('node') or '?'}: {refused.get('reason', '')})"
+    )
 
 
 def _format_event(row: dict[str, str]) -> str:

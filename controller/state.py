@@ -214,6 +214,11 @@ class RunState:
         raw = self.client.hgetall(self.keys.ckpt_last)
         return {k.decode(): v.decode() for k, v in raw.items()}
 
+    def ckpt_refused(self) -> dict[str, str]:
+        """How many checkpoint commits were refused as stale, and the newest refusal."""
+        raw = self.client.hgetall(self.keys.ckpt_refused)
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
     def restores(self) -> list[Restore]:
         """Every restart of the job's workers, oldest first."""
         out = []

@@ -147,6 +147,13 @@ class RunKeys:
         return f"{self.base}:ckpt:last"
 
     @property
+    def ckpt_refused(self) -> str:
+        """Hash: how many checkpoint commits were refused as stale (``count``) and the newest
+        refusal (node, step, kind, drain, round, epoch, reason, at), written by the refused
+        rank 0; ``spottrain status`` shows it."""
+        return f"{self.base}:ckpt:refused"
+
+    @property
     def restores(self) -> str:
         """List of JSON {step, reached}: each restart of the job's workers, oldest first
         (the controller reads it every pass; the event stream is too long to scan)."""

@@ -236,11 +236,14 @@ def save(
     fence: Callable[[int], str | None] | None = None,
     thread_count: int = 4,
     keep: int = 3,
+    epoch: int = -1,
 ) -> SaveResult:
     """Save ``state`` as checkpoint ``step`` on every rank of ``group`` and commit it.
 
     Every rank calls this at the same step. Rank 0 of the group commits (manifest, rename,
-    ``latest``) and prunes; every rank returns the same result.
+    ``latest``) and prunes; every rank returns the same result. ``epoch`` is the writers'
+    fencing epoch (:meth:`CheckpointDir.claim_epoch`; -1: not fenced by epoch): the commit
+    is refused, with ``SaveResult.refused`` saying why, once a newer one has been claimed.
 
     Raises:
         CheckpointWriteError: a rank could not write (disk full, read-only, ...). The
@@ -249,7 +252,7 @@ def save(
     on = _dist_on(group)
     rank = _rank(group)
     world = dist.get_world_size(group) if on else 1
-    tmp = ckdir.tmp_path(step, round_)
+    tmp = ckdir.tmp_path(step, round_, epoch)
     t0 = time.monotonic()
     error = None
     if rank == 0:
@@ -296,12 +299,14 @@ def save(
             files=sums,
             request_id=request_id,
             extra=dict(extra or {}),
+            epoch=epoch,
         )
         try:
             path = ckdir.commit(tmp, manifest, fence)
             outcome = ("committed", str(path), manifest)
-            with contextlib.suppress(OSError):
-                ckdir.prune(keep, round_)
+            if kind != "emergency":  # seconds count there; the next save prunes
+                with contextlib.suppress(OSError):
+                    ckdir.prune(keep, round_, epoch)
         except StaleCommitError as exc:
             outcome = ("refused", str(exc), None)
         except CheckpointDirError as exc:
@@ -318,7 +323,7 @@ def save(
     if status == "failed":
         raise CheckpointWriteError(str(text))
     if status == "refused":
-        log.warning("%s", text)
+        log.error("%s", text)
         return SaveResult(step, None, None, text, write_s, commit_s)
     assert text is not None
     return SaveResult(step, Path(text), manifest_out, None, write_s, commit_s)

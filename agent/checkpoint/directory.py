@@ -7,22 +7,46 @@ Layout of a directory (a mount every node of the job sees)::
     .tmp-step-000000160-r7/   being written (round 7); never read by restore
     .old-step-000000140-r8-<ns>/   set aside while round 8 saves step 140 again; read only
                         if that save died between its two renames (no step-000000140)
+    .tmp-step-000000160-e12/  the same, written by the generation holding fencing epoch 12
+    .epochs/epoch-000000000012   fencing epoch 12, claimed by one generation of writers
     latest              "step-000000140": a pointer for people and tools
 
 The rename of a temporary directory to ``step-N`` is the commit point. ``latest`` is written
 after it, so a crash between the two leaves ``latest`` one behind; restore therefore scans the
 committed directories itself and never trusts ``latest`` alone.
+
+**Fencing epochs.** A *generation* is one set of writers that save together: the workers of
+one rendezvous round, which the trainer SDK's rank 0 represents. At its start it claims a
+fencing epoch from the directory itself (:meth:`CheckpointDir.claim_epoch`): the next free
+number in ``.epochs/``, taken by hard-linking a fully written file to ``epoch-<n>``, which
+fails if that name exists. ``link`` is atomic and exclusive on local file systems and on NFS
+(where an answer lost and retried is recognised by the link count), so two generations never
+hold the same epoch, and epochs only go up. A commit carries its writer's epoch in the
+manifest and is refused when a higher epoch has been claimed in the directory: a node frozen
+mid-save, woken after a newer generation started, cannot overwrite its work. Nothing here
+depends on the rendezvous round, which restarts at 0 whenever the rendezvous state is new (Redis
+lost its data, its keys expired, a relaunch under a new ``--rdzv-id``): such a restart claims
+a higher epoch like any other and commits. The round is still checked against Redis by the
+SDK's fence callback, which only refuses while the same Redis says a newer round trains (it
+fences a round that has formed but whose workers have not claimed their epoch yet).
+
+A generation claiming under the same ``generation`` string gets the same epoch (each member
+of a generation may claim on its own); the newest claims are kept (``_KEEP_EPOCHS``).
+The check of the newest epoch happens just before the commit's rename, not atomically with it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import re
 import shutil
+import socket
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +57,13 @@ from .manifest import MANIFEST_NAME, Manifest, ManifestError, verify_files
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+EPOCHS = ".epochs"
 _STEP_RE = re.compile(r"^step-(\d{9,})\Z")
-_TMP_RE = re.compile(r"^\.(?:tmp|old)-step-(\d{9,})-r(-?\d+)(?:-.*)?\Z")
-_OLD_RE = re.compile(r"^\.old-step-(\d{9,})-r-?\d+-(\d+)\Z")
+_TMP_RE = re.compile(r"^\.(?:tmp|old)-step-(\d{9,})-([re])(-?\d+)(?:-.*)?\Z")
+_OLD_RE = re.compile(r"^\.old-step-(\d{9,})-[re]-?\d+-(\d+)\Z")
+_EPOCH_RE = re.compile(r"^epoch-(\d{12})\Z")
+# Epoch files kept below the newest: far more than generations that can still be alive.
+_KEEP_EPOCHS = 64
 
 
 class CheckpointDirError(OSError):
@@ -43,7 +71,8 @@ class CheckpointDirError(OSError):
 
 
 class StaleCommitError(RuntimeError):
-    """A commit from an older rendezvous round than the one now training was refused."""
+    """A commit from an older generation than the one now training was refused: a newer
+    fencing epoch was claimed in the directory, or Redis says a newer round trains."""
 
 
 def describe_os_error(exc: OSError, root: Path, doing: str) -> str:
@@ -102,6 +131,11 @@ def step_name(step: int) -> str:
     return f"step-{step:09d}"
 
 
+def writer_tag(round_: int, epoch: int) -> str:
+    """How a writer's temporary names say who wrote them: its epoch, or its round if none."""
+    return f"e{epoch}" if epoch >= 0 else f"r{round_}"
+
+
 @dataclass(frozen=True)
 class Restorable:
     path: Path
@@ -118,6 +152,9 @@ class CheckpointDir:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        # Checkpoints this process saw verify, by name, with the (name, size, mtime, inode)
+        # of their files then: pruning re-reads only what changed since.
+        self._verified: dict[str, tuple[tuple[str, int, int, int], ...]] = {}
         if not self.root.exists():
             raise CheckpointDirError(
                 errno.ENOENT,
@@ -148,8 +185,94 @@ class CheckpointDir:
     def step_path(self, step: int) -> Path:
         return self.root / step_name(step)
 
-    def tmp_path(self, step: int, round_: int) -> Path:
-        return self.root / f".tmp-{step_name(step)}-r{round_}"
+    def tmp_path(self, step: int, round_: int, epoch: int = -1) -> Path:
+        # By epoch when there is one: rounds repeat across launches, and a frozen writer of
+        # an older launch must not share (and delete) a live writer's temporary directory.
+        return self.root / f".tmp-{step_name(step)}-{writer_tag(round_, epoch)}"
+
+    def epoch_path(self, epoch: int) -> Path:
+        return self.root / EPOCHS / f"epoch-{epoch:012d}"
+
+    # -- fencing epochs -----------------------------------------------------------------------
+    def claim_epoch(self, generation: str) -> int:
+        """The fencing epoch of ``generation``: the one it already holds here, or a new one
+        above every epoch claimed so far (see the module docstring).
+
+        Args:
+            generation: Names one generation of writers, the same string for all of them
+                (e.g. ``"<run id> round 3 <nonce>"``); any other string is another generation.
+
+        Raises:
+            ValueError: ``generation`` is empty or spans lines.
+            CheckpointDirError: the directory refused the claim (full, read-only).
+        """
+        if not generation or "\n" in generation:
+            raise ValueError(f"generation {generation!r} must be one non-empty line")
+        epochs = self.root / EPOCHS
+        claim = epochs / f".claim-{uuid.uuid4().hex}"
+        body = {"generation": generation, "host": socket.gethostname(), "pid": os.getpid()}
+        try:
+            epochs.mkdir(exist_ok=True)
+            write_file_durably(claim, json.dumps({**body, "at": time.time()}).encode())
+            try:
+                epoch = self._link_epoch(claim, generation)
+            finally:
+                with contextlib.suppress(OSError):
+                    claim.unlink()
+            fsync_dir(epochs)
+        except OSError as exc:
+            raise CheckpointDirError(
+                exc.errno or 0, describe_os_error(exc, self.root, "claiming a fencing epoch")
+            ) from exc
+        log.info("generation %s holds fencing epoch %d of %s", generation, epoch, self.root)
+        return epoch
+
+    def _link_epoch(self, claim: Path, generation: str) -> int:
+        claimed = self._epochs()
+        for epoch in reversed(claimed):
+            if self.epoch_generation(epoch) == generation:
+                return epoch
+        # Epochs are dense (each new one is the successor of one that exists), so walking up
+        # from the newest seen meets any epoch this generation got meanwhile before passing it.
+        epoch = claimed[-1] + 1 if claimed else 0
+        while True:
+            try:
+                os.link(claim, self.epoch_path(epoch))
+                return epoch
+            except FileExistsError:
+                if os.stat(claim).st_nlink > 1:
+                    return epoch  # NFS: our link was made, and its answer lost and retried
+                if self.epoch_generation(epoch) == generation:
+                    return epoch  # another member of this generation claimed it first
+                epoch += 1
+
+    def _epochs(self) -> list[int]:
+        try:
+            names = os.listdir(self.root / EPOCHS)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _EPOCH_RE.match(n)))
+
+    def epoch_generation(self, epoch: int) -> str | None:
+        """The generation that claimed ``epoch``, or None if it is not (or no longer) here."""
+        try:
+            body = json.loads(self.epoch_path(epoch).read_bytes())
+        except (OSError, ValueError):
+            return None
+        value = body.get("generation") if isinstance(body, dict) else None
+        return value if isinstance(value, str) else None
+
+    def newest_epoch(self, at_least: int = -1) -> int:
+        """The highest epoch claimed in this directory (-1: none).
+
+        The listing may be cached by an NFS client; the successors of the newest one seen
+        are therefore also looked up by name, which the server answers.
+        """
+        claimed = self._epochs()
+        newest = max(claimed[-1] if claimed else -1, at_least)
+        while self.epoch_path(newest + 1).exists():
+            newest += 1
+        return newest
 
     def committed(self) -> list[tuple[int, Path]]:
         """Committed checkpoint directories, oldest first (not verified).
@@ -206,6 +329,8 @@ class CheckpointDir:
                 skipped.append((path.name, reason))
                 log.warning("skipping checkpoint %s: %s", path.name, reason)
                 continue
+            if checksums:
+                self._remember_verified(path)
             return Restorable(path, manifest, skipped)
         return None
 
@@ -229,21 +354,24 @@ class CheckpointDir:
             tmp: The directory holding every shard file, synced.
             manifest: What it holds.
             fence: Given the writer's round, returns why the commit must be refused (a newer
-                round is training) or None. The directory's own newest round is checked too.
+                round is training) or None. Asked only for a round >= 0. Before it, a writer
+                with an epoch (``manifest.epoch >= 0``) is refused if a newer epoch has been
+                claimed in this directory.
 
         Raises:
-            StaleCommitError: the writer's round is older than the one training now; the
+            StaleCommitError: the writer's generation is older than the one training now; the
                 temporary directory is removed and nothing else changes.
             CheckpointDirError: the disk refused (full, read-only); the previous checkpoints
                 are untouched.
         """
         try:
-            reason = self._stale_reason(manifest.round, fence)
+            reason = self._stale_reason(manifest, fence)
             if reason is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
+                epoch = f" (fencing epoch {manifest.epoch})" if manifest.epoch >= 0 else ""
                 raise StaleCommitError(
                     f"refused to commit step {manifest.step} from rendezvous round "
-                    f"{manifest.round}: {reason}"
+                    f"{manifest.round}{epoch}: {reason}"
                 )
             write_file_durably(tmp / MANIFEST_NAME, manifest.to_bytes(), failpoint_name="manifest")
             fsync_dir(tmp)
@@ -252,7 +380,8 @@ class CheckpointDir:
             old = None
             if target.exists():
                 # Same step saved again (a newer round redoing it): the new one wins.
-                old = self.root / f".old-{target.name}-r{manifest.round}-{time.time_ns()}"
+                tag = writer_tag(manifest.round, manifest.epoch)
+                old = self.root / f".old-{target.name}-{tag}-{time.time_ns()}"
                 os.rename(target, old)
                 failpoint("replace")
             try:
@@ -264,6 +393,8 @@ class CheckpointDir:
                 raise
             failpoint("after-rename")
             fsync_dir(self.root)
+            # Its checksums were taken from the bytes as they were written and synced.
+            self._remember_verified(target)
         except StaleCommitError:
             raise
         except OSError as exc:
@@ -286,13 +417,22 @@ class CheckpointDir:
             )
         return target
 
-    def _stale_reason(self, round_: int, fence: Callable[[int], str | None] | None) -> str | None:
-        if round_ < 0:
-            return None  # not under the spottrain rendezvous: nothing to fence with
-        newest = self.newest_manifest()
-        if newest is not None and newest.round > round_:
-            return f"checkpoint step {newest.step} was committed by the newer round {newest.round}"
-        return fence(round_) if fence is not None else None
+    def _stale_reason(
+        self, manifest: Manifest, fence: Callable[[int], str | None] | None
+    ) -> str | None:
+        # Never the rounds of the committed manifests: rounds restart at 0 with a new
+        # rendezvous state, and comparing them refused every commit after such a restart.
+        if manifest.epoch >= 0:
+            newest = self.newest_epoch(manifest.epoch)
+            if newest > manifest.epoch:
+                newer = self.epoch_generation(newest) or "its claim is gone"
+                return (
+                    f"a newer generation holds fencing epoch {newest} of {self.root} "
+                    f"({newer}); this writer's generation is stale"
+                )
+        if manifest.round < 0 or fence is None:
+            return None  # not under the spottrain rendezvous: no round to ask Redis about
+        return fence(manifest.round)
 
     def _point_latest(self, name: str) -> None:
         tmp = self.root / f".{LATEST}.tmp"
@@ -301,25 +441,100 @@ class CheckpointDir:
         fsync_dir(self.root)
         failpoint("after-latest")
 
+    # -- verification -------------------------------------------------------------------------
+    @staticmethod
+    def _signature(path: Path) -> tuple[tuple[str, int, int, int], ...]:
+        out = []
+        with os.scandir(path) as entries:
+            for e in entries:
+                st = e.stat(follow_symlinks=False)
+                out.append((e.name, st.st_size, st.st_mtime_ns, st.st_ino))
+        return tuple(sorted(out))
+
+    def _remember_verified(self, path: Path) -> None:
+        with contextlib.suppress(OSError):
+            self._verified[path.name] = self._signature(path)
+
+    def verifies(self, step: int, path: Path) -> bool:
+        """Whether checkpoint ``path`` of ``step`` verifies (see :meth:`check`)."""
+        return self.check(step, path) is None
+
+    def check(self, step: int, path: Path) -> str | None:
+        """What is wrong with checkpoint ``path`` of ``step`` (None: its manifest and files
+        verify, checksums included). A checkpoint this process saw verify (or wrote) is read
+        again only if one of its files changed since."""
+        try:
+            signature = self._signature(path)
+        except OSError as exc:
+            return f"cannot list it: {exc.strerror or exc}"
+        if self._verified.get(path.name) == signature:
+            return None
+        try:
+            manifest = Manifest.read(path)
+        except ManifestError as exc:
+            return str(exc)
+        problems = [f"its manifest is for step {manifest.step}"] if manifest.step != step else []
+        problems += verify_files(path, manifest)
+        if problems:
+            return "; ".join(problems)
+        self._verified[path.name] = signature
+        return None
+
+    def _beyond_keep(self, committed: list[tuple[int, Path]], keep: int) -> list[Path]:
+        """The committed checkpoints older than the ``keep``-th newest one that verifies.
+
+        Checkpoints that fail verification do not count towards ``keep``, and are not
+        deleted for failing it (a read error is not proof that a checkpoint is bad); they
+        go once ``keep`` newer ones verify, like any other.
+        """
+        good = 0
+        for i in range(len(committed) - 1, -1, -1):
+            if good >= keep:
+                return [path for _, path in committed[: i + 1]]
+            step, path = committed[i]
+            if self.verifies(step, path):
+                good += 1
+        return []
+
     # -- housekeeping -------------------------------------------------------------------------
-    def prune(self, keep: int, round_: int) -> list[str]:
-        """Keep the newest ``keep`` committed checkpoints; drop the temporary directories
-        that no live writer can commit any more: those of an older round, and those of this
-        round for a step below the newest committed one (a round saves one step at a time;
-        without the rendezvous every run is round -1, and only this rule frees them)."""
+    def prune(self, keep: int, round_: int, epoch: int = -1) -> list[str]:
+        """Keep the newest ``keep`` committed checkpoints that verify (and any newer ones
+        that do not); drop the temporary directories that no live writer can commit any
+        more, and epoch claims far below the newest.
+
+        Verifying reads each checkpoint once per process (see :meth:`verifies`), and only
+        when there are more than ``keep`` to choose from.
+
+        A temporary directory is dead when its epoch is below the directory's newest (it
+        can never commit), or, for the writer's own epoch or round, when its step is below
+        the newest committed one (a generation saves one step at a time; without the
+        rendezvous every run is round -1, and only this rule frees them). Of round-tagged
+        ones, a writer with a round drops those of older rounds too.
+        """
         removed = []
         committed = self.committed()
         newest = committed[-1][0] if committed else -1
-        for _, path in committed[: max(0, len(committed) - keep)]:
+        for path in self._beyond_keep(committed, keep) if len(committed) > keep else []:
             shutil.rmtree(path, ignore_errors=True)
+            self._verified.pop(path.name, None)
             removed.append(path.name)
+        newest_epoch = self.newest_epoch(epoch)
         standing = {path.name for _, path in committed}  # an .old-* standing in for its step
         for entry in os.scandir(self.root):
             m = _TMP_RE.match(entry.name)
             if m is None or entry.name in standing:
                 continue
-            step, tmp_round = int(m.group(1)), int(m.group(2))
-            if tmp_round < round_ or (tmp_round == round_ and step < newest):
+            step, by, number = int(m.group(1)), m.group(2), int(m.group(3))
+            if by == "e":
+                dead = number < newest_epoch or (number == newest_epoch and step < newest)
+            elif epoch >= 0:
+                dead = step < newest  # a round writer's leftover beside an epoch writer
+            else:
+                dead = number < round_ or (number == round_ and step < newest)
+            if dead:
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.name)
+        for old in self._epochs()[:-_KEEP_EPOCHS]:
+            with contextlib.suppress(OSError):
+                self.epoch_path(old).unlink()
         return removed

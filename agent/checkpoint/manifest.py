@@ -2,8 +2,9 @@
 
 Written last, inside the temporary directory, before the rename that commits it. It names
 every file with its size and CRC32 (computed while the file was written, never by reading it
-back), the step, the world size, and the rendezvous round that wrote it. It carries its own
-checksum, so a torn or edited manifest is caught rather than trusted.
+back), the step, the world size, the rendezvous round and the fencing epoch of the generation
+that wrote it (-1: none; see :mod:`.directory`). It carries its own checksum, so a torn or
+edited manifest is caught rather than trusted.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Manifest:
     files: dict[str, FileSum]
     request_id: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    epoch: int = -1
 
     @property
     def total_bytes(self) -> int:
@@ -84,6 +86,7 @@ class Manifest:
                 },
                 request_id=int(body.get("request_id", 0)),
                 extra=dict(body.get("extra") or {}),
+                epoch=int(body.get("epoch", -1)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ManifestError(f"manifest lacks or mangles a field: {exc!r}") from exc

@@ -8,6 +8,8 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -141,6 +143,58 @@ def test_keep_prunes_all_but_the_newest_k(ckdir: CheckpointDir) -> None:
     assert_bitwise_equal(loaded, state_for(5))
 
 
+def test_prune_never_deletes_good_checkpoints_for_newer_damaged_ones(tmp_path: Path) -> None:
+    """keep=2 counts only checkpoints that verify: with the newest ones damaged (a flipped
+    byte, a lost shard, a torn manifest), the last good ones stay and restore finds them.
+    Each save is by a new process (as after each restart), which knows nothing yet."""
+
+    def fresh() -> CheckpointDir:
+        return CheckpointDir(tmp_path)
+
+    save(fresh(), 1, keep=2)
+    save(fresh(), 2, keep=2)
+    flip_byte(biggest_shard(save(fresh(), 3, keep=2).path or Path("/nonexistent")))
+    assert [s for s, _ in fresh().committed()] == [2, 3]  # step 3 was good when it committed
+    biggest_shard(save(fresh(), 4, keep=2).path or Path("/nonexistent")).unlink()
+    tear_manifest(save(fresh(), 5, keep=2).path or Path("/nonexistent"))
+    assert save(fresh(), 6, keep=2).committed
+    assert [s for s, _ in fresh().committed()] == [2, 3, 4, 5, 6]
+    flip_byte(biggest_shard(fresh().step_path(6)))
+    found = fresh().find_restorable()
+    assert found is not None and found.manifest.step == 2
+    assert [name for name, _ in found.skipped] == [step_name(s) for s in (6, 5, 4, 3)]
+    step, loaded = restore(fresh(), state_for(2))
+    assert step == 2
+    assert_bitwise_equal(loaded, state_for(2))
+    # Two newer good ones: everything older than the second of them goes, damaged or not.
+    save(fresh(), 7, keep=2)
+    assert [s for s, _ in fresh().committed()] == [2, 3, 4, 5, 6, 7]
+    save(fresh(), 8, keep=2)
+    assert [s for s, _ in fresh().committed()] == [7, 8]
+
+
+def test_prune_reads_again_a_checkpoint_changed_since_it_verified(ckdir: CheckpointDir) -> None:
+    for step in (1, 2, 3):
+        save(ckdir, step, keep=2)
+    assert [s for s, _ in ckdir.committed()] == [2, 3]
+    # Damaged after this very process wrote it (and so took it as verified).
+    shard = biggest_shard(ckdir.step_path(3))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    save(ckdir, 4, keep=2)
+    assert [s for s, _ in ckdir.committed()] == [2, 3, 4]
+    save(ckdir, 5, keep=2)
+    assert [s for s, _ in ckdir.committed()] == [4, 5]
+
+
+def test_an_emergency_save_leaves_pruning_to_the_next_save(ckdir: CheckpointDir) -> None:
+    for step in (1, 2):
+        save(ckdir, step, keep=1)
+    assert dcp_io.save(state_for(3), ckdir, step=3, round_=0, kind="emergency", keep=1).committed
+    assert [s for s, _ in ckdir.committed()] == [2, 3]
+    save(ckdir, 4, keep=1)
+    assert [s for s, _ in ckdir.committed()] == [4]
+
+
 def biggest_shard(path: Path) -> Path:
     return max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
 
@@ -241,34 +295,112 @@ def test_a_step_set_aside_by_a_replacement_that_died_is_restored(ckdir: Checkpoi
 
 
 # -- fencing ----------------------------------------------------------------------------------
-def test_commit_from_an_older_round_than_the_newest_checkpoint_is_refused(
+def test_rounds_restarting_at_zero_under_a_new_generation_still_commit(
     ckdir: CheckpointDir,
 ) -> None:
-    save(ckdir, 10, round_=5)
-    result = save(ckdir, 11, round_=4)
-    assert not result.committed and result.manifest is None
-    assert result.refused is not None
-    assert "round 4" in result.refused and "newer round 5" in result.refused
+    """The issue's case: round 7 commits step 100, then the rendezvous state is new (Redis
+    lost its data, or a relaunch under a new --rdzv-id) and rounds start again."""
+    old = ckdir.claim_epoch("run a round 7")
+    assert save(ckdir, 100, round_=7, epoch=old, keep=10).committed
+    new = ckdir.claim_epoch("run b round 1")
+    assert new > old
+    for step in (125, 150, 175):
+        result = save(ckdir, step, round_=1, epoch=new, keep=10)
+        assert result.committed, result.refused
+    emergency = dcp_io.save(
+        state_for(180), ckdir, step=180, round_=1, kind="emergency", epoch=new, keep=10
+    )
+    assert emergency.committed, emergency.refused
+    assert [s for s, _ in ckdir.committed()] == [100, 125, 150, 175, 180]
+    step, loaded = restore(ckdir, state_for(180))
+    assert step == 180
+    assert_bitwise_equal(loaded, state_for(180))
+
+
+def test_a_frozen_writer_of_an_older_generation_is_refused(ckdir: CheckpointDir) -> None:
+    frozen = ckdir.claim_epoch("run a round 3")
+    assert save(ckdir, 10, round_=3, epoch=frozen).committed
+    # The peers moved on while it was frozen: a new generation (here with a lower round,
+    # as after Redis lost its data) claimed its epoch, before committing anything.
+    newer = ckdir.claim_epoch("run a round 0 after a restart")
+    result = save(ckdir, 11, round_=3, epoch=frozen)
+    assert not result.committed and result.manifest is None and result.refused is not None
+    assert f"fencing epoch {frozen}" in result.refused
+    assert f"newer generation holds fencing epoch {newer}" in result.refused
+    assert "run a round 0 after a restart" in result.refused
     assert [s for s, _ in ckdir.committed()] == [10]
-    assert hidden(ckdir.root) == []  # the refused temporary directory is gone
+    assert hidden(ckdir.root) == [".epochs"]  # the refused temporary directory is gone
     assert ckdir.read_latest() == "step-000000010"
-    step, loaded = restore(ckdir, state_for(10))
-    assert step == 10
-    assert_bitwise_equal(loaded, state_for(10))
+    # Once the newer generation commits, the frozen one still cannot, even a newer step.
+    assert save(ckdir, 12, round_=0, epoch=newer).committed
+    assert not save(ckdir, 13, round_=3, epoch=frozen).committed
+    step, loaded = restore(ckdir, state_for(12))
+    assert step == 12
+    assert_bitwise_equal(loaded, state_for(12))
 
 
 def test_checkpoint_dir_commit_raises_stale_commit_and_removes_the_tmp_dir(
     ckdir: CheckpointDir,
 ) -> None:
-    save(ckdir, 10, round_=5)
-    tmp = ckdir.tmp_path(11, 4)
+    stale = ckdir.claim_epoch("old")
+    ckdir.claim_epoch("new")
+    tmp = ckdir.tmp_path(11, 4, stale)
     tmp.mkdir()
     (tmp / "__0_0.distcp").write_bytes(b"data")
-    manifest = Manifest(11, 1, 4, "periodic", 0.0, {"__0_0.distcp": FileSum(4, 0)})
-    with pytest.raises(StaleCommitError, match="refused to commit step 11 from rendezvous round 4"):
+    manifest = Manifest(11, 1, 4, "periodic", 0.0, {"__0_0.distcp": FileSum(4, 0)}, epoch=stale)
+    with pytest.raises(
+        StaleCommitError, match=r"refused to commit step 11 from rendezvous round 4 \(fencing"
+    ):
         ckdir.commit(tmp, manifest)
     assert not tmp.exists()
-    assert [s for s, _ in ckdir.committed()] == [10]
+    assert ckdir.committed() == []
+
+
+def test_a_generation_claiming_again_gets_its_own_epoch(ckdir: CheckpointDir) -> None:
+    assert ckdir.newest_epoch() == -1
+    assert [ckdir.claim_epoch(g) for g in ("a", "b", "a", "c", "b")] == [0, 1, 0, 2, 1]
+    assert ckdir.newest_epoch() == 2
+    assert ckdir.epoch_generation(1) == "b"
+    with pytest.raises(ValueError, match="one non-empty line"):
+        ckdir.claim_epoch("")
+
+
+def test_concurrent_claims_give_one_epoch_per_generation(tmp_path: Path) -> None:
+    """Processes claim at once, several per generation (as the members of a round would):
+    each generation gets one epoch, no two generations share one, and epochs are dense."""
+    generations = [f"gen-{i}" for i in range(4)]
+    script = (
+        "import sys, time\n"
+        "from spottrain.agent.checkpoint.directory import CheckpointDir\n"
+        "d = CheckpointDir(sys.argv[1])\n"
+        "time.sleep(max(0.0, float(sys.argv[3]) - time.time()))\n"
+        "print(d.claim_epoch(sys.argv[2]))\n"
+    )
+    start_at = f"{time.time() + 2.0:.3f}"  # all start claiming together
+    procs = [
+        (
+            g,
+            subprocess.Popen(
+                [sys.executable, "-c", script, str(tmp_path), g, start_at],
+                stdout=subprocess.PIPE,
+                text=True,
+            ),
+        )
+        for g in generations
+        for _ in range(3)
+    ]
+    got: dict[str, set[int]] = {}
+    for g, proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        got.setdefault(g, set()).add(int(out.strip()))
+    assert all(len(epochs) == 1 for epochs in got.values()), got
+    epochs = sorted(e for es in got.values() for e in es)
+    assert epochs == list(range(len(generations)))
+    assert {CheckpointDir(tmp_path).epoch_generation(e) for e in epochs} == set(generations)
+    assert sorted(p.name for p in (tmp_path / ".epochs").iterdir()) == [
+        f"epoch-{e:012d}" for e in epochs
+    ]
 
 
 def test_commit_refused_when_the_fence_says_a_newer_round_trains(ckdir: CheckpointDir) -> None:

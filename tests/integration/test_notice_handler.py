@@ -117,6 +117,32 @@ def test_a_repeated_notice_is_one_drain_and_an_earlier_deadline_wins(harness: Ha
     assert len(harness.stops) == 1
 
 
+def test_a_refused_drain_checkpoint_is_reported_by_the_agent(
+    harness: Harness, redis_server: RedisServer
+) -> None:
+    from spottrain.agent.sdk import _RequestPoller
+
+    harness.handler.submit(notice(seconds=3.0))
+    wait_for(lambda: "n1" in harness.requests())
+    # Rank 0 saved for the request, and its commit was refused (its generation is stale).
+    rank0 = _RequestPoller(redis_server.endpoint, harness.keys.run_id, 1.0, active=False)
+    refusal = "refused to commit step 7 from rendezvous round 3 (fencing epoch 0): stale"
+    result = dcp_io.SaveResult(7, None, None, refusal, 0.1, 0.0)
+    rank0.report_refused(result, "emergency", True, 1, 3, 0)
+    assert harness.handler.done.wait(10)
+    outcome = harness.handler.outcome
+    assert outcome is not None and outcome.committed_step is None
+    assert outcome.refused == f"step 7: {refusal}"
+    events = {
+        f[b"type"].decode(): {k.decode(): v.decode() for k, v in f.items()}
+        for _, f in harness.client.xrange(harness.keys.events)
+        if f.get(b"node") == b"n1"
+    }
+    assert events["drain-checkpoint-refused"]["step"] == "7"
+    assert events["drain-checkpoint-refused"]["reason"] == refusal
+    assert events["drained"]["refused"] == f"step 7: {refusal}"
+
+
 def test_an_early_checkpoint_by_another_request_does_not_answer_a_drain() -> None:
     early_save = {"step": "9", "request_id": "8", "drain": "0", "at": str(time.time())}
     assert not _covers(early_save, 5, time.time() - 1, drain=True)

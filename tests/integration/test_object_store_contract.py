@@ -8,15 +8,19 @@ unavailable service.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 import boto3
 import pytest
+import redis
 import requests
 from botocore.awsrequest import AWSResponse
 from fakes.gcs_server import GcsServer
@@ -24,6 +28,10 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs
 from moto.server import ThreadedMotoServer
 
+from spottrain.agent.checkpoint.directory import CheckpointDir
+from spottrain.agent.checkpoint.manifest import FileSum, Manifest
+from spottrain.agent.ckpt_copy import CheckpointCopier
+from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.cloud.storage import (
     SHA256_METADATA,
     BucketNotFound,
@@ -35,13 +43,16 @@ from spottrain.cloud.storage import (
     ObjectNotFound,
     ObjectStore,
     S3Store,
+    SourceChanged,
     StorageAuthError,
+    StorageError,
     StorageUnavailable,
     download_dir,
     list_dirs,
     parse_store_url,
     upload_dir,
 )
+from spottrain.keys import RunKeys
 
 MIB = 1 << 20
 BUCKET = "spottrain-test"
@@ -281,6 +292,10 @@ class RecordingStore:
     ) -> None:
         self.calls.append(("put", key))
         self.inner.put_file(key, path, sha256=sha256)
+
+    def put_fileobj(self, key: str, f: BinaryIO, *, sha256: str | None = None) -> None:
+        self.calls.append(("put", key))
+        self.inner.put_fileobj(key, f, sha256=sha256)
 
     def get_file(self, key: str, path: str | os.PathLike[str]) -> ObjectInfo:
         self.calls.append(("get", key))
@@ -634,6 +649,169 @@ def test_upload_dir_refuses_a_directory_without_its_marker(
     with pytest.raises(ValueError, match="non-empty prefix"):
         upload_dir(backend.store, src, "", commit_marker=".metadata")
     assert backend.store.list() == []
+
+
+# --- a file or checkpoint that changes while it is uploaded ------------------------------------
+
+
+def test_put_file_refuses_a_file_changed_since_the_caller_hashed_it(
+    backend: Backend, tmp_path: Path
+) -> None:
+    src = tmp_path / "f"
+    src.write_bytes(b"what was hashed")
+    stale = hashlib.sha256(src.read_bytes()).hexdigest()
+    src.write_bytes(b"what is there now")
+    with pytest.raises(SourceChanged, match="changed since it was hashed"):
+        backend.store.put_file("k", src, sha256=stale)
+    assert not backend.store.exists("k")
+    backend.store.put_file("k", src)
+    assert backend.store.get_bytes("k") == b"what is there now"
+
+
+def _commit_checkpoint(ckdir: CheckpointDir, step: int, *, flip: bool = False) -> Path:
+    """Commit checkpoint ``step`` through the real commit path, with random shard bytes;
+    ``flip``: a byte of one shard is damaged on the volume afterwards."""
+    tmp = ckdir.tmp_path(step, 0)
+    tmp.mkdir()
+    sums = {}
+    for name, data in {
+        ".metadata": b"dcp metadata",
+        "__0_0.distcp": os.urandom(3000),
+        "__1_0.distcp": os.urandom(6000),
+    }.items():
+        (tmp / name).write_bytes(data)
+        sums[name] = FileSum(len(data), zlib.crc32(data))
+    path = ckdir.commit(tmp, Manifest(step, 2, 0, "periodic", time.time(), sums))
+    if flip:
+        shard = path / "__1_0.distcp"
+        raw = bytearray(shard.read_bytes())
+        raw[100] ^= 0x01
+        shard.write_bytes(bytes(raw))
+    return path
+
+
+class _RecommitBeforeFirstPut:
+    """Delegates to a store; just before the first file goes up, the checkpoint being
+    uploaded is committed again by a newer round (set aside, replaced, deleted)."""
+
+    def __init__(self, inner: ObjectStore, recommit: Callable[[], Path]) -> None:
+        self.inner = inner
+        self._recommit: Callable[[], Path] | None = recommit
+
+    def _maybe_recommit(self) -> None:
+        if self._recommit is not None:
+            self._recommit, recommit = None, self._recommit
+            recommit()
+
+    def put_file(self, key: str, path: str | os.PathLike[str], **kw: Any) -> None:
+        self._maybe_recommit()
+        self.inner.put_file(key, path, **kw)
+
+    def put_fileobj(self, key: str, f: BinaryIO, **kw: Any) -> None:
+        self._maybe_recommit()
+        self.inner.put_fileobj(key, f, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_step_committed_again_during_its_upload_never_leaves_a_corrupt_copy(
+    backend: Backend, tmp_path: Path
+) -> None:
+    volume = CheckpointDir(_mkdir(tmp_path / "volume"))
+    path = _commit_checkpoint(volume, 7)
+    prefix = "run/step-000000007"
+    store = _RecommitBeforeFirstPut(backend.store, lambda: _commit_checkpoint(volume, 7))
+    try:
+        upload_dir(store, path, prefix)  # type: ignore[arg-type]
+    except StorageUnavailable as exc:
+        assert "upload it again" in str(exc)
+        assert list_dirs(backend.store, "run") == []  # no marker: never taken for a copy
+        upload_dir(backend.store, path, prefix)  # the retry copies the new commit
+    pulled = tmp_path / "pulled"
+    dest = download_dir(backend.store, prefix, pulled / "step-000000007")
+    assert CheckpointDir(pulled).check(7, dest) is None
+    assert _read_tree(dest) == _read_tree(volume.step_path(7))
+
+
+# --- bringing a checkpoint copy in ------------------------------------------------------------
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    return path
+
+
+def _copier(backend: Backend, volume: Path, client: redis.Redis, keys: RunKeys) -> CheckpointCopier:
+    record = NodeRecord(client, keys, NodeInfo("n-new", "local"))
+    return CheckpointCopier(
+        backend.store.url(), str(volume), client, keys, "n-new", record, store=backend.store
+    )
+
+
+def _copy_out(backend: Backend, keys: RunKeys, path: Path) -> None:
+    upload_dir(backend.store, path, f"{keys.run_id}/{path.name}")
+
+
+def test_a_new_node_falls_back_to_the_newest_usable_copy_and_says_what_it_skipped(
+    backend: Backend, tmp_path: Path, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    old = CheckpointDir(_mkdir(tmp_path / "zone-a"))
+    for step in (10, 20, 30, 40, 50):
+        _copy_out(backend, run_keys, _commit_checkpoint(old, step, flip=step == 20))
+    run = run_keys.run_id
+    # 50: its upload died before the marker; 40: an object rotted in the store; 30: an
+    # object lost; 20: damaged on the volume before it was copied (its objects are whole).
+    backend.store.delete(f"{run}/step-000000050/MANIFEST.json")
+    rotted = f"{run}/step-000000040/__0_0.distcp"
+    backend.put_raw(rotted, b"rot" * 1000, backend.store.stat(rotted).sha256)
+    backend.store.delete(f"{run}/step-000000030/__1_0.distcp")
+
+    volume = tmp_path / "zone-b"
+    result = _copier(backend, volume, redis_client, run_keys).pull_newest()
+    assert result.step == 10
+    assert [name for name, _ in result.skipped] == [
+        "step-000000040",
+        "step-000000030",
+        "step-000000020",
+    ]
+    reasons = [why for _, why in result.skipped]
+    assert "is corrupt" in reasons[0]
+    assert "__1_0.distcp is missing" in reasons[1]
+    assert "does not verify once downloaded" in reasons[2] and "CRC32" in reasons[2]
+    found = CheckpointDir(volume).find_restorable()
+    assert found is not None and found.manifest.step == 10 and found.skipped == []
+    assert [p.name for p in volume.iterdir() if p.name.startswith(".tmp")] == []
+    assert (volume / "latest").read_text() == "step-000000010"
+
+    events = [
+        {k.decode(): v.decode() for k, v in f.items()}
+        for _, f in redis_client.xrange(run_keys.events)
+    ]
+    skipped = [e for e in events if e["type"] == "checkpoint-copy-skipped"]
+    assert [(e["step"], e["node"]) for e in skipped] == [
+        ("40", "n-new"),
+        ("30", "n-new"),
+        ("20", "n-new"),
+    ]
+    assert [e["reason"] for e in skipped] == reasons
+    pulled = [e for e in events if e["type"] == "checkpoint-pulled"]
+    assert len(pulled) == 1 and pulled[0]["step"] == "10"
+
+
+def test_with_no_usable_copy_a_node_with_an_empty_volume_refuses_to_start_from_nothing(
+    backend: Backend, tmp_path: Path, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    old = CheckpointDir(_mkdir(tmp_path / "zone-a"))
+    _copy_out(backend, run_keys, _commit_checkpoint(old, 10, flip=True))
+    with pytest.raises(StorageError, match=r"no usable checkpoint copy .*step-000000010: .*CRC32"):
+        _copier(backend, tmp_path / "zone-b", redis_client, run_keys).pull_newest()
+    # A volume with a checkpoint of its own starts from it, having said what it skipped.
+    own = CheckpointDir(_mkdir(tmp_path / "zone-c"))
+    _commit_checkpoint(own, 5)
+    result = _copier(backend, own.root, redis_client, run_keys).pull_newest()
+    assert result.step is None and [n for n, _ in result.skipped] == ["step-000000010"]
+    assert [s for s, _ in own.committed()] == [5]
 
 
 # --- backend-specific -----------------------------------------------------------------------

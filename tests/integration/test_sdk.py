@@ -293,6 +293,104 @@ def test_a_commit_from_a_stale_round_is_refused(
     assert not list(tmp_path.glob(".tmp-*"))
 
 
+def test_rounds_starting_again_at_zero_still_commit(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    run_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Round 7 commits; then the rendezvous state is new (Redis lost its data, its keys
+    expired, or a relaunch under a new --rdzv-id over the same directory): round 1 commits."""
+    monkeypatch.setenv("SPOTTRAIN_RDZV_ROUND", "7")
+    redis_client.hset(RunKeys(run_id).rdzv_view, mapping={"round": 7, "world_size": 1})
+    state, model = make_state()
+    kw = {"redis_url": redis_server.endpoint, "every_steps": 2, "async_periodic": False}
+    s = session(tmp_path, run_id=run_id, keep=10, **kw)
+    s.restore(state)
+    train(s, state, model, range(4))
+    s.close()
+    assert [r.committed for r in s.saves] == [True, True]
+
+    redis_client.delete(*redis_client.scan_iter(match=RunKeys(run_id).pattern))  # data lost
+    monkeypatch.setenv("SPOTTRAIN_RDZV_ROUND", "1")
+    redis_client.hset(RunKeys(run_id).rdzv_view, mapping={"round": 1, "world_size": 1})
+    state2, model2 = make_state()
+    s2 = session(tmp_path, run_id=run_id, keep=10, **kw)
+    assert s2.restore(state2) == 4
+    train(s2, state2, model2, range(4, 8))
+    s2.finish(9, state2)
+    assert [(r.step, r.refused) for r in s2.saves] == [(6, None), (8, None), (9, None)]
+    assert [step for step, _ in CheckpointDir(tmp_path).committed()] == [2, 4, 6, 8, 9]
+    assert not redis_client.exists(RunKeys(run_id).ckpt_refused)
+    assert session(tmp_path).restore(make_state()[0]) == 9
+
+
+def test_a_frozen_older_session_is_refused_and_status_says_so(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    run_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A session frozen while a newer generation started (its round even lower, as after
+    Redis lost its data) cannot commit, and the refusal is an event and a count in Redis
+    that `spottrain status` shows."""
+    keys = RunKeys(run_id)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    monkeypatch.setenv("SPOTTRAIN_RDZV_ROUND", "3")
+    monkeypatch.setenv(sdk.ENV_NODE, "n-frozen")
+    kw = {"redis_url": redis_server.endpoint, "run_id": run_id, "async_periodic": False}
+    state, model = make_state()
+    frozen = session(ckpt, every_steps=2, **kw)
+    frozen.restore(state)
+    monkeypatch.setenv("SPOTTRAIN_RDZV_ROUND", "0")
+    newer = session(ckpt, **kw)
+    assert newer.epoch > frozen.epoch
+    train(frozen, state, model, range(4))
+    frozen.close()
+    newer.close()
+    assert [(r.step, r.committed) for r in frozen.saves] == [(2, False), (4, False)]
+    assert CheckpointDir(ckpt).committed() == []
+    assert not list(ckpt.glob(".tmp-*"))
+
+    events = [
+        {k.decode(): v.decode() for k, v in f.items()} for _, f in redis_client.xrange(keys.events)
+    ]
+    refused = [e for e in events if e["type"] == "checkpoint-refused"]
+    assert [(e["step"], e["node"], e["round"]) for e in refused] == [
+        ("2", "n-frozen", "3"),
+        ("4", "n-frozen", "3"),
+    ]
+    assert f"newer generation holds fencing epoch {newer.epoch}" in refused[0]["reason"]
+    last = redis_client.hgetall(keys.ckpt_refused)
+    assert last[b"count"] == b"2" and last[b"step"] == b"4"
+
+    import yaml
+    from spec_samples import LOCAL
+
+    from spottrain import cli
+    from spottrain.controller.runs import RunInfo
+
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
+    RunInfo(
+        run_id=run_id,
+        spec_text=yaml.safe_dump(LOCAL),
+        spec_source="job.yaml",
+        base_dir=str(tmp_path),
+        redis_url=redis_server.endpoint,
+        embedded_redis=False,
+        created_at=time.time(),
+    ).save()
+    assert cli.main(["status", run_id]) == 0
+    out = capsys.readouterr().out
+    assert "2 checkpoint commits refused (newest: step 4 by n-frozen: refused to commit" in out
+    assert cli.main(["status", run_id, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ckpt_refused"]["count"] == "2"
+
+
 def test_training_goes_on_when_redis_is_unreachable(tmp_path: Path) -> None:
     state, model = make_state()
     s = session(tmp_path, redis_url="127.0.0.1:1", run_id="x-1", every_steps=2, poll_interval=0.05)
