@@ -318,18 +318,25 @@ def _end_vms(
     each as terminated. Returns what is still there."""
     deadline = time.monotonic() + timeout
     asked: set[str] = set()
+    first = True
     while True:
         left = []
         for prov in providers.values():
-            alive = [i for i in prov.list(info.run_id) if i.state is not InstanceState.TERMINATED]
-            if alive:
-                prov.terminate([i.id for i in alive])
+            listed = prov.list(info.run_id)
+            alive = [i for i in listed if i.state is not InstanceState.TERMINATED]
+            # The first round ends what is listed as ended too: a GCP VM that shut itself
+            # down (its dead man's switch, a STOP preemption) is stopped, its disks billed,
+            # until it is deleted. Ending an ended VM again is harmless on every cloud.
+            ending = listed if first else alive
+            if ending:
+                prov.terminate([i.id for i in ending])
                 left += [f"{i.cloud}:{i.id} ({i.state})" for i in alive]
             for i in alive:
                 if i.id not in asked and state is not None:
                     with contextlib.suppress(Exception):
                         state.event("terminate", vm=i.id, node_name=i.node, why="down")
                 asked.add(i.id)
+        first = False
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(1.0)

@@ -734,7 +734,7 @@ def drive_passes(
                     )
                 first = False
                 state.hold(owner, ttl)
-                state.beat(owner, ttl * 3)
+                state.beat(owner, ttl)
                 down = outage.answered(monotonic())
                 if down is not None:
                     report(f"Redis answers again after {down:.0f} s: the controller goes on")

@@ -132,3 +132,26 @@ def test_down_refuses_a_negative_drain_timeout(
     assert cli.main(["down", info.run_id, "--drain-timeout", "-1"]) == 2
     assert "--drain-timeout -1: give seconds >= 0" in capsys.readouterr().err
     assert all(i.state.alive for i in cloud.list(info.run_id))
+
+
+def test_down_deletes_a_gcp_vm_that_stopped_itself(no_egress: None) -> None:
+    """A GCP VM that shut itself down (its dead man's switch) is stopped, not deleted, and
+    its disks are billed until it is: `down` deletes it too."""
+    from types import SimpleNamespace
+
+    from harnesses.gcp import GcpHarness
+
+    from spottrain.controller.commands import _end_vms
+
+    h = GcpHarness()
+    try:
+        offer = next(o for o in h.provider.offers(h.query()) if o.market.value == "spot")
+        inst = h.provider.launch(LaunchRequest("r-1", "job-a", "n0", offer, "#!/bin/bash\n"))
+        h.fake.stop(inst.id)  # the guest's `shutdown -h now`
+        [listed] = h.provider.list("job-a")
+        assert listed.state is InstanceState.TERMINATED
+        info = SimpleNamespace(run_id="job-a")
+        assert _end_vms(info, {"gcp": h.provider}, None, 30) == []  # type: ignore[arg-type]
+        assert h.fake.instances() == []
+    finally:
+        h.close()
