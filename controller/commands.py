@@ -274,8 +274,11 @@ def _drain_launched(
 
     alive = _alive_vms(info, providers)
     agents = state.node_records(sorted(alive))
-    # A node whose agent has not registered has nothing to save (nor anyone to ask).
-    asked = sorted(n for n in alive if agents.get(n, {}).get("state") not in (None, *_DRAINED))
+    beats = state.heartbeats(sorted(alive))
+    # A node whose agent has not registered, or no longer beats, has nobody to ask.
+    asked = sorted(
+        n for n in alive if agents.get(n, {}).get("state") not in (None, *_DRAINED) and beats.get(n)
+    )
     if not state.ctl().get("stopping"):
         state.set_ctl(stopping="down", stopping_since=str(time.time()))
         state.event("stopping", why="down", error=0)
@@ -290,7 +293,12 @@ def _drain_launched(
         time.sleep(1.0)
         alive = _alive_vms(info, providers)
         records = state.node_records(asked)
-        asked = [n for n in asked if n in alive and records.get(n, {}).get("state") not in _DRAINED]
+        beats = state.heartbeats(asked)
+        asked = [
+            n
+            for n in asked
+            if n in alive and records.get(n, {}).get("state") not in _DRAINED and beats.get(n)
+        ]
     last = state.ckpt_last()
     if asked:
         _err(

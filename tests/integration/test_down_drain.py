@@ -111,6 +111,21 @@ def test_down_drains_every_node_before_it_ends_the_vms(
     assert sorted(n for t, n in kinds if t == "terminate") == ["n0", "n1"]
 
 
+def test_down_asks_no_drain_of_an_agent_that_stopped_beating(
+    run: tuple[RunInfo, LocalProvider, list[StandIn]],
+    redis_server: RedisServer,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    info, cloud, _ = run
+    client, keys = redis_server.client(), RunKeys(info.run_id)
+    client.delete(keys.heartbeat("n1"))  # n1's agent is dead: nobody would answer
+    assert cli.main(["down", info.run_id, "--drain-timeout", "600"]) == 0
+    out, err = capsys.readouterr()
+    assert "draining 1 node(s)" in out and "did not drain" not in err
+    assert [e["node_name"] for e in _events(client, keys) if e["type"] == "drain"] == ["n0"]
+    assert all(i.state is InstanceState.TERMINATED for i in cloud.list(info.run_id))
+
+
 def test_down_now_ends_the_vms_without_a_drain(
     run: tuple[RunInfo, LocalProvider, list[StandIn]],
     redis_server: RedisServer,
