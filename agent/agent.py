@@ -153,6 +153,9 @@ class Agent:
         self._seen_pids: set[int] = set()
         # The workers' newest step, on this node's disk (the dead man's switch reads it).
         self._progress_dir = tempfile.mkdtemp(prefix="spottrain-agent-")
+        # Workers that run as another (unprivileged) user write here too; the sticky bit
+        # keeps each writer to its own file, and nobody else may list or read the directory.
+        os.chmod(self._progress_dir, 0o1733)
         self.progress_path = os.path.join(self._progress_dir, "step")
         self.orphan_reason = ""
         self._signalled = threading.Event()
