@@ -17,7 +17,13 @@ from spec_samples import LOCAL, _with
 
 from spottrain.cloud.base import Instance, LaunchRequest
 from spottrain.cloud.local import LocalProvider, LocalSettings
-from spottrain.controller.loop import Controller, ControllerError, drive_passes, policy_from_spec
+from spottrain.controller.loop import (
+    Controller,
+    ControllerError,
+    RedisOutage,
+    drive_passes,
+    policy_from_spec,
+)
 from spottrain.controller.state import LeaseLost, RunState
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
@@ -210,3 +216,16 @@ def test_the_controller_gives_up_after_the_configured_redis_outage(
     with pytest.raises(ControllerError, match=r"Redis has not answered for \d+ s.*resume"):
         drive_passes(ctl, on_pass, redis_outage_s=2.0, on_report=lines.append)
     assert any("retries for up to 2 s" in x for x in lines)
+
+
+def test_redis_retries_back_off_with_jitter_up_to_a_cap_and_the_limit() -> None:
+    outage = RedisOutage(limit_s=100.0)
+    err = redis.ConnectionError("refused")
+    waits = [outage.failed(float(t), err) for t in range(8)]
+    # 1, 2, 4, 8, 16, 30, 30, 30 s at most, each at least half of that (the jitter).
+    for wait, top in zip(waits, (1, 2, 4, 8, 16, 30, 30, 30), strict=True):
+        assert top / 2 <= wait <= top
+    assert outage.failed(95.0, err) <= 5.0  # never past the limit
+    with pytest.raises(ControllerError, match="Redis has not answered for 100 s"):
+        outage.failed(100.0, err)
+    assert outage.answered(101.0) == 101.0 and outage.answered(102.0) is None
