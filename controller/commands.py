@@ -79,7 +79,8 @@ def _drive(info: RunInfo, interval: float) -> int:
         return drive_run(info, view=_say, interval_s=interval)
     except KeyboardInterrupt:
         _say(
-            f"\ncontroller stopped; the run's VMs keep training without backfill. "
+            f"\ncontroller stopped; the run's VMs keep training without backfill (a VM whose "
+            "training stops ends itself after controller.orphan_timeout_minutes). "
             f"`spottrain resume {info.run_id}` restarts the controller, "
             f"`spottrain down {info.run_id}` ends the run"
         )
