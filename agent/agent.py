@@ -17,9 +17,11 @@ import json
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from spottrain.keys import DEFAULT_PREFIX, RunKeys
 from spottrain.redis_conn import RedisSettings, connect, ping, settings_from_url
 
 from .lifecycle import Lifecycle, NodeState
+from .local_progress import ENV_PROGRESS_FILE
 from .node_record import NodeInfo, NodeRecord
 from .notice_handler import DrainOutcome, NoticeHandler
 from .notices import Notice, NoticeKind
@@ -86,6 +89,10 @@ class AgentConfig:
     # The unprivileged user torchrun and the workers run as when the agent is root (the
     # systemd unit sets "spottrain"); empty: the agent's own user.
     worker_user: str = ""
+    # The dead man's switch (agent/orphan.py): seconds without a controller heartbeat and
+    # without a local training step after which the VM ends itself; 0: never.
+    orphan_timeout: float = 0.0
+    self_terminate_cmd: str = ""
 
     def validate(self) -> None:
         if self.cloud not in ("local", "aws", "gcp"):
@@ -101,6 +108,10 @@ class AgentConfig:
             raise AgentConfigError(
                 f"poll interval {self.poll_interval} s must be in (0, 5]: an AWS notice "
                 "gives two minutes and must be seen within seconds"
+            )
+        if self.orphan_timeout < 0:
+            raise AgentConfigError(
+                f"orphan timeout {self.orphan_timeout:g} s must be >= 0 (0 turns it off)"
             )
         lo, sep, hi = self.nnodes.partition(":")
         hi = hi if sep else lo
@@ -152,6 +163,15 @@ class Agent:
         self._loops: list[Any] = []
         self._seen_pids: set[int] = set()
         self.worker: WorkerUser | None = None
+        # The workers' newest step, on this node's disk (the dead man's switch reads it).
+        self._progress_dir = tempfile.mkdtemp(prefix="spottrain-agent-")
+        # Workers that run as another (unprivileged) user write here too; the sticky bit
+        # keeps each writer to its own file, and nobody else may list or read the directory.
+        os.chmod(self._progress_dir, 0o1733)
+        self.progress_path = os.path.join(self._progress_dir, "step")
+        self.orphan_reason = ""
+        self._signalled = threading.Event()
+        self._wake = threading.Event()
 
     # -- lifecycle --------------------------------------------------------------------------
     def _advance(self, state: NodeState, reason: str = "") -> None:
@@ -163,15 +183,76 @@ class Agent:
         self.record.event("agent-started", pid=os.getpid(), cloud=self.cfg.cloud)
         self.record.start_heartbeat()
         self._install_signals()
+        self._start_orphan_watch()
         try:
-            return self._run()
+            code = self._run()
+            self._linger()
+            return code
         finally:
             for loop in self._loops:
                 with contextlib.suppress(Exception):
                     loop.stop()
             if self.proc is not None and self.proc.poll() is None:
                 self.stop_workers(5.0)
+            if self.orphan_reason:
+                self.record.event("self-terminate", reason=self.orphan_reason)
             self.record.stop(remove_heartbeat=True)
+            shutil.rmtree(self._progress_dir, ignore_errors=True)
+            if self.orphan_reason:
+                self._end_vm()
+
+    # -- the dead man's switch --------------------------------------------------------------
+    def _start_orphan_watch(self) -> None:
+        if self.cfg.orphan_timeout <= 0:
+            return
+        from .orphan import OrphanWatch
+
+        watch = OrphanWatch(
+            self.client,
+            self.keys,
+            self.progress_path,
+            self.cfg.orphan_timeout,
+            self._orphaned,
+        )
+        self._loops.append(watch.start())
+
+    def _orphaned(self, reason: str) -> None:
+        """No controller and no training: drain (an emergency checkpoint, leave), then the
+        VM ends itself once :meth:`run` is done."""
+        log.error("orphaned: %s; draining, then ending this VM", reason)
+        self.orphan_reason = reason
+        self.record.event("orphaned", reason=reason)
+        self.handler.submit(
+            Notice(
+                source="orphan",
+                kind=NoticeKind.TERMINATE,
+                deadline=time.time() + self.cfg.sigterm_grace,
+                detail={"reason": reason},
+            )
+        )
+        self._wake.set()
+
+    def _linger(self) -> None:
+        """With the switch on, an agent whose torchrun has ended (training finished or
+        failed) stays until the VM is ended for it (its controller's terminate reaches it
+        as SIGTERM) or its own switch ends it: an idle VM must not outlive its controller."""
+        if self.cfg.orphan_timeout <= 0:
+            return
+        if not self.orphan_reason and not self._signalled.is_set():
+            log.info("torchrun ended: waiting for the VM to be ended (or to end it itself)")
+        while not self.orphan_reason and not self._signalled.is_set():
+            self._wake.wait(1.0)
+        if self.orphan_reason:
+            self.handler.done.wait(self.cfg.sigterm_grace + self.cfg.worker_stop_timeout)
+
+    def _end_vm(self) -> None:
+        from .orphan import end_this_vm
+
+        problem = end_this_vm(self.cfg.cloud, self.cfg.self_terminate_cmd)
+        if problem:
+            log.error("could not end this VM: %s", problem)
+        else:
+            log.warning("this VM is ending itself: %s", self.orphan_reason)
 
     def _run(self) -> int:
         try:
@@ -248,6 +329,7 @@ class Agent:
         }
         if self.cfg.ckpt_dir:
             env["SPOTTRAIN_CKPT_DIR"] = self.cfg.ckpt_dir
+        env[ENV_PROGRESS_FILE] = self.progress_path
         if self.cfg.password_file:
             env["SPOTTRAIN_REDIS_PASSWORD"] = self.settings.password or ""
         with self._launch_lock:
@@ -403,6 +485,8 @@ class Agent:
         def pump() -> None:
             while True:
                 signum = signals.get()
+                self._signalled.set()
+                self._wake.set()
                 self.handler.submit(
                     Notice(
                         source="signal",

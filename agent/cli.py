@@ -136,6 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=env("SPOTTRAIN_ASG_LIFECYCLE_HOOK", ""),
         help="the group's termination hook: completed once the emergency checkpoint commits",
     )
+    run.add_argument(
+        "--orphan-timeout",
+        type=float,
+        default=float(env("SPOTTRAIN_ORPHAN_TIMEOUT", "0") or 0),
+        help="seconds without a controller heartbeat and without a training step on this "
+        "node after which the VM drains and ends itself (0: never)",
+    )
+    run.add_argument(
+        "--self-terminate-cmd",
+        default=env("SPOTTRAIN_SELF_TERMINATE_CMD", ""),
+        help="how this VM ends itself (default: `shutdown -h now`; the local cloud: a signal "
+        "to its VM process)",
+    )
     run.add_argument("--rdzv-conf", default="", help="k=v,... passed to the Redis rendezvous")
     run.add_argument(
         "--worker-user",
@@ -212,6 +225,8 @@ def _run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         asg_name=args.asg_name,
         asg_lifecycle_hook=args.asg_lifecycle_hook,
+        orphan_timeout=args.orphan_timeout,
+        self_terminate_cmd=args.self_terminate_cmd,
         rdzv_conf=conf,
         worker_user=args.worker_user,
     )

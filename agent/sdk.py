@@ -94,6 +94,7 @@ from spottrain.tracking import Tracker, WandbSettings, active_run, run_id_for, s
 from .checkpoint import dcp_io
 from .checkpoint.directory import CheckpointDir
 from .checkpoint.manifest import Manifest
+from .local_progress import ProgressFile
 
 log = logging.getLogger("spottrain.sdk")
 
@@ -344,6 +345,7 @@ class TrainSession:
         self._phase = "starting"
         self._last_progress = time.monotonic()
         self._step_times: deque[float] = deque(maxlen=20)
+        self._local_progress = ProgressFile.from_env()  # the agent's dead man's switch reads it
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._agree_every = 1
         self._next_agree = 0
@@ -446,6 +448,7 @@ class TrainSession:
         step_s = now - self._last_progress
         self._step_times.append(step_s)
         self._mark()
+        self._local_progress.report(step)
         if tokens is not None:
             metrics["tokens"] = tokens
         if self.rank == 0 and metrics:

@@ -8,9 +8,10 @@ controller that launched it (as a real VM outlives a laptop going to sleep). It:
 1. stays ``pending`` for the launch latency, then is ``running``;
 2. runs the boot command (the agent, for a job), its output appended to the VM's log;
 3. after the boot command exits, idles like a VM whose service stopped, until deleted;
-4. on SIGTERM (a delete) or SIGUSR1 (a preemption with notice) does what systemd does at
-   shutdown: SIGTERM to the boot command only, then SIGKILL to everything left after the
-   grace period (the notice window), and records the end.
+4. on SIGTERM (a delete), SIGUSR1 (a preemption with notice) or SIGUSR2 (a shutdown from
+   inside: its agent ending its own VM, ``$SPOTTRAIN_LOCAL_VM_PID`` names this process) does
+   what systemd does at shutdown: SIGTERM to the boot command only, then SIGKILL to
+   everything left after the grace period (the notice window), and records the end.
 
 A preemption without notice never reaches this process: the provider SIGKILLs the VM and
 everything under it at once.
@@ -100,6 +101,8 @@ def run_vm(record_path: Path) -> int:
     stop = _Stop()
     signal.signal(signal.SIGTERM, lambda *_: stop.request(False, "deleted"))
     signal.signal(signal.SIGUSR1, lambda *_: stop.request(True, "preempted"))
+    # A shutdown from inside the VM (its agent's dead man's switch): it ends like a delete.
+    signal.signal(signal.SIGUSR2, lambda *_: stop.request(False, "shut down by its agent"))
 
     boot: dict[str, Any] = json.loads(rec["user_data"] or "{}")
     grace = float(rec["grace_s"])
@@ -113,6 +116,7 @@ def run_vm(record_path: Path) -> int:
     if argv:
         log_path = store.log_path(vm_id)
         env = {**os.environ, **{str(k): str(v) for k, v in (boot.get("env") or {}).items()}}
+        env["SPOTTRAIN_LOCAL_VM_PID"] = str(os.getpid())  # how the VM's agent ends it
         with open(log_path, "ab") as log:
             child = subprocess.Popen(
                 [str(a) for a in argv],

@@ -7,7 +7,9 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from .loop import ControllerError, Summary
+import redis
+
+from .loop import ControllerError, Summary, drive_passes
 from .runs import RunError, RunInfo, archive_run, build_controller, stop_embedded_redis
 from .tracking import FleetTracker
 
@@ -80,11 +82,21 @@ def drive_run(
 
     code = EXIT_OK
     try:
-        summary = ctl.run(on_pass=on_pass)
+        summary = drive_passes(
+            ctl,
+            on_pass,
+            redis_outage_s=ctl.spec.controller.redis_outage_minutes * 60,
+            on_report=view,
+        )
     except ControllerError as e:
         view(f"spottrain: the controller stopped: {e}")
-        ctl.state.set_ctl(phase="failed", error=str(e))
-        summary = ctl.summary()
+        try:
+            ctl.state.set_ctl(phase="failed", error=str(e))
+            summary = ctl.summary()
+        except redis.RedisError:
+            # Its Redis is gone: nothing to record or archive; the VMs train on.
+            fleet.finish(None)
+            return EXIT_FAILED
         code = EXIT_FAILED
     except BaseException:
         fleet.finish(None)  # interrupted: what was logged so far is kept

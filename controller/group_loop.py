@@ -243,6 +243,7 @@ class GroupController:
         from spottrain.agent.agent import inject_notice
 
         for a in p.actions:
+            self.state.fence()  # a controller that lost the run's lease acts no more
             if isinstance(a, StopRun):
                 self.state.set_ctl(stopping=a.why, stopping_since=str(obs.now))
                 if a.error:

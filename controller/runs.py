@@ -105,13 +105,16 @@ class RunInfo:
 
 
 def find_run(name_or_id: str | None) -> RunInfo:
-    """A run by run id, by job name (its newest run), or the newest run of all.
+    """A run by run id, by job name (its newest run), or the newest run of all (``None``:
+    no name given).
 
     Raises:
-        RunError: nothing matches.
+        RunError: nothing matches, or the name is empty or not a run id or job name (an
+            unset shell variable must never pick the newest run).
     """
     runs = home_dir() / "runs"
-    if name_or_id:
+    if name_or_id is not None:
+        _check_run_name(name_or_id)
         if (runs / name_or_id / "run.json").exists():
             return RunInfo.load(name_or_id)
         latest = home_dir() / "jobs" / name_or_id
@@ -122,6 +125,22 @@ def find_run(name_or_id: str | None) -> RunInfo:
     if not candidates:
         raise RunError("no runs on this machine yet: start one with `spottrain up JOB.yaml`")
     return RunInfo.load(candidates[-1].parent.name)
+
+
+def _check_run_name(name: str) -> None:
+    if not name.strip():
+        raise RunError(
+            "the run name is empty (an unset variable?): give a run id or job name, or leave "
+            "it out to mean the newest run"
+        )
+    try:
+        validate_run_id(name)
+    except ValueError:
+        raise RunError(
+            f"{name!r} is not a run id or job name: use letters, digits, '.', '_' or '-'"
+        ) from None
+    if name in (".", ".."):
+        raise RunError(f"{name!r} is not a run id or job name")
 
 
 # --- Redis ----------------------------------------------------------------------------------

@@ -26,6 +26,25 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+# Take the lease if it is free, or extend it if this owner holds it: one step, so no other
+# controller can take it between the look and the extension.
+_ACQUIRE = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if holder then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+# Extend the lease only while this owner still holds it (a lapsed lease is lost: another
+# controller may have acted in between).
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+
+class LeaseLost(Exception):
+    """This controller no longer holds the run's lease: it must not act any further."""
 
 
 def offer_to_dict(o: Offer) -> dict[str, Any]:
@@ -112,6 +131,9 @@ class RunState:
     def __init__(self, client: redis.Redis, keys: RunKeys) -> None:
         self.client = client
         self.keys = keys
+        # The lease this state's controller holds (owner, TTL), set by :meth:`hold`: every
+        # act step checks it (:meth:`fence`).
+        self._held: tuple[str, float] | None = None
 
     # --- the controller hash -------------------------------------------------------------
     def ctl(self) -> dict[str, str]:
@@ -249,15 +271,37 @@ class RunState:
 
     # --- the lease -----------------------------------------------------------------------
     def acquire(self, owner: str, ttl_s: float) -> bool:
-        """Take or renew the run's lease; False when another controller holds it."""
+        """Take or renew the run's lease in one step; False when another controller holds
+        it."""
         ms = int(ttl_s * 1000)
-        if self.client.set(self.keys.ctl_lease, owner, nx=True, px=ms):
-            return True
-        current = self.client.get(self.keys.ctl_lease)
-        if current is not None and current.decode() == owner:
-            self.client.pexpire(self.keys.ctl_lease, ms)
-            return True
-        return False
+        return bool(self.client.eval(_ACQUIRE, 1, self.keys.ctl_lease, owner, ms))
+
+    def renew(self, owner: str, ttl_s: float) -> bool:
+        """Extend the lease ``owner`` holds, compared and extended in one step; False when
+        it is no longer ``owner``'s (expired or taken)."""
+        ms = int(ttl_s * 1000)
+        return bool(self.client.eval(_RENEW, 1, self.keys.ctl_lease, owner, ms))
+
+    def hold(self, owner: str | None, ttl_s: float = 0.0) -> None:
+        """From now on :meth:`fence` renews ``owner``'s lease (None: no lease is checked)."""
+        self._held = (owner, ttl_s) if owner else None
+
+    def fence(self) -> None:
+        """Renew the held lease before a side effect on a cloud or a node.
+
+        Raises:
+            LeaseLost: the lease is gone; the caller must stop acting at once.
+        """
+        if self._held is None:
+            return
+        owner, ttl = self._held
+        if not self.renew(owner, ttl):
+            self._held = None
+            raise LeaseLost(f"lost the lease of run {self.keys.run_id} (now {self.lease_holder()})")
+
+    def beat(self, owner: str, ttl_s: float) -> None:
+        """Stamp the controller's heartbeat; it lapses ``ttl_s`` after the last pass."""
+        self.client.set(self.keys.ctl_alive, owner, px=int(ttl_s * 1000))
 
     def lease_holder(self) -> str | None:
         v = self.client.get(self.keys.ctl_lease)

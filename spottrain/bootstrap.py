@@ -99,6 +99,8 @@ def agent_env(
         "SPOTTRAIN_EXPECT_GPUS": str(spec.nodes.gpus),
         "SPOTTRAIN_CKPT_DIR": run_ckpt_dir(spec, node),
         "SPOTTRAIN_TRAIN_CMD": shlex.join(spec.train.command),
+        # A VM the controller launched ends itself once its controller is long gone.
+        "SPOTTRAIN_ORPHAN_TIMEOUT": f"{spec.controller.orphan_timeout_minutes * 60:g}",
     }
     if password_file:
         env["SPOTTRAIN_REDIS_PASSWORD_FILE"] = password_file

@@ -82,10 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
     logs.add_argument("--node", help="print this node's training output instead")
     down = sub.add_parser(
-        "down", help="end a run: every VM terminated (and checked), its controller stopped"
+        "down",
+        help="end a run: every node drained (an emergency checkpoint), then every VM "
+        "terminated (and checked), its controller stopped",
     )
     down.add_argument("run", nargs="?", help="run id or job name (default: the newest run)")
     down.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for VMs")
+    down.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the nodes' drains (an emergency checkpoint each) before "
+        "their VMs end (default: the notice window + 30)",
+    )
+    down.add_argument(
+        "--now", action="store_true", help="end the VMs at once, without draining them first"
+    )
 
     scale = sub.add_parser(
         "scale",

@@ -230,6 +230,12 @@ class RunKeys:
         return f"{self.base}:ctl:lease"
 
     @property
+    def ctl_alive(self) -> str:
+        """The controller's heartbeat (a key with a TTL, set every pass): the agents' dead
+        man's switch ends a VM whose controller has been gone too long."""
+        return f"{self.base}:ctl:alive"
+
+    @property
     def pattern(self) -> str:
         """Matches every key of this run (for cleanup and ``down``)."""
         return f"{self.base}:*"

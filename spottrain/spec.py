@@ -715,6 +715,25 @@ class FleetSpec(_Model):
         return self
 
 
+class ControllerSpec(_Model):
+    """What the fleet does when its controller, or the controller's Redis, is gone."""
+
+    orphan_timeout_minutes: float = Field(
+        30,
+        ge=0,
+        le=7 * 24 * 60,
+        description="each VM ends itself (after an emergency checkpoint) when it has seen no "
+        "controller heartbeat and no training step for this long; 0: never",
+    )
+    redis_outage_minutes: float = Field(
+        60,
+        gt=0,
+        le=7 * 24 * 60,
+        description="the controller retries a Redis that does not answer this long, then "
+        "stops (the VMs train on; `spottrain resume` drives them again)",
+    )
+
+
 _JOB_KEYS = (
     "name",
     "code",
@@ -730,6 +749,7 @@ _JOB_KEYS = (
     "aws",
     "gcp",
     "fleet",
+    "controller",
 )
 
 
@@ -750,6 +770,7 @@ class JobSpec(_Model):
     aws: AwsCloudSpec | None = None
     gcp: GcpCloudSpec | None = None
     fleet: FleetSpec | None = None
+    controller: ControllerSpec = Field(default_factory=ControllerSpec)
 
     @field_validator("name")
     @classmethod

@@ -1,0 +1,66 @@
+"""The workers' newest step on the node's own disk, for the agent's dead man's switch.
+
+The SDK (local rank 0 of each node) writes its newest step to ``$SPOTTRAIN_PROGRESS_FILE``,
+a file the agent names in a directory of its own, at most once a second. The agent reads it
+to tell training that goes on from training that stopped without asking Redis: a Redis
+outage must never look like a stalled job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+
+ENV_PROGRESS_FILE = "SPOTTRAIN_PROGRESS_FILE"
+
+
+class ProgressFile:
+    """Writes the newest step to ``path`` (nothing when ``path`` is empty).
+
+    Args:
+        path: the file (written by rename, so a reader never sees half a number).
+        every_s: at most one write per this many seconds.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self, path: str | None, *, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.path = path or ""
+        self.every_s = every_s
+        self.clock = clock
+        self._last_at = -float("inf")
+        self._last_step: int | None = None
+
+    @classmethod
+    def from_env(cls) -> ProgressFile:
+        """The file the agent named, for the node's local rank 0; a no-op elsewhere."""
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            return cls(None)
+        return cls(os.environ.get(ENV_PROGRESS_FILE))
+
+    def report(self, step: int) -> None:
+        """Note ``step`` (cheap: a write at most once per ``every_s``; errors ignored, the
+        training must never fail for this)."""
+        if not self.path or step == self._last_step:
+            return
+        now = self.clock()
+        if now - self._last_at < self.every_s:
+            return
+        self._last_at, self._last_step = now, step
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        with contextlib.suppress(OSError):
+            with open(tmp, "w") as f:
+                f.write(f"{step}\n")
+            os.replace(tmp, self.path)
+
+
+def read_step(path: str) -> int | None:
+    """The step in ``path``, or None when it holds none (not written yet, unreadable)."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None

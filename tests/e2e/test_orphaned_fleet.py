@@ -1,0 +1,158 @@
+"""The dead man's switch on the local cloud, with real agents, torchrun and an embedded
+Redis: once its controller is killed (SIGKILL, nobody runs ``resume``), a fleet whose
+training goes on keeps training, through a Redis outage too, and a fleet whose training has
+stalled ends itself, each VM after its emergency checkpoint.
+
+The orphan timeout is 3 s (``controller.orphan_timeout_minutes: 0.05``); every wait is for
+a condition (steps trained, keys gone, VMs ended), never a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import yaml
+
+from spottrain.controller.runs import RunInfo, restart_embedded_redis, stop_embedded_redis
+from spottrain.keys import RunKeys
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 3.0
+STEP_S = 0.05
+# Steps that take well over twice the orphan timeout at STEP_S a step.
+MANY_STEPS = int(4 * TIMEOUT_S / STEP_S)
+
+
+def _cli(home: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "spottrain.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SPOTTRAIN_HOME": str(home), "PYTHONUNBUFFERED": "1"},
+        cwd=REPO,
+        timeout=timeout,
+    )
+
+
+def _wait(fn: Callable[[], Any], what: str, timeout: float = 120) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := fn()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.5)
+    return value
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    h = tmp_path / "home"
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(h))
+    yield h
+    for run in (h / "runs").glob("*") if (h / "runs").exists() else []:
+        _cli(h, "down", run.name, "--now")
+
+
+def _vms(home: Path, run_id: str) -> list[dict[str, Any]]:
+    out = []
+    for p in (home / "local" / "instances").glob("vm-*.json"):
+        rec = json.loads(p.read_text())
+        if rec.get("tags", {}).get("spottrain-job") == run_id:
+            out.append(rec)
+    return out
+
+
+def _trained(progress: Path) -> int:
+    lines = progress.read_text().split() if progress.exists() else []
+    return int(lines[-1]) if lines else 0
+
+
+def _events(client: redis.Redis, keys: RunKeys) -> list[dict[str, str]]:
+    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(keys.events)]
+
+
+def test_a_fleet_without_its_controller_trains_on_and_ends_itself_once_training_stalls(
+    tmp_path: Path, home: Path
+) -> None:
+    stall, progress = tmp_path / "stall", tmp_path / "progress"
+    spec = {
+        "name": "orphan",
+        "code": {"archive": {"path": str(REPO)}},
+        "train": {
+            "command": f"tests/e2e/stall_train.py --stall-file {stall} --progress {progress} "
+            f"--step-time {STEP_S}"
+        },
+        "nodes": {"min": 1, "max": 2, "gpus": 0, "workers": 1},
+        "resources": {"clouds": ["local"]},
+        "budget": {"max_usd": 50},
+        "checkpoint": {
+            "volume": {"path": str(tmp_path / "volume"), "write_gbps": 1},
+            "every_steps": 100_000,
+        },
+        "local": {"zones": {"local-a": {"capacity": 2}}, "notice_s": 30},
+        "controller": {"orphan_timeout_minutes": TIMEOUT_S / 60},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    up = _cli(home, "up", str(path), "--detach", "--interval", "0.5")
+    assert up.returncode == 0, up.stderr
+    run_id = up.stdout.split()[1].rstrip(":")
+    info = RunInfo.load(run_id)
+    client = redis.Redis.from_url(info.redis_url, socket_timeout=5)
+    keys = RunKeys(run_id)
+
+    def joined() -> bool:
+        states = [client.hget(keys.node(n), "state") for n in ("n0", "n1")]
+        return states == [b"joined", b"joined"] and _trained(progress) >= 20
+
+    _wait(joined, "two joined nodes training", 300)
+    os.kill(info.controller_pid, signal.SIGKILL)
+    _wait(lambda: not client.exists(keys.ctl_alive), "the controller heartbeat to lapse", 60)
+
+    # Its Redis goes away too, while the training goes on: nothing ends.
+    stop_embedded_redis(info)
+    at = _trained(progress)
+    _wait(lambda: _trained(progress) >= at + MANY_STEPS, "steps trained without Redis")
+    assert all(v["state"] == "running" for v in _vms(home, run_id))
+    restart_embedded_redis(info)
+
+    # Redis is back, the controller is still gone, the training goes on: nothing ends.
+    at = _trained(progress)
+    _wait(lambda: _trained(progress) >= at + MANY_STEPS, "steps trained without controller")
+    assert all(v["state"] == "running" for v in _vms(home, run_id))
+    assert not [e for e in _events(client, keys) if e["type"] == "orphaned"]
+
+    # The training stalls (a step now takes longer than the orphan timeout): each VM drains,
+    # its workers save an emergency checkpoint at their next step, and the VM ends itself.
+    stall.touch()
+    stalled_at = _trained(progress)
+    _wait(
+        lambda: all(v["state"] == "terminated" for v in _vms(home, run_id)),
+        "every VM to end itself",
+    )
+    vms = _vms(home, run_id)
+    assert len(vms) == 2 and all(v["reason"] == "shut down by its agent" for v in vms), vms
+    events = _events(client, keys)
+    for vm in vms:
+        node = vm["tags"]["spottrain-node"]
+        mine = [e for e in events if e["node"] == node]
+        kinds = [e["type"] for e in mine]
+        assert "orphaned" in kinds and "self-terminate" in kinds, kinds
+        drained = next(e for e in mine if e["type"] == "drained")
+        assert drained["source"] == "orphan"
+        assert json.loads(drained["committed_step"]) >= stalled_at, drained
+        assert kinds.index("drained") < kinds.index("self-terminate")
+        assert float(drained["at"]) <= float(vm["ended_at"])
+    last = {k.decode(): v.decode() for k, v in client.hgetall(keys.ckpt_last).items()}
+    assert last["drain"] == "1" and int(last["step"]) >= stalled_at
