@@ -530,15 +530,24 @@ def test_drive_run_hands_every_pass_and_the_end_to_the_fleet_tracker(
     final.final_step = 3
 
     class Ctl:
-        spec, state = _spec(None), fleet_state
+        """Three passes of a controller (what drive_passes drives), then the end."""
 
-        def run(self, on_pass: Any) -> Summary:
-            for step in (1, 2, 3):
-                on_pass(_summary(step, 8, 1, 0, 0.1 * step))
-            return final
+        spec, state = _spec(None), fleet_state
+        run_id, owner, interval_s = fleet_state.keys.run_id, "test-controller", 0.0
+        passes = 0
+
+        def step(self) -> None:
+            self.passes += 1
+
+        def summary(self) -> Summary:
+            n = self.passes
+            return final if n >= 3 else _summary(n, 8, 1, 0, 0.1 * n)
 
         def done(self) -> bool:
-            return True
+            return self.passes >= 3
+
+        def live_vms(self) -> list[Any]:
+            return []
 
     monkeypatch.setattr(drive, "build_controller", lambda info, **kw: Ctl())
     monkeypatch.setattr(drive, "archive_run", lambda *a, **kw: None)
