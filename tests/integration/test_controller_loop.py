@@ -5,6 +5,7 @@ the cloud and the ledger."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,9 +14,14 @@ import redis
 import yaml
 from spec_samples import LOCAL, _with
 
+from spottrain.agent.lifecycle import Lifecycle
+from spottrain.agent.node_record import NodeInfo, NodeRecord
+from spottrain.agent.notice_handler import NoticeHandler
+from spottrain.agent.notices import Notice, NoticeKind
 from spottrain.cloud.base import InstanceState, LaunchRequest, Offer, OfferQuery
 from spottrain.cloud.local import LocalProvider, LocalSettings
-from spottrain.controller.loop import Controller, ControllerError, policy_from_spec
+from spottrain.controller.drive import format_summary
+from spottrain.controller.loop import Controller, ControllerError, policy_from_spec, summarize
 from spottrain.controller.state import LAUNCHED, RunState
 from spottrain.keys import RunKeys
 from spottrain.spec import parse_spec
@@ -153,3 +159,56 @@ def test_a_second_controller_is_refused_while_one_holds_the_run(
         second.run()
     first.state.release("ctl-first")
     assert first.state.lease_holder() is None
+
+
+def _rebalance(client: redis.Redis, keys: RunKeys, node: str) -> NodeRecord:
+    """The node's agent takes a rebalance recommendation: its handler marks the record."""
+    lifecycle = Lifecycle()
+    record = NodeRecord(client, keys, NodeInfo(node, "local"))
+    # Not joined in this handler's view: no early checkpoint is asked of trainers that do
+    # not run here, but the node is marked at risk all the same.
+    handler = NoticeHandler(client, keys, node, lifecycle, record, lambda _s: None)
+    handler.submit(Notice("aws-imds:rebalance", NoticeKind.REBALANCE, None, time.time()))
+    return record
+
+
+def test_an_at_risk_node_gets_a_replacement_then_drains(
+    cloud: LocalProvider, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    ctl = _controller(cloud, redis_client, run_keys, max_nodes=3)
+    ctl.step()
+    for n in ("n0", "n1", "n2"):
+        _join(redis_client, run_keys, n)
+    _rebalance(redis_client, run_keys, "n1")
+    assert redis_client.hget(run_keys.node("n1"), "at_risk") == b"rebalance recommendation"
+
+    p = ctl.step()
+    assert "n1 at risk: launching replacement n3" in p.reason
+    records = ctl.state.ledger().records
+    assert records["n3"].status == LAUNCHED and records["n3"].replaces == "n1"
+    assert [e["node_name"] for e in _events(redis_client, run_keys, "launched")][-1] == "n3"
+    status = summarize(ctl.state, time.time())
+    assert status.at_risk == ["n1 at risk (rebalance recommendation): replacement n3 launching"]
+    assert "  n1 at risk (rebalance recommendation): replacement n3 launching" in (
+        format_summary(status)
+    )
+    # The surplus holds while the replacement boots: nothing more launched, nothing ended.
+    p = ctl.step()
+    assert "replacement n3 launching" in p.reason
+    assert sorted(ctl.state.ledger().records) == ["n0", "n1", "n2", "n3"]
+    assert _events(redis_client, run_keys, "terminate") == []
+
+    _join(redis_client, run_keys, "n3")
+    ctl.step()
+    (drain,) = _events(redis_client, run_keys, "drain")
+    assert drain["node_name"] == "n1" and "replacement n3 joined" in drain["why"]
+    (asked,) = redis_client.lrange(run_keys.notices("n1"), 0, -1)
+    assert json.loads(asked)["kind"] == "terminate"
+
+    # Its agent drained and left: its VM ends, and the fleet is back at max without a launch.
+    redis_client.hset(run_keys.node("n1"), "state", "left")
+    ctl.step()
+    (ended,) = _events(redis_client, run_keys, "terminate")
+    assert ended["node_name"] == "n1"
+    assert len(_events(redis_client, run_keys, "launched")) == 4
+    assert summarize(ctl.state, time.time()).at_risk == []
