@@ -342,7 +342,7 @@ class Controller:
                 launched_at=r.launched_at,
                 agent_state=agents.get(r.node, {}).get("state"),
                 alive_beat=beats.get(r.node, False),
-                step_time_s=_float(agents.get(r.node, {}).get("step_time")),
+                compute_s=node_compute_s(agents.get(r.node, {}), now),
                 at_risk=agents.get(r.node, {}).get("at_risk", ""),
                 # Only while the node it replaces lives: after that it is an ordinary node.
                 replaces=r.replaces if r.replaces in live_names else "",
@@ -808,6 +808,26 @@ def _final_step(progress: dict[str, str], last: dict[str, str]) -> int | None:
     if last.get("kind") == "final":
         return int(last["step"])
     return None
+
+
+COMPUTE_FRESH_S = 60.0  # a rank's compute report older than this is no longer its own
+
+
+def node_compute_s(record: Mapping[str, str], now: float) -> float | None:
+    """A node's compute seconds per step: its slowest local rank's recent median, from the
+    ``compute:<local rank>`` fields its trainers write ("<seconds> <unix time>"). Reports
+    older than ``COMPUTE_FRESH_S`` are left out (a rank that holds, or is gone)."""
+    figures = []
+    for k, v in record.items():
+        if not k.startswith("compute:"):
+            continue
+        try:
+            secs, at = (float(x) for x in v.split())
+        except ValueError:
+            continue
+        if now - at <= COMPUTE_FRESH_S and math.isfinite(secs) and secs >= 0:
+            figures.append(secs)
+    return max(figures) if figures else None
 
 
 def _float(v: str | None) -> float | None:

@@ -14,7 +14,9 @@ The rules, in the order they are checked:
 3. **Bad nodes.** A node whose VM failed its boot health check, or never became healthy
    within the boot timeout, is terminated and its offer penalised (counted against the zone
    and type like a preemption, which weighs the ranking); a straggler
-   (step time well above the fleet's median) is reported and replaced; a node that left
+   (its compute time per step, forward and backward without the all-reduce's wait, well
+   above the fleet's median: wall time per step is the same on every node of a synchronous
+   job) is reported and replaced; a node that left
    (drained, or finished) has its idle VM terminated. A node at risk (its cloud sent a
    rebalance recommendation) gets one replacement launched early (rule 5); once that
    replacement has joined, the at-risk node is drained (emergency checkpoint, leave) rather
@@ -77,8 +79,8 @@ class Policy:
         boot_timeout_s: a VM not healthy this long after its launch is replaced.
         lost_grace_s: a launched VM the cloud does not list for this long is taken as lost
             (clouds are eventually consistent).
-        straggler_factor: a node whose step time exceeds this multiple of the median of the
-            others is replaced (needs at least 3 nodes reporting).
+        straggler_factor: a node whose compute time per step exceeds this multiple of the
+            median of the others is replaced (needs at least 3 nodes reporting).
         crash_loop_k: restores from the same checkpoint after failing at the same step
             that stop the job; ``crash_loop_k`` x ``max_nodes`` VMs in a row that fail at
             boot, with none joining in between, stop it too (a broken image or setting).
@@ -128,7 +130,8 @@ class NodeObs:
         launched_at: when the controller launched it.
         agent_state: the agent's lifecycle state, None before it registered.
         alive_beat: whether its heartbeat is fresh.
-        step_time_s: its recent seconds per step, if it reports one.
+        compute_s: its recent compute seconds per step (forward and backward, without
+            waiting on the all-reduce; its slowest local rank's), if it reports one.
         health_failed: the agent reported a failed boot health check.
         at_risk: why the node is at risk of preemption ("rebalance recommendation"), from
             its agent; empty when it is not.
@@ -141,7 +144,7 @@ class NodeObs:
     launched_at: float
     agent_state: str | None = None
     alive_beat: bool = False
-    step_time_s: float | None = None
+    compute_s: float | None = None
     health_failed: bool = False
     at_risk: str = ""
     replaces: str = ""
@@ -330,7 +333,7 @@ def _settled(n: NodeObs) -> bool:
     """A node no rule can act on whatever the clock says: listed and alive (not stopping),
     its agent registered and neither booting, failed, left nor draining, its health not
     failed, not at risk nor a replacement for one. Such a node only counts (staying, its
-    price, its zone); a straggler check, which looks at step times, is the one rule that
+    price, its zone); a straggler check, which looks at compute times, is the one rule that
     reads it, and it reads the whole fleet."""
     inst = n.instance
     return (
@@ -353,7 +356,7 @@ class _Tally:
     settled: int
     prices: Counter[float]  # price per hour -> settled nodes with an offer at that price
     zones: Counter[str]  # zone -> settled nodes with an offer there
-    timed: int  # nodes (of either kind) that report a step time
+    timed: int  # nodes (of either kind) that report a compute time
 
     @classmethod
     def of(cls, nodes: Iterable[NodeObs]) -> _Tally:
@@ -362,7 +365,7 @@ class _Tally:
         zones: Counter[str] = Counter()
         settled = timed = 0
         for n in nodes:
-            if n.step_time_s is not None:
+            if n.compute_s is not None:
                 timed += 1
             if _settled(n):
                 settled += 1
@@ -428,7 +431,7 @@ class FleetIndex(Sequence[NodeObs]):
         return self._nodes.get(name)
 
     def _count(self, n: NodeObs) -> None:
-        if n.step_time_s is not None:
+        if n.compute_s is not None:
             self._timed += 1
         if _settled(n):
             self._settled += 1
@@ -439,7 +442,7 @@ class FleetIndex(Sequence[NodeObs]):
             self._unsettled[n.name] = n
 
     def _uncount(self, n: NodeObs) -> None:
-        if n.step_time_s is not None:
+        if n.compute_s is not None:
             self._timed -= 1
         if self._unsettled.pop(n.name, None) is None:
             self._settled -= 1
@@ -591,9 +594,9 @@ def plan(policy: Policy, obs: Observed) -> Plan:
     straggler = _straggler(live_all(), policy.straggler_factor, gone) if tally.timed >= 3 else None
     if straggler is not None:
         n, median = straggler
-        assert n.instance is not None and n.step_time_s is not None
+        assert n.instance is not None and n.compute_s is not None
         msg = (
-            f"node {n.name} is a straggler: {n.step_time_s:.2f} s per step against the "
+            f"node {n.name} is a straggler: {n.compute_s:.2f} s of compute per step against the "
             f"fleet's median {median:.2f} s; replacing it"
         )
         actions += [Report(msg), Terminate(n.name, n.instance.id, "straggler")]
@@ -872,7 +875,7 @@ def _straggler(
     timed = [
         n
         for n in nodes
-        if n.step_time_s is not None
+        if n.compute_s is not None
         and n.name not in skip
         and n.instance is not None
         and n.instance.state.alive
@@ -880,10 +883,10 @@ def _straggler(
     ]
     if len(timed) < 3:
         return None
-    worst = max(timed, key=lambda n: n.step_time_s or 0.0)
-    others = [n.step_time_s for n in timed if n is not worst and n.step_time_s is not None]
+    worst = max(timed, key=lambda n: n.compute_s or 0.0)
+    others = [n.compute_s for n in timed if n is not worst and n.compute_s is not None]
     median = statistics.median(others)
-    if worst.step_time_s is not None and median > 0 and worst.step_time_s > factor * median:
+    if worst.compute_s is not None and median > 0 and worst.compute_s > factor * median:
         return worst, median
     return None
 

@@ -425,3 +425,44 @@ def test_staging_copies_tensors_and_keeps_container_types() -> None:
     t.add_(1)
     assert torch.equal(staged["p"].a, torch.ones(3)), "the staged copy followed the original"
     assert isinstance(staged["p"].b[1], tuple)
+
+
+def test_each_rank_reports_its_own_compute_time_not_the_wall_step(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    run_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SPOTTRAIN_NODE_ID", "n5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    s = session(tmp_path, redis_url=redis_server.endpoint, run_id=run_id, report_interval=0.05)
+    s.restore({})
+    for step in range(1, 4):
+        for _micro in range(2):
+            with s.compute():  # forward and backward of one micro-batch
+                time.sleep(0.05)
+        time.sleep(0.4)  # the all-reduce's wait for a slower peer: not compute
+        s.step(step, {})
+    key = RunKeys(run_id).node("n5")
+    deadline = time.monotonic() + 30
+    while redis_client.hget(key, "compute:1") is None:
+        assert time.monotonic() < deadline, "no compute time reported"
+        time.sleep(0.02)
+    s.close()
+    secs, at = (float(x) for x in redis_client.hget(key, "compute:1").split())  # type: ignore[union-attr]
+    assert 0.1 <= secs < 0.4
+    assert abs(at - time.time()) < 60
+    # Only local rank 0 speaks for the node's wall step time.
+    assert redis_client.hget(key, "step_time") is None
+
+
+def test_a_script_can_give_its_compute_time_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    s = session(tmp_path)
+    s.restore({})
+    for step in range(1, 4):
+        s.step(step, {}, compute_s=1.5)
+    assert s.compute_time == 1.5
+    with pytest.raises(ValueError, match=r"compute_s=-1\.0: give this step's compute seconds"):
+        s.step(4, {}, compute_s=-1.0)
+    s.close()

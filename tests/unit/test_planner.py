@@ -88,7 +88,7 @@ def node(
         launched_at=launched_at,
         agent_state=agent,
         alive_beat=agent is not None,
-        step_time_s=step_time,
+        compute_s=step_time,
         health_failed=health_failed,
     )
 
@@ -295,7 +295,10 @@ def test_plan_reports_and_replaces_a_straggler() -> None:
     assert [t.node for t in terminates(p)] == ["n3"]
     (report,) = p.of(Report)
     assert isinstance(report, Report)
-    assert "n3 is a straggler: 3.50 s per step against the fleet's median 1.00 s" in report.message
+    assert (
+        "n3 is a straggler: 3.50 s of compute per step against the fleet's median 1.00 s"
+        in report.message
+    )
     assert [a.node for a in launches(p)] == ["n4"]
 
 
