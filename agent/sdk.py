@@ -472,10 +472,10 @@ class TrainSession:
         on the all-reduce), for scripts that time it themselves rather than with
         :meth:`compute`.
         """
+        self._close_compute(compute_s)  # first: a bad compute_s changes nothing
         now = time.monotonic()
         step_s = now - self._last_progress
         self._step_times.append(step_s)
-        self._close_compute(compute_s)
         self._mark()
         self._local_progress.report(step)
         if tokens is not None:
