@@ -466,3 +466,22 @@ def test_a_script_can_give_its_compute_time_and_a_bad_one_is_refused(tmp_path: P
     with pytest.raises(ValueError, match=r"compute_s=-1\.0: give this step's compute seconds"):
         s.step(4, {}, compute_s=-1.0)
     s.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_compute_is_timed_with_cuda_events_without_waiting(tmp_path: Path) -> None:
+    s = session(tmp_path)
+    s.restore({})
+    a = torch.randn(2048, 2048, device="cuda")
+    for step in range(1, 4):
+        with s.compute():
+            for _ in range(20):
+                a = (a @ a).tanh()
+        s.step(step, {})
+    # Steps are filed once their events completed: after a synchronisation, the next step
+    # files every earlier one.
+    torch.cuda.synchronize()
+    s.step(4, {})
+    assert len(s._compute_times) == 3 and not s._gpu_pending
+    assert s.compute_time is not None and s.compute_time > 0
+    s.close()
