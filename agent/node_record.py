@@ -79,6 +79,7 @@ class NodeRecord:
         self._thread: threading.Thread | None = None
         self._failing = False
         self.state = "booting"
+        self._marks: dict[str, str] = {}
 
     def register(self, state: str) -> None:
         """Create the node's record (raises if Redis is unreachable: the agent cannot start
@@ -113,7 +114,9 @@ class NodeRecord:
             with self._state_lock:
                 pipe = self.client.pipeline(transaction=False)
                 pipe.set(self.keys.heartbeat(self.info.node_id), self.state, px=self.ttl_ms)
-                pipe.hset(self.keys.node(self.info.node_id), "state", self.state)
+                pipe.hset(
+                    self.keys.node(self.info.node_id), mapping={"state": self.state, **self._marks}
+                )
                 pipe.execute()
             self.flush()
             if self._failing:
@@ -136,6 +139,17 @@ class NodeRecord:
             except redis.RedisError as exc:
                 log.warning("could not record state %s in Redis: %s", state, exc)
         self.event("state", state=state, reason=reason)
+
+    def mark(self, **fields: str) -> None:
+        """Set fields of the node's record that the controller acts on (``at_risk``); each
+        beat writes them again, so a Redis that restarted, or a write that failed, gets
+        them back."""
+        with self._state_lock:
+            self._marks.update(fields)
+            try:
+                self.client.hset(self.keys.node(self.info.node_id), mapping=fields)
+            except redis.RedisError as exc:
+                log.warning("could not record %s in Redis (the next beat retries): %s", fields, exc)
 
     def advance(self, lifecycle: Lifecycle, state: NodeState, reason: str = "") -> bool:
         """Move ``lifecycle`` to ``state`` and record it, if that move is allowed now."""

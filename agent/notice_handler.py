@@ -6,7 +6,8 @@ notice it: marks the node draining, asks the trainers for an emergency checkpoin
 in Redis; rank 0 polls it and every rank saves at the same step), waits until the checkpoint
 commits or until the deadline minus a safety margin, then leaves the rendezvous explicitly
 (the peers re-form at once) and stops the workers. A rebalance recommendation asks for an
-early checkpoint and tells the controller; the node keeps training.
+early checkpoint and marks the node at risk in its record (``at_risk``), where the controller
+reads it to start a replacement; the node keeps training until the controller drains it.
 """
 
 from __future__ import annotations
@@ -128,7 +129,14 @@ class NoticeHandler:
                     target=self._drain, args=(notice,), name="spottrain-drain", daemon=True
                 )
                 self._thread.start()
-            elif self._thread is None and self._early_thread is None:
+            else:
+                # The controller starts a replacement for an at-risk node and drains this
+                # one once the replacement joined (a handover with nothing lost).
+                self.record.mark(
+                    at_risk=f"{notice.kind.value} recommendation",
+                    at_risk_since=f"{self.clock():.3f}",
+                )
+            if not notice.drains and self._thread is None and self._early_thread is None:
                 self._early_thread = threading.Thread(
                     target=self._early, args=(notice,), name="spottrain-early", daemon=True
                 )

@@ -8,12 +8,22 @@ every optimizer step::
     step = session.restore(state)
     batch = GlobalBatch(global_size=256, micro_size=8, world=session.world, rank=session.rank)
     while step < total:
-        for samples in batch.micro_ranges(step):
-            ...                                   # forward/backward on those samples
+        with session.compute():                   # this rank's own compute time
+            for samples in batch.micro_ranges(step):
+                ...                               # forward/backward on those samples
         ...                                       # all-reduce, optimizer step
         step += 1
         session.step(step, state, loss=loss.item(), tokens=256 * seq_len)
     session.finish(step, state)
+
+**Compute time.** Synchronous data-parallel training makes every rank's wall time per step
+the same (the gradient all-reduce waits for the slowest), so a slow node cannot be told
+from that. A script wraps its forward and backward, before the all-reduce, in
+``with session.compute():`` (or passes ``compute_s=`` to :meth:`TrainSession.step`); each
+rank reports the median of its own compute seconds per step to its node's record in Redis
+(``compute:<local rank>``), and the controller takes a node's slowest local rank as the
+node's figure when it looks for stragglers. On a GPU the span is timed with CUDA events on
+the current stream, read once they completed (no synchronisation is added).
 
 **Agreeing on the step.** At agreement steps, :meth:`TrainSession.step` starts one tiny
 all-reduce (MAX of six integers) on a gloo group of its own, and at the next agreement step
@@ -59,6 +69,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
 import pickle
 import random
@@ -70,6 +81,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -277,6 +289,8 @@ class TrainSession:
             ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE`` and ``WANDB_RUN_GROUP`` (no
             project: a run the script started with ``wandb.init`` is used, else nothing is
             tracked); explicit :class:`~spottrain.tracking.WandbSettings`; False: off.
+        report_interval: Seconds between two reports of this rank's compute time (and, from
+            local rank 0, the node's step time) to its node record in Redis.
     """
 
     def __init__(
@@ -296,6 +310,7 @@ class TrainSession:
         poll_interval: float = 0.2,
         install_signal_handlers: bool = True,
         tracking: WandbSettings | bool = True,
+        report_interval: float = 5.0,
     ) -> None:
         root = ckpt_dir if ckpt_dir is not None else os.environ.get(ENV_CKPT_DIR)
         if not root:
@@ -345,6 +360,12 @@ class TrainSession:
         self._phase = "starting"
         self._last_progress = time.monotonic()
         self._step_times: deque[float] = deque(maxlen=20)
+        self._compute_times: deque[float] = deque(maxlen=20)
+        self._compute_acc = 0.0  # this step's compute seconds so far (host clock)
+        self._computed = False  # whether compute() ran in this step
+        self._gpu_marks: list[tuple[Any, Any]] = []  # this step's CUDA event pairs
+        self._gpu_pending: deque[list[tuple[Any, Any]]] = deque()  # steps not yet read
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._local_progress = ProgressFile.from_env()  # the agent's dead man's switch reads it
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._agree_every = 1
@@ -372,11 +393,14 @@ class TrainSession:
         )
         self._tracker = self._start_tracking(tracking) if self.rank == 0 else Tracker()
         self._step_reporter: threading.Thread | None = None
-        if os.environ.get("LOCAL_RANK", "0") == "0" and self._requests.client is not None:
-            # One worker per node tells the controller how fast this node steps, which is
-            # how it finds stragglers.
+        if self._requests.client is not None:
+            # Every rank tells the controller how long its own compute takes, which is how
+            # it finds stragglers (a node's figure is its slowest rank's).
             self._step_reporter = threading.Thread(
-                target=self._report_step_time, name="spottrain-step-time", daemon=True
+                target=self._report_step_time,
+                args=(report_interval,),
+                name="spottrain-step-time",
+                daemon=True,
             )
             self._step_reporter.start()
         self._watchdog: _SignalWatch | None = None
@@ -432,6 +456,7 @@ class TrainSession:
         state: dict[str, Any],
         *,
         tokens: float | None = None,
+        compute_s: float | None = None,
         **metrics: float,
     ) -> None:
         """Tell the SDK that ``step`` optimizer steps are done; it may save here.
@@ -442,8 +467,12 @@ class TrainSession:
 
         ``metrics`` (``loss=...``) are reported to the controller and tracked. ``tokens``
         is how many tokens this step trained on across all ranks (global batch x sequence
-        length): rank 0 tracks ``tokens_per_s`` from it and the step's time.
+        length): rank 0 tracks ``tokens_per_s`` from it and the step's time. ``compute_s``
+        is this rank's own compute time for the step (forward and backward, without waiting
+        on the all-reduce), for scripts that time it themselves rather than with
+        :meth:`compute`.
         """
+        self._close_compute(compute_s)  # first: a bad compute_s changes nothing
         now = time.monotonic()
         step_s = now - self._last_progress
         self._step_times.append(step_s)
@@ -505,13 +534,76 @@ class TrainSession:
             self._watchdog.stop()
         self._phase = "closed"
 
-    def _report_step_time(self, every: float = 5.0) -> None:
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        """Time what the block runs as this step's compute: wrap the forward and backward,
+        not the gradient all-reduce (whose wait is the same on every rank). Several blocks
+        in one step (micro-batches) add up."""
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        start = end = None
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            if cuda:
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end.record()
+                self._gpu_marks.append((start, end))
+            else:
+                self._compute_acc += time.monotonic() - t0
+            self._computed = True
+
+    def _close_compute(self, compute_s: float | None) -> None:
+        """File the step's compute time; CUDA-timed steps are read once their events have
+        completed, so reading never waits on the GPU (unless 8 steps are still pending)."""
+        if compute_s is not None:
+            if not (compute_s >= 0 and math.isfinite(compute_s)):
+                raise ValueError(
+                    f"compute_s={compute_s!r}: give this step's compute seconds, a finite "
+                    "number >= 0"
+                )
+            self._compute_times.append(compute_s)
+            self._gpu_marks = []
+        elif self._gpu_marks:
+            self._gpu_pending.append(self._gpu_marks)
+            self._gpu_marks = []
+        elif self._computed:
+            self._compute_times.append(self._compute_acc)
+        self._compute_acc = 0.0
+        self._computed = False
+        while self._gpu_pending and (
+            len(self._gpu_pending) > 8 or all(e.query() for _, e in self._gpu_pending[0])
+        ):
+            pairs = self._gpu_pending.popleft()
+            for _, e in pairs:
+                e.synchronize()
+            self._compute_times.append(sum(s.elapsed_time(e) for s, e in pairs) / 1000.0)
+
+    @property
+    def compute_time(self) -> float | None:
+        """Median compute seconds per step over the recent steps (None: not timed)."""
+        return statistics.median(self._compute_times) if self._compute_times else None
+
+    def _report_step_time(self, every: float) -> None:
         client, keys = self._requests.client, self._requests.keys
         while not self._requests._stop.wait(every):
-            if not self._step_times or keys is None:
+            if keys is None:
+                continue
+            fields = {}
+            if self.local_rank == 0 and self._step_times:
+                fields["step_time"] = f"{self.last_step_time:.4f}"
+            compute = self.compute_time
+            if compute is not None:
+                # With the time it was measured: the controller ignores a rank that stopped
+                # reporting (a round with fewer local ranks, a worker that holds).
+                fields[f"compute:{self.local_rank}"] = f"{compute:.4f} {time.time():.0f}"
+            if not fields:
                 continue
             try:
-                client.hset(keys.node(self.node), "step_time", f"{self.last_step_time:.4f}")
+                client.hset(keys.node(self.node), mapping=fields)
             except Exception:  # Redis away: the next report will do
                 continue
 

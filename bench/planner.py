@@ -91,7 +91,7 @@ def make_fleet(n: int, home: Offer, now: float, rng: random.Random) -> list[Node
                 launched_at=now - rng.uniform(0, 36_000),
                 agent_state=agent,
                 alive_beat=True,
-                step_time_s=rng.uniform(0.9, 1.1) if agent == "joined" else None,
+                compute_s=rng.uniform(0.9, 1.1) if agent == "joined" else None,
             )
         )
     return nodes

@@ -25,6 +25,7 @@ def format_summary(s: Summary) -> list[str]:
         f"(steps lost {s.steps_lost})  ${s.spent_usd:,.2f} spent, ${s.saved_usd:,.2f} saved "
         "against on-demand",
         f"  nodes: {nodes}",
+        *(f"  {line}" for line in s.at_risk),
         f"  {s.phase}: {s.reason}",
     ]
 

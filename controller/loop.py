@@ -38,6 +38,7 @@ from spottrain.cloud.base import (
 )
 from spottrain.cloud.catalog import Catalog, bundled
 from spottrain.controller.planner import (
+    Drain,
     Launch,
     Move,
     NodeObs,
@@ -169,6 +170,7 @@ class Summary:
     reason: str
     checkpoints: int = 0
     final_step: int | None = None
+    at_risk: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -331,6 +333,7 @@ class Controller:
             rec = ledger.records.get(inst.node)
             if rec is not None and inst.request_id == rec.request_id:
                 by_node[inst.node] = inst
+        live_names = set(names)
         nodes = [
             NodeObs(
                 name=r.node,
@@ -339,7 +342,10 @@ class Controller:
                 launched_at=r.launched_at,
                 agent_state=agents.get(r.node, {}).get("state"),
                 alive_beat=beats.get(r.node, False),
-                step_time_s=_float(agents.get(r.node, {}).get("step_time")),
+                compute_s=node_compute_s(agents.get(r.node, {}), now),
+                at_risk=agents.get(r.node, {}).get("at_risk", ""),
+                # Only while the node it replaces lives: after that it is an ordinary node.
+                replaces=r.replaces if r.replaces in live_names else "",
             )
             for r in live_records
         ]
@@ -389,6 +395,7 @@ class Controller:
             offer=offer,
             launched_at=now,
             od_price=self._od_price(offer),
+            replaces=action.replaces,
         )
         self.state.fence()
         self.state.record_intent(rec, next_index)
@@ -474,6 +481,15 @@ class Controller:
                 inject_notice(self.state.client, self.state.keys, n.name, "terminate", window)
         crash_point("after-notice")
 
+    def _drain_one(self, a: Drain) -> None:
+        """Ask one node to drain; once its agent has left, rule 3 ends its VM."""
+        from spottrain.agent.agent import inject_notice
+
+        window = min(60.0, *self.spec.notice_windows.values())
+        self.state.fence()
+        inject_notice(self.state.client, self.state.keys, a.node, "terminate", window)
+        self.state.event("drain", node_name=a.node, why=a.why)
+
     def _stop(self, action: Stop, obs: Observed) -> None:
         ctl = self.state.ctl()
         if ctl.get("stopping"):
@@ -498,6 +514,8 @@ class Controller:
                 if inst is not None:
                     self._terminate(inst, a.node, a.why)
                     self.state.update_launch(a.node, reason=a.why)
+            elif isinstance(a, Drain):
+                self._drain_one(a)
             elif isinstance(a, Penalise):
                 self.state.count(a.key, "bad_nodes")
                 node = a.why.split()[1] if a.why.startswith("node ") else ""
@@ -792,6 +810,26 @@ def _final_step(progress: dict[str, str], last: dict[str, str]) -> int | None:
     return None
 
 
+COMPUTE_FRESH_S = 60.0  # a rank's compute report older than this is no longer its own
+
+
+def node_compute_s(record: Mapping[str, str], now: float) -> float | None:
+    """A node's compute seconds per step: its slowest local rank's recent median, from the
+    ``compute:<local rank>`` fields its trainers write ("<seconds> <unix time>"). Reports
+    older than ``COMPUTE_FRESH_S`` are left out (a rank that holds, or is gone)."""
+    figures = []
+    for k, v in record.items():
+        if not k.startswith("compute:"):
+            continue
+        try:
+            secs, at = (float(x) for x in v.split())
+        except ValueError:
+            continue
+        if now - at <= COMPUTE_FRESH_S and math.isfinite(secs) and secs >= 0:
+            figures.append(secs)
+    return max(figures) if figures else None
+
+
 def _float(v: str | None) -> float | None:
     return float(v) if v else None
 
@@ -826,4 +864,26 @@ def summarize(state: RunState, now: float) -> Summary:
         saved_usd=ledger.saved(now),
         reason=ctl.get("error") or ctl.get("reason", ""),
         final_step=final,
+        at_risk=_at_risk_lines(ledger, agents),
     )
+
+
+def _at_risk_lines(ledger: Ledger, agents: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """One line per live node at risk of preemption, and how its replacement is doing."""
+    live = {r.node: r for r in ledger.records.values() if r.status in (INTENT, LAUNCHED)}
+    by_target = {r.replaces: r.node for r in live.values() if r.replaces}
+    lines = []
+    for node in sorted(live):
+        why = agents.get(node, {}).get("at_risk")
+        state = agents.get(node, {}).get("state")
+        if not why or state in ("draining", "left", "failed"):
+            continue
+        r = by_target.get(node)
+        if r is None:
+            lines.append(f"{node} at risk ({why}): no replacement launched yet")
+        else:
+            lines.append(
+                f"{node} at risk ({why}): replacement {r} "
+                f"{agents.get(r, {}).get('state') or 'launching'}"
+            )
+    return lines

@@ -14,15 +14,24 @@ The rules, in the order they are checked:
 3. **Bad nodes.** A node whose VM failed its boot health check, or never became healthy
    within the boot timeout, is terminated and its offer penalised (counted against the zone
    and type like a preemption, which weighs the ranking); a straggler
-   (step time well above the fleet's median) is reported and replaced; a node that left
-   (drained, or finished) has its idle VM terminated.
+   (its compute time per step, forward and backward without the all-reduce's wait, well
+   above the fleet's median: wall time per step is the same on every node of a synchronous
+   job) is reported and replaced; a node that left
+   (drained, or finished) has its idle VM terminated. A node at risk (its cloud sent a
+   rebalance recommendation) gets one replacement launched early (rule 5); once that
+   replacement has joined, the at-risk node is drained (emergency checkpoint, leave) rather
+   than kept until its preemption: the handover then loses no step, and the surplus VM costs
+   no longer than a boot.
 4. **Move.** When the job has been below its minimum in its zone for ``move_after_s`` and that
    zone's offer is blocked (capacity), the whole job moves to the best offer elsewhere,
    after a checkpoint copied to object storage.
 5. **Backfill.** Lost and draining nodes are replaced without touching the rest, up to
    ``max`` nodes training, on the cheapest offer weighted by interruption risk, in the job's
    zone and GPU type unless the spec chooses spreading; spot first, on-demand when the
-   policy allows it and spot capacity has been missing for ``fallback_after_s``.
+   policy allows it and spot capacity has been missing for ``fallback_after_s``. Each
+   at-risk node without a replacement adds one launch: the fleet may run up to ``max`` plus
+   the at-risk count, a temporary surplus that ends when those nodes drain, and never a
+   launch the budget cannot cover.
 
 **Big fleets.** A pass looks closely only at the nodes that can need something (booting,
 draining, failed, left, not listed, stopping); every other node (listed, alive, its agent
@@ -39,7 +48,7 @@ import hashlib
 import math
 import statistics
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TypeVar, overload
@@ -70,8 +79,8 @@ class Policy:
         boot_timeout_s: a VM not healthy this long after its launch is replaced.
         lost_grace_s: a launched VM the cloud does not list for this long is taken as lost
             (clouds are eventually consistent).
-        straggler_factor: a node whose step time exceeds this multiple of the median of the
-            others is replaced (needs at least 3 nodes reporting).
+        straggler_factor: a node whose compute time per step exceeds this multiple of the
+            median of the others is replaced (needs at least 3 nodes reporting).
         crash_loop_k: restores from the same checkpoint after failing at the same step
             that stop the job; ``crash_loop_k`` x ``max_nodes`` VMs in a row that fail at
             boot, with none joining in between, stop it too (a broken image or setting).
@@ -121,8 +130,12 @@ class NodeObs:
         launched_at: when the controller launched it.
         agent_state: the agent's lifecycle state, None before it registered.
         alive_beat: whether its heartbeat is fresh.
-        step_time_s: its recent seconds per step, if it reports one.
+        compute_s: its recent compute seconds per step (forward and backward, without
+            waiting on the all-reduce; its slowest local rank's), if it reports one.
         health_failed: the agent reported a failed boot health check.
+        at_risk: why the node is at risk of preemption ("rebalance recommendation"), from
+            its agent; empty when it is not.
+        replaces: the at-risk node this one was launched to replace, while that node lives.
     """
 
     name: str
@@ -131,8 +144,10 @@ class NodeObs:
     launched_at: float
     agent_state: str | None = None
     alive_beat: bool = False
-    step_time_s: float | None = None
+    compute_s: float | None = None
     health_failed: bool = False
+    at_risk: str = ""
+    replaces: str = ""
 
 
 @dataclass(frozen=True)
@@ -184,15 +199,19 @@ class ActionKind(StrEnum):
     TERMINATE = "terminate"
     PENALISE = "penalise"
     MOVE = "move"
+    DRAIN = "drain"
     STOP = "stop"
     REPORT = "report"
 
 
 @dataclass(frozen=True)
 class Launch:
+    """Launch ``node`` on ``offer``; ``replaces`` names the at-risk node it takes over from."""
+
     node: str
     request_id: str
     offer: Offer
+    replaces: str = ""
     kind: ActionKind = ActionKind.LAUNCH
 
 
@@ -202,6 +221,16 @@ class Terminate:
     instance_id: str
     why: str
     kind: ActionKind = ActionKind.TERMINATE
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Ask a node's agent to drain (emergency checkpoint, leave the rendezvous); its VM is
+    ended once the agent has left (rule 3)."""
+
+    node: str
+    why: str
+    kind: ActionKind = ActionKind.DRAIN
 
 
 @dataclass(frozen=True)
@@ -240,7 +269,7 @@ class Report:
     kind: ActionKind = ActionKind.REPORT
 
 
-Action = Launch | Terminate | Penalise | Move | Stop | Report
+Action = Launch | Terminate | Drain | Penalise | Move | Stop | Report
 
 
 @dataclass(frozen=True)
@@ -303,13 +332,16 @@ _WATCHED_AGENT_STATES = (BOOTING, FAILED, LEFT, DRAINING)
 def _settled(n: NodeObs) -> bool:
     """A node no rule can act on whatever the clock says: listed and alive (not stopping),
     its agent registered and neither booting, failed, left nor draining, its health not
-    failed. Such a node only counts (staying, its price, its zone); a straggler check, which
-    looks at step times, is the one rule that reads it, and it reads the whole fleet."""
+    failed, not at risk nor a replacement for one. Such a node only counts (staying, its
+    price, its zone); a straggler check, which looks at compute times, is the one rule that
+    reads it, and it reads the whole fleet."""
     inst = n.instance
     return (
         inst is not None
         and (inst.state is InstanceState.RUNNING or inst.state is InstanceState.PENDING)
         and not n.health_failed
+        and not n.at_risk
+        and not n.replaces
         and n.agent_state is not None
         and n.agent_state not in _WATCHED_AGENT_STATES
     )
@@ -324,7 +356,7 @@ class _Tally:
     settled: int
     prices: Counter[float]  # price per hour -> settled nodes with an offer at that price
     zones: Counter[str]  # zone -> settled nodes with an offer there
-    timed: int  # nodes (of either kind) that report a step time
+    timed: int  # nodes (of either kind) that report a compute time
 
     @classmethod
     def of(cls, nodes: Iterable[NodeObs]) -> _Tally:
@@ -333,7 +365,7 @@ class _Tally:
         zones: Counter[str] = Counter()
         settled = timed = 0
         for n in nodes:
-            if n.step_time_s is not None:
+            if n.compute_s is not None:
                 timed += 1
             if _settled(n):
                 settled += 1
@@ -399,7 +431,7 @@ class FleetIndex(Sequence[NodeObs]):
         return self._nodes.get(name)
 
     def _count(self, n: NodeObs) -> None:
-        if n.step_time_s is not None:
+        if n.compute_s is not None:
             self._timed += 1
         if _settled(n):
             self._settled += 1
@@ -410,7 +442,7 @@ class FleetIndex(Sequence[NodeObs]):
             self._unsettled[n.name] = n
 
     def _uncount(self, n: NodeObs) -> None:
-        if n.step_time_s is not None:
+        if n.compute_s is not None:
             self._timed -= 1
         if self._unsettled.pop(n.name, None) is None:
             self._settled -= 1
@@ -562,9 +594,9 @@ def plan(policy: Policy, obs: Observed) -> Plan:
     straggler = _straggler(live_all(), policy.straggler_factor, gone) if tally.timed >= 3 else None
     if straggler is not None:
         n, median = straggler
-        assert n.instance is not None and n.step_time_s is not None
+        assert n.instance is not None and n.compute_s is not None
         msg = (
-            f"node {n.name} is a straggler: {n.step_time_s:.2f} s per step against the "
+            f"node {n.name} is a straggler: {n.compute_s:.2f} s of compute per step against the "
             f"fleet's median {median:.2f} s; replacing it"
         )
         actions += [Report(msg), Terminate(n.name, n.instance.id, "straggler")]
@@ -595,6 +627,7 @@ def plan(policy: Policy, obs: Observed) -> Plan:
             n_staying += 1
             if n.offer is not None:
                 staying_zones[n.offer.zone] += 1
+    at_risk, uncovered = _handover(vms, is_staying, actions, reasons)
     blocked = {k for k, until in obs.blocked.items() if until > now}
     home = obs.home
     if home is None and n_staying:
@@ -631,10 +664,12 @@ def plan(policy: Policy, obs: Observed) -> Plan:
                 )
             reasons.append(f"zone {home[1]} is short and no other offer is open")
 
-    # Never more than max nodes: a late-confirmed launch can overshoot; end the newest.
-    if n_staying > policy.max_nodes:
+    # Never more than max nodes (plus one replacement per at-risk node): a late-confirmed
+    # launch can overshoot; end the newest.
+    cap = policy.max_nodes + len(at_risk)
+    if n_staying > cap:
         staying = staying_all()
-        extra = sorted(staying, key=lambda n: (n.launched_at, n.name))[policy.max_nodes :]
+        extra = sorted(staying, key=lambda n: (n.launched_at, n.name))[cap:]
         for n in extra:
             if n.instance is not None and n.instance.state.alive:
                 actions.append(
@@ -651,8 +686,8 @@ def plan(policy: Policy, obs: Observed) -> Plan:
         reasons.append("moving: waiting for the drained fleet's checkpoint copy")
         return Plan(tuple(actions), "; ".join(reasons), home, obs.next_index)
 
-    # 5. Backfill.
-    need = policy.max_nodes - n_staying
+    # 5. Backfill. At-risk nodes do not count towards max: each gets its replacement.
+    need = policy.max_nodes - n_staying + len(at_risk)
     next_index = obs.next_index
     if need > 0:
         offers = _candidates(
@@ -678,7 +713,10 @@ def plan(policy: Policy, obs: Observed) -> Plan:
                 break
             node = f"n{next_index}"
             next_index += 1
-            actions.append(Launch(node, request_id(obs.job_tag, node), offer))
+            replaces = uncovered.pop(0).name if uncovered else ""
+            actions.append(Launch(node, request_id(obs.job_tag, node), offer, replaces))
+            if replaces:
+                reasons.append(f"{replaces} at risk: launching replacement {node}")
             projected += offer.price_per_hour
             launched += 1
             if home is None and policy.same_zone:
@@ -727,6 +765,41 @@ def plan(policy: Policy, obs: Observed) -> Plan:
     if not reasons:
         reasons.append(f"{n_staying} of {policy.max_nodes} node(s): nothing to do")
     return Plan(tuple(actions), "; ".join(reasons), home, next_index)
+
+
+def _handover(
+    vms: Sequence[NodeObs],
+    is_staying: Callable[[NodeObs], bool],
+    actions: list[Action],
+    reasons: list[str],
+) -> tuple[list[NodeObs], list[NodeObs]]:
+    """Rule 3's at-risk nodes: drain each one whose replacement has joined. Returns the
+    staying at-risk nodes and those of them that have no replacement yet (rule 5 launches
+    one for each)."""
+    at_risk = sorted(
+        (
+            n
+            for n in vms
+            if n.at_risk and is_staying(n) and n.instance is not None and n.instance.state.alive
+        ),
+        key=lambda n: n.name,
+    )
+    replacements = {n.replaces: n for n in vms if n.replaces and is_staying(n)}
+    uncovered = []
+    for n in at_risk:
+        r = replacements.get(n.name)
+        if r is None:
+            uncovered.append(n)
+        elif r.agent_state == JOINED and n.agent_state in (JOINED, CHECKPOINTING):
+            why = f"{n.name} at risk ({n.at_risk}): replacement {r.name} joined; draining {n.name}"
+            actions.append(Drain(n.name, why))
+            reasons.append(why)
+        else:
+            reasons.append(
+                f"{n.name} at risk ({n.at_risk}): replacement {r.name} "
+                f"{r.agent_state or 'launching'}"
+            )
+    return at_risk, uncovered
 
 
 def _zone_key(o: Offer) -> tuple[str, str, str]:
@@ -802,7 +875,7 @@ def _straggler(
     timed = [
         n
         for n in nodes
-        if n.step_time_s is not None
+        if n.compute_s is not None
         and n.name not in skip
         and n.instance is not None
         and n.instance.state.alive
@@ -810,10 +883,10 @@ def _straggler(
     ]
     if len(timed) < 3:
         return None
-    worst = max(timed, key=lambda n: n.step_time_s or 0.0)
-    others = [n.step_time_s for n in timed if n is not worst and n.step_time_s is not None]
+    worst = max(timed, key=lambda n: n.compute_s or 0.0)
+    others = [n.compute_s for n in timed if n is not worst and n.compute_s is not None]
     median = statistics.median(others)
-    if worst.step_time_s is not None and median > 0 and worst.step_time_s > factor * median:
+    if worst.compute_s is not None and median > 0 and worst.compute_s > factor * median:
         return worst, median
     return None
 

@@ -66,6 +66,7 @@ class LaunchRecord:
             ``launched``, ``failed`` (the cloud refused; nothing runs), ``ended`` (the VM is
             gone).
         od_price: the on-demand price of the same type and region, for "$ saved".
+        replaces: the at-risk node this one was launched to replace ("" for none).
     """
 
     node: str
@@ -78,6 +79,7 @@ class LaunchRecord:
     interrupted: bool = False
     od_price: float = 0.0
     reason: str = ""
+    replaces: str = ""
 
     def to_json(self) -> str:
         d = asdict(self)

@@ -325,22 +325,30 @@ def train_step(
     args: argparse.Namespace,
     cfg: ModelConfig,
     device: torch.device,
+    session: TrainSession,
 ) -> torch.Tensor:
     """One optimizer step over this rank's micro-batches; returns the global mean loss."""
     assert isinstance(model, FSDPModule)
     micro = batch.micro_ranges(step)
     local = torch.zeros((), device=device)
-    for m, indices in enumerate(micro):
-        # Gradients stay unsharded and accumulate locally until the last micro-batch, whose
-        # backward reduce-scatters them (averaged over ranks): one reduction per step.
-        model.set_requires_gradient_sync(m == len(micro) - 1)
-        x, y = sample(indices, cfg, args.seed, device)
-        logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        # Weighted by its samples: with uneven splits ranks run different counts of
-        # micro-batches, and every sample must count the same in the averaged gradient.
-        (loss * batch.weight(indices)).backward()
-        local += loss.detach() * batch.weight(indices)
+    # Timed as this rank's compute for the controller's straggler check. With FSDP2 the
+    # span also holds the waits on the parameter all-gathers (every forward and backward)
+    # and on the last micro-batch's reduce-scatter, which take as long as the slowest rank
+    # needs. Unlike a loop that reduces after its backward (examples/gpt_train.py), the
+    # figure here evens out across ranks much as the wall time does: a slow GPU is seen
+    # only where its lag outgrows what FSDP overlaps, so the straggler check is weak here.
+    with session.compute():
+        for m, indices in enumerate(micro):
+            # Gradients stay unsharded and accumulate locally until the last micro-batch, whose
+            # backward reduce-scatters them (averaged over ranks): one reduction per step.
+            model.set_requires_gradient_sync(m == len(micro) - 1)
+            x, y = sample(indices, cfg, args.seed, device)
+            logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            # Weighted by its samples: with uneven splits ranks run different counts of
+            # micro-batches, and every sample must count the same in the averaged gradient.
+            (loss * batch.weight(indices)).backward()
+            local += loss.detach() * batch.weight(indices)
     if args.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     opt.step()
@@ -394,7 +402,7 @@ def main() -> None:
 
     t_log = time.perf_counter()
     while step < args.steps:
-        loss = train_step(model, opt, sched, batch, step, args, cfg, device).item()
+        loss = train_step(model, opt, sched, batch, step, args, cfg, device, session).item()
         step += 1
         session.step(step, state, loss=loss, tokens=tokens_per_step)
         if rank == 0 and args.progress:

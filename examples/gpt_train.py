@@ -63,6 +63,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every-seconds", type=float, default=0.0)
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds a step sleeps")
+    p.add_argument(
+        "--slow-node",
+        default="",
+        help="the node (SPOTTRAIN_NODE_ID) whose workers compute slowly (--slow-compute)",
+    )
+    p.add_argument(
+        "--slow-compute",
+        type=float,
+        default=0.0,
+        help="extra seconds each step of --slow-node's workers sleeps inside its compute",
+    )
     p.add_argument("--stop-at", type=int, default=0, help="save and exit after this step")
     p.add_argument("--dump-params", help="rank 0 writes the final parameters here")
     p.add_argument("--seed", type=int, default=1234)
@@ -281,8 +292,13 @@ def main() -> None:
     step = session.restore(state)
     batch = GlobalBatch(args.global_batch, args.micro_batch, world, rank)
 
+    slow = args.slow_compute if args.slow_node and args.slow_node == node else 0.0
     while step < args.steps:
-        flat, total = local_gradients(model, corpus, batch, step, args.context)
+        # This rank's own compute, timed before the all-reduce (which evens out wall time).
+        with session.compute():
+            flat, total = local_gradients(model, corpus, batch, step, args.context)
+            if slow:
+                time.sleep(slow)  # a slow GPU, for the straggler tests
         if world > 1:
             dist.all_reduce(flat)
             dist.all_reduce(total)

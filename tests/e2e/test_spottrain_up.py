@@ -15,7 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
+from spottrain.agent.agent import inject_notice
 from spottrain.agent.checkpoint.directory import CheckpointDir
+from spottrain.controller.runs import find_run, open_redis
+from spottrain.keys import RunKeys
 
 pytestmark = pytest.mark.slow
 
@@ -180,6 +183,105 @@ def test_zone_stockout_moves_the_job_and_it_resumes_from_its_copied_checkpoint(
         int(e.split("step=")[1].split()[0]) for e in events[:move_at] if "checkpoint-committed" in e
     ]
     assert pulled_step in copied and pulled_step >= max(before)
+    assert cli.run("down", run_id, timeout=180).returncode == 0
+    time.sleep(1.0)
+    assert _processes_of(run_id) == []
+
+
+def test_a_node_that_computes_slowly_is_reported_and_replaced(tmp_path: Path, home: Path) -> None:
+    """Every node steps at the slow node's pace (the all-reduce waits for it); only its own
+    compute time, measured by its workers, gives it away."""
+    spec = _spec(tmp_path)
+    spec["nodes"] = {"min": 2, "max": 3, "gpus": 0, "workers": 1}
+    spec["train"]["command"] = (
+        "examples/gpt_train.py --steps 100000 --every-steps 1000 --slow-node n1 --slow-compute 0.4"
+    )
+    # Room for the replacement while the ended VM's agent still drains: its process holds
+    # its slot until then, and a capacity error would block the zone for 15 minutes.
+    spec["local"]["zones"] = {"local-a": {"capacity": 5}, "local-b": {"capacity": 3}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    cli = Cli(home)
+    up = cli.run("up", str(path), "--detach", "--interval", "0.5")
+    assert up.returncode == 0, up.stderr
+    run_id = up.stdout.split()[1].rstrip(":")
+    straggler = _wait(
+        lambda: [e for e in cli.events(run_id) if "is a straggler" in e],
+        "the controller to report the slow node",
+        300,
+    )
+    assert "node n1 is a straggler" in straggler[0] and "s of compute per step" in straggler[0]
+    events = _wait(
+        lambda: (
+            (ev := cli.events(run_id))
+            and any(" terminate " in e and "node_name=n1" in e and "why=straggler" in e for e in ev)
+            and any(" launched " in e and "node_name=n3" in e for e in ev)
+            and ev
+        ),
+        "n1 ended and a replacement launched",
+        120,
+    )
+    assert not any("node n0 is a straggler" in e or "node n2 is a straggler" in e for e in events)
+    assert cli.run("down", run_id, timeout=180).returncode == 0
+    time.sleep(1.0)
+    assert _processes_of(run_id) == []
+
+
+def test_a_rebalance_recommendation_hands_the_node_over_before_it_is_preempted(
+    tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n1's cloud recommends a rebalance: a replacement starts while n1 trains on, and once
+    it has joined n1 drains with an emergency checkpoint and its VM ends."""
+    spec = _spec(tmp_path)
+    spec["nodes"] = {"min": 2, "max": 3, "gpus": 0, "workers": 1}
+    spec["train"]["command"] = (
+        "examples/gpt_train.py --steps 100000 --every-steps 1000 --step-time 0.05"
+    )
+    spec["local"]["zones"] = {"local-a": {"capacity": 5}, "local-b": {"capacity": 3}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    cli = Cli(home)
+    up = cli.run("up", str(path), "--detach", "--interval", "0.5")
+    assert up.returncode == 0, up.stderr
+    run_id = up.stdout.split()[1].rstrip(":")
+    _wait(
+        lambda: (s := cli.status(run_id))["world_size"] == 3 and s["step"] >= 10,
+        "three nodes training",
+        240,
+    )
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(home))
+    info = find_run(run_id)
+    client = open_redis(info, info.spec())
+    inject_notice(client, RunKeys(run_id), "n1", "rebalance", 120)
+    client.close()
+    # First "no replacement launched yet" (the agent marked it), then the controller's pass.
+    _wait(
+        lambda: any(
+            a.startswith("n1 at risk (rebalance recommendation): replacement n3")
+            for a in cli.status(run_id)["at_risk"]
+        ),
+        "status to show n1 at risk with its replacement",
+        120,
+    )
+    events = _wait(
+        lambda: (
+            (ev := cli.events(run_id))
+            and any(" terminate " in e and "node_name=n1" in e for e in ev)
+            and ev
+        ),
+        "n1 drained and ended",
+        240,
+    )
+    drain = next(e for e in events if " drain " in e and "node_name=n1" in e)
+    assert "replacement n3 joined; draining n1" in drain
+    drained = next(e for e in events if " drained " in e and " n1 " in e)
+    assert "committed_step=null" not in drained, drained  # the handover saved its state
+    assert not any(" straggler" in e for e in events)
+    _wait(
+        lambda: sorted(cli.status(run_id)["nodes"]) == ["n0", "n2", "n3"],
+        "the fleet to be n0, n2 and n3",
+        60,
+    )
     assert cli.run("down", run_id, timeout=180).returncode == 0
     time.sleep(1.0)
     assert _processes_of(run_id) == []

@@ -5,7 +5,10 @@ the cloud and the ledger."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,10 +16,17 @@ import redis
 import yaml
 from spec_samples import LOCAL, _with
 
+from spottrain.agent.lifecycle import Lifecycle
+from spottrain.agent.node_record import NodeInfo, NodeRecord
+from spottrain.agent.notice_handler import NoticeHandler
+from spottrain.agent.notices import Notice, NoticeKind
+from spottrain.agent.sdk import ENV_NODE, TrainSession
 from spottrain.cloud.base import InstanceState, LaunchRequest, Offer, OfferQuery
 from spottrain.cloud.local import LocalProvider, LocalSettings
-from spottrain.controller.loop import Controller, ControllerError, policy_from_spec
+from spottrain.controller.drive import format_summary
+from spottrain.controller.loop import Controller, ControllerError, policy_from_spec, summarize
 from spottrain.controller.state import LAUNCHED, RunState
+from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 from spottrain.spec import parse_spec
 
@@ -60,9 +70,37 @@ def _events(client: redis.Redis, keys: RunKeys, kind: str) -> list[dict[str, str
     return out
 
 
-def _join(client: redis.Redis, keys: RunKeys, node: str, step_time: float = 1.0) -> None:
-    client.hset(keys.node(node), mapping={"state": "joined", "step_time": str(step_time)})
+def _join(client: redis.Redis, keys: RunKeys, node: str) -> None:
+    client.hset(keys.node(node), mapping={"state": "joined"})
     client.set(keys.heartbeat(node), "joined", px=60_000)
+
+
+def _train_steps(
+    tmp_path: Path, redis_url: str, keys: RunKeys, node: str, compute_s: float, wall_s: float
+) -> TrainSession:
+    """A node's trainer: steps whose compute (timed by the SDK) takes ``compute_s``, padded
+    to ``wall_s`` outside it as a synchronous all-reduce pads every rank to the slowest.
+    Returns the session, still reporting."""
+    (tmp_path / node).mkdir()
+    os.environ[ENV_NODE] = node
+    try:
+        session = TrainSession(
+            tmp_path / node,
+            redis_url=redis_url,
+            run_id=keys.run_id,
+            install_signal_handlers=False,
+            tracking=False,
+            report_interval=0.05,
+        )
+    finally:
+        del os.environ[ENV_NODE]
+    for step in range(1, 4):
+        t0 = time.monotonic()
+        with session.compute():
+            time.sleep(compute_s)
+        time.sleep(max(0.0, wall_s - (time.monotonic() - t0)))  # the all-reduce's wait
+        session.step(step, {})
+    return session
 
 
 def test_a_pass_launches_the_fleet_and_records_every_launch(
@@ -81,15 +119,37 @@ def test_a_pass_launches_the_fleet_and_records_every_launch(
     assert len(_events(redis_client, run_keys, "launched")) == 4
 
 
-def test_a_straggler_reported_by_its_agent_is_replaced(
-    cloud: LocalProvider, redis_client: redis.Redis, run_keys: RunKeys
+def test_a_straggler_reported_by_its_trainers_is_replaced(
+    cloud: LocalProvider,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    run_keys: RunKeys,
+    tmp_path: Path,
 ) -> None:
+    """Every node steps at the same wall pace (the all-reduce); n3's compute is 5x the
+    others', as its trainers measure and report it."""
     ctl = _controller(cloud, redis_client, run_keys)
     ctl.step()
-    for node, secs in (("n0", 1.0), ("n1", 1.1), ("n2", 0.9), ("n3", 3.5)):
-        _join(redis_client, run_keys, node, secs)
+    sessions = []
+    for node, secs in (("n0", 0.04), ("n1", 0.04), ("n2", 0.04), ("n3", 0.2)):
+        _join(redis_client, run_keys, node)
+        sessions.append(
+            _train_steps(tmp_path, redis_server.endpoint, run_keys, node, secs, wall_s=0.25)
+        )
+    try:
+        for node in ("n0", "n1", "n2", "n3"):
+            _wait(lambda n=node: redis_client.hget(run_keys.node(n), "compute:0") is not None)
+    finally:
+        for sess in sessions:
+            sess.close()
     p = ctl.step()
-    assert "n3 is a straggler: 3.50 s per step against the fleet's median 1.00 s" in p.reason
+    found = re.search(
+        r"n3 is a straggler: ([\d.]+) s of compute per step against the fleet's median", p.reason
+    )
+    assert found and float(found[1]) >= 0.2, p.reason
+    # Its wall time per step was the fleet's: only the compute time tells it apart.
+    walls = [float(redis_client.hget(run_keys.node(n), "step_time") or 0) for n in ("n0", "n3")]
+    assert walls[1] < 2 * walls[0]
     (report,) = _events(redis_client, run_keys, "report")
     assert "n3 is a straggler" in report["message"]
     ended = next(e for e in _events(redis_client, run_keys, "terminate") if e["node_name"] == "n3")
@@ -153,3 +213,88 @@ def test_a_second_controller_is_refused_while_one_holds_the_run(
         second.run()
     first.state.release("ctl-first")
     assert first.state.lease_holder() is None
+
+
+def _rebalance(client: redis.Redis, keys: RunKeys, node: str) -> NodeRecord:
+    """The node's agent takes a rebalance recommendation: its handler marks the record."""
+    lifecycle = Lifecycle()
+    record = NodeRecord(client, keys, NodeInfo(node, "local"))
+    # Not joined in this handler's view: no early checkpoint is asked of trainers that do
+    # not run here, but the node is marked at risk all the same.
+    handler = NoticeHandler(client, keys, node, lifecycle, record, lambda _s: None)
+    handler.submit(Notice("aws-imds:rebalance", NoticeKind.REBALANCE, None, time.time()))
+    return record
+
+
+def test_an_at_risk_node_gets_a_replacement_then_drains(
+    cloud: LocalProvider, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    ctl = _controller(cloud, redis_client, run_keys, max_nodes=3)
+    ctl.step()
+    for n in ("n0", "n1", "n2"):
+        _join(redis_client, run_keys, n)
+    _rebalance(redis_client, run_keys, "n1")
+    assert redis_client.hget(run_keys.node("n1"), "at_risk") == b"rebalance recommendation"
+
+    p = ctl.step()
+    assert "n1 at risk: launching replacement n3" in p.reason
+    records = ctl.state.ledger().records
+    assert records["n3"].status == LAUNCHED and records["n3"].replaces == "n1"
+    assert [e["node_name"] for e in _events(redis_client, run_keys, "launched")][-1] == "n3"
+    status = summarize(ctl.state, time.time())
+    assert status.at_risk == ["n1 at risk (rebalance recommendation): replacement n3 launching"]
+    assert "  n1 at risk (rebalance recommendation): replacement n3 launching" in (
+        format_summary(status)
+    )
+    # The surplus holds while the replacement boots: nothing more launched, nothing ended.
+    p = ctl.step()
+    assert "replacement n3 launching" in p.reason
+    assert sorted(ctl.state.ledger().records) == ["n0", "n1", "n2", "n3"]
+    assert _events(redis_client, run_keys, "terminate") == []
+
+    _join(redis_client, run_keys, "n3")
+    ctl.step()
+    (drain,) = _events(redis_client, run_keys, "drain")
+    assert drain["node_name"] == "n1" and "replacement n3 joined" in drain["why"]
+    (asked,) = redis_client.lrange(run_keys.notices("n1"), 0, -1)
+    assert json.loads(asked)["kind"] == "terminate"
+
+    # Its agent drained and left: its VM ends, and the fleet is back at max without a launch.
+    redis_client.hset(run_keys.node("n1"), "state", "left")
+    ctl.step()
+    (ended,) = _events(redis_client, run_keys, "terminate")
+    assert ended["node_name"] == "n1"
+    assert len(_events(redis_client, run_keys, "launched")) == 4
+    assert summarize(ctl.state, time.time()).at_risk == []
+
+
+def _wait(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_a_nodes_compute_time_is_its_slowest_fresh_rank(
+    cloud: LocalProvider, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    ctl = _controller(cloud, redis_client, run_keys, max_nodes=1)
+    ctl.step()
+    now = time.time()
+    redis_client.hset(
+        run_keys.node("n0"),
+        mapping={
+            "state": "joined",
+            "compute:0": f"0.1000 {now:.0f}",
+            "compute:1": f"0.5000 {now - 5:.0f}",
+            # A rank of an older, wider round that no longer reports.
+            "compute:2": f"9.0000 {now - 600:.0f}",
+            "compute:3": "garbled",
+        },
+    )
+    obs, _ledger, _listed = ctl.observe(now)
+    (n0,) = obs.nodes
+    assert n0.compute_s == 0.5
+    redis_client.hdel(run_keys.node("n0"), "compute:0", "compute:1")
+    obs, _ledger, _listed = ctl.observe(now)
+    assert obs.nodes[0].compute_s is None

@@ -165,6 +165,13 @@ def test_a_rebalance_asks_for_an_early_checkpoint_and_keeps_the_node(harness: Ha
     wait_for(lambda: harness.lifecycle.state is NodeState.JOINED)
     assert harness.requests() == {} and not harness.stops
     assert "early-checkpoint" in harness.events()
+    # At risk in its record, where the controller reads it to launch a replacement; every
+    # beat writes it again (a Redis that restarted has it back).
+    record_key = harness.keys.node("n1")
+    assert harness.client.hget(record_key, "at_risk") == b"rebalance recommendation"
+    harness.client.hdel(record_key, "at_risk")
+    assert harness.record.beat()
+    assert harness.client.hget(record_key, "at_risk") == b"rebalance recommendation"
 
 
 def test_a_drain_and_an_early_request_of_one_node_do_not_erase_each_other(

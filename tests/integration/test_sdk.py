@@ -425,3 +425,63 @@ def test_staging_copies_tensors_and_keeps_container_types() -> None:
     t.add_(1)
     assert torch.equal(staged["p"].a, torch.ones(3)), "the staged copy followed the original"
     assert isinstance(staged["p"].b[1], tuple)
+
+
+def test_each_rank_reports_its_own_compute_time_not_the_wall_step(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    run_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SPOTTRAIN_NODE_ID", "n5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    s = session(tmp_path, redis_url=redis_server.endpoint, run_id=run_id, report_interval=0.05)
+    s.restore({})
+    for step in range(1, 4):
+        for _micro in range(2):
+            with s.compute():  # forward and backward of one micro-batch
+                time.sleep(0.05)
+        time.sleep(0.4)  # the all-reduce's wait for a slower peer: not compute
+        s.step(step, {})
+    key = RunKeys(run_id).node("n5")
+    deadline = time.monotonic() + 30
+    while redis_client.hget(key, "compute:1") is None:
+        assert time.monotonic() < deadline, "no compute time reported"
+        time.sleep(0.02)
+    s.close()
+    secs, at = (float(x) for x in redis_client.hget(key, "compute:1").split())  # type: ignore[union-attr]
+    assert 0.1 <= secs < 0.4
+    assert abs(at - time.time()) < 60
+    # Only local rank 0 speaks for the node's wall step time.
+    assert redis_client.hget(key, "step_time") is None
+
+
+def test_a_script_can_give_its_compute_time_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    s = session(tmp_path)
+    s.restore({})
+    for step in range(1, 4):
+        s.step(step, {}, compute_s=1.5)
+    assert s.compute_time == 1.5
+    with pytest.raises(ValueError, match=r"compute_s=-1\.0: give this step's compute seconds"):
+        s.step(4, {}, compute_s=-1.0)
+    s.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_compute_is_timed_with_cuda_events_without_waiting(tmp_path: Path) -> None:
+    s = session(tmp_path)
+    s.restore({})
+    a = torch.randn(2048, 2048, device="cuda")
+    for step in range(1, 4):
+        with s.compute():
+            for _ in range(20):
+                a = (a @ a).tanh()
+        s.step(step, {})
+    # Steps are filed once their events completed: after a synchronisation, the next step
+    # files every earlier one.
+    torch.cuda.synchronize()
+    s.step(4, {})
+    assert len(s._compute_times) == 3 and not s._gpu_pending
+    assert s.compute_time is not None and s.compute_time > 0
+    s.close()

@@ -8,6 +8,8 @@ import pytest
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
 from spottrain.controller.planner import (
+    Drain,
+    FleetIndex,
     Launch,
     Move,
     NodeObs,
@@ -86,7 +88,7 @@ def node(
         launched_at=launched_at,
         agent_state=agent,
         alive_beat=agent is not None,
-        step_time_s=step_time,
+        compute_s=step_time,
         health_failed=health_failed,
     )
 
@@ -293,7 +295,10 @@ def test_plan_reports_and_replaces_a_straggler() -> None:
     assert [t.node for t in terminates(p)] == ["n3"]
     (report,) = p.of(Report)
     assert isinstance(report, Report)
-    assert "n3 is a straggler: 3.50 s per step against the fleet's median 1.00 s" in report.message
+    assert (
+        "n3 is a straggler: 3.50 s of compute per step against the fleet's median 1.00 s"
+        in report.message
+    )
     assert [a.node for a in launches(p)] == ["n4"]
 
 
@@ -385,3 +390,99 @@ def test_plan_stops_when_every_offer_was_refused_for_good() -> None:
     # Short blocks (stockouts) are waited out instead.
     short = {o.key: NOW + 600 for o in OFFERS}
     assert plan(Policy(1, 2), observed(blocked=short)).of(Stop) == []
+
+
+# --- at-risk nodes (a rebalance recommendation) -------------------------------------------
+REBALANCE = "rebalance recommendation"
+
+
+def drains(p: object) -> list[Drain]:
+    return [a for a in p.actions if isinstance(a, Drain)]  # type: ignore[attr-defined]
+
+
+def test_plan_launches_one_replacement_for_an_at_risk_node_beyond_max() -> None:
+    nodes = (node("n0"), replace(node("n1"), at_risk=REBALANCE), node("n2"))
+    p = plan(Policy(1, 3), observed(nodes=nodes, next_index=3))
+    assert [(a.node, a.replaces) for a in launches(p)] == [("n3", "n1")]
+    assert terminates(p) == [] and drains(p) == []
+    assert "n1 at risk: launching replacement n3" in p.reason
+
+
+def test_plan_launches_replacements_and_backfill_for_a_short_fleet() -> None:
+    nodes = (node("n0"), replace(node("n1"), at_risk=REBALANCE))
+    p = plan(Policy(1, 3), observed(nodes=nodes, next_index=2))
+    assert [(a.node, a.replaces) for a in launches(p)] == [("n2", "n1"), ("n3", "")]
+
+
+def test_plan_keeps_the_surplus_while_the_replacement_boots() -> None:
+    nodes = (
+        node("n0"),
+        replace(node("n1"), at_risk=REBALANCE),
+        node("n2"),
+        replace(node("n3", agent="booting", launched_at=NOW - 30), replaces="n1"),
+    )
+    p = plan(Policy(1, 3), observed(nodes=nodes, next_index=4))
+    # Neither a second replacement nor "over max_nodes": the surplus is the at-risk count.
+    assert p.actions == ()
+    assert "n1 at risk (rebalance recommendation): replacement n3 booting" in p.reason
+
+
+def test_plan_drains_the_at_risk_node_once_its_replacement_joined() -> None:
+    nodes = (
+        node("n0"),
+        replace(node("n1", agent="checkpointing"), at_risk=REBALANCE),
+        node("n2"),
+        replace(node("n3"), replaces="n1"),
+    )
+    p = plan(Policy(1, 3), observed(nodes=nodes, next_index=4))
+    assert [d.node for d in drains(p)] == ["n1"]
+    assert "replacement n3 joined; draining n1" in drains(p)[0].why
+    assert launches(p) == [] and terminates(p) == []
+
+
+def test_plan_a_drained_at_risk_node_leaves_max_nodes_without_a_new_launch() -> None:
+    nodes = (
+        node("n0"),
+        replace(node("n1", agent="draining"), at_risk=REBALANCE),
+        node("n2"),
+        replace(node("n3"), replaces="n1"),
+    )
+    p = plan(Policy(1, 3), observed(nodes=nodes, next_index=4))
+    assert p.actions == ()
+    left = (*nodes[:1], replace(nodes[1], agent_state="left"), *nodes[2:])
+    p = plan(Policy(1, 3), observed(nodes=left, next_index=4))
+    assert [t.node for t in terminates(p)] == ["n1"] and launches(p) == []
+
+
+def test_plan_surplus_is_at_most_the_at_risk_count() -> None:
+    nodes = tuple(
+        replace(node(f"n{i}"), at_risk=REBALANCE) if i in (0, 2) else node(f"n{i}")
+        for i in range(4)
+    )
+    p = plan(Policy(1, 4), observed(nodes=nodes, next_index=4))
+    assert sorted((a.node, a.replaces) for a in launches(p)) == [("n4", "n0"), ("n5", "n2")]
+    extra = (*nodes, node("n6", launched_at=NOW - 5))  # one more, late-confirmed
+    p = plan(Policy(1, 4), observed(nodes=extra, next_index=7))
+    # Two replacements are owed, one slot is taken by n6: one launch, nothing ended.
+    assert len(launches(p)) == 1 and terminates(p) == []
+
+
+def test_plan_never_launches_a_replacement_beyond_the_budget() -> None:
+    nodes = (node("n0"), replace(node("n1"), at_risk=REBALANCE), node("n2"))
+    # Three nodes at $10/h fit under the cap; a fourth would project past it.
+    p = plan(Policy(1, 3, budget_usd=35.0), observed(nodes=nodes, next_index=3))
+    assert launches(p) == []
+    assert "budget: one more node would project" in p.reason
+
+
+def test_plan_at_risk_fleet_index_plans_like_a_list() -> None:
+    nodes = (
+        node("n0"),
+        replace(node("n1"), at_risk=REBALANCE),
+        node("n2"),
+        replace(node("n3"), replaces="n1"),
+    )
+    policy = Policy(1, 3)
+    assert plan(policy, observed(nodes=FleetIndex(nodes), next_index=4)) == plan(
+        policy, observed(nodes=nodes, next_index=4)
+    )

@@ -320,7 +320,7 @@ def _node(rng: random.Random, i: int, offers: list[Offer], now: float) -> NodeOb
         launched_at=now - rng.uniform(0, 2000),
         agent_state=rng.choice(_AGENTS) if rng.random() < 0.4 else "joined",
         alive_beat=rng.random() < 0.9,
-        step_time_s=rng.choice([None, 1.0, 1.1, 0.9, 5.0]) if rng.random() < 0.3 else None,
+        compute_s=rng.choice([None, 1.0, 1.1, 0.9, 5.0]) if rng.random() < 0.3 else None,
         health_failed=rng.random() < 0.03,
     )
 
