@@ -20,6 +20,8 @@ from spottrain.cloud.local import LocalProvider, LocalSettings
 from spottrain.embedded_redis import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
+# VALID's 7B checkpoint does not fit GCP's notice window (`up` would stop at exit 3): 1B does.
+FITS = _with(VALID, "checkpoint.params", "1B")
 
 
 def _up(
@@ -78,7 +80,7 @@ def _dead_port() -> int:
 
 
 def test_unreachable_redis_is_a_clear_error_before_anything_launches(tmp_path: Path) -> None:
-    spec = _with(VALID, "redis", {"url": f"redis://127.0.0.1:{_dead_port()}"})
+    spec = _with(FITS, "redis", {"url": f"redis://127.0.0.1:{_dead_port()}"})
     out = _up(tmp_path / "home", spec, tmp_path)
     assert out.returncode == 1
     assert "spottrain: " in out.stderr and "127.0.0.1" in out.stderr
@@ -87,7 +89,7 @@ def test_unreachable_redis_is_a_clear_error_before_anything_launches(tmp_path: P
 
 def test_redis_that_wants_a_password_says_how_to_give_it(tmp_path: Path) -> None:
     with RedisServer(password="s3cret") as server:
-        spec = _with(VALID, "redis", {"url": f"redis://{server.endpoint}"})
+        spec = _with(FITS, "redis", {"url": f"redis://{server.endpoint}"})
         out = _up(tmp_path / "home", spec, tmp_path)
     assert out.returncode == 1
     assert "SPOTTRAIN_REDIS_PASSWORD" in out.stderr, out.stderr
