@@ -17,7 +17,7 @@ import redis
 
 from spottrain.cloud.base import Instance, InstanceState, Provider, ProviderError
 from spottrain.keys import RunKeys
-from spottrain.spec import JobSpec, SpecError, load_spec
+from spottrain.spec import JobSpec, SpecError, WindowCheck, check_notice_windows, load_spec
 
 from .drive import drive_run, format_summary
 from .loop import summarize
@@ -36,7 +36,7 @@ from .runs import (
 )
 from .state import RunState
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_WINDOW = 0, 1, 2, 3
 
 
 def _err(msg: str) -> None:
@@ -53,11 +53,20 @@ def up(args: argparse.Namespace) -> int:
     except SpecError as e:
         print(str(e), file=sys.stderr)
         return EXIT_BAD_INPUT
+    short = _windows_short(loaded.spec)
+    if short and not args.force:
+        _err(f"{loaded.source}: an emergency checkpoint does not fit every notice window:")
+        for line in short:
+            print(f"  {line}", file=sys.stderr)
+        _err("nothing launched; fix the spec (`spottrain validate` checks it) or pass --force")
+        return EXIT_WINDOW
     try:
         info = create_run(loaded)
     except RunError as e:
         _err(str(e))
         return EXIT_FAILED
+    if short:
+        _record_forced(info, short)
     _say(
         f"run {info.run_id}: Redis {info.redis_url}"
         + (" (embedded)" if info.embedded_redis else "")
@@ -70,6 +79,24 @@ def up(args: argparse.Namespace) -> int:
         _say(f"  follow: spottrain logs {info.run_id} -f    end: spottrain down {info.run_id}")
         return EXIT_OK
     return _drive(info, args.interval)
+
+
+def _windows_short(spec: JobSpec) -> list[str]:
+    """The notice windows (``validate``'s lines) an emergency checkpoint does not fit."""
+    size, gbps = spec.checkpoint.estimated_gb, spec.checkpoint.volume.write_gbps
+    checks: list[WindowCheck] = check_notice_windows(spec)
+    return [c.describe(size or 0.0, gbps) for c in checks if not c.fits]
+
+
+def _record_forced(info: RunInfo, short: list[str]) -> None:
+    """``up --force`` launched past a notice window: said now, and kept in the run's events
+    (a preemption there may lose the steps since the last periodic checkpoint)."""
+    for line in short:
+        _err(f"warning (--force): {line}")
+    state = _state(info)
+    if state is not None:
+        for line in short:
+            state.event("warning", why="notice-window", message=line)
 
 
 def _drive(info: RunInfo, interval: float) -> int:

@@ -149,6 +149,8 @@ def policy_from_spec(spec: JobSpec, **overrides: float) -> Policy:
         spot_policy=spec.spot.policy,
         fallback_after_s=spec.spot.fallback_after_minutes * 60,
         move_after_s=spec.resources.move_after_minutes * 60,
+        # The local cloud always copies (under $SPOTTRAIN_HOME when copy_to is not set).
+        copies_checkpoints=local_only or spec.checkpoint.copy_to is not None,
         budget_usd=spec.budget.max_usd,
     )
     return replace(base, **overrides)  # type: ignore[arg-type]
@@ -598,7 +600,13 @@ class Controller:
             self.state.client.hdel(
                 self.state.keys.ctl, "moving", "below_min_since", "moving_quiet_since"
             )
-            self.state.event("move-ready", to=ctl["moving"])
+            # The new zone's nodes bring in the newest copy at boot: they resume from it.
+            copied = self.state.client.hget(self.state.keys.ckpt_copied, "step")
+            self.state.event(
+                "move-ready",
+                to=ctl["moving"],
+                resumes_from_step=int(copied) if copied is not None else -1,
+            )
         self.state.set_ctl(**updates)
         if p.reason != self._last_reason:
             # The reason is logged when it changes, not every pass.

@@ -24,7 +24,9 @@ The rules, in the order they are checked:
    no longer than a boot.
 4. **Move.** When the job has been below its minimum in its zone for ``move_after_s`` and that
    zone's offer is blocked (capacity), the whole job moves to the best offer elsewhere,
-   after a checkpoint copied to object storage.
+   after a checkpoint copied to object storage. A job whose checkpoints are not copied
+   (``Policy.copies_checkpoints`` false) does not move: the new zone's volumes would not
+   hold its checkpoint; it waits for its zone, and the reason says so.
 5. **Backfill.** Lost and draining nodes are replaced without touching the rest, up to
    ``max`` nodes training, on the cheapest offer weighted by interruption risk, in the job's
    zone and GPU type unless the spec chooses spreading; spot first, on-demand when the
@@ -75,6 +77,9 @@ class Policy:
         fallback_after_s: seconds without spot capacity before on-demand is allowed.
         budget_usd: the cap.
         move_after_s: seconds below ``min_nodes`` in a blocked zone before the job moves.
+        copies_checkpoints: checkpoints are copied to object storage that nodes elsewhere
+            bring in at boot; without it the job never moves (another zone's volumes hold
+            nothing of it, or an older checkpoint than the one it must resume from).
         block_s: how long an offer stays blocked after a capacity error or a bad node.
         boot_timeout_s: a VM not healthy this long after its launch is replaced.
         lost_grace_s: a launched VM the cloud does not list for this long is taken as lost
@@ -100,6 +105,7 @@ class Policy:
     fallback_after_s: float = 1800.0
     budget_usd: float = math.inf
     move_after_s: float = 600.0
+    copies_checkpoints: bool = True
     block_s: float = 900.0
     boot_timeout_s: float = 900.0
     lost_grace_s: float = 120.0
@@ -649,7 +655,14 @@ def plan(policy: Policy, obs: Observed) -> Plan:
                 for o in _candidates(policy, obs, blocked, None, now, only_home=False)
                 if o.zone != home[1]
             ]
-            if away:
+            if away and not policy.copies_checkpoints:
+                best = away[0]
+                reasons.append(
+                    f"zone {home[1]} is short but the job stays: a move to {best.cloud} "
+                    f"{best.zone} would start from whatever its volumes hold, not the job's "
+                    "checkpoint (set checkpoint.copy_to to let the job move)"
+                )
+            elif away:
                 best = away[0]
                 why = (
                     f"zone {home[1]} could not hold {policy.min_nodes} node(s) for "

@@ -6,8 +6,8 @@ Exit codes a script can rely on:
 - 1: the command failed at run time (a cloud or Redis refused, see the message; for
   ``validate --check-clouds``: a cloud could not be asked or offers nothing that fits);
 - 2: bad input (an invalid spec, a bad argument), nothing was changed;
-- 3: ``validate`` only: the spec is valid but an emergency checkpoint does not fit some
-  allowed cloud's notice window.
+- 3: ``validate`` and ``up`` (without ``--force``): the spec is valid but an emergency
+  checkpoint does not fit some allowed cloud's notice window; ``up`` launched nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spottrain",
         description="Train large models on spot GPU VMs as if they were reliable machines.",
-        epilog="Exit codes: 0 done, 1 failed at run time, 2 bad input, 3 (validate) a "
+        epilog="Exit codes: 0 done, 1 failed at run time, 2 bad input, 3 (validate, up) a "
         "checkpoint does not fit a notice window.",
     )
     parser.add_argument("--version", action="version", version=f"spottrain {__version__}")
@@ -61,9 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a run of the job: its Redis (embedded for the local cloud), its "
         "code archive, and the controller, which bids for VMs, backfills preemptions and "
         "shows a live view. Exit 0 when training finished, 1 when the run stopped before "
-        "(budget, crash loop, a cloud or Redis refusing), 2 on bad input.",
+        "(budget, crash loop, a cloud or Redis refusing), 2 on bad input, 3 when an "
+        "emergency checkpoint does not fit a notice window (as `validate` says; nothing "
+        "launched unless --force).",
     )
     up.add_argument("spec", help="the job's YAML file")
+    up.add_argument(
+        "--force",
+        action="store_true",
+        help="launch even when an emergency checkpoint does not fit a notice window (the "
+        "run's events record a warning)",
+    )
     up.add_argument(
         "--detach", action="store_true", help="run the controller in the background and return"
     )

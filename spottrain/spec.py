@@ -14,7 +14,7 @@ import math
 import os
 import re
 import shlex
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -44,12 +44,24 @@ NOTICE_WINDOW_S = {"aws": 120.0, "gcp": 30.0}
 # What the agent keeps back from a notice window before it stops waiting for the emergency
 # checkpoint (its --notice-margin), plus the commit and the leave.
 DRAIN_OVERHEAD_S = 10.0
+# Before the write can start: the agent's watchers poll the metadata every 2 s (a notice is
+# seen up to that late, and GCP's 30 s run from the notice, not from when it is seen), rank 0
+# polls Redis for the checkpoint request every 0.2 s, and the ranks agree on the save step
+# at agreement steps, about every 0.2 s of steps (at least one step, at most 64): a request
+# is acted on within two agreements (agent/sdk.py; tests/unit/test_spec.py checks these
+# against the agent's defaults).
+NOTICE_DETECT_S = 2.0
+REQUEST_POLL_S = 0.2
+AGREE_INTERVAL_S = 0.2
+MAX_AGREE_EVERY = 64
 
 _DIGEST_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}\Z")
 _COMMIT_RE = re.compile(r"^([0-9a-f]{40}|[0-9a-f]{64})\Z")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMbBtT]?)\s*\Z")
 _STORE_RE = re.compile(r"^(s3://|gs://|file://)[^\s]+\Z")
+# The cloud whose VMs can read each object-store scheme (file:// is a path on the VM).
+_STORE_CLOUD = {"s3://": "aws", "gs://": "gcp"}
 # user:password@ (or token@) in any URL: shown as ***@ wherever an error quotes a URL.
 _USERINFO_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#@\s]*@")
 
@@ -470,6 +482,14 @@ class CheckpointSpec(_Model):
     copy_to: str | None = Field(
         None, description="object storage the checkpoints are copied to (s3://, gs://, file://)"
     )
+    step_s: float | None = Field(
+        None,
+        gt=0,
+        le=86_400,
+        description="seconds one training step takes, for the notice-window check (the "
+        "ranks agree on the save step within two agreements of max(0.2 s, one step) each); "
+        "unknown: steps of at most 0.2 s are assumed",
+    )
 
     @field_validator("params")
     @classmethod
@@ -826,11 +846,36 @@ class JobSpec(_Model):
                 "code.archive: say where to upload the archive (code.archive.store or "
                 "checkpoint.copy_to)"
             )
+        self._stores_readable(clouds)
         if self.aws is not None:
             for region in self.aws_regions():
                 if region not in self.aws.images:
                     raise ValueError(f"aws.images: no AMI for region {region}")
         return self
+
+    def _stores_readable(self, clouds: Collection[str]) -> None:
+        """Every allowed cloud's VMs can read the checkpoint copy and the code archive: a VM
+        installs only its own cloud's storage client and holds only its own cloud's
+        credentials, so a GCP VM cannot read s3:// (nor an AWS VM gs://), and a job moved
+        there would not find its checkpoint or its code."""
+        stores = [("checkpoint.copy_to", self.checkpoint.copy_to)]
+        if isinstance(self.code, ArchiveCode):
+            stores.append(("code.archive.store", self.code.archive.store))
+        for where, url in stores:
+            if url is None:
+                continue
+            owner = next((c for p, c in _STORE_CLOUD.items() if url.startswith(p)), None)
+            others = sorted(c for c in clouds if c in _STORE_CLOUD.values() and c != owner)
+            if owner is None or not others:
+                continue
+            raise ValueError(
+                f"{where}: {url.split('/', 1)[0]}// ({owner} storage) cannot be read by "
+                f"{', '.join(others)} VMs (each VM has only its own cloud's storage client and "
+                "credentials), so a node there could restore no checkpoint nor fetch the "
+                "code; one store per cloud is not supported: use one cloud "
+                f"(resources.clouds: [{owner}]), or a file:// store on a file system every VM "
+                "mounts"
+            )
 
     def aws_regions(self) -> list[str]:
         regions = [r for r in self.resources.regions if not _looks_gcp_region(r)]
@@ -1308,52 +1353,86 @@ def _model_of(annotation: Any) -> Any:
     return None
 
 
+def agreement_lag_s(step_s: float | None) -> float:
+    """The most seconds between rank 0 reading a checkpoint request and the ranks starting
+    the save: two agreements, each ``max(1, min(64, int(0.2 / step_s)))`` steps apart (the
+    SDK's spacing); with the step time unknown, steps of at most 0.2 s."""
+    if step_s is None:
+        return 2 * AGREE_INTERVAL_S
+    steps = max(1, min(MAX_AGREE_EVERY, int(AGREE_INTERVAL_S / step_s)))
+    return 2 * steps * step_s
+
+
 @dataclass(frozen=True)
 class WindowCheck:
-    """Whether one emergency checkpoint fits a cloud's notice window."""
+    """Whether one emergency checkpoint fits a cloud's notice window: the notice seen
+    (``detect_s``), the request read and the step agreed (``agree_s``), the write
+    (``write_s``), then the margin, the commit and the leave (``DRAIN_OVERHEAD_S``)."""
 
     cloud: str
     window_s: float
     write_s: float
     fits: bool
+    detect_s: float = NOTICE_DETECT_S
+    agree_s: float = REQUEST_POLL_S + 2 * AGREE_INTERVAL_S
+    step_known: bool = False
+
+    @property
+    def needed_s(self) -> float:
+        return self.detect_s + self.agree_s + self.write_s + DRAIN_OVERHEAD_S
 
     def describe(self, size_gb: float, gbps: float) -> str:
-        spare = self.window_s - DRAIN_OVERHEAD_S - self.write_s
+        spare = self.window_s - self.needed_s
         verdict = (
             f"fits, {spare:.0f} s to spare"
             if self.fits
             else f"does NOT fit: {-spare:.0f} s short; write faster (more aggregate bandwidth), "
             "shard the checkpoint smaller, or drop this cloud"
         )
+        step = (
+            ""
+            if self.step_known
+            else " (step time unknown: steps of at most 0.2 s assumed; set checkpoint.step_s)"
+        )
         return (
-            f"{self.cloud}: {size_gb:.3g} GB at {gbps:g} GB/s takes {self.write_s:.1f} s of the "
-            f"{self.window_s:.0f} s notice window (less {DRAIN_OVERHEAD_S:.0f} s to commit and "
-            f"leave): {verdict}"
+            f"{self.cloud}: {size_gb:.3g} GB at {gbps:g} GB/s takes {self.write_s:.1f} s; with "
+            f"{self.detect_s:.1f} s to see the notice, {self.agree_s:.1f} s to read the "
+            f"request and agree on the step{step} and {DRAIN_OVERHEAD_S:.0f} s to commit and "
+            f"leave, {self.needed_s:.1f} s of the {self.window_s:.0f} s notice window: {verdict}"
         )
 
 
 def check_notice_windows(spec: JobSpec) -> list[WindowCheck]:
     """For each allowed cloud, whether an emergency checkpoint of the job's estimated size
-    fits the notice window at the volume's aggregate write bandwidth. Empty when the spec
-    gives no size (``checkpoint.size_gb`` or ``checkpoint.params``)."""
+    fits the notice window at the volume's aggregate write bandwidth, after the notice is
+    seen and the step agreed. Empty when the spec gives no size (``checkpoint.size_gb`` or
+    ``checkpoint.params``)."""
     size = spec.checkpoint.estimated_gb
     if size is None:
         return []
     write_s = size / spec.checkpoint.volume.write_gbps
+    agree_s = REQUEST_POLL_S + agreement_lag_s(spec.checkpoint.step_s)
+    needed = NOTICE_DETECT_S + agree_s + write_s + DRAIN_OVERHEAD_S
+    known = spec.checkpoint.step_s is not None
     return [
-        WindowCheck(cloud, window, write_s, write_s + DRAIN_OVERHEAD_S <= window)
+        WindowCheck(cloud, window, write_s, needed <= window, NOTICE_DETECT_S, agree_s, known)
         for cloud, window in spec.notice_windows.items()
     ]
 
 
 __all__ = [
+    "AGREE_INTERVAL_S",
+    "MAX_AGREE_EVERY",
+    "NOTICE_DETECT_S",
     "NOTICE_WINDOW_S",
+    "REQUEST_POLL_S",
     "JobSpec",
     "LoadedSpec",
     "Placement",
     "SpecError",
     "SpotPolicy",
     "WindowCheck",
+    "agreement_lag_s",
     "check_notice_windows",
     "load_spec",
     "parse_count",

@@ -25,7 +25,8 @@ VALID: dict[str, Any] = {
         "volume": {"path": "/mnt/spottrain/ckpt", "write_gbps": 4},
         "every_steps": 500,
         "params": "7B",
-        "copy_to": "s3://acme/ckpt",
+        # Both clouds' VMs must read it: s3:// or gs:// would be refused for aws + gcp.
+        "copy_to": "file:///mnt/shared/ckpt",
     },
     "redis": {"url": "rediss://redis.internal:6380", "password_secret": "spottrain/redis"},
     "aws": {"images": {"us-east-1": "ami-0123456789abcdef0"}},

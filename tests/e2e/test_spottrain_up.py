@@ -183,6 +183,9 @@ def test_zone_stockout_moves_the_job_and_it_resumes_from_its_copied_checkpoint(
         int(e.split("step=")[1].split()[0]) for e in events[:move_at] if "checkpoint-committed" in e
     ]
     assert pulled_step in copied and pulled_step >= max(before)
+    # The move says which step the new zone resumes from: the copy its nodes brought in.
+    ready = [e for e in events if " move-ready " in e]
+    assert ready and f"resumes_from_step={pulled_step}" in ready[0], ready
     assert cli.run("down", run_id, timeout=180).returncode == 0
     time.sleep(1.0)
     assert _processes_of(run_id) == []

@@ -20,15 +20,17 @@ from spottrain.cloud.local import LocalProvider, LocalSettings
 from spottrain.embedded_redis import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
+# VALID's 7B checkpoint does not fit GCP's notice window (`up` would stop at exit 3): 1B does.
+FITS = _with(VALID, "checkpoint.params", "1B")
 
 
 def _up(
-    home: Path, spec: dict[str, Any], tmp: Path, **env: str
+    home: Path, spec: dict[str, Any], tmp: Path, *args: str, **env: str
 ) -> subprocess.CompletedProcess[str]:
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     return subprocess.run(
-        [sys.executable, "-m", "spottrain.cli", "up", str(path), "--interval", "0.2"],
+        [sys.executable, "-m", "spottrain.cli", "up", str(path), "--interval", "0.2", *args],
         capture_output=True,
         text=True,
         env={**os.environ, "SPOTTRAIN_HOME": str(home), **env},
@@ -78,7 +80,7 @@ def _dead_port() -> int:
 
 
 def test_unreachable_redis_is_a_clear_error_before_anything_launches(tmp_path: Path) -> None:
-    spec = _with(VALID, "redis", {"url": f"redis://127.0.0.1:{_dead_port()}"})
+    spec = _with(FITS, "redis", {"url": f"redis://127.0.0.1:{_dead_port()}"})
     out = _up(tmp_path / "home", spec, tmp_path)
     assert out.returncode == 1
     assert "spottrain: " in out.stderr and "127.0.0.1" in out.stderr
@@ -87,7 +89,7 @@ def test_unreachable_redis_is_a_clear_error_before_anything_launches(tmp_path: P
 
 def test_redis_that_wants_a_password_says_how_to_give_it(tmp_path: Path) -> None:
     with RedisServer(password="s3cret") as server:
-        spec = _with(VALID, "redis", {"url": f"redis://{server.endpoint}"})
+        spec = _with(FITS, "redis", {"url": f"redis://{server.endpoint}"})
         out = _up(tmp_path / "home", spec, tmp_path)
     assert out.returncode == 1
     assert "SPOTTRAIN_REDIS_PASSWORD" in out.stderr, out.stderr
@@ -131,3 +133,46 @@ def test_a_budget_that_cannot_start_a_node_is_refused(tmp_path: Path) -> None:
         cwd=REPO,
     )
     assert status.returncode == 0 and '"phase": "failed"' in status.stdout
+
+
+def _too_big_for_the_window(spec: dict[str, Any]) -> dict[str, Any]:
+    # 100 GB at 1 GB/s: 100 s, past the local cloud's 30 s notice window.
+    return _with(spec, "checkpoint", {**spec["checkpoint"], "size_gb": 100})
+
+
+def test_up_refuses_a_checkpoint_that_does_not_fit_a_notice_window(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    out = _up(home, _too_big_for_the_window(_local_spec(tmp_path)), tmp_path)
+    assert out.returncode == 3, out.stderr
+    # The same line as `spottrain validate`, with the parts of the window model.
+    assert (
+        "local: 100 GB at 1 GB/s takes 100.0 s; with 2.0 s to see the notice, 0.6 s to read "
+        "the request and agree on the step"
+    ) in out.stderr
+    assert "of the 30 s notice window: does NOT fit: 83 s short" in out.stderr
+    assert "nothing launched" in out.stderr and "--force" in out.stderr
+    assert not list(home.glob("runs/*/run.json")), "a run was created"
+    _no_vms(home)
+
+
+def test_up_force_launches_past_the_window_and_records_a_warning(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    # budget=1 cannot start a node: the run ends on its own once it has begun.
+    spec = _too_big_for_the_window(_local_spec(tmp_path, budget=1))
+    out = _up(home, spec, tmp_path, "--force")
+    assert out.returncode == 1, out.stderr
+    assert "warning (--force): local: 100 GB" in out.stderr
+    assert "cannot cover an hour of the cheapest node" in out.stdout
+    logs = subprocess.run(
+        [sys.executable, "-m", "spottrain.cli", "logs"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SPOTTRAIN_HOME": str(home)},
+        cwd=REPO,
+        timeout=60,
+    )
+    assert logs.returncode == 0, logs.stderr
+    warnings = [line for line in logs.stdout.splitlines() if "notice-window" in line]
+    assert len(warnings) == 1 and "does NOT fit: 83 s short" in warnings[0], logs.stdout
+    _no_vms(home)
+    _no_redis_left(home)

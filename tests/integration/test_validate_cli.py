@@ -64,11 +64,21 @@ def test_window_that_does_not_fit_exits_3_and_json_says_which(tmp_path: Path) ->
     path = _write(tmp_path, spec)
     out = _run(str(path))
     assert out.returncode == 3
-    assert "aws: 84 GB at 2 GB/s takes 42.0 s" in out.stdout and "fits, 68 s to spare" in out.stdout
-    assert "gcp: 84 GB at 2 GB/s" in out.stdout and "does NOT fit: 22 s short" in out.stdout
+    assert "aws: 84 GB at 2 GB/s takes 42.0 s" in out.stdout and "fits, 65 s to spare" in out.stdout
+    assert "gcp: 84 GB at 2 GB/s" in out.stdout and "does NOT fit: 25 s short" in out.stdout
     result = json.loads(_run(str(path), "--json").stdout)
     assert result["valid"] and result["checkpoint_gb"] == pytest.approx(84.0)
     assert {w["cloud"]: w["fits"] for w in result["windows"]} == {"aws": True, "gcp": False}
+
+
+def test_a_copy_to_another_allowed_cloud_cannot_read_exits_2(tmp_path: Path) -> None:
+    # A GCP VM has neither the S3 client nor AWS credentials: it could not restore the copy.
+    out = _run(str(_write(tmp_path, _with(VALID, "checkpoint.copy_to", "s3://acme/ckpt"))))
+    assert out.returncode == 2
+    assert "checkpoint.copy_to: s3:// (aws storage) cannot be read by gcp VMs" in out.stderr, (
+        out.stderr
+    )
+    assert "use one cloud (resources.clouds: [aws])" in out.stderr
 
 
 def test_validate_warns_where_vms_are_reachable_from_the_internet(tmp_path: Path) -> None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import yaml
+from spec_samples import VALID, _with
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
+from spottrain.controller.loop import policy_from_spec
 from spottrain.controller.planner import (
     Drain,
     FleetIndex,
@@ -25,7 +28,7 @@ from spottrain.controller.planner import (
     plan,
     request_id,
 )
-from spottrain.spec import SpotPolicy
+from spottrain.spec import SpotPolicy, parse_spec
 
 NOW = 10_000.0
 
@@ -193,6 +196,48 @@ def test_plan_moves_the_whole_job_when_its_zone_cannot_hold_the_minimum() -> Non
     assert isinstance(move, Move) and move.to == B_SPOT
     assert late.home == ("aws", "us-east-1b", "p4d.24xlarge")
     assert "moving the job to aws us-east-1b" in late.reason
+
+
+@pytest.mark.parametrize(
+    ("copy_to", "moves"), [(None, False), ("s3://acme/ckpt", True)], ids=["no-copy", "copy"]
+)
+def test_a_job_whose_checkpoints_are_not_copied_does_not_move(
+    copy_to: str | None, moves: bool
+) -> None:
+    # Without checkpoint.copy_to the new zone's volumes hold nothing of the job (or an older
+    # checkpoint): the job stays and the reason says why, instead of silently restarting.
+    data = _with(VALID, "resources.clouds", ["aws"])
+    data = _with(data, "resources.regions", ["us-east-1"])
+    data = _with(data, "resources.instance_types", ["p4d.24xlarge"])
+    data = _with(data, "gcp", ...)
+    data = _with(data, "checkpoint.copy_to", copy_to or ...)
+    policy = replace(
+        policy_from_spec(parse_spec(yaml.safe_dump(data)).spec),
+        min_nodes=2,
+        max_nodes=2,
+        move_after_s=300,
+    )
+    assert policy.copies_checkpoints is moves
+    home = ("aws", "us-east-1a", "p4d.24xlarge")
+    late = plan(
+        policy,
+        observed(
+            nodes=(node("n0", A_SPOT),),
+            home=home,
+            blocked={A_SPOT.key: NOW + 600},
+            below_min_since=NOW - 301,
+        ),
+    )
+    if moves:
+        assert [m.to for m in late.of(Move) if isinstance(m, Move)] == [B_SPOT]
+    else:
+        assert late.of(Move) == [] and launches(late) == []
+        assert late.home == home
+        assert (
+            "zone us-east-1a is short but the job stays: a move to aws us-east-1b would start "
+            "from whatever its volumes hold, not the job's checkpoint (set checkpoint.copy_to "
+            "to let the job move)"
+        ) in late.reason
 
 
 def test_plan_does_not_move_while_the_home_zone_is_open() -> None:

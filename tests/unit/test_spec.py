@@ -10,12 +10,17 @@ import yaml
 from spec_samples import COMMIT, DIGEST, LOCAL, VALID, _with
 
 from spottrain.spec import (
+    AGREE_INTERVAL_S,
+    MAX_AGREE_EVERY,
+    NOTICE_DETECT_S,
+    REQUEST_POLL_S,
     ArchiveCode,
     GitCode,
     ImageCode,
     Placement,
     SpecError,
     SpotPolicy,
+    agreement_lag_s,
     check_notice_windows,
     load_spec,
     parse_count,
@@ -337,8 +342,96 @@ def test_window_check_fits_aws_but_not_gcp() -> None:
     checks = {c.cloud: c for c in check_notice_windows(spec)}
     assert checks["aws"].fits and not checks["gcp"].fits
     assert checks["aws"].write_s == pytest.approx(42.0)
-    assert "fits, 68 s to spare" in checks["aws"].describe(84.0, 2)
-    assert "does NOT fit: 22 s short" in checks["gcp"].describe(84.0, 2)
+    # 2 s to see the notice + 0.2 s to read the request + 0.4 s to agree (steps of at most
+    # 0.2 s assumed) + 42 s + 10 s = 54.6 s.
+    assert checks["aws"].needed_s == pytest.approx(54.6)
+    assert "54.6 s of the 120 s notice window: fits, 65 s to spare" in checks["aws"].describe(
+        84.0, 2
+    )
+    assert "does NOT fit: 25 s short" in checks["gcp"].describe(84.0, 2)
+
+
+def test_window_check_counts_the_notice_detection_and_the_agreement_lag() -> None:
+    # 37 GB at 2 GB/s = 18.5 s: 28.5 s with the commit alone would fit GCP's 30 s, but the
+    # notice is seen up to 2 s late and the ranks take up to 0.6 s more to start the save.
+    data = _with(VALID, "checkpoint.volume.write_gbps", 2)
+    data = _with(data, "checkpoint.size_gb", 37)
+    gcp = {c.cloud: c for c in check_notice_windows(parse_spec(yaml.safe_dump(data)).spec)}["gcp"]
+    assert not gcp.fits and gcp.needed_s == pytest.approx(31.1)
+    text = gcp.describe(37.0, 2)
+    assert (
+        "gcp: 37 GB at 2 GB/s takes 18.5 s; with 2.0 s to see the notice, 0.6 s to read the "
+        "request and agree on the step (step time unknown: steps of at most 0.2 s assumed; "
+        "set checkpoint.step_s) and 10 s to commit and leave, 31.1 s of the 30 s notice "
+        "window: does NOT fit: 1 s short"
+    ) in text
+    # Slow steps agree every step: two 5 s steps before the save can start.
+    slow = _with(_with(data, "checkpoint.size_gb", 1), "checkpoint.step_s", 5)
+    gcp = {c.cloud: c for c in check_notice_windows(parse_spec(yaml.safe_dump(slow)).spec)}["gcp"]
+    assert gcp.agree_s == pytest.approx(10.2) and gcp.needed_s == pytest.approx(22.7)
+    assert gcp.fits and "step time unknown" not in gcp.describe(1.0, 2)
+
+
+@pytest.mark.parametrize(
+    ("step_s", "lag_s"),
+    [(None, 0.4), (0.01, 0.4), (0.001, 0.128), (0.3, 0.6), (5.0, 10.0), (0.15, 0.3)],
+)
+def test_agreement_lag_is_two_of_the_sdks_agreement_spacings(
+    step_s: float | None, lag_s: float
+) -> None:
+    assert agreement_lag_s(step_s) == pytest.approx(lag_s)
+
+
+def test_window_model_matches_the_agents_defaults() -> None:
+    import inspect
+
+    from spottrain.agent import sdk, watchers
+
+    params = inspect.signature(sdk.TrainSession.__init__).parameters
+    assert params["agree_interval"].default == AGREE_INTERVAL_S
+    assert params["poll_interval"].default == REQUEST_POLL_S
+    assert sdk._MAX_AGREE_EVERY == MAX_AGREE_EVERY
+    assert watchers.DEFAULT_INTERVAL_S == NOTICE_DETECT_S
+
+
+@pytest.mark.parametrize(
+    ("clouds", "where", "url", "owner", "other"),
+    [
+        (["aws", "gcp"], "checkpoint.copy_to", "s3://acme/ckpt", "aws", "gcp"),
+        (["aws", "gcp"], "checkpoint.copy_to", "gs://acme/ckpt", "gcp", "aws"),
+        (["aws", "gcp"], "code.archive.store", "s3://acme/code", "aws", "gcp"),
+        (["gcp"], "checkpoint.copy_to", "s3://acme/ckpt", "aws", "gcp"),
+    ],
+)
+def test_a_store_some_allowed_cloud_cannot_read_is_refused(
+    clouds: list[str], where: str, url: str, owner: str, other: str
+) -> None:
+    data = _with(VALID, "resources.clouds", clouds)
+    if clouds == ["gcp"]:
+        data = _with(data, "resources.regions", ["us-central1"])
+        data = _with(data, "resources.instance_types", ["a2-highgpu-8g"])
+        data = _with(data, "aws", ...)
+    if where == "code.archive.store":
+        data = _with(data, "code", {"archive": {"path": ".", "store": url}})
+    else:
+        data = _with(data, where, url)
+    scheme = url.split("/", 1)[0]
+    assert _problems(data) == [
+        f"(top level): {where}: {scheme}// ({owner} storage) cannot be read by {other} VMs "
+        "(each VM has only its own cloud's storage client and credentials), so a node there "
+        "could restore no checkpoint nor fetch the code; one store per cloud is not "
+        f"supported: use one cloud (resources.clouds: [{owner}]), or a file:// store on a "
+        "file system every VM mounts"
+    ]
+
+
+def test_stores_every_allowed_cloud_reads_are_accepted() -> None:
+    aws_only = _with(VALID, "resources.clouds", ["aws"])
+    aws_only = _with(aws_only, "resources.regions", ["us-east-1"])
+    aws_only = _with(aws_only, "resources.instance_types", ["p4d.24xlarge"])
+    aws_only = _with(_with(aws_only, "gcp", ...), "checkpoint.copy_to", "s3://acme/ckpt")
+    for data in (aws_only, VALID):  # VALID: aws + gcp, a file:// copy
+        assert parse_spec(yaml.safe_dump(data)).spec.checkpoint.copy_to is not None
 
 
 def test_window_check_is_empty_without_a_size() -> None:
