@@ -57,6 +57,11 @@ class AgentConfigError(ValueError):
     """The agent cannot start as configured; the message says what to change."""
 
 
+# --rdzv-conf keys that would carry a secret; password_env and password_file only say where
+# it is, and stay allowed.
+SECRET_RDZV_KEYS = frozenset({"password", "requirepass", "token"})
+
+
 @dataclass
 class AgentConfig:
     redis_url: str
@@ -108,6 +113,15 @@ class AgentConfig:
             raise AgentConfigError(
                 f"poll interval {self.poll_interval} s must be in (0, 5]: an AWS notice "
                 "gives two minutes and must be seen within seconds"
+            )
+        secret = sorted(k for k in self.rdzv_conf if k.lower() in SECRET_RDZV_KEYS)
+        if secret:
+            # Also for an agent built in code: torchrun would carry the value on its command
+            # line (world-readable in /proc) and the torchrun-started event would store it.
+            raise AgentConfigError(
+                f"rdzv_conf {', '.join(secret)} is refused: it would put the secret on "
+                "torchrun's command line and in the run's event stream; give the Redis "
+                "password through the environment or a password file instead"
             )
         if self.orphan_timeout < 0:
             raise AgentConfigError(

@@ -31,7 +31,6 @@ CLOUDS = ("local", "aws", "gcp")
 # environment file is checked against it).
 RUN_ENV_VARS: set[str] = {"SPOTTRAIN_TRAIN_CMD"}
 # --rdzv-conf keys whose value is a secret itself.
-SECRET_RDZV_KEYS = frozenset({"password", "requirepass", "token"})
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -171,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _secret_rdzv_keys(conf: dict[str, str]) -> list[str]:
     """The ``--rdzv-conf`` keys that would carry a secret (``password``); ``password_env`` and
     ``password_file`` only name where it is, and stay allowed."""
+    from .agent import SECRET_RDZV_KEYS
+
     return sorted(k for k in conf if k.lower() in SECRET_RDZV_KEYS)
 
 

@@ -374,6 +374,11 @@ variable "git_repo" {
     condition     = var.git_repo == "" || can(regex("^(https://|ssh://|git@)[A-Za-z0-9@:/._~+-]+$", var.git_repo))
     error_message = "git_repo must be empty or an https://, ssh:// or git@ URL without quotes or spaces."
   }
+
+  validation {
+    condition     = !can(regex("^https?://[^/]*@", var.git_repo))
+    error_message = "git_repo must not hold credentials (https://USER:TOKEN@...): it is rendered into the VMs' boot script, which anyone who can describe a VM reads. Use a repository the VMs can read without them, an ssh:// URL with a deploy key in the image, or a code archive."
+  }
 }
 
 variable "git_commit" {

@@ -218,3 +218,21 @@ def test_watch_is_wired_into_the_agent_command() -> None:
     line = json.loads(res.stdout.strip().splitlines()[-1])
     assert line["source"] == "aws-imds:spot" and line["kind"] == "terminate"
     assert line["deadline"] == pytest.approx(1893456000.0)
+
+
+@pytest.mark.parametrize("key", ["password", "TOKEN"])
+def test_an_agent_built_in_code_refuses_a_password_in_its_rdzv_conf(key: str) -> None:
+    """Not only the command line: an Agent configured in code refuses it before it touches
+    Redis or starts anything."""
+    from spottrain.agent.agent import Agent, AgentConfig, AgentConfigError
+
+    cfg = AgentConfig(
+        redis_url="redis://127.0.0.1:1/0",  # never reached
+        run_id="run-1",
+        node_id="n0",
+        train_cmd=["train.py"],
+        rdzv_conf={key: "hunter2-secret"},
+    )
+    with pytest.raises(AgentConfigError, match=f"rdzv_conf {key} is refused") as err:
+        Agent(cfg)
+    assert "hunter2-secret" not in str(err.value)
