@@ -343,7 +343,15 @@ class TrainSession:
         self._async_group: Any = None
         if self._dist:
             self._async_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spottrain-save")
+        # A new thread starts on CUDA device 0: the save thread takes the script's device, so
+        # staging copies and DCP's streams stay on this rank's GPU.
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="spottrain-save",
+            initializer=_use_cuda_device,
+            initargs=(device,),
+        )
         self._inflight: Future[bool] | None = None
 
         # This session's fencing epoch, claimed by rank 0 and the same on every rank.
@@ -854,6 +862,11 @@ class TrainSession:
             return False
         limit = max(self.stuck_grace, 3 * self.last_step_time)
         return time.monotonic() - self._last_progress > limit
+
+
+def _use_cuda_device(device: int | None) -> None:
+    if device is not None:
+        torch.cuda.set_device(device)
 
 
 def _stage(obj: Any) -> Any:
