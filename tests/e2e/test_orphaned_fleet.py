@@ -23,7 +23,12 @@ import pytest
 import redis
 import yaml
 
-from spottrain.controller.runs import RunInfo, restart_embedded_redis, stop_embedded_redis
+from spottrain.controller.runs import (
+    RunInfo,
+    open_redis,
+    restart_embedded_redis,
+    stop_embedded_redis,
+)
 from spottrain.keys import RunKeys
 
 pytestmark = pytest.mark.slow
@@ -109,7 +114,7 @@ def test_a_fleet_without_its_controller_trains_on_and_ends_itself_once_training_
     assert up.returncode == 0, up.stderr
     run_id = up.stdout.split()[1].rstrip(":")
     info = RunInfo.load(run_id)
-    client = redis.Redis.from_url(info.redis_url, socket_timeout=5)
+    client = open_redis(info)  # the embedded Redis has a per-run password
     keys = RunKeys(run_id)
 
     def joined() -> bool:
