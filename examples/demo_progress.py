@@ -43,9 +43,17 @@ class Progress:
             self.last_line, self.last_shown = shape, now
 
     def run_until(self, pred: Callable[[], bool], timeout: float, what: str) -> None:
+        """Wait for ``pred``; end the demo with a plain message when the job ended first (a
+        fast machine can finish training before a scenario step) or ``timeout`` passed."""
         deadline = time.monotonic() + timeout
         while not pred():
             self.show()
+            if not any(node.alive() for node in self.job.nodes.values()) and not pred():
+                step = self.status()[0]
+                raise SystemExit(
+                    f"demo: training ended at step {step} before {what}, so the scenario "
+                    "could not run in full; rerun with more --steps or a larger --step-time"
+                )
             if time.monotonic() > deadline:
                 raise SystemExit(f"demo: gave up waiting for {what}\n{self.job.diagnose()}")
             time.sleep(0.25)

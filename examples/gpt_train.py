@@ -64,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds a step sleeps")
     p.add_argument(
+        "--pace-file",
+        default="",
+        help="a file holding the seconds a step sleeps, read at every step, in place of "
+        "--step-time while it exists (the demos slow training down while a node boots)",
+    )
+    p.add_argument(
         "--slow-node",
         default="",
         help="the node (SPOTTRAIN_NODE_ID) whose workers compute slowly (--slow-compute)",
@@ -274,6 +280,15 @@ def _simulate(args: argparse.Namespace, segments: list[tuple[int, int]]) -> dict
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def step_pause(pace_file: str, default: float) -> float:
+    if pace_file:
+        try:
+            return float(Path(pace_file).read_text())
+        except (OSError, ValueError):
+            pass  # absent, or caught mid-write: the next step reads it again
+    return default
+
+
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo", timeout=timedelta(minutes=5))
@@ -320,8 +335,9 @@ def main() -> None:
                 },
             )
         session.step(step, state, tokens=args.global_batch * args.context, loss=total.item())
-        if args.step_time:
-            time.sleep(args.step_time)
+        pause = step_pause(args.pace_file, args.step_time)
+        if pause:
+            time.sleep(pause)
         if args.stop_at and step == args.stop_at:
             break
 

@@ -58,6 +58,13 @@ class Demo(Progress):
         )
 
 
+def set_pace(path: Path, seconds: float) -> None:
+    """Set the seconds each training step sleeps (the trainer reads the file every step)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{seconds:g}")
+    tmp.replace(path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=400)
@@ -69,6 +76,7 @@ def main() -> int:
         run_id = make_run_id("spot-demo")
         client = redis_server.client()
         keys = RunKeys(run_id)
+        pace = Path(tmp) / "pace"
         say(f"embedded Redis on {redis_server.endpoint}; run id {run_id}")
         job = LocalAgentJob(
             Path(tmp),
@@ -78,7 +86,7 @@ def main() -> int:
             nnodes="1:3",
             steps=args.steps,
             step_time=args.step_time,
-            script_args=["--every-steps", str(args.every_steps)],
+            script_args=["--every-steps", str(args.every_steps), "--pace-file", str(pace)],
         )
         demo = Demo(job)
         try:
@@ -95,10 +103,14 @@ def main() -> int:
             demo.recover("notice -> emergency checkpoint", 2, t)
 
             demo.at_step(args.steps * 2 // 5)
-            say("BACKFILL: node-d starts and joins")
+            say("BACKFILL: node-d starts and joins (steps slowed while it boots)")
+            # The others train on while node-d boots; at full speed a short demo could end
+            # before it joins, so each step sleeps longer until it has.
+            set_pace(pace, max(args.step_time, 0.5))
             t = time.time()
             job.start_node("node-d")
             demo.recover("backfilled node joins", 3, t)
+            set_pace(pace, args.step_time)
 
             demo.at_step(args.steps * 3 // 5)
             victim = next(n for n in ("node-d", "node-c", "node-b") if job.nodes[n].alive())
