@@ -40,6 +40,8 @@ from typing import Any
 
 import yaml
 
+from spottrain.catalog import Catalog, UnknownInstanceType, bundled
+
 from .base import (
     AuthError,
     BadRequestError,
@@ -55,7 +57,6 @@ from .base import (
     TransientError,
     sort_offers,
 )
-from .catalog import Catalog, UnknownInstanceType, bundled
 from .local_records import RecordStore
 from .local_vm import kill_tree
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spottrain.catalog import Catalog, bundled
 from spottrain.cloud.base import Market, OfferQuery, Provider
-from spottrain.cloud.catalog import Catalog, bundled
 from spottrain.cloud.groups import Group
 from spottrain.spec import JobSpec, LocalCloudSpec, SpotPolicy
 

@@ -72,8 +72,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from spottrain.catalog import Catalog, UnknownInstanceType, UnknownRegion, bundled
 from spottrain.cloud.base import Market, Offer, region_of_zone
-from spottrain.cloud.catalog import Catalog, UnknownInstanceType, UnknownRegion, bundled
 from spottrain.cloud.local import TracedPreemption, load_trace
 from spottrain.controller.planner import HOURS_PER_MONTH
 from spottrain.controller.sim_engine import SimConfig, SimResult, simulate

@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from spottrain.cloud.catalog import Catalog, UnknownInstanceType, UnknownRegion, bundled
+from spottrain.catalog import Catalog, UnknownInstanceType, UnknownRegion, bundled
 from spottrain.keys import validate_job_name
 from spottrain.redis_conn import DEFAULT_PASSWORD_ENV, RedisConfigError, parse_endpoint
 
