@@ -205,7 +205,8 @@ def preemption_injector(
     Raises:
         ValueError: the trace file cannot be read, or the provider is not the local cloud.
     """
-    from spottrain.cloud.local import LocalProvider, PreemptionInjector, load_trace
+    from spottrain.cloud.local import LocalProvider, PreemptionInjector
+    from spottrain.trace import load_trace
 
     if spec.local is None:
         return None
