@@ -67,7 +67,7 @@ def stores_readable(spec: JobSpec, clouds: Collection[str]) -> None:
         )
 
 
-def _check_catalog(spec: JobSpec, catalog: Catalog) -> list[str]:
+def check_catalog(spec: JobSpec, catalog: Catalog) -> list[str]:
     """Problems the catalog can see: unknown instance types, regions and zones."""
     problems = []
     clouds = [c for c in spec.resources.clouds]
@@ -116,7 +116,7 @@ def _check_catalog(spec: JobSpec, catalog: Catalog) -> list[str]:
     return problems
 
 
-def _check_files(spec: JobSpec, base_dir: Path) -> list[str]:
+def check_files(spec: JobSpec, base_dir: Path) -> list[str]:
     """Problems with the files a spec names (relative to the spec's directory)."""
     problems = []
     if isinstance(spec.code, ArchiveCode):

@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import yaml
 from pydantic import BaseModel
 
 from .code import _KINDS
@@ -27,7 +28,7 @@ class SpecError(ValueError):
         super().__init__(f"{source}: the job spec is not valid:\n{lines}")
 
 
-def _describe(err: Any, lines: dict[str, int]) -> str:
+def describe_error(err: Any, lines: dict[str, int]) -> str:
     loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
     if loc[:1] == ["code"] and len(loc) > 2 and loc[1] == loc[2]:
         del loc[1]  # the discriminator's tag repeats the key it was chosen by
@@ -184,3 +185,19 @@ def _model_of(annotation: Any) -> Any:
         if found is not None:
             return found
     return None
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    # What is wrong and where, never the line itself, nor a quoted token of it (an undefined
+    # alias, a tag): a password written unquoted may start with * or !.
+    if isinstance(e, yaml.MarkedYAMLError):
+        mark = e.problem_mark or e.context_mark
+        what = ", ".join(p for p in (e.problem, e.context) if p) or "malformed"
+        what = _QUOTED_RE.sub("(hidden)", what)
+        if mark is None:
+            return what
+        return f"{what} (line {mark.line + 1}, column {mark.column + 1})"
+    if isinstance(e, yaml.reader.ReaderError):
+        char = e.character if isinstance(e.character, int) else ord(e.character)
+        return f"{e.reason} (character #x{char:04x} at position {e.position})"
+    return type(e).__name__

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 
 from spottrain.catalog import Catalog, bundled
 
-from .checks import _check_catalog, _check_files
-from .errors import _QUOTED_RE, SpecError, _describe
+from .checks import check_catalog, check_files
+from .errors import SpecError, describe_error, yaml_problem
 from .job import JobSpec
 
 # Bounds of the spec file itself (see the README's "Job spec"): a job spec is a few hundred
@@ -60,9 +60,9 @@ def parse_spec(
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
-        raise SpecError(source, [_describe(err, lines) for err in e.errors()]) from None
+        raise SpecError(source, [describe_error(err, lines) for err in e.errors()]) from None
     base = base_dir or Path.cwd()
-    problems = _check_catalog(spec, catalog or bundled()) + _check_files(spec, base)
+    problems = check_catalog(spec, catalog or bundled()) + check_files(spec, base)
     if problems:
         raise SpecError(source, problems)
     return LoadedSpec(spec, source, base, text)
@@ -124,7 +124,7 @@ def _load_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
     except SpecError:
         raise
     except yaml.YAMLError as e:
-        raise SpecError(source, [f"not valid YAML: {_yaml_problem(e)}"]) from None
+        raise SpecError(source, [f"not valid YAML: {yaml_problem(e)}"]) from None
     except (ValueError, TypeError, AttributeError, OverflowError):
         # PyYAML's constructors raise these for a scalar that matches a type's pattern but
         # is not one (2020-13-45) or an explicit tag on the wrong text (!!int abc); their
@@ -203,22 +203,6 @@ def _too_deep() -> str:
         f"the spec is nested more than {MAX_SPEC_DEPTH} levels deep; a job spec needs a few "
         "(see the README's job spec reference)"
     )
-
-
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    # What is wrong and where, never the line itself, nor a quoted token of it (an undefined
-    # alias, a tag): a password written unquoted may start with * or !.
-    if isinstance(e, yaml.MarkedYAMLError):
-        mark = e.problem_mark or e.context_mark
-        what = ", ".join(p for p in (e.problem, e.context) if p) or "malformed"
-        what = _QUOTED_RE.sub("(hidden)", what)
-        if mark is None:
-            return what
-        return f"{what} (line {mark.line + 1}, column {mark.column + 1})"
-    if isinstance(e, yaml.reader.ReaderError):
-        char = e.character if isinstance(e.character, int) else ord(e.character)
-        return f"{e.reason} (character #x{char:04x} at position {e.position})"
-    return type(e).__name__
 
 
 def _key_lines(node: yaml.Node | None, path: tuple[str, ...] = ()) -> Iterator[tuple[str, int]]:
