@@ -50,6 +50,8 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any, cast
 
+from spottrain.catalog import Catalog, bundled
+
 from .base import (
     TAG_JOB,
     TAG_NODE,
@@ -68,7 +70,6 @@ from .base import (
     TransientError,
     sort_offers,
 )
-from .catalog import Catalog, bundled
 
 log = logging.getLogger(__name__)
 

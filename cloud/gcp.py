@@ -40,6 +40,8 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from spottrain.catalog import Catalog, bundled
+
 from .base import (
     TAG_JOB,
     TAG_NODE,
@@ -59,7 +61,6 @@ from .base import (
     region_of_zone,
     sort_offers,
 )
-from .catalog import Catalog, bundled
 
 if TYPE_CHECKING:
     from google.auth.credentials import Credentials

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from spottrain.catalog import Catalog, UnknownInstanceType, bundled
+from spottrain.trace import TracedPreemption
 
 from .base import (
     AuthError,
@@ -55,7 +56,6 @@ from .base import (
     TransientError,
     sort_offers,
 )
-from .catalog import Catalog, UnknownInstanceType, bundled
 from .local_records import RecordStore
 from .local_vm import kill_tree
 
@@ -421,42 +421,6 @@ class LocalProvider:
             launched_at=rec.get("launched_at"),
             address="127.0.0.1",
         )
-
-
-@dataclass(frozen=True)
-class TracedPreemption:
-    """One preemption of a trace: when (seconds after the job starts), which node (or any),
-    and whether it comes with a notice."""
-
-    at_s: float
-    node: str | None = None
-    notice: bool = True
-
-
-def load_trace(path: str | Path) -> list[TracedPreemption]:
-    """Read a preemption trace: a YAML or JSON list of ``{at_s, node, notice}``.
-
-    Raises:
-        ValueError: unreadable, or a row that is not that shape (its index named).
-    """
-    try:
-        rows = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"preemption trace {path}: cannot read it: {e}") from None
-    if not isinstance(rows, list):
-        raise ValueError(f"preemption trace {path}: expected a list of {{at_s, node, notice}}")
-    out = []
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict) or set(row) - {"at_s", "node", "notice"}:
-            raise ValueError(
-                f"preemption trace {path}: row {i} must be a mapping with at_s and optional "
-                f"node, notice; got {row!r}"
-            )
-        at = row.get("at_s")
-        if not isinstance(at, int | float) or isinstance(at, bool) or at < 0:
-            raise ValueError(f"preemption trace {path}: row {i}: at_s must be seconds >= 0")
-        out.append(TracedPreemption(float(at), row.get("node"), bool(row.get("notice", True))))
-    return sorted(out, key=lambda p: p.at_s)
 
 
 @dataclass

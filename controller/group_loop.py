@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from spottrain.catalog import Catalog, bundled
 from spottrain.cloud.base import Market, Offer, region_of_zone
-from spottrain.cloud.catalog import Catalog, bundled
 from spottrain.cloud.groups import Group, GroupView, Member, MemberState
 from spottrain.spec import JobSpec
 

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import redis
 
+from spottrain.catalog import Catalog, bundled
 from spottrain.cloud.base import (
     AuthError,
     BadRequestError,
@@ -36,7 +37,6 @@ from spottrain.cloud.base import (
     QuotaError,
     TransientError,
 )
-from spottrain.cloud.catalog import Catalog, bundled
 from spottrain.controller.planner import (
     Drain,
     Launch,

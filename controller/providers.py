@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spottrain.catalog import Catalog, bundled
 from spottrain.cloud.base import Market, OfferQuery, Provider
-from spottrain.cloud.catalog import Catalog, bundled
 from spottrain.cloud.groups import Group
 from spottrain.spec import JobSpec, LocalCloudSpec, SpotPolicy
 
@@ -205,7 +205,8 @@ def preemption_injector(
     Raises:
         ValueError: the trace file cannot be read, or the provider is not the local cloud.
     """
-    from spottrain.cloud.local import LocalProvider, PreemptionInjector, load_trace
+    from spottrain.cloud.local import LocalProvider, PreemptionInjector
+    from spottrain.trace import load_trace
 
     if spec.local is None:
         return None

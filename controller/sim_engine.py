@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
-from spottrain.cloud.local import TracedPreemption
 from spottrain.controller.planner import (
     DRAINING,
     JOINED,
@@ -63,6 +62,7 @@ from spottrain.controller.planner import (
 )
 from spottrain.controller.sim_policies import POLICIES, Costs, Trainer
 from spottrain.spec import SpotPolicy
+from spottrain.trace import TracedPreemption
 
 # Event priorities at one instant: the fleet first, then the training's own timers, then the
 # controller's pass (which sees everything that happened at that instant), then samples.

@@ -72,14 +72,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from spottrain.catalog import Catalog, UnknownInstanceType, UnknownRegion, bundled
 from spottrain.cloud.base import Market, Offer, region_of_zone
-from spottrain.cloud.catalog import Catalog, UnknownInstanceType, UnknownRegion, bundled
-from spottrain.cloud.local import TracedPreemption, load_trace
 from spottrain.controller.planner import HOURS_PER_MONTH
 from spottrain.controller.sim_engine import SimConfig, SimResult, simulate
 from spottrain.controller.sim_policies import POLICIES
 from spottrain.controller.sim_report import figures, plot, table
 from spottrain.spec import NOTICE_WINDOW_S, JobSpec, SpecError, SpotPolicy, load_spec
+from spottrain.trace import TracedPreemption, load_trace
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2

@@ -145,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from spottrain.exposure import exposure_warnings
     from spottrain.spec import SpecError, check_notice_windows, load_spec
+    from spottrain.spec.exposure import exposure_warnings
 
     try:
         loaded = load_spec(args.spec)

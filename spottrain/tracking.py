@@ -7,7 +7,7 @@ install and everything else goes on untracked.
 **Who logs what.** Rank 0 of the trainers logs each step (loss and the script's other
 metrics, ``step_time_s``, ``world_size``, ``tokens_per_s``) and records every committed
 checkpoint as a reference artifact (see :meth:`Tracker.log_checkpoint`); the controller logs
-the fleet (:mod:`spottrain.controller.tracking`). Both runs share the wandb group named
+the fleet (its fleet tracking, built on this module). Both runs share the wandb group named
 after the spottrain run, so the wandb UI shows a job's training and its fleet side by side.
 
 **Never in the way.** Every wandb call runs on a thread of the tracker's own, behind a

@@ -93,7 +93,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from fakes.http_fake import DispatchingHandler, HTTPFake
-from spottrain.cloud.catalog import bundled
+from spottrain.catalog import bundled
 
 DEFAULT_PROJECT = "spottrain-test"
 API = "https://www.googleapis.com/compute/v1"

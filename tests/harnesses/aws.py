@@ -38,9 +38,9 @@ from moto.backends import get_backend
 from moto.ec2.models.instances import StateReason
 from moto.server import ThreadedMotoServer
 
+from spottrain.catalog import Catalog
 from spottrain.cloud.aws import AwsProvider, AwsSettings
 from spottrain.cloud.base import Market, OfferQuery, Provider
-from spottrain.cloud.catalog import Catalog
 
 REGION = "us-east-1"
 # moto lists p4d.24xlarge in us-east-1a to 1d, with its real GPU count (8) and EFA support.

@@ -28,6 +28,7 @@ from botocore.exceptions import (
 from harnesses.aws import AwsHarness, client_error
 from spec_samples import VALID, _with
 
+from spottrain.catalog import Catalog
 from spottrain.cloud.aws import AwsProvider, AwsSettings, classify_error, placement_group_name
 from spottrain.cloud.base import (
     TAG_JOB,
@@ -46,7 +47,6 @@ from spottrain.cloud.base import (
     QuotaError,
     TransientError,
 )
-from spottrain.cloud.catalog import Catalog
 from spottrain.controller.providers import Endpoints, build_provider
 from spottrain.spec import parse_spec
 
@@ -115,7 +115,7 @@ def described(aws: AwsHarness, instance_id: str) -> dict[str, Any]:
 
 
 def catalog_with(change: dict[str, Any]) -> Catalog:
-    data = json.loads(resources.files("spottrain.cloud").joinpath("data/catalog.json").read_text())
+    data = json.loads(resources.files("spottrain").joinpath("data/catalog.json").read_text())
     data["aws"]["instance_types"][P4D].update(change)
     return Catalog(data, "test")
 

@@ -31,9 +31,8 @@ from spottrain.cloud.local import (
     LocalProvider,
     LocalSettings,
     PreemptionInjector,
-    TracedPreemption,
-    load_trace,
 )
+from spottrain.trace import TracedPreemption, load_trace
 
 # A boot command that records its pid and its SIGTERM, starts a grandchild in a session of
 # its own (as torchrun does with its workers), and leaves 0.5 s after a SIGTERM.

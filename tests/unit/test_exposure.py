@@ -1,4 +1,4 @@
-"""Unit tests of spottrain.exposure: which specs leave the VMs they launch open, and the words."""
+"""Unit tests of spottrain.spec.exposure: which specs leave their VMs open, and the words."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import yaml
 from spec_samples import VALID, _with
 
-from spottrain.exposure import exposure_warnings
 from spottrain.spec import parse_spec
+from spottrain.spec.exposure import exposure_warnings
 
 AWS_SUBNETS = {"us-east-1a": "subnet-0a1b2c3d4e5f60718"}
 # The VALID spec, locked down: private subnets for its zone, own groups, its own subnetwork.

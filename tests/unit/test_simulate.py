@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
-from spottrain.cloud.local import TracedPreemption
 from spottrain.controller.planner import (
     FleetIndex,
     NodeObs,
@@ -23,6 +22,7 @@ from spottrain.controller.planner import (
 from spottrain.controller.sim_engine import SimConfig, SimResult, simulate
 from spottrain.controller.sim_report import figures, table
 from spottrain.spec import SpotPolicy
+from spottrain.trace import TracedPreemption
 
 SPOT = Offer("aws", "us-east-1", "us-east-1a", "p5.48xlarge", 8, "H100", Market.SPOT, 24.77, 0.25)
 OD = replace(SPOT, market=Market.ON_DEMAND, price_per_hour=55.04, interruption_risk=0.0)

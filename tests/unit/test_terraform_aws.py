@@ -312,9 +312,9 @@ def test_redis_url_can_never_carry_a_password(mod: Module) -> None:
 
 
 def test_instance_types_default_to_one_family_of_8_gpu_efa_types(mod: Module) -> None:
-    catalog = json.loads(
-        (resources.files("spottrain.cloud") / "data" / "catalog.json").read_text()
-    )["aws"]["instance_types"]
+    catalog = json.loads((resources.files("spottrain") / "data" / "catalog.json").read_text())[
+        "aws"
+    ]["instance_types"]
     default = mod.variables["instance_types"]["default"]
     assert default, "instance_types needs a non-empty default"
     assert len({t.split(".")[0] for t in default}) == 1

@@ -18,9 +18,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .base import Market
-
 CATALOG_ENV = "SPOTTRAIN_CATALOG"
+# How an on-demand VM is bought: the word of the cloud layer's ``Market.ON_DEMAND`` (a str
+# enum, so a Market compares equal to its word); the floor does not import the cloud layer.
+ON_DEMAND = "on-demand"
 
 
 class UnknownInstanceType(ValueError):
@@ -112,7 +113,7 @@ class Catalog:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(
                 f"instance catalog {source} is not valid ({type(e).__name__}: {e}); "
-                "copy spottrain/cloud/data/catalog.json and edit its figures"
+                "copy spottrain/data/catalog.json and edit its figures"
             ) from e
 
     def types(self, cloud: str) -> dict[str, InstanceType]:
@@ -162,11 +163,11 @@ class Catalog:
                 f"{', '.join(table)} (or add it to a copy of the catalog, see {CATALOG_ENV})"
             ) from None
 
-    def price(self, cloud: str, name: str, region: str, market: Market) -> float:
-        """The table's USD per hour for one VM."""
+    def price(self, cloud: str, name: str, region: str, market: str) -> float:
+        """The table's USD per hour for one VM (``market``: a ``Market``, on-demand or spot)."""
         t = self.get(cloud, name)
         base = t.on_demand * self.region_multiplier(cloud, region)
-        return round(base if market is Market.ON_DEMAND else base * t.spot_fraction, 4)
+        return round(base if market == ON_DEMAND else base * t.spot_fraction, 4)
 
     def gcp_zones(self, region: str) -> list[str]:
         """The zones of a GCP region that the table lists."""

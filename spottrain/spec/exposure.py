@@ -9,7 +9,7 @@ reached.
 
 from __future__ import annotations
 
-from spottrain.spec import JobSpec
+from .job import JobSpec
 
 
 def exposure_warnings(spec: JobSpec) -> list[str]:

@@ -1,0 +1,290 @@
+"""The spec's sections about the work: ``train``, ``nodes``, ``resources``, ``spot``,
+``budget``, ``checkpoint``, ``redis``, ``wandb`` and ``controller``."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any, Literal, Self
+
+from pydantic import Field, field_validator, model_validator
+
+from spottrain.redis_conn import DEFAULT_PASSWORD_ENV, RedisConfigError, parse_endpoint
+
+from .fields import (
+    _SECRET_ENV_PARTS,
+    _STORE_RE,
+    BYTES_PER_PARAM,
+    GB,
+    GB_PER_S,
+    MAX_PARAMS,
+    MINUTES,
+    SECRET_STORE_HINT,
+    USD,
+    USD_PER_HOUR,
+    EnvName,
+    _check_secret_names,
+    _Model,
+    parse_count,
+)
+
+
+class TrainSpec(_Model):
+    """What each worker runs (torchrun starts it once per worker)."""
+
+    command: tuple[str, ...] = Field(description="script and arguments (a list, or a string)")
+    env: dict[EnvName, str] = Field(default_factory=dict)
+    secret_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="ENV_NAME: secret name; each value is read from the cloud's secret store "
+        "at boot into a file only root reads, never into the boot script ("
+        + SECRET_STORE_HINT
+        + ")",
+    )
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                return tuple(shlex.split(v))
+            except ValueError as e:
+                raise ValueError(f"cannot split the command like a shell would: {e}") from None
+        return v
+
+    @field_validator("command")
+    @classmethod
+    def _not_empty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("give the training script and its arguments")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if name.startswith("SPOTTRAIN_"):
+                raise ValueError(f"{name}: SPOTTRAIN_* variables are set by spottrain itself")
+            if _SECRET_ENV_PARTS.search(name.upper()):
+                # Never echo the value; env is rendered into the boot script in the clear.
+                raise ValueError(
+                    f"{name} looks like a credential: env values are written into the VMs' "
+                    f"boot script, which anyone who can describe a VM reads; put the value in "
+                    f"the cloud's secret store and name it in train.secret_env ({name}: "
+                    "SECRET_NAME)"
+                )
+        return v
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_names(cls, v: dict[str, str]) -> dict[str, str]:
+        _check_secret_names(v)
+        return v
+
+    @model_validator(mode="after")
+    def _env_or_secret(self) -> Self:
+        both = sorted(set(self.env) & set(self.secret_env))
+        if both:
+            raise ValueError(f"{', '.join(both)}: set in both env and secret_env; keep one")
+        return self
+
+
+class NodesSpec(_Model):
+    """How many VMs, and what each runs."""
+
+    min: int = Field(ge=1, description="fewest nodes training may continue with")
+    max: int = Field(ge=1, le=10_000, description="most nodes the controller runs")
+    gpus: int = Field(8, ge=0, le=16, description="GPUs each node must have (0: CPU job)")
+    workers: int | None = Field(
+        None, ge=1, le=64, description="workers per node (default: one per GPU, or 1)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scalar(cls, v: Any) -> Any:
+        # `nodes: 4` means a fixed size.
+        if isinstance(v, int) and not isinstance(v, bool):
+            return {"min": v, "max": v}
+        return v
+
+    @model_validator(mode="after")
+    def _range(self) -> Self:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        return self
+
+    @property
+    def workers_per_node(self) -> int:
+        return self.workers or max(self.gpus, 1)
+
+
+class Placement(StrEnum):
+    SAME_ZONE = "same-zone"
+    SPREAD = "spread"
+
+
+class SpotPolicy(StrEnum):
+    SPOT = "spot"
+    SPOT_THEN_ON_DEMAND = "spot-then-on-demand"
+    ON_DEMAND = "on-demand"
+
+
+class ResourcesSpec(_Model):
+    """Which offers the job may use. Empty lists allow everything the catalog has."""
+
+    clouds: tuple[Literal["aws", "gcp", "local"], ...] = Field(min_length=1)
+    regions: tuple[str, ...] = ()
+    zones: tuple[str, ...] = ()
+    instance_types: tuple[str, ...] = ()
+    max_price_per_hour: USD_PER_HOUR | None = Field(None, description="USD per VM-hour")
+    placement: Placement = Placement.SAME_ZONE
+    move_after_minutes: MINUTES = Field(
+        10,
+        description="minutes the job may stay below nodes.min in its zone before it moves",
+    )
+
+    @field_validator("clouds")
+    @classmethod
+    def _unique(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(v)) != len(v):
+            raise ValueError("list each cloud once")
+        return v
+
+
+class SpotSpec(_Model):
+    policy: SpotPolicy = SpotPolicy.SPOT
+    fallback_after_minutes: MINUTES = Field(
+        30, description="minutes without spot capacity before on-demand"
+    )
+
+
+class BudgetSpec(_Model):
+    max_usd: USD = Field(description="the job never spends more than this")
+
+
+class VolumeSpec(_Model):
+    path: str = Field("/mnt/spottrain/ckpt", description="checkpoint directory on every node")
+    write_gbps: GB_PER_S = Field(
+        description="aggregate write bandwidth of the volume, GB/s (all nodes together)"
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError("give an absolute path (the same on every node)")
+        return v
+
+
+class CheckpointSpec(_Model):
+    volume: VolumeSpec
+    every_steps: int | None = Field(None, ge=1, le=1_000_000_000)
+    every_minutes: MINUTES | None = None
+    keep: int = Field(3, ge=1, le=1000)
+    size_gb: GB | None = Field(None, description="size of one checkpoint")
+    params: str | None = Field(
+        None, description="model size ('7B', '350M'); estimates size_gb when it is not given"
+    )
+    bytes_per_param: BYTES_PER_PARAM = Field(
+        12, description="checkpoint bytes per parameter (fp32 weights + Adam: 12)"
+    )
+    copy_to: str | None = Field(
+        None, description="object storage the checkpoints are copied to (s3://, gs://, file://)"
+    )
+    step_s: float | None = Field(
+        None,
+        gt=0,
+        le=86_400,
+        description="seconds one training step takes, for the notice-window check (the "
+        "ranks agree on the save step within two agreements of max(0.2 s, one step) each); "
+        "unknown: steps of at most 0.2 s are assumed",
+    )
+
+    @field_validator("params")
+    @classmethod
+    def _params(cls, v: str | None) -> str | None:
+        if v is not None and parse_count(v) > MAX_PARAMS:
+            raise ValueError("use a parameter count up to 1000T (1e15)")
+        return v
+
+    @field_validator("copy_to")
+    @classmethod
+    def _store_url(cls, v: str | None) -> str | None:
+        if v is not None and not _STORE_RE.match(v):
+            raise ValueError("use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///DIR")
+        return v
+
+    @model_validator(mode="after")
+    def _cadence(self) -> Self:
+        if self.every_steps is None and self.every_minutes is None:
+            raise ValueError("say how often to checkpoint: every_steps, every_minutes, or both")
+        return self
+
+    @property
+    def estimated_gb(self) -> float | None:
+        """The size of one checkpoint: ``size_gb``, else ``params`` x ``bytes_per_param``."""
+        if self.size_gb is not None:
+            return self.size_gb
+        if self.params is not None:
+            return parse_count(self.params) * self.bytes_per_param / 1e9
+        return None
+
+
+class RedisSpec(_Model):
+    url: str = Field(
+        "embedded", description="redis[s]://HOST:PORT, or 'embedded' (local cloud only)"
+    )
+    password_env: EnvName = DEFAULT_PASSWORD_ENV
+    password_file: str | None = None
+    password_secret: str | None = Field(
+        None,
+        description="the cloud secret VMs read the password from at boot (an AWS Secrets "
+        "Manager id or a GCP Secret Manager name)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_secret(cls, v: Any) -> Any:
+        if isinstance(v, Mapping) and "password" in v:
+            raise ValueError(
+                "do not put the Redis password in the spec: name a variable with "
+                "password_env or a file with password_file"
+            )
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v == "embedded":
+            return v
+        try:
+            parse_endpoint(v)
+        except RedisConfigError as e:
+            raise ValueError(str(e)) from None
+        return v
+
+
+class WandbSpec(_Model):
+    project: str = Field(min_length=1)
+    entity: str | None = None
+    mode: Literal["online", "offline", "disabled"] = "online"
+
+
+class ControllerSpec(_Model):
+    """What the fleet does when its controller, or the controller's Redis, is gone."""
+
+    orphan_timeout_minutes: float = Field(
+        30,
+        ge=0,
+        le=7 * 24 * 60,
+        description="each VM ends itself (after an emergency checkpoint) when it has seen no "
+        "controller heartbeat and no training step for this long; 0: never",
+    )
+    redis_outage_minutes: float = Field(
+        60,
+        gt=0,
+        le=7 * 24 * 60,
+        description="the controller retries a Redis that does not answer this long, then "
+        "stops (the VMs train on; `spottrain resume` drives them again)",
+    )
