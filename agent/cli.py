@@ -23,7 +23,7 @@ from spottrain.redis_conn import (
     settings_from_url,
 )
 
-from .notices import NoticeKind
+from .notices.notice import NoticeKind
 from .watch_cmd import add_watch_parser, run_watch
 
 CLOUDS = ("local", "aws", "gcp")
@@ -170,13 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _secret_rdzv_keys(conf: dict[str, str]) -> list[str]:
     """The ``--rdzv-conf`` keys that would carry a secret (``password``); ``password_env`` and
     ``password_file`` only name where it is, and stay allowed."""
-    from .agent import SECRET_RDZV_KEYS
+    from .config import SECRET_RDZV_KEYS
 
     return sorted(k for k in conf if k.lower() in SECRET_RDZV_KEYS)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .agent import Agent, AgentConfig
+    from .agent import Agent
+    from .config import AgentConfig
 
     missing = [n for n in ("redis", "run_id") if not getattr(args, n)]
     if missing:
@@ -239,7 +240,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _notify(args: argparse.Namespace) -> int:
-    from .agent import inject_notice
+    from spottrain.protocol.notices import inject_notice
 
     settings = _settings(args)
     client = connect(settings)

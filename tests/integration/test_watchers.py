@@ -29,16 +29,14 @@ from fakes.metadata_server import (
     MetadataServer,
 )
 
-from spottrain.agent.notices import Notice, NoticeKind
+from spottrain.agent.notices.aws import AwsImdsWatcher
+from spottrain.agent.notices.aws_imds import AWS_ENDPOINT_ENV
+from spottrain.agent.notices.gce_metadata import GCP_HOST_ENV
+from spottrain.agent.notices.gcp import GcpMetadataWatcher
+from spottrain.agent.notices.metadata_http import WatcherError
+from spottrain.agent.notices.notice import Notice, NoticeKind
+from spottrain.agent.notices.poll_loop import PollLoop
 from spottrain.agent.watch_cmd import main as watch_main
-from spottrain.agent.watchers import (
-    AWS_ENDPOINT_ENV,
-    GCP_HOST_ENV,
-    AwsImdsWatcher,
-    GcpMetadataWatcher,
-    PollLoop,
-    WatcherError,
-)
 
 TIMEOUT = 0.5  # client timeout in these tests; hangs last far longer
 
