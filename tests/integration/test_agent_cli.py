@@ -237,3 +237,11 @@ def test_an_agent_built_in_code_refuses_a_password_in_its_rdzv_conf(key: str) ->
     with pytest.raises(AgentConfigError, match=f"rdzv_conf {key} is refused") as err:
         Agent(cfg)
     assert "hunter2-secret" not in str(err.value)
+
+
+def test_an_injected_notice_is_identified_by_its_body() -> None:
+    one = parse_injected(b'{"kind": "terminate", "in": 60}')
+    again = parse_injected(b'{"in": 60, "kind": "terminate"}')
+    other = parse_injected(b'{"kind": "terminate", "in": 30}')
+    assert one.source == "redis" and one.dedup_key == again.dedup_key
+    assert other.dedup_key != one.dedup_key
