@@ -3,7 +3,7 @@
 It registers the node in Redis and heartbeats, checks the node's health, launches elastic
 torchrun with the Redis rendezvous and the job's training command, watches every notice
 source of its cloud, and records its lifecycle and every event in Redis. On a notice the
-:class:`~spottrain.agent.notice_handler.NoticeHandler` drains the node: emergency
+:class:`~spottrain.agent.notices.handler.NoticeHandler` drains the node: emergency
 checkpoint, explicit leave, workers stopped.
 
 Exit codes: 0 training finished or the node drained cleanly; 1 torchrun failed; 2 bad
@@ -13,10 +13,8 @@ configuration (Redis, checkpoint directory, command); 3 the health check failed.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import queue
 import shutil
 import signal
 import socket
@@ -24,20 +22,20 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import redis
 
-from spottrain.keys import DEFAULT_PREFIX, RunKeys
+from spottrain.keys import RunKeys
 from spottrain.redis_conn import RedisSettings, connect, ping, settings_from_url
 
+from .config import EXIT_CONFIG, EXIT_OK, EXIT_TORCHRUN_FAILED, EXIT_UNHEALTHY, AgentConfig
 from .lifecycle import Lifecycle, NodeState
 from .local_progress import ENV_PROGRESS_FILE
 from .node_record import NodeInfo, NodeRecord
-from .notice_handler import DrainOutcome, NoticeHandler
-from .notices import Notice, NoticeKind
+from .notices.handler import DrainOutcome, NoticeHandler
+from .notices.notice import Notice, NoticeKind
+from .notices.signals import SignalMonitor
 from .processes import (
     WorkerUser,
     child_pids,
@@ -49,90 +47,6 @@ from .processes import (
 )
 
 log = logging.getLogger("spottrain.agent")
-
-EXIT_OK, EXIT_TORCHRUN_FAILED, EXIT_CONFIG, EXIT_UNHEALTHY = 0, 1, 2, 3
-
-
-class AgentConfigError(ValueError):
-    """The agent cannot start as configured; the message says what to change."""
-
-
-# --rdzv-conf keys that would carry a secret; password_env and password_file only say where
-# it is, and stay allowed.
-SECRET_RDZV_KEYS = frozenset({"password", "requirepass", "token"})
-
-
-@dataclass
-class AgentConfig:
-    redis_url: str
-    run_id: str
-    node_id: str
-    train_cmd: list[str]
-    nnodes: str = "1:1"
-    nproc_per_node: int = 1
-    cloud: str = "local"
-    zone: str = ""
-    instance_type: str = ""
-    address: str = ""
-    expect_gpus: int = 0
-    health_check: bool = True
-    ckpt_dir: str = ""
-    ckpt_copy_to: str = ""
-    password_file: str | None = None
-    key_prefix: str = DEFAULT_PREFIX
-    notice_margin: float = 5.0
-    sigterm_grace: float = 60.0
-    worker_stop_timeout: float = 150.0
-    metadata_endpoint: str | None = None
-    poll_interval: float = 2.0
-    monitor_interval: float = 0.1
-    max_restarts: int = 100
-    asg_name: str = ""
-    asg_lifecycle_hook: str = ""
-    rdzv_conf: dict[str, str] = field(default_factory=dict)
-    extra_env: dict[str, str] = field(default_factory=dict)
-    # The unprivileged user torchrun and the workers run as when the agent is root (the
-    # systemd unit sets "spottrain"); empty: the agent's own user.
-    worker_user: str = ""
-    # The dead man's switch (agent/orphan.py): seconds without a controller heartbeat and
-    # without a local training step after which the VM ends itself; 0: never.
-    orphan_timeout: float = 0.0
-    self_terminate_cmd: str = ""
-
-    def validate(self) -> None:
-        if self.cloud not in ("local", "aws", "gcp"):
-            raise AgentConfigError(f"cloud {self.cloud!r} is not one of local, aws, gcp")
-        if not self.train_cmd:
-            raise AgentConfigError(
-                "no training command: give it after `--` or set SPOTTRAIN_TRAIN_CMD "
-                "(e.g. `train.py --steps 1000`)"
-            )
-        if self.nproc_per_node < 1:
-            raise AgentConfigError(f"nproc-per-node {self.nproc_per_node} must be at least 1")
-        if not 0 < self.poll_interval <= 5:
-            raise AgentConfigError(
-                f"poll interval {self.poll_interval} s must be in (0, 5]: an AWS notice "
-                "gives two minutes and must be seen within seconds"
-            )
-        secret = sorted(k for k in self.rdzv_conf if k.lower() in SECRET_RDZV_KEYS)
-        if secret:
-            # Also for an agent built in code: torchrun would carry the value on its command
-            # line (world-readable in /proc) and the torchrun-started event would store it.
-            raise AgentConfigError(
-                f"rdzv_conf {', '.join(secret)} is refused: it would put the secret on "
-                "torchrun's command line and in the run's event stream; give the Redis "
-                "password through the environment or a password file instead"
-            )
-        if self.orphan_timeout < 0:
-            raise AgentConfigError(
-                f"orphan timeout {self.orphan_timeout:g} s must be >= 0 (0 turns it off)"
-            )
-        lo, sep, hi = self.nnodes.partition(":")
-        hi = hi if sep else lo
-        if not (lo.isdigit() and hi.isdigit()) or not 1 <= int(lo) <= int(hi):
-            raise AgentConfigError(
-                f"nnodes {self.nnodes!r} must be N or MIN:MAX with 1 <= MIN <= MAX (e.g. 1:4)"
-            )
 
 
 class Agent:
@@ -184,8 +98,8 @@ class Agent:
         os.chmod(self._progress_dir, 0o1733)
         self.progress_path = os.path.join(self._progress_dir, "step")
         self.orphan_reason = ""
-        self._signalled = threading.Event()
         self._wake = threading.Event()
+        self.signals = SignalMonitor(self.handler.submit, cfg.sigterm_grace, self._wake.set)
 
     # -- lifecycle --------------------------------------------------------------------------
     def _advance(self, state: NodeState, reason: str = "") -> None:
@@ -196,7 +110,7 @@ class Agent:
         self.record.register(NodeState.BOOTING.value)
         self.record.event("agent-started", pid=os.getpid(), cloud=self.cfg.cloud)
         self.record.start_heartbeat()
-        self._install_signals()
+        self.signals.install()
         self._start_orphan_watch()
         try:
             code = self._run()
@@ -252,9 +166,9 @@ class Agent:
         as SIGTERM) or its own switch ends it: an idle VM must not outlive its controller."""
         if self.cfg.orphan_timeout <= 0:
             return
-        if not self.orphan_reason and not self._signalled.is_set():
+        if not self.orphan_reason and not self.signals.signalled.is_set():
             log.info("torchrun ended: waiting for the VM to be ended (or to end it itself)")
-        while not self.orphan_reason and not self._signalled.is_set():
+        while not self.orphan_reason and not self.signals.signalled.is_set():
             self._wake.wait(1.0)
         if self.orphan_reason:
             self.handler.done.wait(self.cfg.sigterm_grace + self.cfg.worker_stop_timeout)
@@ -303,7 +217,7 @@ class Agent:
                 log.error("%s", problem)
                 return EXIT_CONFIG
         self._advance(NodeState.HEALTHY, "health check passed" if self.cfg.health_check else "")
-        self._start_watchers()
+        self._start_sources()
         if self.handler.draining:
             self.handler.done.wait(self.cfg.sigterm_grace)
             return EXIT_OK
@@ -487,108 +401,25 @@ class Agent:
         return running(self._seen_pids)
 
     # -- notices ----------------------------------------------------------------------------
-    def _install_signals(self) -> None:
-        # A handler runs on the main thread between two bytecodes, possibly while that
-        # thread holds a lock of the Redis client: it only queues the signal (SimpleQueue's
-        # put is safe there), and a thread of its own turns it into a notice.
-        signals: queue.SimpleQueue[int] = queue.SimpleQueue()
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            signals.put(signum)
-
-        def pump() -> None:
-            while True:
-                signum = signals.get()
-                self._signalled.set()
-                self._wake.set()
-                self.handler.submit(
-                    Notice(
-                        source="signal",
-                        kind=NoticeKind.SIGTERM,
-                        deadline=time.time() + self.cfg.sigterm_grace,
-                        detail={"signal": signal.Signals(signum).name},
-                    )
-                )
-
-        threading.Thread(target=pump, name="spottrain-signals", daemon=True).start()
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-
-    def _start_watchers(self) -> None:
-        from .watchers import AwsImdsWatcher, GcpMetadataWatcher, PollLoop, Watcher
+    def _start_sources(self) -> None:
+        from .notices.sources import start_sources
 
         def on_error(msg: str) -> None:
             log.warning("notice watcher: %s", msg)
             self.record.event("watcher-error", message=msg)
 
-        watcher: Watcher | None = None
-        if self.cfg.cloud == "aws":
-            watcher = AwsImdsWatcher(self.cfg.metadata_endpoint)
-        elif self.cfg.cloud == "gcp":
-            watcher = GcpMetadataWatcher(self.cfg.metadata_endpoint)
-        if watcher is not None:
-            loop = PollLoop(watcher, self.handler.submit, on_error, interval=self.cfg.poll_interval)
-            self._loops.append(loop.start())
-        injected = InjectedNotices(self.client, self.keys, self.cfg.node_id, self.handler.submit)
-        self._loops.append(injected.start())
-
-
-class InjectedNotices:
-    """Notices written to Redis for this node (the local cloud's preemptions, operators)."""
-
-    def __init__(self, client: redis.Redis, keys: RunKeys, node_id: str, on_notice: Any) -> None:
-        self.client = client
-        self.key = keys.notices(node_id)
-        self.on_notice = on_notice
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="spottrain-injected", daemon=True)
-
-    def start(self) -> InjectedNotices:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                item = self.client.blpop([self.key], timeout=1)
-            except redis.RedisError:
-                self._stop.wait(1.0)
-                continue
-            if item is None:
-                continue
-            try:
-                self.on_notice(parse_injected(item[1]))
-            except (ValueError, KeyError, TypeError) as exc:
-                log.error("ignored a malformed injected notice %r: %s", item[1], exc)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=3)
-
-
-def parse_injected(raw: bytes | str) -> Notice:
-    """An injected notice: JSON ``{"kind": ..., "in": seconds}`` or ``{"deadline": unix}``."""
-    body = json.loads(raw)
-    if not isinstance(body, dict):
-        raise ValueError("an injected notice must be a JSON object")
-    kind = NoticeKind(body.get("kind", NoticeKind.INJECTED.value))
-    now = time.time()
-    if body.get("deadline") is not None:
-        deadline: float | None = float(body["deadline"])
-    elif body.get("in") is not None:
-        deadline = now + float(body["in"])
-    else:
-        deadline = None if kind is NoticeKind.REBALANCE else now + 120.0
-    return Notice(
-        source="redis", kind=kind, deadline=deadline, seen_at=now, detail={"injected": body}
-    )
-
-
-def inject_notice(
-    client: redis.Redis, keys: RunKeys, node_id: str, kind: str = "injected", in_s: float = 120
-) -> None:
-    """Queue a notice for a node's agent (what the local cloud does to preempt a node)."""
-    client.rpush(keys.notices(node_id), json.dumps({"kind": kind, "in": in_s}))
+        self._loops.extend(
+            start_sources(
+                self.cfg.cloud,
+                self.client,
+                self.keys,
+                self.cfg.node_id,
+                self.handler.submit,
+                on_error,
+                metadata_endpoint=self.cfg.metadata_endpoint,
+                poll_interval=self.cfg.poll_interval,
+            )
+        )
 
 
 def _check_ckpt_dir(path: str) -> str | None:

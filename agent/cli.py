@@ -23,7 +23,7 @@ from spottrain.redis_conn import (
     settings_from_url,
 )
 
-from .notices import NoticeKind
+from .notices.notice import NoticeKind
 from .watch_cmd import add_watch_parser, run_watch
 
 CLOUDS = ("local", "aws", "gcp")
@@ -54,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"spottrain-agent {__version__}")
     sub = parser.add_subparsers(dest="command")
+    _add_leave_parser(sub)
+    _add_run_parser(sub)
+    _add_notify_parser(sub)
+    add_watch_parser(sub)
+    return parser
+
+
+def _add_leave_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     leave = sub.add_parser(
         "leave",
         help="make a node leave the job's rendezvous now (its peers re-form at once)",
@@ -64,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("SPOTTRAIN_NODE_ID"),
         help="the node to remove (default: $SPOTTRAIN_NODE_ID)",
     )
+
+
+def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run = sub.add_parser(
         "run",
         help="run this node: register, health check, torchrun, notices, emergency checkpoints",
@@ -72,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         "systemd unit reads them from /etc/spottrain/agent.env). The training command comes "
         "after `--` or from SPOTTRAIN_TRAIN_CMD.",
     )
+    _add_run_node_args(run)
+    _add_run_checkpoint_args(run)
+    _add_run_fleet_args(run)
+
+
+def _add_run_node_args(run: argparse.ArgumentParser) -> None:
+    """Where the job is, who this node is, and what it runs."""
     env = _env
     run.add_argument("--redis", default=env("SPOTTRAIN_REDIS"), help="redis[s]://HOST:PORT")
     run.add_argument("--password-file", default=env("SPOTTRAIN_REDIS_PASSWORD_FILE"))
@@ -93,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPUs the health check requires",
     )
     run.add_argument("--no-health-check", action="store_true")
+
+
+def _add_run_checkpoint_args(run: argparse.ArgumentParser) -> None:
+    """Checkpoints, notices and their deadlines."""
+    env = _env
     run.add_argument("--ckpt-dir", default=env("SPOTTRAIN_CKPT_DIR", ""))
     run.add_argument(
         "--ckpt-copy-to",
@@ -119,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="metadata server override (else AWS_EC2_METADATA_SERVICE_ENDPOINT/GCE_METADATA_HOST)",
     )
     run.add_argument("--poll-interval", type=float, default=2.0)
+
+
+def _add_run_fleet_args(run: argparse.ArgumentParser) -> None:
+    """torchrun's restarts, the fleet this VM belongs to, and how the workers run."""
+    env = _env
     run.add_argument(
         "--max-restarts",
         type=int,
@@ -156,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
         "root; the systemd unit sets spottrain); empty: the agent's own user",
     )
 
+
+def _add_notify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     notify = sub.add_parser(
         "notify", help="inject a preemption notice for a node through Redis (local cloud)"
     )
@@ -163,20 +193,19 @@ def build_parser() -> argparse.ArgumentParser:
     notify.add_argument("--node-id", required=True)
     notify.add_argument("--kind", default="injected", choices=[k.value for k in NoticeKind])
     notify.add_argument("--in", dest="in_s", type=float, default=120.0, help="seconds left")
-    add_watch_parser(sub)
-    return parser
 
 
 def _secret_rdzv_keys(conf: dict[str, str]) -> list[str]:
     """The ``--rdzv-conf`` keys that would carry a secret (``password``); ``password_env`` and
     ``password_file`` only name where it is, and stay allowed."""
-    from .agent import SECRET_RDZV_KEYS
+    from .config import SECRET_RDZV_KEYS
 
     return sorted(k for k in conf if k.lower() in SECRET_RDZV_KEYS)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .agent import Agent, AgentConfig
+    from .agent import Agent
+    from .config import AgentConfig
 
     missing = [n for n in ("redis", "run_id") if not getattr(args, n)]
     if missing:
@@ -239,7 +268,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _notify(args: argparse.Namespace) -> int:
-    from .agent import inject_notice
+    from spottrain.protocol.notices import inject_notice
 
     settings = _settings(args)
     client = connect(settings)

@@ -16,16 +16,11 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TextIO
 
-from spottrain.agent.notices import Notice
-from spottrain.agent.watchers import (
-    DEFAULT_INTERVAL_S,
-    DEFAULT_TIMEOUT_S,
-    MAX_INTERVAL_S,
-    AwsImdsWatcher,
-    GcpMetadataWatcher,
-    PollLoop,
-    WatcherError,
-)
+from spottrain.agent.notices.aws import AwsImdsWatcher
+from spottrain.agent.notices.gcp import GcpMetadataWatcher
+from spottrain.agent.notices.metadata_http import DEFAULT_TIMEOUT_S, WatcherError
+from spottrain.agent.notices.notice import Notice
+from spottrain.agent.notices.poll_loop import DEFAULT_INTERVAL_S, MAX_INTERVAL_S, PollLoop
 
 _PROG = "spottrain-agent watch"
 

@@ -31,8 +31,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from spottrain.agent.local_torchrun import LocalElasticJob
 from spottrain.agent.rendezvous.membership import leave_node
+from spottrain.agent.testing.local_launcher import LocalElasticJob
 from spottrain.embedded_redis import RedisServer, free_port
 from spottrain.keys import RunKeys
 

@@ -310,7 +310,7 @@ def _drain_launched(
     """Ask every running node of the run to drain (emergency checkpoint, leave), as the
     controller does when it stops a run, and wait until each has left, its VM is gone, or
     ``timeout`` passed. Returns the nodes that did not drain in time."""
-    from spottrain.agent.agent import inject_notice
+    from spottrain.protocol.notices import inject_notice
 
     alive = _alive_vms(info, providers)
     agents = state.node_records(sorted(alive))

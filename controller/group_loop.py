@@ -240,7 +240,7 @@ class GroupController:
 
     # --- act -----------------------------------------------------------------------------
     def act(self, p: GroupPlan, obs: GroupObserved) -> None:
-        from spottrain.agent.agent import inject_notice
+        from spottrain.protocol.notices import inject_notice
 
         for a in p.actions:
             self.state.fence()  # a controller that lost the run's lease acts no more

@@ -474,7 +474,7 @@ class Controller:
     def _drain_all(self, obs: Observed) -> None:
         """Ask every running node to drain (emergency checkpoint, leave). Repeating it is
         harmless: an agent dedups notices, so a restarted controller simply asks again."""
-        from spottrain.agent.agent import inject_notice
+        from spottrain.protocol.notices import inject_notice
 
         window = min(60.0, *self.spec.notice_windows.values())
         for n in obs.nodes:
@@ -485,7 +485,7 @@ class Controller:
 
     def _drain_one(self, a: Drain) -> None:
         """Ask one node to drain; once its agent has left, rule 3 ends its VM."""
-        from spottrain.agent.agent import inject_notice
+        from spottrain.protocol.notices import inject_notice
 
         window = min(60.0, *self.spec.notice_windows.values())
         self.state.fence()

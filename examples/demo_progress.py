@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from spottrain.agent.local_torchrun import LocalElasticJob, Record
+from spottrain.agent.testing.local_launcher import LocalElasticJob, Record
 
 
 def say(msg: str) -> None:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from demo_progress import Progress, say
 
-from spottrain.agent.local_torchrun import LocalElasticJob
 from spottrain.agent.rendezvous.membership import leave_node
+from spottrain.agent.testing.local_launcher import LocalElasticJob
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys, make_run_id
 

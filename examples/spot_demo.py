@@ -29,10 +29,10 @@ from pathlib import Path
 
 from demo_progress import Progress, say
 
-from spottrain.agent.agent import inject_notice
-from spottrain.agent.local_torchrun import LocalAgentJob
+from spottrain.agent.testing.local_launcher import LocalAgentJob
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys, make_run_id
+from spottrain.protocol.notices import inject_notice
 
 HERE = Path(__file__).resolve().parent
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import redis
 
-from spottrain.agent.local_torchrun import LocalAgentJob, Record
+from spottrain.agent.testing.local_launcher import LocalAgentJob, Record
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from spottrain.agent.local_torchrun import LocalElasticJob, Record
+from spottrain.agent.testing.local_launcher import LocalElasticJob, Record
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = str(REPO / "examples" / "elastic_train.py")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fakes.metadata_server import MetadataServer
 
-from spottrain.agent.watchers import GCP_PREEMPTED_PATH
+from spottrain.agent.notices.gce_metadata import GCP_PREEMPTED_PATH
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 

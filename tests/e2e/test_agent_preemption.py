@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from spottrain.agent.agent import inject_notice
 from spottrain.agent.checkpoint.directory import CheckpointDir
-from spottrain.agent.local_torchrun import LocalAgentJob
+from spottrain.agent.testing.local_launcher import LocalAgentJob
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
+from spottrain.protocol.notices import inject_notice
 
 from .agent_job import (
     RECOVER_TIMEOUT,

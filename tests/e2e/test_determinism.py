@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from spottrain.agent.agent import inject_notice
-from spottrain.agent.local_torchrun import LocalAgentJob
+from spottrain.agent.testing.local_launcher import LocalAgentJob
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
+from spottrain.protocol.notices import inject_notice
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
-from spottrain.agent.agent import inject_notice
 from spottrain.agent.checkpoint.directory import CheckpointDir
 from spottrain.controller.runs import find_run, open_redis
 from spottrain.keys import RunKeys
+from spottrain.protocol.notices import inject_notice
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ import pytest
 import redis
 from fakes.metadata_server import MetadataServer
 
-from spottrain.agent.agent import parse_injected
-from spottrain.agent.notices import NoticeKind
+from spottrain.agent.notices.injected import parse_injected
+from spottrain.agent.notices.notice import NoticeKind
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
@@ -224,7 +224,8 @@ def test_watch_is_wired_into_the_agent_command() -> None:
 def test_an_agent_built_in_code_refuses_a_password_in_its_rdzv_conf(key: str) -> None:
     """Not only the command line: an Agent configured in code refuses it before it touches
     Redis or starts anything."""
-    from spottrain.agent.agent import Agent, AgentConfig, AgentConfigError
+    from spottrain.agent.agent import Agent
+    from spottrain.agent.config import AgentConfig, AgentConfigError
 
     cfg = AgentConfig(
         redis_url="redis://127.0.0.1:1/0",  # never reached
@@ -236,3 +237,11 @@ def test_an_agent_built_in_code_refuses_a_password_in_its_rdzv_conf(key: str) ->
     with pytest.raises(AgentConfigError, match=f"rdzv_conf {key} is refused") as err:
         Agent(cfg)
     assert "hunter2-secret" not in str(err.value)
+
+
+def test_an_injected_notice_is_identified_by_its_body() -> None:
+    one = parse_injected(b'{"kind": "terminate", "in": 60}')
+    again = parse_injected(b'{"in": 60, "kind": "terminate"}')
+    other = parse_injected(b'{"kind": "terminate", "in": 30}')
+    assert one.source == "redis" and one.dedup_key == again.dedup_key
+    assert other.dedup_key != one.dedup_key

@@ -18,8 +18,8 @@ from spec_samples import LOCAL, _with
 
 from spottrain.agent.lifecycle import Lifecycle
 from spottrain.agent.node_record import NodeInfo, NodeRecord
-from spottrain.agent.notice_handler import NoticeHandler
 from spottrain.agent.notices import Notice, NoticeKind
+from spottrain.agent.notices.handler import NoticeHandler
 from spottrain.agent.sdk import ENV_NODE, TrainSession
 from spottrain.cloud.base import InstanceState, LaunchRequest, Offer, OfferQuery
 from spottrain.cloud.local import LocalProvider, LocalSettings

@@ -19,8 +19,8 @@ from spottrain.agent.checkpoint import dcp_io
 from spottrain.agent.checkpoint.directory import CheckpointDir
 from spottrain.agent.lifecycle import Lifecycle, NodeState
 from spottrain.agent.node_record import NodeInfo, NodeRecord
-from spottrain.agent.notice_handler import NoticeHandler, _covers
-from spottrain.agent.notices import Notice, NoticeKind
+from spottrain.agent.notices.handler import NoticeHandler, _covers
+from spottrain.agent.notices.notice import Notice, NoticeKind
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 from spottrain.redis_conn import RedisSettings, connect
@@ -230,3 +230,24 @@ def test_concurrent_heartbeats_never_overwrite_the_final_state(harness: Harness)
     stop.set()
     t.join()
     assert harness.client.hget(harness.keys.node("n1"), "state") == b"left"
+
+
+def test_notices_are_deduplicated_by_the_events_own_id(harness: Harness) -> None:
+    """Two different events of one source are two notices; one event polled again is one.
+    A second recommendation does not move the time the node became at risk."""
+    now = time.time()
+    first = Notice("aws-imds:rebalance", NoticeKind.REBALANCE, None, now, id="2026-11-22T14:40:00Z")
+    harness.handler.submit(first)
+    harness.handler.submit(first)
+    wait_for(lambda: harness.events().count("notice") == 1)
+    since = harness.client.hget(harness.keys.node("n1"), "at_risk_since")
+    assert since is not None
+    other = Notice(
+        "aws-imds:rebalance", NoticeKind.REBALANCE, None, now + 1, id="2026-11-22T14:45:00Z"
+    )
+    harness.handler.submit(other)
+    harness.handler.submit(other)
+    wait_for(lambda: harness.events().count("notice") == 2)
+    time.sleep(0.2)
+    assert harness.events().count("notice") == 2
+    assert harness.client.hget(harness.keys.node("n1"), "at_risk_since") == since

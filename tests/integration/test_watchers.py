@@ -29,16 +29,14 @@ from fakes.metadata_server import (
     MetadataServer,
 )
 
-from spottrain.agent.notices import Notice, NoticeKind
+from spottrain.agent.notices.aws import AwsImdsWatcher
+from spottrain.agent.notices.aws_imds import AWS_ENDPOINT_ENV
+from spottrain.agent.notices.gce_metadata import GCP_HOST_ENV
+from spottrain.agent.notices.gcp import GcpMetadataWatcher
+from spottrain.agent.notices.metadata_http import WatcherError
+from spottrain.agent.notices.notice import Notice, NoticeKind
+from spottrain.agent.notices.poll_loop import PollLoop
 from spottrain.agent.watch_cmd import main as watch_main
-from spottrain.agent.watchers import (
-    AWS_ENDPOINT_ENV,
-    GCP_HOST_ENV,
-    AwsImdsWatcher,
-    GcpMetadataWatcher,
-    PollLoop,
-    WatcherError,
-)
 
 TIMEOUT = 0.5  # client timeout in these tests; hangs last far longer
 
@@ -92,6 +90,25 @@ def test_aws_terminate_notice_carries_the_exact_deadline(
     assert notice.deadline == 1795358400.0
     assert notice.detail["action"] == "terminate"
     assert notice.detail["time"] == "2026-11-22T14:40:00Z"
+
+
+def test_each_aws_source_gives_its_notice_the_events_own_id(
+    aws: AwsImdsWatcher, md: MetadataServer
+) -> None:
+    md.set_spot_action("terminate", "2026-11-22T14:40:00Z")
+    md.set_rebalance("2026-11-22T14:30:00Z")
+    md.set_lifecycle_state("Terminated")
+    ids = {n.source: n.id for n in aws.poll()}
+    assert ids == {
+        "aws-imds:spot": "terminate 2026-11-22T14:40:00Z",
+        "aws-imds:rebalance": "2026-11-22T14:30:00Z",
+        "aws-imds:asg": "Terminated",
+    }
+    # The same events polled again dedup; a new recommendation is a new event.
+    assert {n.dedup_key for n in aws.poll()} == {(s, i) for s, i in ids.items()}
+    md.set_rebalance("2026-11-22T14:35:00Z")
+    again = {n.source: n.dedup_key for n in aws.poll()}
+    assert again["aws-imds:rebalance"] == ("aws-imds:rebalance", "2026-11-22T14:35:00Z")
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """What the agent does with a notice, against its deadline.
 
-One handler takes every notice from every watcher. Notices seen again are dropped; a second
+One handler takes every notice from every source. Notices seen again (the same source and
+event id, see :attr:`~.notice.Notice.dedup_key`) are dropped; a second
 draining notice while a drain runs can only bring its deadline forward. For a draining
 notice it: marks the node draining, asks the trainers for an emergency checkpoint (a request
 in Redis; rank 0 polls it and every rank saves at the same step), waits until the checkpoint
@@ -24,9 +25,9 @@ import redis
 
 from spottrain.keys import RunKeys
 
-from .lifecycle import Lifecycle, NodeState
-from .node_record import NodeRecord
-from .notices import Notice
+from ..lifecycle import Lifecycle, NodeState
+from ..node_record import NodeRecord
+from .notice import Notice
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +105,14 @@ class NoticeHandler:
         self.outcome: DrainOutcome | None = None
         self.done = threading.Event()
         self._refused: str | None = None
+        self._at_risk = False
 
     @property
     def draining(self) -> bool:
         return self._thread is not None
 
     def submit(self, notice: Notice) -> None:
-        """Take a notice from any watcher (thread-safe, returns at once)."""
+        """Take a notice from any source (thread-safe, returns at once)."""
         with self._lock:
             if notice.dedup_key in self._seen:
                 if notice.drains and self._thread is not None:
@@ -129,9 +131,10 @@ class NoticeHandler:
                     target=self._drain, args=(notice,), name="spottrain-drain", daemon=True
                 )
                 self._thread.start()
-            else:
+            elif not self._at_risk:
                 # The controller starts a replacement for an at-risk node and drains this
                 # one once the replacement joined (a handover with nothing lost).
+                self._at_risk = True
                 self.record.mark(
                     at_risk=f"{notice.kind.value} recommendation",
                     at_risk_since=f"{self.clock():.3f}",
@@ -285,7 +288,7 @@ class NoticeHandler:
             pass
         if not self.ckpt_dir:
             return []
-        from .checkpoint.directory import CheckpointDir, CheckpointDirError
+        from ..checkpoint.directory import CheckpointDir, CheckpointDirError
 
         try:
             manifest = CheckpointDir(self.ckpt_dir).newest_manifest()
@@ -303,7 +306,7 @@ class NoticeHandler:
         ]
 
     def _leave(self) -> bool:
-        from .rendezvous.membership import leave_node
+        from ..rendezvous.membership import leave_node
 
         try:
             leave_node(self.client, self.keys, self.node_id)

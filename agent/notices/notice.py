@@ -1,8 +1,8 @@
 """What a preemption notice is, whatever source it came from.
 
-Watchers only detect: each turns what its source says into :class:`Notice` values. The
-agent's notice handler decides what to do with them (drain or early checkpoint), dedups
-them, and acts against their deadline.
+Monitors only detect: each turns what its source says into :class:`Notice` values. The
+agent's notice handler (:mod:`.handler`) decides what to do with them (drain or early
+checkpoint), dedups them by the event's own id, and acts against their deadline.
 """
 
 from __future__ import annotations
@@ -35,16 +35,20 @@ class NoticeKind(StrEnum):
 
 @dataclass(frozen=True)
 class Notice:
-    """One notice as a watcher saw it.
+    """One notice as a monitor saw it.
 
     Attributes:
-        source: Which watcher saw it ("aws-imds:spot", "aws-imds:rebalance", "aws-imds:asg",
+        source: Which monitor saw it ("aws-imds:spot", "aws-imds:rebalance", "aws-imds:asg",
             "gcp:preempted", "gcp:maintenance", "signal", "redis").
         kind: What is about to happen.
         deadline: Unix seconds by which the VM goes away, or None when the source gives no
             time (a rebalance recommendation).
         seen_at: Unix seconds when the watcher saw it.
         detail: What the source said, for the event log (raw action, notice time, ...).
+        id: The event's own identity within its source (a spot notice's action and time, a
+            rebalance recommendation's noticeTime, an injected notice's body); empty for a
+            source whose events carry none (a signal, a notice made in code), which then
+            stands for one event per kind. Not part of the event log's notice fields.
     """
 
     source: str
@@ -52,6 +56,7 @@ class Notice:
     deadline: float | None
     seen_at: float = field(default_factory=time.time)
     detail: dict[str, Any] = field(default_factory=dict)
+    id: str = ""
 
     @property
     def drains(self) -> bool:
@@ -59,8 +64,8 @@ class Notice:
 
     @property
     def dedup_key(self) -> tuple[str, str]:
-        """Notices with the same key are one event seen again (watchers re-poll)."""
-        return (self.source, self.kind.value)
+        """Notices with the same key are one event seen again (monitors re-poll)."""
+        return (self.source, self.id or self.kind.value)
 
     def seconds_left(self, now: float | None = None) -> float | None:
         if self.deadline is None:
@@ -87,4 +92,5 @@ class Notice:
             deadline=None if d.get("deadline") is None else float(d["deadline"]),
             seen_at=float(d.get("seen_at", time.time())),
             detail=dict(d.get("detail") or {}),
+            id=str(d.get("id") or ""),
         )

@@ -25,7 +25,7 @@ import redis
 
 from spottrain.keys import RunKeys
 
-from .processes import descendants, running, torchrun_command
+from ..processes import descendants, running, torchrun_command
 
 __all__ = [
     "LocalAgentJob",

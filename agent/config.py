@@ -1,0 +1,91 @@
+"""How one agent is configured (``spottrain-agent run``'s flags and environment), and its
+exit codes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spottrain.keys import DEFAULT_PREFIX
+
+EXIT_OK, EXIT_TORCHRUN_FAILED, EXIT_CONFIG, EXIT_UNHEALTHY = 0, 1, 2, 3
+
+# --rdzv-conf keys that would carry a secret; password_env and password_file only say where
+# it is, and stay allowed.
+SECRET_RDZV_KEYS = frozenset({"password", "requirepass", "token"})
+
+
+class AgentConfigError(ValueError):
+    """The agent cannot start as configured; the message says what to change."""
+
+
+@dataclass
+class AgentConfig:
+    redis_url: str
+    run_id: str
+    node_id: str
+    train_cmd: list[str]
+    nnodes: str = "1:1"
+    nproc_per_node: int = 1
+    cloud: str = "local"
+    zone: str = ""
+    instance_type: str = ""
+    address: str = ""
+    expect_gpus: int = 0
+    health_check: bool = True
+    ckpt_dir: str = ""
+    ckpt_copy_to: str = ""
+    password_file: str | None = None
+    key_prefix: str = DEFAULT_PREFIX
+    notice_margin: float = 5.0
+    sigterm_grace: float = 60.0
+    worker_stop_timeout: float = 150.0
+    metadata_endpoint: str | None = None
+    poll_interval: float = 2.0
+    monitor_interval: float = 0.1
+    max_restarts: int = 100
+    asg_name: str = ""
+    asg_lifecycle_hook: str = ""
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)
+    # The unprivileged user torchrun and the workers run as when the agent is root (the
+    # systemd unit sets "spottrain"); empty: the agent's own user.
+    worker_user: str = ""
+    # The dead man's switch (agent/orphan.py): seconds without a controller heartbeat and
+    # without a local training step after which the VM ends itself; 0: never.
+    orphan_timeout: float = 0.0
+    self_terminate_cmd: str = ""
+
+    def validate(self) -> None:
+        if self.cloud not in ("local", "aws", "gcp"):
+            raise AgentConfigError(f"cloud {self.cloud!r} is not one of local, aws, gcp")
+        if not self.train_cmd:
+            raise AgentConfigError(
+                "no training command: give it after `--` or set SPOTTRAIN_TRAIN_CMD "
+                "(e.g. `train.py --steps 1000`)"
+            )
+        if self.nproc_per_node < 1:
+            raise AgentConfigError(f"nproc-per-node {self.nproc_per_node} must be at least 1")
+        if not 0 < self.poll_interval <= 5:
+            raise AgentConfigError(
+                f"poll interval {self.poll_interval} s must be in (0, 5]: an AWS notice "
+                "gives two minutes and must be seen within seconds"
+            )
+        secret = sorted(k for k in self.rdzv_conf if k.lower() in SECRET_RDZV_KEYS)
+        if secret:
+            # Also for an agent built in code: torchrun would carry the value on its command
+            # line (world-readable in /proc) and the torchrun-started event would store it.
+            raise AgentConfigError(
+                f"rdzv_conf {', '.join(secret)} is refused: it would put the secret on "
+                "torchrun's command line and in the run's event stream; give the Redis "
+                "password through the environment or a password file instead"
+            )
+        if self.orphan_timeout < 0:
+            raise AgentConfigError(
+                f"orphan timeout {self.orphan_timeout:g} s must be >= 0 (0 turns it off)"
+            )
+        lo, sep, hi = self.nnodes.partition(":")
+        hi = hi if sep else lo
+        if not (lo.isdigit() and hi.isdigit()) or not 1 <= int(lo) <= int(hi):
+            raise AgentConfigError(
+                f"nnodes {self.nnodes!r} must be N or MIN:MAX with 1 <= MIN <= MAX (e.g. 1:4)"
+            )

@@ -1,0 +1,52 @@
+"""The GCP maintenance monitor: ``instance/maintenance-event`` says the host's maintenance
+will stop this VM (TERMINATE_ON_HOST_MAINTENANCE)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from .gce_metadata import GCP_MAINTENANCE_PATH, GceMetadata
+from .metadata_http import FirstSeen, request_error
+from .notice import Notice, NoticeKind
+
+SOURCE = "gcp:maintenance"
+# A TERMINATE_ON_HOST_MAINTENANCE event comes 60 s before the VM is stopped.
+GCP_MAINTENANCE_GRACE_S = 60.0
+
+
+class MaintenanceMonitor:
+    """Reads ``instance/maintenance-event``; the notice's id is the event's value."""
+
+    def __init__(self, metadata: GceMetadata, clock: Callable[[], float] = time.time) -> None:
+        self.metadata = metadata
+        self._clock = clock
+        self._first_seen = FirstSeen()
+
+    def check(self) -> Notice | None:
+        """The terminating maintenance showing now, or None.
+
+        Raises:
+            WatcherError: When the path could not be checked or its answer makes no sense.
+        """
+        value = self.metadata.get(GCP_MAINTENANCE_PATH).text()
+        if value in ("NONE", "MIGRATE_ON_HOST_MAINTENANCE"):
+            # A live migration pauses the VM briefly; it does not end it.
+            self._first_seen.clear()
+            return None
+        if value != "TERMINATE_ON_HOST_MAINTENANCE":
+            raise request_error(
+                "GET",
+                self.metadata.url(GCP_MAINTENANCE_PATH),
+                f"returned {value[:80]!r}, expected NONE, MIGRATE_ON_HOST_MAINTENANCE "
+                "or TERMINATE_ON_HOST_MAINTENANCE",
+            )
+        seen_at = self._first_seen.mark(value, self._clock())
+        return Notice(
+            SOURCE,
+            NoticeKind.MAINTENANCE,
+            seen_at + GCP_MAINTENANCE_GRACE_S,
+            seen_at=seen_at,
+            detail={"maintenance_event": value},
+            id=value,
+        )

@@ -1,0 +1,45 @@
+"""Injected notices: a notice written to Redis for one node's agent.
+
+The local cloud preempts a node this way, the controller drains one this way, and operators
+and tests use ``spottrain-agent notify``. The agent pops them from ``RunKeys.notices(node)``.
+
+Format (one JSON object per list item, unchanged since the first release)::
+
+    {"kind": "terminate", "in": 60}      # due 60 s after it is read
+    {"kind": "rebalance", "deadline": 1.7e9}  # or an absolute Unix deadline
+
+``kind`` defaults to ``"injected"``; with neither ``in`` nor ``deadline`` a draining notice
+is due :data:`DEFAULT_IN_S` seconds after it is read and a rebalance has no deadline.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis
+
+from spottrain.keys import RunKeys
+
+DEFAULT_KIND = "injected"
+# Seconds from reading a draining injected notice that gives no time to its deadline.
+DEFAULT_IN_S = 120.0
+
+
+def inject_notice(
+    client: redis.Redis, keys: RunKeys, node_id: str, kind: str = "injected", in_s: float = 120
+) -> None:
+    """Queue a notice for a node's agent (what the local cloud does to preempt a node)."""
+    client.rpush(keys.notices(node_id), json.dumps({"kind": kind, "in": in_s}))
+
+
+def decode_injected(raw: bytes | str) -> dict[str, Any]:
+    """The JSON object of one injected notice as it was queued.
+
+    Raises:
+        ValueError: If it is not JSON, or not a JSON object.
+    """
+    body = json.loads(raw)
+    if not isinstance(body, dict):
+        raise ValueError("an injected notice must be a JSON object")
+    return body
