@@ -40,7 +40,7 @@ def test_a_demo_whose_training_ended_first_stops_with_a_plain_message(tmp_path: 
         from demo_progress import Progress
     finally:
         sys.path.remove(str(REPO / "examples"))
-    from spottrain.agent.local_torchrun import LocalElasticJob
+    from spottrain.agent.testing.local_launcher import LocalElasticJob
 
     job = LocalElasticJob(tmp_path, "127.0.0.1:1", "ended-run", script="unused.py")
     # A node that trains five steps at world size 1 and exits, as a finished job does.
