@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchlib import parser, print_figures
+
 REPO = Path(__file__).resolve().parents[1]
 GPT_EXAMPLE = REPO / "examples" / "gpt_train.py"
 CHUNK = 64 << 20
@@ -180,10 +182,9 @@ def med(xs: list[float]) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = parser(__doc__, reps=3)
     p.add_argument("--dir", default="build/bench-ckpt", help="scratch directory (repo-relative)")
     p.add_argument("--size-gib", type=float, default=1.0)
-    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--quick", action="store_true", help="0.25 GiB, 1 rep, 60 steps")
     p.add_argument("--role", choices=["write", "notice", "steps"], help=argparse.SUPPRESS)
@@ -286,7 +287,7 @@ def main() -> None:
         }
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps(figures))
+    print_figures(figures)
 
 
 # -- the ranks -------------------------------------------------------------------------------
