@@ -75,9 +75,9 @@ answered 500 and kept in ``internal_errors``, for the test to assert empty::
         gce.count("instances.insert")
 
 The package holds one module per resource (``instances``, ``operations``, ``templates``,
-``groups``, ``machine_types``), with ``validation`` (what an insert or a template must
-satisfy), ``faults``, ``listing`` (filters and pages) and ``common``; this module routes each
-call to the resource that serves it.
+``groups`` with its ``reconcile``, ``machine_types``), with ``validation`` (what an insert or
+a template must satisfy), ``faults``, ``listing`` (filters and pages) and ``common``; this
+module routes each call to the resource that serves it.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ from .groups import GroupsMixin
 from .instances import InstancesMixin
 from .machine_types import MachineTypesMixin, catalog_zones
 from .operations import OperationsMixin
+from .reconcile import ReconcileMixin
 from .templates import TemplatesMixin
 from .validation import ValidationMixin
 
@@ -183,6 +184,7 @@ class GceFake(
     InstancesMixin,
     TemplatesMixin,
     GroupsMixin,
+    ReconcileMixin,
     OperationsMixin,
     MachineTypesMixin,
     ValidationMixin,

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .faults import Faults
-    from .groups import Group
     from .operations import Operation
+    from .reconcile import Group
 
 
 class GceState:
