@@ -27,6 +27,14 @@ class ValidationMixin(GceState):
     def _validate_properties(self, body: dict[str, Any], zone: str | None, at: str) -> str:
         """What an instance insert (in ``zone``) and an instance template's properties (``zone``
         None, fields under ``resource.properties``) must both satisfy; the machine type."""
+        machine_type = self._check_machine_type(body, zone, at)
+        _check_scheduling(body, machine_type, at)
+        _check_network(body, machine_type, at)
+        _check_labels_and_metadata(body, at)
+        self._check_boot_disk(body, at)
+        return machine_type
+
+    def _check_machine_type(self, body: dict[str, Any], zone: str | None, at: str) -> str:
         mt = MACHINE_TYPE_RE.match(body.get("machineType", ""))
         if mt is None or not body.get("machineType"):
             raise ApiError(400, f"Invalid value for field '{at}.machineType': ''.", "invalid")
@@ -56,74 +64,9 @@ class ValidationMixin(GceState):
                 )
             if machine_type not in self._machine_types[zone]:
                 raise not_found(f"projects/{self.project}/zones/{zone}/machineTypes/{machine_type}")
-        scheduling = body.get("scheduling", {})
-        maintenance = scheduling.get("onHostMaintenance", "MIGRATE")
-        gpus = machine_type.startswith(_GPU_FAMILIES) or bool(body.get("guestAccelerators"))
-        if gpus and maintenance != "TERMINATE":
-            raise ApiError(
-                400,
-                "Instances with guest accelerators do not support live migration.",
-                "badRequest",
-            )
-        if machine_type.startswith(_GPU_FAMILIES) and body.get("guestAccelerators"):
-            raise invalid(
-                f"{at}.guestAccelerators",
-                body["guestAccelerators"],
-                f"Machine type {machine_type} comes with its accelerators attached; "
-                "guestAccelerators must be empty.",
-            )
-        model = scheduling.get("provisioningModel", "STANDARD")
-        if model not in ("STANDARD", "SPOT"):
-            raise invalid(f"{at}.scheduling.provisioningModel", model, "")
-        action = scheduling.get("instanceTerminationAction")
-        if action not in (None, "STOP", "DELETE"):
-            raise invalid(f"{at}.scheduling.instanceTerminationAction", action, "")
-        if model == "SPOT":
-            if maintenance != "TERMINATE":
-                raise invalid(
-                    f"{at}.scheduling.onHostMaintenance",
-                    maintenance,
-                    "Spot VMs must have onHostMaintenance set to TERMINATE.",
-                )
-            if scheduling.get("automaticRestart", True):
-                raise invalid(
-                    f"{at}.scheduling.automaticRestart",
-                    "true",
-                    "Spot VMs must have automaticRestart set to false.",
-                )
-        if "maxRunDuration" in scheduling and action is None:
-            raise invalid(
-                f"{at}.scheduling.instanceTerminationAction",
-                "",
-                "maxRunDuration requires an instanceTerminationAction.",
-            )
-        nics = body.get("networkInterfaces") or []
-        if not nics:
-            raise ApiError(400, "At least one network interface is required.", "required")
-        if machine_type.startswith("a3-") and nics[0].get("nicType") != "GVNIC":
-            raise invalid(
-                f"{at}.networkInterfaces[0].nicType",
-                nics[0].get("nicType", ""),
-                f"Machine type {machine_type} requires the GVNIC network interface.",
-            )
-        labels = body.get("labels", {})
-        if len(labels) > 64:
-            raise invalid(f"{at}.labels", len(labels), "At most 64 labels.")
-        for key, value in labels.items():
-            if not _LABEL_KEY_RE.match(key):
-                raise invalid(
-                    f"{at}.labels.{key}", key, "Label keys must match [a-z][a-z0-9_-]{0,62}."
-                )
-            if not isinstance(value, str) or not _LABEL_VALUE_RE.match(value):
-                raise invalid(
-                    f"{at}.labels.{key}", value, "Label values must match [a-z0-9_-]{0,63}."
-                )
-        items = body.get("metadata", {}).get("items", [])
-        if sum(len(i.get("key", "")) + len(i.get("value", "")) for i in items) > _METADATA_LIMIT:
-            raise ApiError(400, "Metadata exceeds the 512 KB limit.", "invalid")
-        for item in items:
-            if not _METADATA_KEY_RE.match(item.get("key", "")):
-                raise invalid(f"{at}.metadata.items.key", item.get("key", ""), "")
+        return machine_type
+
+    def _check_boot_disk(self, body: dict[str, Any], at: str) -> None:
         boot = [d for d in body.get("disks", []) if d.get("boot")]
         if len(boot) != 1:
             raise ApiError(400, "Exactly one boot disk is required.", "invalid")
@@ -137,4 +80,76 @@ class ValidationMixin(GceState):
             raise not_found(image.removeprefix(API + "/"))
         if "diskSizeGb" in params and int(params["diskSizeGb"]) < 10:
             raise invalid(f"{at}.disks[0].initializeParams.diskSizeGb", params["diskSizeGb"], "")
-        return machine_type
+
+
+def _check_scheduling(body: dict[str, Any], machine_type: str, at: str) -> None:
+    scheduling = body.get("scheduling", {})
+    maintenance = scheduling.get("onHostMaintenance", "MIGRATE")
+    gpus = machine_type.startswith(_GPU_FAMILIES) or bool(body.get("guestAccelerators"))
+    if gpus and maintenance != "TERMINATE":
+        raise ApiError(
+            400,
+            "Instances with guest accelerators do not support live migration.",
+            "badRequest",
+        )
+    if machine_type.startswith(_GPU_FAMILIES) and body.get("guestAccelerators"):
+        raise invalid(
+            f"{at}.guestAccelerators",
+            body["guestAccelerators"],
+            f"Machine type {machine_type} comes with its accelerators attached; "
+            "guestAccelerators must be empty.",
+        )
+    model = scheduling.get("provisioningModel", "STANDARD")
+    if model not in ("STANDARD", "SPOT"):
+        raise invalid(f"{at}.scheduling.provisioningModel", model, "")
+    action = scheduling.get("instanceTerminationAction")
+    if action not in (None, "STOP", "DELETE"):
+        raise invalid(f"{at}.scheduling.instanceTerminationAction", action, "")
+    if model == "SPOT":
+        if maintenance != "TERMINATE":
+            raise invalid(
+                f"{at}.scheduling.onHostMaintenance",
+                maintenance,
+                "Spot VMs must have onHostMaintenance set to TERMINATE.",
+            )
+        if scheduling.get("automaticRestart", True):
+            raise invalid(
+                f"{at}.scheduling.automaticRestart",
+                "true",
+                "Spot VMs must have automaticRestart set to false.",
+            )
+    if "maxRunDuration" in scheduling and action is None:
+        raise invalid(
+            f"{at}.scheduling.instanceTerminationAction",
+            "",
+            "maxRunDuration requires an instanceTerminationAction.",
+        )
+
+
+def _check_network(body: dict[str, Any], machine_type: str, at: str) -> None:
+    nics = body.get("networkInterfaces") or []
+    if not nics:
+        raise ApiError(400, "At least one network interface is required.", "required")
+    if machine_type.startswith("a3-") and nics[0].get("nicType") != "GVNIC":
+        raise invalid(
+            f"{at}.networkInterfaces[0].nicType",
+            nics[0].get("nicType", ""),
+            f"Machine type {machine_type} requires the GVNIC network interface.",
+        )
+
+
+def _check_labels_and_metadata(body: dict[str, Any], at: str) -> None:
+    labels = body.get("labels", {})
+    if len(labels) > 64:
+        raise invalid(f"{at}.labels", len(labels), "At most 64 labels.")
+    for key, value in labels.items():
+        if not _LABEL_KEY_RE.match(key):
+            raise invalid(f"{at}.labels.{key}", key, "Label keys must match [a-z][a-z0-9_-]{0,62}.")
+        if not isinstance(value, str) or not _LABEL_VALUE_RE.match(value):
+            raise invalid(f"{at}.labels.{key}", value, "Label values must match [a-z0-9_-]{0,63}.")
+    items = body.get("metadata", {}).get("items", [])
+    if sum(len(i.get("key", "")) + len(i.get("value", "")) for i in items) > _METADATA_LIMIT:
+        raise ApiError(400, "Metadata exceeds the 512 KB limit.", "invalid")
+    for item in items:
+        if not _METADATA_KEY_RE.match(item.get("key", "")):
+            raise invalid(f"{at}.metadata.items.key", item.get("key", ""), "")
