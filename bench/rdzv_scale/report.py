@@ -25,6 +25,17 @@ def _bytes(v: float | None) -> str:
 
 
 def print_report(results: list[dict[str, Any]], runtime: float, cores: int, as_is: bool) -> None:
+    _print_overview(results, cores)
+    _print_write_load(results)
+    print()
+    print("Details")
+    for r in results:
+        _print_phases(r)
+        _print_health(r)
+    _print_caveats(runtime, cores, as_is)
+
+
+def _print_overview(results: list[dict[str, Any]], cores: int) -> None:
     print()
     print(f"Redis rendezvous at scale: simulated nodes on {cores} cores, one local Redis")
     print("=" * 100)
@@ -44,6 +55,9 @@ def print_report(results: list[dict[str, Any]], runtime: float, cores: int, as_i
             f"{_f(r.get('requests_per_s'), '{:.0f}'):>8} {cas:>22} "
             f"{_f(r.get('wrongly_declared_dead'), '{}'):>12}"
         )
+
+
+def _print_write_load(results: list[dict[str, Any]]) -> None:
     print()
     print("Steady-state write load: ours vs torch's keep-alive (whole state by CAS every 5 s)")
     head = (
@@ -63,80 +77,88 @@ def print_report(results: list[dict[str, Any]], runtime: float, cores: int, as_i
             f"{_bytes(r.get('net_out_bytes_per_s')) + '/s':>14} "
             f"{_f(r.get('redis_cpu'), '{:.0%}'):>10}"
         )
-    print()
-    print("Details")
-    for r in results:
-        print(f"  N={r['nodes']} (run id {r['run_id']}, {_f(r['size_runtime_s'], '{:.0f}')} s)")
-        if "failure" in r:
-            print(f"    FAILURE: {r['failure']}")
-        print(
-            f"    form: median node {_f(r.get('form_median_s'))} s, world sizes "
-            f"{r.get('form_world_sizes')}; {_usage_text(r.get('form_usage'))}"
+
+
+def _print_phases(r: dict[str, Any]) -> None:
+    """One size's formation and loss: times, CPU, how the state progressed."""
+    print(f"  N={r['nodes']} (run id {r['run_id']}, {_f(r['size_runtime_s'], '{:.0f}')} s)")
+    if "failure" in r:
+        print(f"    FAILURE: {r['failure']}")
+    print(
+        f"    form: median node {_f(r.get('form_median_s'))} s, world sizes "
+        f"{r.get('form_world_sizes')}; {_usage_text(r.get('form_usage'))}"
+    )
+    if "failure" in r:
+        print(f"    state in Redis after formation: {r.get('form_state')}")
+    print(
+        f"    loss: detect first/median/last {_f(r.get('detect_min_s'))}/"
+        f"{_f(r.get('detect_median_s'))}/{_f(r.get('detect_s'))} s (includes the "
+        f"{HEARTBEAT_TIMEOUT_S} s heartbeat timeout), re-form median "
+        f"{_f(r.get('reform_median_s'))} s, last re-form "
+        f"{_f(r.get('reform_after_detect_s'))} s after the last detection; world sizes "
+        f"{r.get('reform_world_sizes')}, rounds {r.get('reform_rounds')}"
+    )
+    print(
+        f"    loss: {_usage_text(r.get('reform_usage'))}; slowest poll sweep "
+        f"{_f(r.get('reform_poll_sweep_max_s'))} s"
+    )
+    if "failure" in r and "reform_state" in r:
+        print(f"    state in Redis after re-formation: {r.get('reform_state')}")
+    for phase, samples in r.get("progress", {}).items():
+        if samples and ("failure" in r or phase == "reform"):
+            print(f"    {phase} progress (s since start: participants/waiting, round, token):")
+            print("      " + _timeline(samples))
+    if "cas_by_phase" in r:
+        parts = ", ".join(
+            f"{p} {v[1]}/{v[0]}" + (f" ({v[2]} none)" if v[2] else "")
+            for p, v in r["cas_by_phase"].items()
         )
-        if "failure" in r:
-            print(f"    state in Redis after formation: {r.get('form_state')}")
+        print(f"    CAS conflicts/calls by phase: {parts}")
+
+
+def _print_health(r: dict[str, Any]) -> None:
+    """One size's steady state, heartbeats, deaths, log lines and errors."""
+    print(
+        f"    steady: {_usage_text(r.get('steady_usage'))}; poll sweep p50 "
+        f"{_f(r.get('poll_sweep_p50_s'), '{:.3f}')} s / max "
+        f"{_f(r.get('poll_sweep_max_s'), '{:.3f}')} s (target period {POLL_INTERVAL_S} s), "
+        f"Redis in {_bytes(r.get('net_in_bytes_per_s'))}/s"
+    )
+    if r.get("steady_calls_per_s"):
+        top = list(r["steady_calls_per_s"].items())[:8]
+        print("    steady calls/s: " + ", ".join(f"{k} {v}" for k, v in top))
+    print(
+        f"    oldest live heartbeat (dead after {HEARTBEAT_TIMEOUT_S} s): "
+        + ", ".join(f"{p} {v:.2f} s" for p, v in r["max_heartbeat_age_s"].items())
+    )
+    print(
+        f"    declared dead {r.get('declared_dead')} (frozen {r['lost']}), wrongly "
+        f"{r.get('wrongly_declared_dead')}; spurious restarts before the loss "
+        f"{r.get('spurious_restarts')} {r.get('spurious_reasons') or ''}; poll errors "
+        f"{r.get('poll_errors')}"
+    )
+    if r.get("stats_error"):
+        print(f"    stats: {r['stats_error']}")
+    if r.get("wrongly_declared_dead"):
         print(
-            f"    loss: detect first/median/last {_f(r.get('detect_min_s'))}/"
-            f"{_f(r.get('detect_median_s'))}/{_f(r.get('detect_s'))} s (includes the "
-            f"{HEARTBEAT_TIMEOUT_S} s heartbeat timeout), re-form median "
-            f"{_f(r.get('reform_median_s'))} s, last re-form "
-            f"{_f(r.get('reform_after_detect_s'))} s after the last detection; world sizes "
-            f"{r.get('reform_world_sizes')}, rounds {r.get('reform_rounds')}"
+            f"    -> live nodes were declared dead: their heartbeat threads went up to "
+            f"{max(r['max_heartbeat_age_s'].values()):.1f} s without running on this "
+            "oversubscribed machine."
         )
-        print(
-            f"    loss: {_usage_text(r.get('reform_usage'))}; slowest poll sweep "
-            f"{_f(r.get('reform_poll_sweep_max_s'))} s"
-        )
-        if "failure" in r and "reform_state" in r:
-            print(f"    state in Redis after re-formation: {r.get('reform_state')}")
-        for phase, samples in r.get("progress", {}).items():
-            if samples and ("failure" in r or phase == "reform"):
-                print(f"    {phase} progress (s since start: participants/waiting, round, token):")
-                print("      " + _timeline(samples))
-        if "cas_by_phase" in r:
-            parts = ", ".join(
-                f"{p} {v[1]}/{v[0]}" + (f" ({v[2]} none)" if v[2] else "")
-                for p, v in r["cas_by_phase"].items()
-            )
-            print(f"    CAS conflicts/calls by phase: {parts}")
-        print(
-            f"    steady: {_usage_text(r.get('steady_usage'))}; poll sweep p50 "
-            f"{_f(r.get('poll_sweep_p50_s'), '{:.3f}')} s / max "
-            f"{_f(r.get('poll_sweep_max_s'), '{:.3f}')} s (target period {POLL_INTERVAL_S} s), "
-            f"Redis in {_bytes(r.get('net_in_bytes_per_s'))}/s"
-        )
-        if r.get("steady_calls_per_s"):
-            top = list(r["steady_calls_per_s"].items())[:8]
-            print("    steady calls/s: " + ", ".join(f"{k} {v}" for k, v in top))
-        print(
-            f"    oldest live heartbeat (dead after {HEARTBEAT_TIMEOUT_S} s): "
-            + ", ".join(f"{p} {v:.2f} s" for p, v in r["max_heartbeat_age_s"].items())
-        )
-        print(
-            f"    declared dead {r.get('declared_dead')} (frozen {r['lost']}), wrongly "
-            f"{r.get('wrongly_declared_dead')}; spurious restarts before the loss "
-            f"{r.get('spurious_restarts')} {r.get('spurious_reasons') or ''}; poll errors "
-            f"{r.get('poll_errors')}"
-        )
-        if r.get("stats_error"):
-            print(f"    stats: {r['stats_error']}")
-        if r.get("wrongly_declared_dead"):
+        if r.get("told_dead") is not None:
             print(
-                f"    -> live nodes were declared dead: their heartbeat threads went up to "
-                f"{max(r['max_heartbeat_age_s'].values()):.1f} s without running on this "
-                "oversubscribed machine."
+                f"       {r['told_dead']} of them learned it from their own heartbeat while "
+                "inside next_rendezvous() and went on joining under the dead identity "
+                f"(identities renewed: {r.get('identity_changes')})."
             )
-            if r.get("told_dead") is not None:
-                print(
-                    f"       {r['told_dead']} of them learned it from their own heartbeat while "
-                    "inside next_rendezvous() and went on joining under the dead identity "
-                    f"(identities renewed: {r.get('identity_changes')})."
-                )
-        if r.get("log_warnings"):
-            for msg, count in r["log_warnings"].items():
-                print(f"    log x{count}: {msg[:90]}")
-        for err in r.get("form_errors", []) + r.get("reform_errors", []):
-            print(f"    error: {err[:160]}")
+    if r.get("log_warnings"):
+        for msg, count in r["log_warnings"].items():
+            print(f"    log x{count}: {msg[:90]}")
+    for err in r.get("form_errors", []) + r.get("reform_errors", []):
+        print(f"    error: {err[:160]}")
+
+
+def _print_caveats(runtime: float, cores: int, as_is: bool) -> None:
     print()
     print(
         f"Caveat: {cores} cores simulate the CPU of N machines (each node's pickling of the "
