@@ -41,14 +41,16 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/ for spec_samples
+sys.path.insert(0, str(HERE))  # for golden_state
 
+from golden_state import make_state  # noqa: E402
 from spec_samples import LOCAL, _with  # noqa: E402
 
 from spottrain.agent.checkpoint.directory import step_name  # noqa: E402
 from spottrain.agent.checkpoint.manifest import Manifest  # noqa: E402
 from spottrain.agent.node_record import NodeInfo, NodeRecord  # noqa: E402
 from spottrain.agent.rendezvous.handler import create_handler  # noqa: E402
-from spottrain.agent.sdk import ENV_NODE, GlobalBatch, ModelState, RngState, TrainSession  # noqa: E402
+from spottrain.agent.sdk import ENV_NODE, GlobalBatch, TrainSession  # noqa: E402
 from spottrain.cloud.local import LocalProvider, LocalSettings  # noqa: E402
 from spottrain.controller.loop import Controller, policy_from_spec, summarize  # noqa: E402
 from spottrain.controller.report import build_report, read_redis_inputs  # noqa: E402
@@ -157,16 +159,9 @@ def _train(ckpt: Path, server: RedisServer, keys: RunKeys) -> dict[str, Any]:
         )
     finally:
         del os.environ[ENV_NODE]
-    torch.manual_seed(1234)
-    random.seed(1234)
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    state: dict[str, Any] = {
-        "model": ModelState(model, opt, sched),
-        "rng": RngState(),
-        "extra": {"batch": GlobalBatch(8, 2, 1, 0), "note": "golden"},
-    }
+    state, model, opt, sched = make_state(
+        1234, lr=0.01, step_size=1, gamma=0.5, batch=GlobalBatch(8, 2, 1, 0), note="golden"
+    )
     assert session.restore(state) == 0
     for step in range(1, 5):
         loss = model(torch.ones(2, 4)).pow(2).sum()

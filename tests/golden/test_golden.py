@@ -22,11 +22,12 @@ import pytest
 import redis
 import torch
 import torch.distributed as dist
+from golden_state import make_state
 
 from spottrain.agent.checkpoint.directory import CheckpointDir
 from spottrain.agent.checkpoint.manifest import Manifest, verify_files
 from spottrain.agent.rendezvous.backend import RedisRendezvousBackend
-from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession
+from spottrain.agent.sdk import GlobalBatch, TrainSession
 from spottrain.controller.loop import summarize
 from spottrain.controller.report import build_report, read_archive_inputs, read_redis_inputs
 from spottrain.controller.state import RunState
@@ -185,16 +186,9 @@ def test_the_sdk_restores_the_checkpoint_bitwise(ckpt: Path) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
-        torch.manual_seed(99)
-        random.seed(99)
-        model = torch.nn.Linear(4, 3)
-        opt = torch.optim.Adam(model.parameters(), lr=0.5)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
-        state: dict[str, Any] = {
-            "model": ModelState(model, opt, sched),
-            "rng": RngState(),
-            "extra": {"batch": GlobalBatch(4, 1, 1, 0), "note": "fresh"},
-        }
+        state, model, opt, sched = make_state(
+            99, lr=0.5, step_size=3, gamma=0.9, batch=GlobalBatch(4, 1, 1, 0), note="fresh"
+        )
         session = TrainSession(ckpt, redis_url="", install_signal_handlers=False, tracking=False)
         assert session.restore(state) == EXPECTED_CKPT["step"]
         session.close()
