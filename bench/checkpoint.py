@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchlib import parser, print_figures
+
 REPO = Path(__file__).resolve().parents[1]
 GPT_EXAMPLE = REPO / "examples" / "gpt_train.py"
 CHUNK = 64 << 20
@@ -180,10 +182,9 @@ def med(xs: list[float]) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = parser(__doc__, reps=3)
     p.add_argument("--dir", default="build/bench-ckpt", help="scratch directory (repo-relative)")
     p.add_argument("--size-gib", type=float, default=1.0)
-    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--quick", action="store_true", help="0.25 GiB, 1 rep, 60 steps")
     p.add_argument("--role", choices=["write", "notice", "steps"], help=argparse.SUPPRESS)
@@ -208,85 +209,114 @@ def main() -> None:
         print(
             f"checkpoint bench in {workdir}: {args.size_gib:g} GiB, {args.reps} rep(s)", flush=True
         )
-        w = run_writes(args, workdir)
-        raw, dcp, dcp_nocrc, emg = (
-            size / med(w[m]) / 1e9 for m in ("raw", "dcp", "dcp_nocrc", "emergency")
-        )
-        print(
-            f"(a) raw sequential write, 1 writer, 64 MiB writes, fsync : {raw:6.3f} GB/s  (anchor)"
-        )
-        print(
-            f"(b) DCP save, 2 ranks x 4 threads, fsync, torch defaults : {dcp:6.3f} GB/s  (anchor)"
-        )
-        print(f"    DCP save as above with torch's per-record CRC off      : {dcp_nocrc:6.3f} GB/s")
-        print(
-            f"(c) emergency save (dcp_io.save, 2 ranks, to the commit)   : {emg:6.3f} GB/s   "
-            f"= {emg / raw:.2f} x raw (target >= 0.85), {emg / dcp:.2f} x DCP (target >= 1.00)",
-            flush=True,
-        )
-        # The same ratios within each round (the modes of a round run back to back), as a
-        # check on the ratio of medians when the disk's speed drifts between rounds.
-        paired_raw = med([r / e for r, e in zip(w["raw"], w["emergency"], strict=True)])
-        paired_dcp = med([d / e for d, e in zip(w["dcp"], w["emergency"], strict=True)])
-        print(f"    within each round, median: {paired_raw:.2f} x raw, {paired_dcp:.2f} x DCP")
-        for mode in ("raw", "dcp", "dcp_nocrc", "emergency"):
-            print(f"    {mode:10s} seconds per round: {' '.join(f'{s:.3f}' for s in w[mode])}")
-
-        notices = [run_notice(args, workdir, rep) for rep in range(args.reps)]
-        n2c = med([n["notice_to_commit_s"] for n in notices])
-        n_bytes = notices[0]["bytes"]
-        print(
-            f"(c) notice -> committed checkpoint (SIGTERM to rank 1, {n_bytes / 2**30:.2f} GiB, "
-            f"SDK) : {n2c:.3f} s   (a step is {med([n['step_s'] for n in notices]) * 1e3:.1f} ms; "
-            f"the write alone at the emergency rate: {n_bytes / (emg * 1e9):.3f} s)"
-        )
-        for n in notices:
-            print(f"    {json.dumps(n)}")
-
-        s = run_steps(args, workdir)
-        plain, sdk, blocking = (med(s[k]) for k in ("plain", "sdk", "blocking"))
-        overhead = sdk / plain - 1
-        overhead_mean = statistics.fmean(s["sdk"]) / statistics.fmean(s["plain"]) - 1
-        overhead_direct = med(s["sdk_call"]) / plain
-        blocking_overhead = blocking / plain - 1
-        print(
-            f"(d) step overhead of session.step (gpt_train step, 2 ranks, {args.steps} steps): "
-            f"{overhead * 100:+.2f} % (target <= 1 %); mean-based {overhead_mean * 100:+.2f} %; "
-            f"median step {plain * 1e3:.2f} ms without the SDK, {sdk * 1e3:.2f} ms with it; "
-            f"time inside session.step {overhead_direct * 100:.2f} % of a step"
-        )
-        print(
-            f"    agreement per step: the SDK's async all_reduce costs "
-            f"{med(s['sdk_call']) * 1e6:.0f} us in session.step; a blocking all_reduce of 5 int64 "
-            f"costs {med(s['blocking_call']) * 1e6:.0f} us, a step {blocking_overhead * 100:+.2f} %"
-        )
+        w = _bench_writes(args, workdir, size)
+        n = _bench_notice(args, workdir, w["emg"])
+        s = _bench_steps(args, workdir)
         figures = {
-            "emergency_vs_raw": round(emg / raw, 4),
-            "emergency_vs_dcp": round(emg / dcp, 4),
-            "notice_to_commit_s": round(n2c, 4),
-            "step_overhead": round(overhead, 5),
-            "step_overhead_mean": round(overhead_mean, 5),
-            "step_overhead_direct": round(overhead_direct, 5),
-            "emergency_vs_raw_paired": round(paired_raw, 4),
-            "emergency_vs_dcp_paired": round(paired_dcp, 4),
-            "raw_gbps": round(raw, 4),
-            "dcp_gbps": round(dcp, 4),
-            "dcp_nocrc_gbps": round(dcp_nocrc, 4),
-            "emergency_gbps": round(emg, 4),
-            "step_s": round(plain, 6),
-            "sdk_step_s": round(sdk, 6),
-            "blocking_step_s": round(blocking, 6),
-            "blocking_agree_overhead": round(blocking_overhead, 5),
-            "sdk_call_s": round(med(s["sdk_call"]), 7),
-            "blocking_call_s": round(med(s["blocking_call"]), 7),
-            "notice_bytes": n_bytes,
+            "emergency_vs_raw": round(w["emg"] / w["raw"], 4),
+            "emergency_vs_dcp": round(w["emg"] / w["dcp"], 4),
+            "notice_to_commit_s": round(n["n2c"], 4),
+            "step_overhead": round(s["overhead"], 5),
+            "step_overhead_mean": round(s["overhead_mean"], 5),
+            "step_overhead_direct": round(s["overhead_direct"], 5),
+            "emergency_vs_raw_paired": round(w["paired_raw"], 4),
+            "emergency_vs_dcp_paired": round(w["paired_dcp"], 4),
+            "raw_gbps": round(w["raw"], 4),
+            "dcp_gbps": round(w["dcp"], 4),
+            "dcp_nocrc_gbps": round(w["dcp_nocrc"], 4),
+            "emergency_gbps": round(w["emg"], 4),
+            "step_s": round(s["plain"], 6),
+            "sdk_step_s": round(s["sdk"], 6),
+            "blocking_step_s": round(s["blocking"], 6),
+            "blocking_agree_overhead": round(s["blocking_overhead"], 5),
+            "sdk_call_s": round(s["sdk_call"], 7),
+            "blocking_call_s": round(s["blocking_call"], 7),
+            "notice_bytes": n["n_bytes"],
             "size_gib": args.size_gib,
             "reps": args.reps,
             "steps": args.steps,
         }
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps(figures))
+    print_figures(figures)
+
+
+def _bench_writes(args: argparse.Namespace, workdir: Path, size: int) -> dict[str, float]:
+    """(a)-(c): raw, DCP and emergency write rates, GB/s."""
+    w = run_writes(args, workdir)
+    raw, dcp, dcp_nocrc, emg = (
+        size / med(w[m]) / 1e9 for m in ("raw", "dcp", "dcp_nocrc", "emergency")
+    )
+    print(f"(a) raw sequential write, 1 writer, 64 MiB writes, fsync : {raw:6.3f} GB/s  (anchor)")
+    print(f"(b) DCP save, 2 ranks x 4 threads, fsync, torch defaults : {dcp:6.3f} GB/s  (anchor)")
+    print(f"    DCP save as above with torch's per-record CRC off      : {dcp_nocrc:6.3f} GB/s")
+    print(
+        f"(c) emergency save (dcp_io.save, 2 ranks, to the commit)   : {emg:6.3f} GB/s   "
+        f"= {emg / raw:.2f} x raw (target >= 0.85), {emg / dcp:.2f} x DCP (target >= 1.00)",
+        flush=True,
+    )
+    # The same ratios within each round (the modes of a round run back to back), as a
+    # check on the ratio of medians when the disk's speed drifts between rounds.
+    paired_raw = med([r / e for r, e in zip(w["raw"], w["emergency"], strict=True)])
+    paired_dcp = med([d / e for d, e in zip(w["dcp"], w["emergency"], strict=True)])
+    print(f"    within each round, median: {paired_raw:.2f} x raw, {paired_dcp:.2f} x DCP")
+    for mode in ("raw", "dcp", "dcp_nocrc", "emergency"):
+        print(f"    {mode:10s} seconds per round: {' '.join(f'{s:.3f}' for s in w[mode])}")
+    return {
+        "raw": raw,
+        "dcp": dcp,
+        "dcp_nocrc": dcp_nocrc,
+        "emg": emg,
+        "paired_raw": paired_raw,
+        "paired_dcp": paired_dcp,
+    }
+
+
+def _bench_notice(args: argparse.Namespace, workdir: Path, emg: float) -> dict[str, Any]:
+    """(c): notice to committed checkpoint, s."""
+    notices = [run_notice(args, workdir, rep) for rep in range(args.reps)]
+    n2c = med([n["notice_to_commit_s"] for n in notices])
+    n_bytes = notices[0]["bytes"]
+    print(
+        f"(c) notice -> committed checkpoint (SIGTERM to rank 1, {n_bytes / 2**30:.2f} GiB, "
+        f"SDK) : {n2c:.3f} s   (a step is {med([n['step_s'] for n in notices]) * 1e3:.1f} ms; "
+        f"the write alone at the emergency rate: {n_bytes / (emg * 1e9):.3f} s)"
+    )
+    for n in notices:
+        print(f"    {json.dumps(n)}")
+    return {"n2c": n2c, "n_bytes": n_bytes}
+
+
+def _bench_steps(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    """(d): what session.step adds to a training step."""
+    s = run_steps(args, workdir)
+    plain, sdk, blocking = (med(s[k]) for k in ("plain", "sdk", "blocking"))
+    overhead = sdk / plain - 1
+    overhead_mean = statistics.fmean(s["sdk"]) / statistics.fmean(s["plain"]) - 1
+    overhead_direct = med(s["sdk_call"]) / plain
+    blocking_overhead = blocking / plain - 1
+    print(
+        f"(d) step overhead of session.step (gpt_train step, 2 ranks, {args.steps} steps): "
+        f"{overhead * 100:+.2f} % (target <= 1 %); mean-based {overhead_mean * 100:+.2f} %; "
+        f"median step {plain * 1e3:.2f} ms without the SDK, {sdk * 1e3:.2f} ms with it; "
+        f"time inside session.step {overhead_direct * 100:.2f} % of a step"
+    )
+    print(
+        f"    agreement per step: the SDK's async all_reduce costs "
+        f"{med(s['sdk_call']) * 1e6:.0f} us in session.step; a blocking all_reduce of 5 int64 "
+        f"costs {med(s['blocking_call']) * 1e6:.0f} us, a step {blocking_overhead * 100:+.2f} %"
+    )
+    return {
+        "plain": plain,
+        "sdk": sdk,
+        "blocking": blocking,
+        "overhead": overhead,
+        "overhead_mean": overhead_mean,
+        "overhead_direct": overhead_direct,
+        "blocking_overhead": blocking_overhead,
+        "sdk_call": med(s["sdk_call"]),
+        "blocking_call": med(s["blocking_call"]),
+    }
 
 
 # -- the ranks -------------------------------------------------------------------------------

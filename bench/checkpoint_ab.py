@@ -20,8 +20,6 @@ with one JSON line.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -33,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.utils.serialization.config as ser_config
+from benchlib import parser, print_figures
 
 from spottrain.agent.checkpoint import dcp_io
 from spottrain.agent.checkpoint.directory import CheckpointDir
@@ -41,7 +40,7 @@ GIB = 1 << 30
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--dir", default="build/bench-ab")
     args = ap.parse_args()
@@ -96,15 +95,13 @@ def main() -> None:
             f"sdk emergency writer        : {med['sdk']:.2f} GiB/s = "
             f"{vs_dcp:.2f} x dcp, {vs_none:.2f} x no checksum"
         )
-        print(
-            json.dumps(
-                {
-                    "sdk_vs_dcp": round(med["sdk"] / med["dcp"], 3),
-                    "sdk_vs_nocrc": round(med["sdk"] / med["dcp_nocrc"], 3),
-                    **{f"{k}_gibps": round(v, 3) for k, v in med.items()},
-                    "rounds": args.rounds,
-                }
-            )
+        print_figures(
+            {
+                "sdk_vs_dcp": round(med["sdk"] / med["dcp"], 3),
+                "sdk_vs_nocrc": round(med["sdk"] / med["dcp_nocrc"], 3),
+                **{f"{k}_gibps": round(v, 3) for k, v in med.items()},
+                "rounds": args.rounds,
+            }
         )
         shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()

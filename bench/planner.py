@@ -12,11 +12,11 @@ The last line is one JSON object with ``plan_ms_100``, ``plan_ms_1000``, ``plan_
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
 import time
+
+from benchlib import parser, print_figures
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
 from spottrain.controller.planner import (
@@ -107,10 +107,9 @@ def time_pass(policy: Policy, obs: Observed, reps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--offers", type=int, default=200)
-    args = parser.parse_args()
+    p = parser(__doc__, reps=20)
+    p.add_argument("--offers", type=int, default=200)
+    args = p.parse_args()
     rng = random.Random(1)
     now = 1_800_000_000.0
     offers = make_offers(args.offers, rng)
@@ -154,7 +153,7 @@ def main() -> None:
         f"{'met' if results['plan_ms_10000'] <= TARGET_MS_10000 else 'MISSED'}"
     )
     results["target_ms_10000"] = TARGET_MS_10000
-    print(json.dumps(results))
+    print_figures(results)
 
 
 if __name__ == "__main__":

@@ -22,14 +22,14 @@ Prints a table of medians and ends with one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+from benchlib import median, parser, print_figures, ratio
 
 from spottrain.agent.rendezvous.membership import leave_node
 from spottrain.agent.testing.local_launcher import LocalElasticJob
@@ -108,16 +108,8 @@ def run_once(
         job.close()
 
 
-def median(values: list[float | None]) -> float | None:
-    got = [v for v in values if v is not None]
-    if len(got) < len(values) or not got:
-        return None
-    return statistics.median(got)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--reps", type=int, default=3)
+    ap = parser(__doc__, reps=3)
     ap.add_argument("--cap", type=float, default=120.0, help="longest wait for a recovery, s")
     ap.add_argument(
         "--c10d-share-store",
@@ -140,9 +132,6 @@ def main() -> None:
 
     def med(backend: str, key: str) -> float | None:
         return median([r[key] for r in results[backend]])
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return None if a is None or b is None or b == 0 else round(a / b, 3)
 
     fmt: Callable[[float | None], str] = lambda v: "never" if v is None else f"{v:6.1f} s"  # noqa: E731
     rows = [
@@ -171,7 +160,7 @@ def main() -> None:
     }
     if shared is not None:
         figures["c10d_shared_store_join_s"] = shared.get("join_s")
-    print(json.dumps(figures))
+    print_figures(figures)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,10 @@ counts and each policy's figures.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
+
+from benchlib import print_figures
 
 from spottrain.cloud.base import Instance
 from spottrain.controller.planner import NodeObs
@@ -150,7 +151,7 @@ def main() -> None:
             k: v["lost_gpu_h_per_preemption"] for k, v in fig["policies"].items()
         },
     }
-    print(json.dumps(out))
+    print_figures(out)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,14 @@ The last line of stdout is one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from benchlib import parser, print_figures
 
 from spottrain.token_cache import ByteTokenizer, open_tokens
 
@@ -58,10 +58,9 @@ def sha_all(files: list[Path]) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], reps=3)
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-token-cache-"))
@@ -105,7 +104,7 @@ def main() -> int:
         f"  build, {args.workers} processes     {med[args.workers]:.3f} s   anchor: 1 process "
         f"{med[1]:.3f} s   ({figures['build_speedup']}x)"
     )
-    print(json.dumps(figures))
+    print_figures(figures)
     return 0
 
 

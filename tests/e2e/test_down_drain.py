@@ -4,11 +4,6 @@ emergency checkpoint commits before its VM is ended."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +12,9 @@ import yaml
 
 from spottrain.agent.checkpoint.directory import CheckpointDir
 
-pytestmark = pytest.mark.slow
+from ._fleet import REPO, cli, wait
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
 def _spec(tmp: Path) -> dict[str, Any]:
@@ -39,51 +34,23 @@ def _spec(tmp: Path) -> dict[str, Any]:
     }
 
 
-def _cli(home: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "spottrain.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "SPOTTRAIN_HOME": str(home), "PYTHONUNBUFFERED": "1"},
-        cwd=REPO,
-        timeout=timeout,
-    )
-
-
-def _wait(fn: Callable[[], Any], what: str, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := fn()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(1.0)
-    return value
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Iterator[Path]:
-    h = tmp_path / "home"
-    yield h
-    for run in (h / "runs").glob("*") if (h / "runs").exists() else []:
-        _cli(h, "down", run.name, "--now")
-
-
 def test_down_commits_every_nodes_emergency_checkpoint_before_its_vm_ends(
     tmp_path: Path, home: Path
 ) -> None:
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(_spec(tmp_path)))
-    up = _cli(home, "up", str(path), "--detach", "--interval", "0.5")
+    up = cli(home, "up", str(path), "--detach", "--interval", "0.5")
     assert up.returncode == 0, up.stderr
     run_id = up.stdout.split()[1].rstrip(":")
 
     def both_joined() -> bool:
-        out = _cli(home, "status", run_id, "--json")
+        out = cli(home, "status", run_id, "--json")
         status = json.loads(out.stdout) if out.returncode == 0 else {}
         nodes = status.get("nodes", {})
         return len(nodes) == 2 and set(nodes.values()) == {"joined"} and status["step"] >= 20
 
-    _wait(both_joined, "two joined nodes past step 20", 300)
-    down = _cli(home, "down", run_id)
+    wait(both_joined, "two joined nodes past step 20", 300)
+    down = cli(home, "down", run_id)
     assert down.returncode == 0, down.stdout + down.stderr
     assert "draining 2 node(s)" in down.stdout, down.stdout
     assert "every node drained: emergency checkpoint at step" in down.stdout, down.stdout

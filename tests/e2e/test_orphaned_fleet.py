@@ -12,10 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,42 +27,20 @@ from spottrain.controller.runs import (
 )
 from spottrain.keys import RunKeys
 
+from ._fleet import REPO, cli, wait
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 3.0
 STEP_S = 0.05
 # Steps that take well over twice the orphan timeout at STEP_S a step.
 MANY_STEPS = int(4 * TIMEOUT_S / STEP_S)
 
 
-def _cli(home: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "spottrain.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "SPOTTRAIN_HOME": str(home), "PYTHONUNBUFFERED": "1"},
-        cwd=REPO,
-        timeout=timeout,
-    )
-
-
-def _wait(fn: Callable[[], Any], what: str, timeout: float = 120) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := fn()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
-    return value
-
-
 @pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    h = tmp_path / "home"
-    monkeypatch.setenv("SPOTTRAIN_HOME", str(h))
-    yield h
-    for run in (h / "runs").glob("*") if (h / "runs").exists() else []:
-        _cli(h, "down", run.name, "--now")
+def home(home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(home))
+    return home
 
 
 def _vms(home: Path, run_id: str) -> list[dict[str, Any]]:
@@ -110,7 +84,7 @@ def test_a_fleet_without_its_controller_trains_on_and_ends_itself_once_training_
     }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
-    up = _cli(home, "up", str(path), "--detach", "--interval", "0.5")
+    up = cli(home, "up", str(path), "--detach", "--interval", "0.5")
     assert up.returncode == 0, up.stderr
     run_id = up.stdout.split()[1].rstrip(":")
     info = RunInfo.load(run_id)
@@ -121,20 +95,24 @@ def test_a_fleet_without_its_controller_trains_on_and_ends_itself_once_training_
         states = [client.hget(keys.node(n), "state") for n in ("n0", "n1")]
         return states == [b"joined", b"joined"] and _trained(progress) >= 20
 
-    _wait(joined, "two joined nodes training", 300)
+    wait(joined, "two joined nodes training", 300, poll=0.5)
     os.kill(info.controller_pid, signal.SIGKILL)
-    _wait(lambda: not client.exists(keys.ctl_alive), "the controller heartbeat to lapse", 60)
+    wait(
+        lambda: not client.exists(keys.ctl_alive), "the controller heartbeat to lapse", 60, poll=0.5
+    )
 
     # Its Redis goes away too, while the training goes on: nothing ends.
     stop_embedded_redis(info)
     at = _trained(progress)
-    _wait(lambda: _trained(progress) >= at + MANY_STEPS, "steps trained without Redis")
+    wait(lambda: _trained(progress) >= at + MANY_STEPS, "steps trained without Redis", poll=0.5)
     assert all(v["state"] == "running" for v in _vms(home, run_id))
     restart_embedded_redis(info)
 
     # Redis is back, the controller is still gone, the training goes on: nothing ends.
     at = _trained(progress)
-    _wait(lambda: _trained(progress) >= at + MANY_STEPS, "steps trained without controller")
+    wait(
+        lambda: _trained(progress) >= at + MANY_STEPS, "steps trained without controller", poll=0.5
+    )
     assert all(v["state"] == "running" for v in _vms(home, run_id))
     assert not [e for e in _events(client, keys) if e["type"] == "orphaned"]
 
@@ -142,9 +120,10 @@ def test_a_fleet_without_its_controller_trains_on_and_ends_itself_once_training_
     # its workers save an emergency checkpoint at their next step, and the VM ends itself.
     stall.touch()
     stalled_at = _trained(progress)
-    _wait(
+    wait(
         lambda: all(v["state"] == "terminated" for v in _vms(home, run_id)),
         "every VM to end itself",
+        poll=0.5,
     )
     vms = _vms(home, run_id)
     assert len(vms) == 2 and all(v["reason"] == "shut down by its agent" for v in vms), vms

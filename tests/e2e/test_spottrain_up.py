@@ -3,12 +3,8 @@ torchrun, an embedded Redis, injected preemptions and a zone stockout."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +16,9 @@ from spottrain.controller.runs import find_run, open_redis
 from spottrain.keys import RunKeys
 from spottrain.protocol.notices import inject_notice
 
-pytestmark = pytest.mark.slow
+from ._fleet import REPO, Cli, wait
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
 def _spec(tmp: Path, **local: Any) -> dict[str, Any]:
@@ -46,38 +42,6 @@ def _spec(tmp: Path, **local: Any) -> dict[str, Any]:
     }
 
 
-class Cli:
-    def __init__(self, home: Path) -> None:
-        self.env = {**os.environ, "SPOTTRAIN_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-
-    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "spottrain.cli", *args],
-            capture_output=True,
-            text=True,
-            env=self.env,
-            cwd=REPO,
-            timeout=timeout,
-        )
-
-    def status(self, run: str) -> dict[str, Any]:
-        out = self.run("status", run, "--json")
-        assert out.returncode == 0, out.stderr
-        return dict(json.loads(out.stdout))
-
-    def events(self, run: str) -> list[str]:
-        return self.run("logs", run).stdout.splitlines()
-
-
-def _wait(fn: Callable[[], Any], what: str, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := fn()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(1.0)
-    return value
-
-
 def _processes_of(run_id: str) -> list[str]:
     found = []
     for entry in os.listdir("/proc"):
@@ -91,16 +55,6 @@ def _processes_of(run_id: str) -> list[str]:
         if run_id in cmd and stat[stat.rindex(")") + 2] != "Z":
             found.append(f"{entry}: {cmd[:120]}")
     return found
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Iterator[Path]:
-    h = tmp_path / "home"
-    yield h
-    # Whatever a failed test left: end every run of this home.
-    cli = Cli(h)
-    for run in (h / "runs").glob("*") if (h / "runs").exists() else []:
-        cli.run("down", run.name, "--now", timeout=180)
 
 
 def test_readme_job_trains_through_preemptions_and_down_leaves_nothing(home: Path) -> None:
@@ -159,13 +113,13 @@ def test_zone_stockout_moves_the_job_and_it_resumes_from_its_copied_checkpoint(
     up = cli.run("up", str(path), "--detach", "--interval", "0.5")
     assert up.returncode == 0, up.stderr
     run_id = up.stdout.split()[1].rstrip(":")
-    _wait(lambda: cli.status(run_id)["step"] >= 50, "training to pass step 50", 240)
+    wait(lambda: cli.status(run_id)["step"] >= 50, "training to pass step 50", 240)
     # Zone a runs out of capacity and one of its nodes is taken without notice.
     assert cli.run("local", "capacity", "local-a", "0").returncode == 0
     vms = cli.run("local", "vms", "--job", run_id).stdout.splitlines()
     victim = next(line.split()[0] for line in vms if " running " in line)
     assert cli.run("local", "preempt", victim, "--no-notice").returncode == 0
-    done = _wait(
+    done = wait(
         lambda: (s := cli.status(run_id))["final_step"] is not None and s,
         "the moved job to finish",
         420,
@@ -208,13 +162,13 @@ def test_a_node_that_computes_slowly_is_reported_and_replaced(tmp_path: Path, ho
     up = cli.run("up", str(path), "--detach", "--interval", "0.5")
     assert up.returncode == 0, up.stderr
     run_id = up.stdout.split()[1].rstrip(":")
-    straggler = _wait(
+    straggler = wait(
         lambda: [e for e in cli.events(run_id) if "is a straggler" in e],
         "the controller to report the slow node",
         300,
     )
     assert "node n1 is a straggler" in straggler[0] and "s of compute per step" in straggler[0]
-    events = _wait(
+    events = wait(
         lambda: (
             (ev := cli.events(run_id))
             and any(" terminate " in e and "node_name=n1" in e and "why=straggler" in e for e in ev)
@@ -247,7 +201,7 @@ def test_a_rebalance_recommendation_hands_the_node_over_before_it_is_preempted(
     up = cli.run("up", str(path), "--detach", "--interval", "0.5")
     assert up.returncode == 0, up.stderr
     run_id = up.stdout.split()[1].rstrip(":")
-    _wait(
+    wait(
         lambda: (s := cli.status(run_id))["world_size"] == 3 and s["step"] >= 10,
         "three nodes training",
         240,
@@ -258,7 +212,7 @@ def test_a_rebalance_recommendation_hands_the_node_over_before_it_is_preempted(
     inject_notice(client, RunKeys(run_id), "n1", "rebalance", 120)
     client.close()
     # First "no replacement launched yet" (the agent marked it), then the controller's pass.
-    _wait(
+    wait(
         lambda: any(
             a.startswith("n1 at risk (rebalance recommendation): replacement n3")
             for a in cli.status(run_id)["at_risk"]
@@ -266,7 +220,7 @@ def test_a_rebalance_recommendation_hands_the_node_over_before_it_is_preempted(
         "status to show n1 at risk with its replacement",
         120,
     )
-    events = _wait(
+    events = wait(
         lambda: (
             (ev := cli.events(run_id))
             and any(" terminate " in e and "node_name=n1" in e for e in ev)
@@ -282,7 +236,7 @@ def test_a_rebalance_recommendation_hands_the_node_over_before_it_is_preempted(
     assert not any(" straggler" in e for e in events)
     seen: list[Any] = []
     try:
-        _wait(
+        wait(
             lambda: (
                 sorted(seen.append(cli.status(run_id)) or seen[-1]["nodes"]) == ["n0", "n2", "n3"]
             ),

@@ -1,9 +1,9 @@
 """The GCP provider under test: the real ``google-cloud-compute`` client against the HTTP fake
-of the Compute Engine API (:mod:`fakes.gce_server`)."""
+of the Compute Engine API (:mod:`fakes.gce`)."""
 
 from __future__ import annotations
 
-from fakes.gce_server import GceFake
+from fakes.gce import GceFake
 from google.auth.credentials import AnonymousCredentials
 
 from spottrain.cloud.base import Market, OfferQuery

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import requests
-from fakes.gce_server import GceFake
+from fakes.gce import GceFake
 from google.api_core import exceptions as api_exc
 from google.api_core.client_options import ClientOptions
 from google.auth.credentials import AnonymousCredentials

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from fakes.gce_server import GceFake
+from fakes.gce import GceFake
 from google.auth.credentials import AnonymousCredentials
 
 from spottrain.cloud.base import AuthError, BadRequestError, Market, TransientError

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import requests
 import yaml
-from fakes.gce_server import GceFake
+from fakes.gce import GceFake
 from google.api_core import exceptions as api_exc
 from google.api_core.client_options import ClientOptions
 from google.auth import exceptions as auth_exc

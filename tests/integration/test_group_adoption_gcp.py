@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 import yaml
-from fakes.gce_server import GceFake
+from fakes.gce import GceFake
 from google.auth.credentials import AnonymousCredentials
 from spec_samples import FLEET_AWS
 
