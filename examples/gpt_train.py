@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession
-from spottrain.token_cache import ByteTokenizer, TokenCache, open_tokens
+from spottrain.agent.sdk.token_cache import ByteTokenizer, TokenCache, open_tokens
 
 CORPUS_BYTES = 1 << 16
 # A window of the corpus: the token-cache memmap, or (bench/) a tensor made in memory.
