@@ -17,6 +17,26 @@ _MAX_AGREE_EVERY = 64
 _ZEROS = [0] * _NFLAGS
 
 
+def local_flags(
+    sigterm: bool, request: tuple[int, bool] | None, periodic: bool
+) -> list[int] | None:
+    """A rank's flags from what it knows (a SIGTERM, the newest unserved request and whether
+    it drains, a periodic save due by time), or None when all are zero."""
+    flags: list[int] | None = None
+    if sigterm:
+        flags = [0] * _NFLAGS
+        flags[_SIGTERM] = 1
+    if request is not None:
+        flags = flags or [0] * _NFLAGS
+        req_id, drain = request
+        flags[_REQUEST] = req_id
+        flags[_DRAIN if drain else _EARLY] = 1
+    if periodic:
+        flags = flags or [0] * _NFLAGS
+        flags[_PERIODIC] = 1
+    return flags
+
+
 class Agreement:
     """The reduce in flight and when the next agreement is due, the same on every rank.
 

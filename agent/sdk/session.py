@@ -24,7 +24,7 @@ from ..checkpoint import dcp_io
 from ..checkpoint.directory import CheckpointDir
 from ..checkpoint.manifest import Manifest
 from ..local_progress import ProgressFile
-from .agreement import _DRAIN, _EARLY, _NFLAGS, _PERIODIC, _REQUEST, _SIGTERM, _ZEROS, Agreement
+from .agreement import _DRAIN, _EARLY, _PERIODIC, _REQUEST, _SIGTERM, _ZEROS, Agreement, local_flags
 from .channel import RequestChannel
 from .env import ENV_CKPT_DIR, ENV_NODE, ENV_REDIS, ENV_ROUND
 from .signals import EXIT_TRACKING_S, SignalWatch, exit_clean
@@ -346,24 +346,13 @@ class TrainSession:
 
     def _local_flags(self) -> list[int] | None:
         """This rank's flags, or None when all are zero (the common case, made cheap)."""
-        flags: list[int] | None = None
-        if self._sigterm:
-            flags = [0] * _NFLAGS
-            flags[_SIGTERM] = 1
-        req = self._requests.pending(self._served_request, self._served_at)
-        if req is not None:
-            flags = flags or [0] * _NFLAGS
-            req_id, drain = req
-            flags[_REQUEST] = req_id
-            flags[_DRAIN if drain else _EARLY] = 1
-        if (
+        periodic = (
             self.every_seconds > 0
             and self.rank == 0
             and time.monotonic() - self._last_save_time >= self.every_seconds
-        ):
-            flags = flags or [0] * _NFLAGS
-            flags[_PERIODIC] = 1
-        return flags
+        )
+        request = self._requests.pending(self._served_request, self._served_at)
+        return local_flags(self._sigterm, request, periodic)
 
     def _save(
         self, step: int, state: dict[str, Any], kind: str, *, request_id: int, drain: bool

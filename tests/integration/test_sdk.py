@@ -16,7 +16,8 @@ import torch
 
 from spottrain.agent import sdk
 from spottrain.agent.checkpoint.dcp_io import CheckpointLoadError
-from spottrain.agent.checkpoint.directory import CheckpointDir, CheckpointDirError
+from spottrain.agent.checkpoint.directory import CheckpointDir
+from spottrain.agent.checkpoint.files import CheckpointDirError
 from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession, channel
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
