@@ -61,6 +61,15 @@ Redis that lost its data, expired keys, a relaunch under a new ``--rdzv-id``) st
 generation with a higher epoch and commit as usual. A refused commit is an error in the log,
 a ``checkpoint-refused`` event in the run's stream and a count in ``ckpt:refused``, which
 ``spottrain status`` and a draining agent report.
+
+**Modules.** :mod:`.session` (:class:`TrainSession`: restore, step, save, hold), :mod:`.agreement`
+(the all-reduced flags), :mod:`.channel` (rank 0's Redis link: requests in, reports out, the
+fence), :mod:`.signals` (SIGTERM), :mod:`.state` (:class:`ModelState`, :class:`RngState`, the
+staging copy of an asynchronous save), :mod:`.batch` (:class:`GlobalBatch`), :mod:`.timing`
+(step and compute times), :mod:`.tracking` (wandb), :mod:`.env` (the environment it reads) and
+:mod:`.token_cache` (tokenized data cached on the shared volume). The names above are
+importable from this package; it loads each module on first use, so the token cache's
+tokenizing processes do not import torch.
 """
 
 from __future__ import annotations
