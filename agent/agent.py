@@ -293,7 +293,7 @@ class Agent:
         commits out in the background. Returns what went wrong, or None."""
         from spottrain.cloud.storage import StorageError
 
-        from .ckpt_copy import CheckpointCopier
+        from .checkpoint.copy import CheckpointCopier
 
         try:
             self.copier = CheckpointCopier(
@@ -423,7 +423,8 @@ class Agent:
 
 
 def _check_ckpt_dir(path: str) -> str | None:
-    from .checkpoint.directory import CheckpointDir, CheckpointDirError
+    from .checkpoint.directory import CheckpointDir
+    from .checkpoint.files import CheckpointDirError
 
     try:
         CheckpointDir(path).check_writable()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from benchlib import parser, print_figures
 
-from spottrain.token_cache import ByteTokenizer, open_tokens
+from spottrain.agent.sdk.token_cache import ByteTokenizer, open_tokens
 
 
 def make_corpus(root: Path, mib: int) -> list[Path]:

@@ -35,7 +35,7 @@ What it sets up:
 Data: a synthetic token stream with structure to learn (each sample is an arithmetic
 progression of token ids with random tokens mixed in), made from the global sample index and
 the seed, so sample ``i`` is the same on every rank, every world size and every restart, and
-nothing is downloaded. For real data, map a token cache (``spottrain.token_cache``, as
+nothing is downloaded. For real data, map a token cache (``spottrain.agent.sdk.token_cache``, as
 ``examples/gpt_train.py`` does) and keep indexing it by the global sample index.
 
 The ``--preset 1b`` configuration (d_model 2048, 18 layers, 16 heads, vocabulary 32768,

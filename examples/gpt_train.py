@@ -7,7 +7,7 @@ accumulation follows the world size, and the data position is the step), saves e
 notice. Every worker appends one JSON line per step to ``--progress``.
 
 The data is made here, deterministically: a synthetic text corpus with structure to learn
-(no download), written as a file and tokenized (bytes) through ``spottrain.token_cache`` into
+(no download), written as a file and tokenized (bytes) through ``spottrain.agent.sdk.token_cache`` into
 ``--token-cache`` (default ``$SPOTTRAIN_TOKEN_CACHE``, else ``token-cache/`` in the run's
 checkpoint directory, on the shared volume). The first rank to get there builds it; the other
 ranks, later restarts and backfilled nodes map the same file. Sample ``i`` is always the same
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession
-from spottrain.token_cache import ByteTokenizer, TokenCache, open_tokens
+from spottrain.agent.sdk.token_cache import ByteTokenizer, TokenCache, open_tokens
 
 CORPUS_BYTES = 1 << 16
 # A window of the corpus: the token-cache memmap, or (bench/) a tensor made in memory.

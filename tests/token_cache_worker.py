@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from spottrain.token_cache import ByteTokenizer, TokenCacheError, open_tokens
+from spottrain.agent.sdk.token_cache import ByteTokenizer, TokenCacheError, open_tokens
 
 
 class VersionedBytes(ByteTokenizer):

@@ -35,8 +35,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
-from .directory import CheckpointDir, CheckpointDirError, StaleCommitError, describe_os_error
+from .directory import CheckpointDir
 from .failpoints import armed, failpoint
+from .files import CheckpointDirError, StaleCommitError, describe_os_error
 from .manifest import FileSum, Manifest
 
 log = logging.getLogger(__name__)
@@ -254,17 +255,7 @@ def save(
     world = dist.get_world_size(group) if on else 1
     tmp = ckdir.tmp_path(step, round_, epoch)
     t0 = time.monotonic()
-    error = None
-    if rank == 0:
-        try:
-            if tmp.exists():
-                shutil.rmtree(tmp)  # a crashed attempt of this round at this step
-            tmp.mkdir()
-        except OSError as exc:
-            error = describe_os_error(exc, ckdir.root, f"creating {tmp.name}")
-    error = broadcast_from_first(error, group)
-    if error is not None:
-        raise CheckpointWriteError(error)
+    _make_tmp(ckdir, tmp, rank, group)
 
     writer = ChecksumWriter(tmp, thread_count)
     try:
@@ -279,14 +270,7 @@ def save(
     failpoint("before-manifest")
     write_s = time.monotonic() - t0
 
-    sums: dict[str, FileSum] = dict(writer.fs.sums)
-    if on:
-        gathered: list[Any] | None = [None] * world if rank == 0 else None
-        dst = dist.get_global_rank(group, 0) if group else 0
-        dist.gather_object(sums, gathered, dst=dst, group=group)
-        if gathered is not None:
-            for part in gathered:
-                sums.update(part)
+    sums = _gather_sums(writer, group, rank, world)
 
     outcome: tuple[str, str | None, Manifest | None]
     if rank == 0:
@@ -301,21 +285,7 @@ def save(
             extra=dict(extra or {}),
             epoch=epoch,
         )
-        try:
-            path = ckdir.commit(tmp, manifest, fence)
-            outcome = ("committed", str(path), manifest)
-            if kind != "emergency":  # seconds count there; the next save prunes
-                with contextlib.suppress(OSError):
-                    ckdir.prune(keep, round_, epoch)
-        except StaleCommitError as exc:
-            outcome = ("refused", str(exc), None)
-        except CheckpointDirError as exc:
-            outcome = ("failed", exc.strerror, None)
-        except Exception as exc:
-            # Anything else must still reach the other ranks, waiting in the broadcast below.
-            log.exception("committing step %d failed", step)
-            shutil.rmtree(tmp, ignore_errors=True)
-            outcome = ("failed", f"committing step {step} failed: {exc}", None)
+        outcome = _commit(ckdir, tmp, manifest, fence, keep=keep, epoch=epoch)
     else:
         outcome = ("", None, None)
     status, text, manifest_out = broadcast_from_first(outcome, group)
@@ -327,6 +297,64 @@ def save(
         return SaveResult(step, None, None, text, write_s, commit_s)
     assert text is not None
     return SaveResult(step, Path(text), manifest_out, None, write_s, commit_s)
+
+
+def _make_tmp(ckdir: CheckpointDir, tmp: Path, rank: int, group: Any) -> None:
+    """Rank 0 makes the empty temporary directory; every rank raises if it could not."""
+    error = None
+    if rank == 0:
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # a crashed attempt of this round at this step
+            tmp.mkdir()
+        except OSError as exc:
+            error = describe_os_error(exc, ckdir.root, f"creating {tmp.name}")
+    error = broadcast_from_first(error, group)
+    if error is not None:
+        raise CheckpointWriteError(error)
+
+
+def _gather_sums(writer: ChecksumWriter, group: Any, rank: int, world: int) -> dict[str, FileSum]:
+    """Every rank's file checksums, on rank 0 (this rank's own elsewhere)."""
+    sums: dict[str, FileSum] = dict(writer.fs.sums)
+    if _dist_on(group):
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dst = dist.get_global_rank(group, 0) if group else 0
+        dist.gather_object(sums, gathered, dst=dst, group=group)
+        if gathered is not None:
+            for part in gathered:
+                sums.update(part)
+    return sums
+
+
+def _commit(
+    ckdir: CheckpointDir,
+    tmp: Path,
+    manifest: Manifest,
+    fence: Callable[[int], str | None] | None,
+    *,
+    keep: int,
+    epoch: int,
+) -> tuple[str, str | None, Manifest | None]:
+    """Rank 0's commit and prune: (status, path or why, manifest) for every rank."""
+    step, kind, round_ = manifest.step, manifest.kind, manifest.round
+    outcome: tuple[str, str | None, Manifest | None]
+    try:
+        path = ckdir.commit(tmp, manifest, fence)
+        outcome = ("committed", str(path), manifest)
+        if kind != "emergency":  # seconds count there; the next save prunes
+            with contextlib.suppress(OSError):
+                ckdir.prune(keep, round_, epoch)
+    except StaleCommitError as exc:
+        outcome = ("refused", str(exc), None)
+    except CheckpointDirError as exc:
+        outcome = ("failed", exc.strerror, None)
+    except Exception as exc:
+        # Anything else must still reach the other ranks, waiting in the broadcast below.
+        log.exception("committing step %d failed", step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        outcome = ("failed", f"committing step {step} failed: {exc}", None)
+    return outcome
 
 
 def _describe_save_failure(exc: BaseException, ckdir: CheckpointDir, step: int) -> str:

@@ -15,125 +15,43 @@ The rename of a temporary directory to ``step-N`` is the commit point. ``latest`
 after it, so a crash between the two leaves ``latest`` one behind; restore therefore scans the
 committed directories itself and never trusts ``latest`` alone.
 
-**Fencing epochs.** A *generation* is one set of writers that save together: the workers of
-one rendezvous round, which the trainer SDK's rank 0 represents. At its start it claims a
-fencing epoch from the directory itself (:meth:`CheckpointDir.claim_epoch`): the next free
-number in ``.epochs/``, taken by hard-linking a fully written file to ``epoch-<n>``, which
-fails if that name exists. ``link`` is atomic and exclusive on local file systems and on NFS
-(where an answer lost and retried is recognised by the link count), so two generations never
-hold the same epoch, and epochs only go up. A commit carries its writer's epoch in the
-manifest and is refused when a higher epoch has been claimed in the directory: a node frozen
-mid-save, woken after a newer generation started, cannot overwrite its work. Nothing here
-depends on the rendezvous round, which restarts at 0 whenever the rendezvous state is new (Redis
-lost its data, its keys expired, a relaunch under a new ``--rdzv-id``): such a restart claims
-a higher epoch like any other and commits. The round is still checked against Redis by the
-SDK's fence callback, which only refuses while the same Redis says a newer round trains (it
-fences a round that has formed but whose workers have not claimed their epoch yet).
-
-A generation claiming under the same ``generation`` string gets the same epoch (each member
-of a generation may claim on its own); the newest claims are kept (``_KEEP_EPOCHS``).
-The check of the newest epoch happens just before the commit's rename, not atomically with it.
+**Fencing epochs** (see :mod:`.epochs`): a commit carries its writer's epoch in the
+manifest and is refused when a higher epoch has been claimed in the directory, or when the
+SDK's fence callback says a newer round trains.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import re
 import shutil
-import socket
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .epochs import Epochs
 from .failpoints import failpoint
+from .files import (
+    CheckpointDirError,
+    StaleCommitError,
+    describe_os_error,
+    fsync_dir,
+    step_name,
+    write_file_durably,
+    writer_tag,
+)
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, verify_files
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
-EPOCHS = ".epochs"
 _STEP_RE = re.compile(r"^step-(\d{9,})\Z")
 _TMP_RE = re.compile(r"^\.(?:tmp|old)-step-(\d{9,})-([re])(-?\d+)(?:-.*)?\Z")
 _OLD_RE = re.compile(r"^\.old-step-(\d{9,})-[re]-?\d+-(\d+)\Z")
-_EPOCH_RE = re.compile(r"^epoch-(\d{12})\Z")
-# Epoch files kept below the newest: far more than generations that can still be alive.
-_KEEP_EPOCHS = 64
-
-
-class CheckpointDirError(OSError):
-    """The checkpoint directory cannot be used; the message says why and what to do."""
-
-
-class StaleCommitError(RuntimeError):
-    """A commit from an older generation than the one now training was refused: a newer
-    fencing epoch was claimed in the directory, or Redis says a newer round trains."""
-
-
-def describe_os_error(exc: OSError, root: Path, doing: str) -> str:
-    """One plain sentence for an I/O failure on the checkpoint directory."""
-    if exc.errno == errno.ENOSPC or exc.errno == errno.EDQUOT:
-        why = "it is full (no space left on the device)"
-        fix = "free space or point the checkpoint directory at a larger volume"
-    elif exc.errno == errno.EROFS:
-        why = "it is on a read-only file system"
-        fix = "remount it read-write or point the checkpoint directory elsewhere"
-    elif exc.errno in (errno.EACCES, errno.EPERM):
-        why = "this user may not write there (permission denied)"
-        fix = "fix its owner or mode, or point the checkpoint directory elsewhere"
-    elif exc.errno == errno.ENOENT:
-        why = "it does not exist"
-        fix = "mount the checkpoint volume there or create the directory"
-    else:
-        why = exc.strerror or str(exc)
-        fix = "check the volume"
-    return f"checkpoint directory {root}: {doing} failed because {why}; {fix}"
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_durably(path: Path, data: bytes, *, failpoint_name: str | None = None) -> None:
-    """Write ``data`` to ``path`` and fsync it (the directory entry is the caller's job)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        half = len(view) // 2
-        if failpoint_name is not None:
-            # Half of it on disk, then the failpoint: a torn write, as a crash leaves it.
-            _write_all(fd, view[:half])
-            os.fsync(fd)
-            failpoint(failpoint_name)
-            view = view[half:]
-        _write_all(fd, view)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:09d}"
-
-
-def writer_tag(round_: int, epoch: int) -> str:
-    """How a writer's temporary names say who wrote them: its epoch, or its round if none."""
-    return f"e{epoch}" if epoch >= 0 else f"r{round_}"
 
 
 @dataclass(frozen=True)
@@ -152,6 +70,7 @@ class CheckpointDir:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self.epochs = Epochs(self.root)
         # Checkpoints this process saw verify, by name, with the (name, size, mtime, inode)
         # of their files then: pruning re-reads only what changed since.
         self._verified: dict[str, tuple[tuple[str, int, int, int], ...]] = {}
@@ -190,89 +109,18 @@ class CheckpointDir:
         # an older launch must not share (and delete) a live writer's temporary directory.
         return self.root / f".tmp-{step_name(step)}-{writer_tag(round_, epoch)}"
 
-    def epoch_path(self, epoch: int) -> Path:
-        return self.root / EPOCHS / f"epoch-{epoch:012d}"
-
     # -- fencing epochs -----------------------------------------------------------------------
     def claim_epoch(self, generation: str) -> int:
-        """The fencing epoch of ``generation``: the one it already holds here, or a new one
-        above every epoch claimed so far (see the module docstring).
-
-        Args:
-            generation: Names one generation of writers, the same string for all of them
-                (e.g. ``"<run id> round 3 <nonce>"``); any other string is another generation.
-
-        Raises:
-            ValueError: ``generation`` is empty or spans lines.
-            CheckpointDirError: the directory refused the claim (full, read-only).
-        """
-        if not generation or "\n" in generation:
-            raise ValueError(f"generation {generation!r} must be one non-empty line")
-        epochs = self.root / EPOCHS
-        claim = epochs / f".claim-{uuid.uuid4().hex}"
-        body = {"generation": generation, "host": socket.gethostname(), "pid": os.getpid()}
-        try:
-            epochs.mkdir(exist_ok=True)
-            write_file_durably(claim, json.dumps({**body, "at": time.time()}).encode())
-            try:
-                epoch = self._link_epoch(claim, generation)
-            finally:
-                with contextlib.suppress(OSError):
-                    claim.unlink()
-            fsync_dir(epochs)
-        except OSError as exc:
-            raise CheckpointDirError(
-                exc.errno or 0, describe_os_error(exc, self.root, "claiming a fencing epoch")
-            ) from exc
-        log.info("generation %s holds fencing epoch %d of %s", generation, epoch, self.root)
-        return epoch
-
-    def _link_epoch(self, claim: Path, generation: str) -> int:
-        claimed = self._epochs()
-        for epoch in reversed(claimed):
-            if self.epoch_generation(epoch) == generation:
-                return epoch
-        # Epochs are dense (each new one is the successor of one that exists), so walking up
-        # from the newest seen meets any epoch this generation got meanwhile before passing it.
-        epoch = claimed[-1] + 1 if claimed else 0
-        while True:
-            try:
-                os.link(claim, self.epoch_path(epoch))
-                return epoch
-            except FileExistsError:
-                if os.stat(claim).st_nlink > 1:
-                    return epoch  # NFS: our link was made, and its answer lost and retried
-                if self.epoch_generation(epoch) == generation:
-                    return epoch  # another member of this generation claimed it first
-                epoch += 1
-
-    def _epochs(self) -> list[int]:
-        try:
-            names = os.listdir(self.root / EPOCHS)
-        except FileNotFoundError:
-            return []
-        return sorted(int(m.group(1)) for n in names if (m := _EPOCH_RE.match(n)))
+        """The fencing epoch of ``generation`` (see :meth:`.epochs.Epochs.claim`)."""
+        return self.epochs.claim(generation)
 
     def epoch_generation(self, epoch: int) -> str | None:
         """The generation that claimed ``epoch``, or None if it is not (or no longer) here."""
-        try:
-            body = json.loads(self.epoch_path(epoch).read_bytes())
-        except (OSError, ValueError):
-            return None
-        value = body.get("generation") if isinstance(body, dict) else None
-        return value if isinstance(value, str) else None
+        return self.epochs.generation(epoch)
 
     def newest_epoch(self, at_least: int = -1) -> int:
-        """The highest epoch claimed in this directory (-1: none).
-
-        The listing may be cached by an NFS client; the successors of the newest one seen
-        are therefore also looked up by name, which the server answers.
-        """
-        claimed = self._epochs()
-        newest = max(claimed[-1] if claimed else -1, at_least)
-        while self.epoch_path(newest + 1).exists():
-            newest += 1
-        return newest
+        """The highest epoch claimed in this directory (-1: none)."""
+        return self.epochs.newest(at_least)
 
     def committed(self) -> list[tuple[int, Path]]:
         """Committed checkpoint directories, oldest first (not verified).
@@ -534,7 +382,5 @@ class CheckpointDir:
             if dead:
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.name)
-        for old in self._epochs()[:-_KEEP_EPOCHS]:
-            with contextlib.suppress(OSError):
-                self.epoch_path(old).unlink()
+        self.epochs.prune()
         return removed

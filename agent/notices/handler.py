@@ -288,7 +288,8 @@ class NoticeHandler:
             pass
         if not self.ckpt_dir:
             return []
-        from ..checkpoint.directory import CheckpointDir, CheckpointDirError
+        from ..checkpoint.directory import CheckpointDir
+        from ..checkpoint.files import CheckpointDirError
 
         try:
             manifest = CheckpointDir(self.ckpt_dir).newest_manifest()

@@ -120,7 +120,7 @@ def test_a_repeated_notice_is_one_drain_and_an_earlier_deadline_wins(harness: Ha
 def test_a_refused_drain_checkpoint_is_reported_by_the_agent(
     harness: Harness, redis_server: RedisServer
 ) -> None:
-    from spottrain.agent.sdk import _RequestPoller
+    from spottrain.agent.sdk.channel import RequestChannel as _RequestPoller
 
     harness.handler.submit(notice(seconds=3.0))
     wait_for(lambda: "n1" in harness.requests())

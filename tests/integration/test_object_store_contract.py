@@ -28,9 +28,9 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs
 from moto.server import ThreadedMotoServer
 
+from spottrain.agent.checkpoint.copy import CheckpointCopier
 from spottrain.agent.checkpoint.directory import CheckpointDir
 from spottrain.agent.checkpoint.manifest import FileSum, Manifest
-from spottrain.agent.ckpt_copy import CheckpointCopier
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.cloud.storage import (
     SHA256_METADATA,

@@ -26,13 +26,14 @@ import yaml
 from spec_samples import LOCAL
 
 import spottrain.agent.node_record as node_record_mod
-import spottrain.agent.sdk as sdk_mod
+import spottrain.agent.sdk.channel as sdk_mod
 import spottrain.controller.state as state_mod
 from spottrain.agent.checkpoint.dcp_io import SaveResult
 from spottrain.agent.checkpoint.manifest import FileSum, Manifest
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.agent.notices import Notice, NoticeKind
-from spottrain.agent.sdk import ENV_NODE, _RequestPoller
+from spottrain.agent.sdk import ENV_NODE
+from spottrain.agent.sdk.channel import RequestChannel as _RequestPoller
 from spottrain.cloud.base import Market, Offer
 from spottrain.controller import report
 from spottrain.controller.loop import summarize

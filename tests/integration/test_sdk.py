@@ -16,8 +16,9 @@ import torch
 
 from spottrain.agent import sdk
 from spottrain.agent.checkpoint.dcp_io import CheckpointLoadError
-from spottrain.agent.checkpoint.directory import CheckpointDir, CheckpointDirError
-from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession
+from spottrain.agent.checkpoint.directory import CheckpointDir
+from spottrain.agent.checkpoint.files import CheckpointDirError
+from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession, channel
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
@@ -218,7 +219,7 @@ def test_rank_zero_keeps_a_thinned_progress_history_in_the_event_stream(
     every_s: float,
     expect_many: bool,
 ) -> None:
-    monkeypatch.setattr(sdk, "PROGRESS_EVENT_S", every_s)
+    monkeypatch.setattr(channel, "PROGRESS_EVENT_S", every_s)
     keys = RunKeys(run_id)
     state, model = make_state()
     s = session(tmp_path, redis_url=redis_server.endpoint, run_id=run_id, poll_interval=0.02)
@@ -416,11 +417,11 @@ def test_a_checkpoint_that_does_not_fit_the_model_stops_with_a_clear_error(tmp_p
 def test_staging_copies_tensors_and_keeps_container_types() -> None:
     from collections import namedtuple
 
-    from spottrain.agent.sdk import _stage
+    from spottrain.agent.sdk.state import stage
 
     Pair = namedtuple("Pair", "a b")
     t = torch.ones(3)
-    staged = _stage({"p": Pair(t, [t, (t, 1)]), "n": 5})
+    staged = stage({"p": Pair(t, [t, (t, 1)]), "n": 5})
     assert isinstance(staged["p"], Pair) and staged["n"] == 5
     t.add_(1)
     assert torch.equal(staged["p"].a, torch.ones(3)), "the staged copy followed the original"
@@ -482,6 +483,6 @@ def test_on_a_gpu_compute_is_timed_with_cuda_events_without_waiting(tmp_path: Pa
     # files every earlier one.
     torch.cuda.synchronize()
     s.step(4, {})
-    assert len(s._compute_times) == 3 and not s._gpu_pending
+    assert len(s._timer.compute_times) == 3 and not s._timer.gpu_pending
     assert s.compute_time is not None and s.compute_time > 0
     s.close()

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from spottrain.token_cache import (
+from spottrain.agent.sdk.token_cache import (
     ByteTokenizer,
     TokenCacheError,
     cache_key,

@@ -27,8 +27,9 @@ import redis
 
 from spottrain.keys import RunKeys
 
-from .checkpoint.directory import CheckpointDir, fsync_dir
-from .node_record import NodeRecord
+from ..node_record import NodeRecord
+from .directory import CheckpointDir
+from .files import fsync_dir
 
 if TYPE_CHECKING:
     from spottrain.cloud.storage import ObjectStore

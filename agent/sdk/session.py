@@ -1,0 +1,490 @@
+"""A worker's checkpointing session: restore, the per-step agreement on saving, the saves
+themselves, and the hold or exit after an emergency save (see the package docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spottrain.tracking import Tracker, WandbSettings
+
+from ..checkpoint import dcp_io
+from ..checkpoint.directory import CheckpointDir
+from ..checkpoint.manifest import Manifest
+from ..local_progress import ProgressFile
+from .agreement import _DRAIN, _EARLY, _PERIODIC, _REQUEST, _SIGTERM, _ZEROS, Agreement, local_flags
+from .channel import RequestChannel
+from .env import ENV_CKPT_DIR, ENV_NODE, ENV_REDIS, ENV_ROUND
+from .signals import EXIT_TRACKING_S, SignalWatch, exit_clean
+from .state import stage
+from .timing import StepTimer
+from .tracking import start_tracker, track_commit
+
+log = logging.getLogger("spottrain.sdk")
+
+
+class TrainSession:
+    """Checkpointing for one worker of an elastic job (every rank makes one).
+
+    Args:
+        ckpt_dir: The shared checkpoint directory (default ``$SPOTTRAIN_CKPT_DIR``). It must
+            exist and be writable: a missing mount is an error, not an empty new directory.
+        every_steps: Save every this many steps (0: never by count).
+        every_seconds: Save when this many seconds passed since the last save (0: never).
+        keep: Committed checkpoints to keep.
+        thread_count: Writer threads per rank.
+        async_periodic: Periodic saves copy the state in memory and write it in the
+            background while training goes on (emergency and final saves are always
+            synchronous: nothing may run past them).
+        hold_timeout: After an emergency save for a drain, how long a rank that was not
+            told to stop waits for its torchrun to restart it before training on.
+        agree_interval: Seconds between two agreements on whether to save. Every rank
+            proposes how many steps that is from its own step time; all take the largest
+            proposal (at most 64 steps), so a request is acted on within about two intervals.
+        stuck_grace: After SIGTERM, a worker whose training loop makes no progress for this
+            long (or three median steps, if longer) is stuck in a collective with a dead peer
+            and exits at once rather than making torchrun wait.
+        redis_url: The job's Redis (default ``$SPOTTRAIN_REDIS``); without it there are no
+            injected requests, no progress reports and no round check in Redis.
+        run_id: Default ``$TORCHELASTIC_RUN_ID`` (torchrun's ``--rdzv-id``).
+        install_signal_handlers: Catch SIGTERM (set False if the script handles it).
+        tracking: Rank 0's wandb run: True (default) takes the settings from
+            ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE`` and ``WANDB_RUN_GROUP`` (no
+            project: a run the script started with ``wandb.init`` is used, else nothing is
+            tracked); explicit :class:`~spottrain.tracking.WandbSettings`; False: off.
+        report_interval: Seconds between two reports of this rank's compute time (and, from
+            local rank 0, the node's step time) to its node record in Redis.
+    """
+
+    def __init__(
+        self,
+        ckpt_dir: str | os.PathLike[str] | None = None,
+        *,
+        every_steps: int = 0,
+        every_seconds: float = 0.0,
+        keep: int = 3,
+        thread_count: int = 4,
+        async_periodic: bool = True,
+        hold_timeout: float = 180.0,
+        agree_interval: float = 0.2,
+        stuck_grace: float = 5.0,
+        redis_url: str | None = None,
+        run_id: str | None = None,
+        poll_interval: float = 0.2,
+        install_signal_handlers: bool = True,
+        tracking: WandbSettings | bool = True,
+        report_interval: float = 5.0,
+    ) -> None:
+        root = ckpt_dir if ckpt_dir is not None else os.environ.get(ENV_CKPT_DIR)
+        if not root:
+            raise ValueError(
+                f"no checkpoint directory: pass ckpt_dir= or set ${ENV_CKPT_DIR} to the shared "
+                "checkpoint mount"
+            )
+        if keep < 1:
+            raise ValueError(f"keep={keep}: keep at least 1 checkpoint")
+        self.ckdir = CheckpointDir(root)
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.keep = keep
+        self.thread_count = thread_count
+        self.async_periodic = async_periodic
+        self.hold_timeout = hold_timeout
+        self.agree_interval = agree_interval
+        self.stuck_grace = stuck_grace
+        self.round = int(os.environ.get(ENV_ROUND, "-1"))
+        self.node = os.environ.get(ENV_NODE, socket.gethostname())
+        self._start_groups()
+        self._start_loop_state()
+        self.run_id = (
+            run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SPOTTRAIN_RUN_ID")
+        )
+        self._requests = RequestChannel(
+            redis_url if redis_url is not None else os.environ.get(ENV_REDIS),
+            self.run_id,
+            poll_interval,
+            active=self.rank == 0,
+        )
+        self._tracker = (
+            start_tracker(tracking, self.run_id, self.round, self.world)
+            if self.rank == 0
+            else Tracker()
+        )
+        self._start_step_reporter(report_interval)
+        self._watchdog = self._install_signal_watch() if install_signal_handlers else None
+
+    def _start_groups(self) -> None:
+        """The process groups of the SDK's own, the save thread, and this session's fencing
+        epoch (claimed by rank 0 and the same on every rank)."""
+        self._dist = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._dist else 0
+        self.world = dist.get_world_size() if self._dist else 1
+        # Collectives of our own never interleave with the script's: a separate gloo group.
+        self._group: Any = None
+        if self._dist:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
+        # Asynchronous saves run their collectives on a thread of their own: another group.
+        self._async_group: Any = None
+        if self._dist:
+            self._async_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
+        # A new thread starts on CUDA device 0: the save thread takes the script's device, so
+        # staging copies and DCP's streams stay on this rank's GPU.
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="spottrain-save",
+            initializer=_use_cuda_device,
+            initargs=(device,),
+        )
+        self._inflight: Future[bool] | None = None
+        self.epoch = -1
+        if self.rank == 0:
+            self.ckdir.check_writable()  # fail before any training, not at the first save
+            self.epoch = self.ckdir.claim_epoch(_generation(self.round, self.node))
+        self.epoch = dcp_io.broadcast_from_first(self.epoch, self._group)
+
+    def _start_loop_state(self) -> None:
+        # A plain bool: the signal handler must not take a lock (an Event's would deadlock
+        # if the signal lands while the main thread holds it).
+        self._sigterm = False
+        self._holding = threading.Event()
+        self._phase = "starting"
+        self._last_progress = time.monotonic()
+        self._timer = StepTimer()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self._local_progress = ProgressFile.from_env()  # the agent's dead man's switch reads it
+        self._agreement = Agreement(
+            self._group, self.agree_interval, self._local_flags, lambda: self.last_step_time
+        )
+        self._last_save_step = -1
+        self._last_save_time = time.monotonic()
+        self._served_request = 0
+        self._served_at = 0.0  # requests made before a drain checkpoint are answered by it
+        self.saves: list[dcp_io.SaveResult] = []
+        self.last_restored: Manifest | None = None
+
+    def _start_step_reporter(self, report_interval: float) -> None:
+        self._step_reporter: threading.Thread | None = None
+        if self._requests.client is not None:
+            # Every rank tells the controller how long its own compute takes, which is how
+            # it finds stragglers (a node's figure is its slowest rank's).
+            self._step_reporter = threading.Thread(
+                target=self._timer.report_loop,
+                args=(
+                    self._requests.client,
+                    self._requests.keys,
+                    self.node,
+                    self.local_rank,
+                    report_interval,
+                    self._requests.stop_event,
+                ),
+                name="spottrain-step-time",
+                daemon=True,
+            )
+            self._step_reporter.start()
+
+    def _install_signal_watch(self) -> SignalWatch | None:
+        if threading.current_thread() is threading.main_thread():
+            return SignalWatch(self)
+        log.warning(
+            "TrainSession made off the main thread: SIGTERM is not caught, so a "
+            "shutdown will not trigger an emergency checkpoint"
+        )
+        return None
+
+    # -- restore ----------------------------------------------------------------------------
+    def restore(self, state: dict[str, Any]) -> int:
+        """Load the newest checkpoint whose manifest verifies into ``state``; return its step
+        (0 when there is none). Each newer checkpoint that fails is logged and skipped."""
+        self._phase = "restoring"
+        choice: tuple[str, Manifest] | None = None
+        if self.rank == 0:
+            found = self.ckdir.find_restorable()
+            for name, why in found.skipped if found else []:
+                log.warning("restore skipped %s: %s", name, why)
+            if found is not None:
+                choice = (str(found.path), found.manifest)
+        choice = dcp_io.broadcast_from_first(choice, self._group)
+        step = 0
+        if choice is not None:
+            path, manifest = choice
+            dcp_io.load(state, Path(path), group=self._group)  # CheckpointLoadError: see there
+            step = manifest.step
+            self._served_request = manifest.request_id
+            if manifest.extra.get("drain"):
+                self._served_at = manifest.created_at
+            self._last_save_step = step
+            self.last_restored = manifest
+            log.info(
+                "restored step %d from %s (saved by world size %d, round %d)",
+                step,
+                path,
+                manifest.world_size,
+                manifest.round,
+            )
+        if self.rank == 0:
+            self._requests.report_restore(step, self.world, self.round)
+        self._phase = "training"
+        self._mark()
+        return step
+
+    # -- every step -------------------------------------------------------------------------
+    def step(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        tokens: float | None = None,
+        compute_s: float | None = None,
+        **metrics: float,
+    ) -> None:
+        """Tell the SDK that ``step`` optimizer steps are done; it may save here.
+
+        Every rank must call it after every step. It returns at once unless a save is due;
+        after an emergency save for a drain it does not return (the worker exits or holds
+        until torchrun restarts it).
+
+        ``metrics`` (``loss=...``) are reported to the controller and tracked. ``tokens``
+        is how many tokens this step trained on across all ranks (global batch x sequence
+        length): rank 0 tracks ``tokens_per_s`` from it and the step's time. ``compute_s``
+        is this rank's own compute time for the step (forward and backward, without waiting
+        on the all-reduce), for scripts that time it themselves rather than with
+        :meth:`compute`.
+        """
+        self._timer.close_compute(compute_s)  # first: a bad compute_s changes nothing
+        now = time.monotonic()
+        step_s = now - self._last_progress
+        self._timer.step_times.append(step_s)
+        self._mark()
+        self._local_progress.report(step)
+        if tokens is not None:
+            metrics["tokens"] = tokens
+        if self.rank == 0 and metrics:
+            self._requests.report_progress(step, self.world, self.round, metrics)
+        if self._tracker.active:
+            row: dict[str, float] = {"step": step, **metrics}
+            row["step_time_s"] = step_s
+            row["world_size"] = self.world
+            if tokens is not None and step_s > 0:
+                row["tokens_per_s"] = tokens / step_s
+            self._tracker.log(row)
+        flags = _ZEROS
+        if self._agreement.due(step):
+            self._phase = "agreeing"
+            flags = self._agreement.agree(step)
+            self._phase = "training"
+        kind = None
+        if flags[_DRAIN] or flags[_SIGTERM]:
+            kind = "emergency"
+        elif flags[_EARLY]:
+            kind = "requested"
+        elif (self.every_steps and step % self.every_steps == 0) or flags[_PERIODIC]:
+            kind = "periodic"
+        committed = True
+        if kind is not None and step != self._last_save_step:
+            drain = bool(flags[_DRAIN] or flags[_SIGTERM])
+            committed = self._save(step, state, kind, request_id=flags[_REQUEST], drain=drain)
+        if kind == "emergency" and (committed or self._sigterm):
+            self._after_drain_save(step, committed)
+        # A drain save that failed is not held on: the request stays pending, so the next
+        # agreement tries again while there is time.
+        self._mark()
+
+    def finish(self, step: int, state: dict[str, Any]) -> None:
+        """Save the final state (unless step ``step`` is saved already) and stop the SDK's
+        threads. Every rank calls it once, after the last step."""
+        self._agreement.drain()
+        # The periodic save of this very step may still be running, and may yet fail: its
+        # outcome decides (the same on every rank) whether a final save is needed.
+        self._wait_async()
+        if step != self._last_save_step:
+            self._save(step, state, "final", request_id=0, drain=False)
+        if self.rank == 0:
+            self._requests.report_finished(step)
+        self.close()
+
+    def close(self) -> None:
+        self._wait_async()
+        self._executor.shutdown(wait=True)
+        self._requests.stop()
+        self._tracker.finish()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._phase = "closed"
+
+    def compute(self) -> contextlib.AbstractContextManager[None]:
+        """Time what the block runs as this step's compute: wrap the forward and backward,
+        not the gradient all-reduce (whose wait is the same on every rank). Several blocks
+        in one step (micro-batches) add up."""
+        return self._timer.compute()
+
+    @property
+    def compute_time(self) -> float | None:
+        """Median compute seconds per step over the recent steps (None: not timed)."""
+        return self._timer.compute_time
+
+    @property
+    def last_step_time(self) -> float:
+        """Median seconds per step over the recent steps."""
+        return self._timer.last_step_time
+
+    # -- internals --------------------------------------------------------------------------
+    def _mark(self) -> None:
+        self._last_progress = time.monotonic()
+
+    def _local_flags(self) -> list[int] | None:
+        """This rank's flags, or None when all are zero (the common case, made cheap)."""
+        periodic = (
+            self.every_seconds > 0
+            and self.rank == 0
+            and time.monotonic() - self._last_save_time >= self.every_seconds
+        )
+        request = self._requests.pending(self._served_request, self._served_at)
+        return local_flags(self._sigterm, request, periodic)
+
+    def _save(
+        self, step: int, state: dict[str, Any], kind: str, *, request_id: int, drain: bool
+    ) -> bool:
+        """Save (or start saving, for a periodic save); return whether it committed (True
+        for a save still running in the background)."""
+        # The reduce in flight was started before this save: finish it first so that the
+        # save's own collectives on the group come after it on every rank.
+        pending = self._agreement.drain()
+        self._wait_async()  # one save at a time, in step order
+        t0 = time.monotonic()
+        self._last_save_step = step
+        self._last_save_time = t0
+        if kind == "periodic" and self.async_periodic:
+            # Copy the state (memory speed), then write it while training goes on.
+            self._phase = "staging"
+            snapshot = stage(state)
+            self._phase = "training"
+            self._inflight = self._executor.submit(
+                self._write, snapshot, step, kind, request_id, drain, self._async_group, t0
+            )
+            committed = True
+        else:
+            self._phase = "saving"
+            try:
+                committed = self._write(state, step, kind, request_id, drain, self._group, t0)
+            finally:
+                self._phase = "training"
+                self._mark()  # a long save is progress, not a stuck loop
+        self._agreement.restart(pending)
+        return committed
+
+    def _write(
+        self,
+        state: dict[str, Any],
+        step: int,
+        kind: str,
+        request_id: int,
+        drain: bool,
+        group: Any,
+        t0: float,
+    ) -> bool:
+        try:
+            result = dcp_io.save(
+                state,
+                self.ckdir,
+                step=step,
+                round_=self.round,
+                kind=kind,
+                request_id=request_id,
+                extra={"node": self.node, "drain": drain},
+                group=group,
+                fence=self._requests.fence,
+                thread_count=self.thread_count,
+                keep=self.keep,
+                epoch=self.epoch,
+            )
+        except dcp_io.CheckpointWriteError as exc:
+            log.error("%s checkpoint at step %d failed: %s", kind, step, exc)
+            if self._last_save_step == step:
+                self._last_save_step = -1  # so that finish() tries this step again
+            return False
+        self.saves.append(result)
+        self._served_request = max(self._served_request, request_id)
+        if drain and result.manifest is not None:
+            self._served_at = result.manifest.created_at
+        if result.refused is not None and self.rank == 0:
+            self._requests.report_refused(result, kind, drain, request_id, self.round, self.epoch)
+        if result.committed and self.rank == 0:
+            log.warning(
+                "%s checkpoint step %d committed in %.2f s (%s)",
+                kind,
+                step,
+                time.monotonic() - t0,
+                result.path,
+            )
+            self._requests.report_commit(result, kind, drain, request_id)
+            track_commit(self._tracker, result, kind, drain, self.run_id, self.node)
+        return result.committed
+
+    def _wait_async(self) -> None:
+        if self._inflight is not None:
+            phase, self._phase = self._phase, "saving"
+            try:
+                self._inflight.result()
+            finally:
+                self._phase = phase
+                self._inflight = None
+                self._mark()
+
+    def _after_drain_save(self, step: int, committed: bool) -> None:
+        if self._sigterm:
+            if committed:
+                exit_clean(f"stopping after the emergency checkpoint at step {step}", self._tracker)
+            log.error(
+                "the emergency checkpoint at step %d did not commit: stopping anyway; the "
+                "steps since the newest committed checkpoint are lost",
+                step,
+            )
+            exit_clean("stopping without an emergency checkpoint", self._tracker, code=1)
+        self._holding.set()
+        self._tracker.flush(EXIT_TRACKING_S)  # its artifact, before a SIGTERM ends us
+        log.warning(
+            "holding after the emergency checkpoint at step %d until torchrun restarts this "
+            "worker (at most %.0f s)",
+            step,
+            self.hold_timeout,
+        )
+        deadline = time.monotonic() + self.hold_timeout
+        while time.monotonic() < deadline:
+            if self._sigterm:
+                exit_clean(f"stopped while holding at step {step}", self._tracker)
+            time.sleep(0.05)
+        self._holding.clear()
+        log.warning("no restart came within %.0f s: training on", self.hold_timeout)
+        self._served_request = max(self._served_request, self._requests.newest_id())
+
+    def _stuck(self) -> bool:
+        """Whether the training loop looks stuck (SIGTERM is pending, no save running)."""
+        if self._phase in ("saving", "staging", "restoring", "closed"):
+            return False
+        limit = max(self.stuck_grace, 3 * self.last_step_time)
+        return time.monotonic() - self._last_progress > limit
+
+
+def _use_cuda_device(device: int | None) -> None:
+    if device is not None:
+        torch.cuda.set_device(device)
+
+
+def _generation(round_: int, node: str) -> str:
+    """A name for this session's generation of writers, unique to it: a rendezvous round
+    may repeat (a new rendezvous state starts again at 0), so the round only describes it."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SPOTTRAIN_RUN_ID") or "-"
+    return f"run {run} round {round_} node {node} pid {os.getpid()} {uuid.uuid4().hex[:12]}"
