@@ -7,11 +7,12 @@ accumulation follows the world size, and the data position is the step), saves e
 notice. Every worker appends one JSON line per step to ``--progress``.
 
 The data is made here, deterministically: a synthetic text corpus with structure to learn
-(no download), written as a file and tokenized (bytes) through ``spottrain.agent.sdk.token_cache`` into
-``--token-cache`` (default ``$SPOTTRAIN_TOKEN_CACHE``, else ``token-cache/`` in the run's
-checkpoint directory, on the shared volume). The first rank to get there builds it; the other
-ranks, later restarts and backfilled nodes map the same file. Sample ``i`` is always the same
-window of it, so a run that is preempted and resumed sees exactly the samples an
+(no download), written as a file and tokenized (bytes) through
+``spottrain.agent.sdk.token_cache`` into ``--token-cache`` (default
+``$SPOTTRAIN_TOKEN_CACHE``, else ``token-cache/`` in the run's checkpoint directory, on the
+shared volume). The first rank to get there builds it; the other ranks, later restarts and
+backfilled nodes map the same file. Sample ``i`` is always the same window of it, so a run
+that is preempted and resumed sees exactly the samples an
 uninterrupted run sees.
 """
 
