@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spottrain.cloud.base import Market, Offer, region_of_zone
+from spottrain.cloud.base.groups import Group, GroupView, Member, MemberState
 from spottrain.cloud.catalog import Catalog, bundled
-from spottrain.cloud.groups import Group, GroupView, Member, MemberState
 from spottrain.spec import JobSpec
 
 from .group_plan import (

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
-from spottrain.cloud.local import TracedPreemption
+from spottrain.cloud.local.compute import TracedPreemption
 from spottrain.controller.planner import (
     DRAINING,
     JOINED,

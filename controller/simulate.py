@@ -74,7 +74,7 @@ from typing import Any
 
 from spottrain.cloud.base import Market, Offer, region_of_zone
 from spottrain.cloud.catalog import Catalog, UnknownInstanceType, UnknownRegion, bundled
-from spottrain.cloud.local import TracedPreemption, load_trace
+from spottrain.cloud.local.compute import TracedPreemption, load_trace
 from spottrain.controller.planner import HOURS_PER_MONTH
 from spottrain.controller.sim_engine import SimConfig, SimResult, simulate
 from spottrain.controller.sim_policies import POLICIES

@@ -962,7 +962,7 @@ def _check_catalog(spec: JobSpec, catalog: Catalog) -> list[str]:
 
 def _check_files(spec: JobSpec, base_dir: Path) -> list[str]:
     """Problems with the files a spec names (relative to the spec's directory)."""
-    from spottrain.cloud.local import load_trace
+    from spottrain.cloud.local.compute import load_trace
 
     problems = []
     if isinstance(spec.code, ArchiveCode):

@@ -28,7 +28,9 @@ from botocore.exceptions import (
 from harnesses.aws import AwsHarness, client_error
 from spec_samples import VALID, _with
 
-from spottrain.cloud.aws import AwsProvider, AwsSettings, classify_error, placement_group_name
+from spottrain.cloud.aws import AwsProvider, AwsSettings
+from spottrain.cloud.aws.errors import classify_error
+from spottrain.cloud.aws.launch import placement_group_name
 from spottrain.cloud.base import (
     TAG_JOB,
     TAG_NODE,

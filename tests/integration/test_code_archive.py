@@ -16,6 +16,7 @@ import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
+from spottrain.cloud.aws.s3 import S3Store
 from spottrain.cloud.code_archive import (
     FETCHED_MARKER,
     ArchiveChecksumError,
@@ -26,7 +27,7 @@ from spottrain.cloud.code_archive import (
     fetch_archive,
     upload_archive,
 )
-from spottrain.cloud.storage import LocalStore, S3Store
+from spottrain.cloud.storage import LocalStore
 
 BUCKET = "spottrain-code"
 SHA_OF_NOTHING = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"

@@ -1,4 +1,4 @@
-"""The GCP managed instance group behind the :class:`~spottrain.cloud.groups.Group` interface,
+"""The GCP managed instance group behind the :class:`~spottrain.cloud.base.groups.Group` interface,
 with the real ``google-cloud-compute`` REST client against the HTTP fake of the Compute API.
 
 Every test runs with HTTP(S)_PROXY pointing at a dead port and only 127.0.0.1 exempt, so a
@@ -16,9 +16,10 @@ from fakes.gce_server import GceFake
 from google.auth.credentials import AnonymousCredentials
 
 from spottrain.cloud.base import AuthError, BadRequestError, Market, TransientError
-from spottrain.cloud.gcp import AUTH_HINT
-from spottrain.cloud.gcp_group import TERRAFORM_OUTPUT, GcpMigGroup, member_state
-from spottrain.cloud.groups import Group, GroupView, MemberState
+from spottrain.cloud.base.groups import Group, GroupView, MemberState
+from spottrain.cloud.gcp.group import TERRAFORM_OUTPUT, GcpMigGroup
+from spottrain.cloud.gcp.group_states import member_state
+from spottrain.cloud.gcp.settings import AUTH_HINT
 
 ZONE = "us-central1-a"
 MACHINE_TYPE = "a2-highgpu-8g"

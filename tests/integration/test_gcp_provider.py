@@ -42,14 +42,10 @@ from spottrain.cloud.base import (
     QuotaError,
     TransientError,
 )
-from spottrain.cloud.gcp import (
-    AUTH_HINT,
-    CallTarget,
-    GcpProvider,
-    GcpSettings,
-    classify_error,
-    instance_name,
-)
+from spottrain.cloud.gcp import GcpProvider, GcpSettings
+from spottrain.cloud.gcp.errors import CallTarget, classify_error
+from spottrain.cloud.gcp.launch import instance_name
+from spottrain.cloud.gcp.settings import AUTH_HINT
 from spottrain.controller.providers import Endpoints, build_provider
 from spottrain.spec import parse_spec
 

@@ -21,7 +21,7 @@ from spec_samples import FLEET_AWS, _with
 
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.cloud.base import BadRequestError
-from spottrain.cloud.groups import MemberState
+from spottrain.cloud.base.groups import MemberState
 from spottrain.controller.group_loop import GroupController, group_policy_from_spec
 from spottrain.controller.state import ENDED, LAUNCHED, RunState
 from spottrain.keys import RunKeys
@@ -284,7 +284,7 @@ def test_a_group_that_does_not_exist_is_named_in_the_error(
 ) -> None:
     f = AsgFleet(aws, run_keys.run_id, size=1)
     try:
-        from spottrain.cloud.aws_group import AwsAsgGroup
+        from spottrain.cloud.aws.group import AwsAsgGroup
 
         g = AwsAsgGroup(
             aws.region,
@@ -303,7 +303,7 @@ def test_a_group_that_does_not_exist_is_named_in_the_error(
 def test_a_group_of_another_job_is_refused(aws: AwsHarness, run_keys: RunKeys) -> None:
     f = AsgFleet(aws, "other-job-1", size=1)
     try:
-        from spottrain.cloud.aws_group import AwsAsgGroup
+        from spottrain.cloud.aws.group import AwsAsgGroup
 
         g = AwsAsgGroup(
             aws.region,
@@ -353,7 +353,7 @@ def test_an_unreachable_auto_scaling_endpoint_is_a_transient_error_naming_it(
 ) -> None:
     import boto3
 
-    from spottrain.cloud.aws_group import AwsAsgGroup
+    from spottrain.cloud.aws.group import AwsAsgGroup
     from spottrain.cloud.base import TransientError
 
     session = boto3.Session(

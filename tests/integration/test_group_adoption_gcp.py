@@ -20,7 +20,7 @@ from google.auth.credentials import AnonymousCredentials
 from spec_samples import FLEET_AWS
 
 from spottrain.agent.node_record import NodeInfo, NodeRecord
-from spottrain.cloud.gcp_group import GcpMigGroup
+from spottrain.cloud.gcp.group import GcpMigGroup
 from spottrain.controller.group_loop import GroupController, group_policy_from_spec
 from spottrain.controller.state import ENDED, LAUNCHED, RunState
 from spottrain.keys import RunKeys

@@ -27,13 +27,13 @@ from spottrain.cloud.base import (
     QuotaError,
     TransientError,
 )
-from spottrain.cloud.local import (
+from spottrain.cloud.local.compute import (
     LocalProvider,
-    LocalSettings,
     PreemptionInjector,
     TracedPreemption,
     load_trace,
 )
+from spottrain.cloud.local.settings import LocalSettings
 
 # A boot command that records its pid and its SIGTERM, starts a grandchild in a session of
 # its own (as torchrun does with its workers), and leaves 0.5 s after a SIGTERM.
@@ -155,7 +155,8 @@ def test_vm_outlives_the_process_that_launched_it(tmp_path: Path) -> None:
             f"""
             from pathlib import Path
             from spottrain.cloud.base import LaunchRequest, OfferQuery
-            from spottrain.cloud.local import LocalProvider, LocalSettings
+            from spottrain.cloud.local.compute import LocalProvider
+            from spottrain.cloud.local.settings import LocalSettings
             cloud = LocalProvider(LocalSettings(Path({str(tmp_path / "c")!r})))
             offer = cloud.offers(OfferQuery())[0]
             boot = {_boot(tmp_path, "a")!r}

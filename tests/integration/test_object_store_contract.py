@@ -32,17 +32,17 @@ from spottrain.agent.checkpoint.directory import CheckpointDir
 from spottrain.agent.checkpoint.manifest import FileSum, Manifest
 from spottrain.agent.ckpt_copy import CheckpointCopier
 from spottrain.agent.node_record import NodeInfo, NodeRecord
+from spottrain.cloud.aws.s3 import S3Store
+from spottrain.cloud.gcp.gcs import GcsStore
 from spottrain.cloud.storage import (
     SHA256_METADATA,
     BucketNotFound,
     CorruptObject,
-    GcsStore,
     IncompleteCopy,
     LocalStore,
     ObjectInfo,
     ObjectNotFound,
     ObjectStore,
-    S3Store,
     SourceChanged,
     StorageAuthError,
     StorageError,

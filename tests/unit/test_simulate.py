@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
-from spottrain.cloud.local import TracedPreemption
+from spottrain.cloud.local.compute import TracedPreemption
 from spottrain.controller.planner import (
     FleetIndex,
     NodeObs,

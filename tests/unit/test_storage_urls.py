@@ -146,6 +146,8 @@ def test_a_store_without_its_sdk_says_which_extra_to_install(
 ) -> None:
     code = (
         "from spottrain.cloud.storage import *\n"
+        "from spottrain.cloud.aws.s3 import S3Store\n"
+        "from spottrain.cloud.gcp.gcs import GcsStore\n"
         "try:\n"
         f"    {make}\n"
         "except MissingSdkError as exc:\n"

@@ -1,5 +1,5 @@
 """An AWS Auto Scaling group (``terraform/aws``) behind the
-:class:`~spottrain.cloud.groups.Group` interface.
+:class:`~spottrain.cloud.base.groups.Group` interface.
 
 The group is created with scale-in protection on, so it never picks a victim itself; the
 controller removes a member by name with ``TerminateInstanceInAutoScalingGroup``. A
@@ -16,9 +16,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from .aws import CLOUD, INSTALL_HINT, classify_error, error_code
-from .base import TAG_JOB, BadRequestError, Market, ProviderError
-from .groups import GroupView, Member, MemberState
+from spottrain.cloud.aws.errors import classify_error, error_code
+from spottrain.cloud.aws.settings import CLOUD
+from spottrain.cloud.base import TAG_JOB, BadRequestError, Market, ProviderError
+from spottrain.cloud.base.groups import GroupView, Member, MemberState
+from spottrain.lazy_import import lazy_import
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +66,9 @@ class AwsAsgGroup:
         session: Any = None,
         endpoint_url: str | None = None,
     ) -> None:
-        try:
-            import boto3
-            from botocore.config import Config
-        except ImportError as e:
-            raise ImportError(f"the AWS group needs boto3: {INSTALL_HINT}") from e
+        boto3 = lazy_import("boto3", needs="the AWS group needs boto3", extra="aws")
+        from botocore.config import Config  # botocore comes with boto3
+
         self.region = region
         self.name = name
         self.run_id = run_id

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
-from .base import Market
+from spottrain.cloud.base.provider import Market
 
 
 class MemberState(StrEnum):

@@ -1,10 +1,11 @@
-"""A zonal Compute Engine managed instance group (MIG) as a :class:`~spottrain.cloud.groups.Group`.
+"""A zonal Compute Engine managed instance group (MIG) as a
+:class:`~spottrain.cloud.base.groups.Group`.
 
 Terraform (``terraform/gcp``) creates the instance template and the MIG; this module only
 reads and steers it, through ``google-cloud-compute`` over REST like :mod:`spottrain.cloud.gcp`,
 whose client construction, call wrapper, operation wait and error classifier it uses.
 
-How the :class:`~spottrain.cloud.groups.Group` contract maps onto a MIG:
+How the :class:`~spottrain.cloud.base.groups.Group` contract maps onto a MIG:
 
 - **describe** is ``instanceGroupManagers.get`` (the target size and the template) plus one
   ``listManagedInstances``. A member's state comes from the group's ``currentAction`` for it
@@ -37,22 +38,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .base import BadRequestError, Market, region_of_zone
-from .gcp import (
-    _NAME_RE,
-    _PROJECT_RE,
-    CLOUD,
-    INSTALL_HINT,
-    CallTarget,
+from spottrain.cloud.base import BadRequestError, Market, region_of_zone
+from spottrain.cloud.base.groups import GroupView, Member, MemberState
+from spottrain.cloud.gcp.api import (
     _is_not_found,
     _last,
     call_api,
-    classify_error,
     list_all,
     rest_client,
     wait_zone_operation,
 )
-from .groups import GroupView, Member, MemberState
+from spottrain.cloud.gcp.errors import CallTarget, classify_error
+from spottrain.cloud.gcp.group_states import _NOT_TO_RECREATE, member_state
+from spottrain.cloud.gcp.settings import _NAME_RE, _PROJECT_RE, CLOUD
+from spottrain.lazy_import import lazy_import
 
 if TYPE_CHECKING:
     from google.auth.credentials import Credentials
@@ -68,54 +67,6 @@ _TEMPLATE_RE = re.compile(
 )
 # The most instances one deleteInstances or recreateInstances may name.
 _BATCH = 1000
-
-# The group's action for a member says more than the VM's status while it lasts, except that
-# a VM that is down is GONE whatever the group plans for it: the controller must learn that
-# it lost the node even while the group already recreates it.
-_LEAVING_ACTIONS = frozenset({"DELETING", "ABANDONING", "STOPPING", "SUSPENDING"})
-_PENDING_ACTIONS = frozenset(
-    {
-        "CREATING",
-        "CREATING_WITHOUT_RETRIES",
-        "RECREATING",
-        "VERIFYING",
-        "RESTARTING",
-        "STARTING",
-        "RESUMING",
-    }
-)
-_GONE_STATUSES = frozenset({"TERMINATED", "STOPPED", "SUSPENDED"})
-# REPAIRING as gcp.py counts it: the VM is out of service.
-_LEAVING_STATUSES = frozenset(
-    {"STOPPING", "SUSPENDING", "PENDING_STOP", "DEPROVISIONING", "REPAIRING"}
-)
-_PENDING_STATUSES = frozenset({"PROVISIONING", "STAGING", "PENDING"})
-# Members not worth a recreateInstances: already leaving, or already getting a new VM.
-_NOT_TO_RECREATE = frozenset(
-    {"DELETING", "ABANDONING", "CREATING", "CREATING_WITHOUT_RETRIES", "RECREATING"}
-)
-
-
-def member_state(current_action: str, instance_status: str) -> MemberState:
-    """A member's state from the group's ``currentAction`` for it and its VM's
-    ``instanceStatus`` ("" while it has no VM)."""
-    if current_action in _LEAVING_ACTIONS:
-        return MemberState.LEAVING
-    if instance_status in _GONE_STATUSES:
-        return MemberState.GONE
-    if instance_status in _LEAVING_STATUSES:
-        return MemberState.LEAVING
-    if current_action in _PENDING_ACTIONS:
-        return MemberState.PENDING
-    if instance_status == "RUNNING":
-        return MemberState.RUNNING
-    if instance_status in _PENDING_STATUSES:
-        return MemberState.PENDING
-    if not instance_status:
-        # No VM and nothing creating one: it was deleted behind the group's back (a spot
-        # VM whose termination action is DELETE) and the group has not noticed yet.
-        return MemberState.GONE
-    return MemberState.PENDING  # a status newer than this module
 
 
 @dataclass(frozen=True)
@@ -165,12 +116,12 @@ class GcpMigGroup:
         request_timeout_s: float = 60.0,
         op_wait_s: float = 60.0,
     ) -> None:
-        try:
-            from google.cloud import compute_v1  # noqa: F401
-        except ImportError as e:
-            raise ImportError(
-                f"the gcp cloud needs google-cloud-compute: {INSTALL_HINT} ({e})"
-            ) from e
+        lazy_import(
+            "google.cloud.compute_v1",
+            needs="the gcp cloud needs google-cloud-compute",
+            extra="gcp",
+            show_cause=True,
+        )
         if not _PROJECT_RE.match(project):
             raise ValueError(
                 f"gcp project {project!r} is not a project id: 6-30 lowercase letters, digits "

@@ -3,8 +3,8 @@ preemptions and refusals that can be injected.
 
 It implements the same :class:`~spottrain.cloud.base.Provider` contract as AWS and GCP, and
 keeps its state where a cloud does, outside the controller: a directory of records
-(:mod:`spottrain.cloud.local_records`) and VM processes in sessions of their own
-(:mod:`spottrain.cloud.local_vm`). A controller killed and restarted finds its VMs, with their
+(:mod:`spottrain.cloud.local.records`) and VM processes in sessions of their own
+(:mod:`spottrain.cloud.local.vm`). A controller killed and restarted finds its VMs, with their
 tags, exactly as it would on a real cloud.
 
 The levers a real cloud does not give you:
@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from .base import (
+from spottrain.cloud.base import (
     AuthError,
     BadRequestError,
     CapacityError,
@@ -55,9 +55,10 @@ from .base import (
     TransientError,
     sort_offers,
 )
-from .catalog import Catalog, UnknownInstanceType, bundled
-from .local_records import RecordStore
-from .local_vm import kill_tree
+from spottrain.cloud.catalog import Catalog, UnknownInstanceType, bundled
+from spottrain.cloud.local.records import RecordStore
+from spottrain.cloud.local.settings import LocalSettings
+from spottrain.cloud.local.vm import kill_tree
 
 REGION = "local"
 INSTANCE_TYPE = "local-cpu"
@@ -69,36 +70,6 @@ _REFUSALS: dict[str, type[ProviderError]] = {
     "quota": QuotaError,
     "transient": TransientError,
 }
-
-
-@dataclass(frozen=True)
-class LocalSettings:
-    """How the local cloud behaves.
-
-    Attributes:
-        state_dir: where the cloud keeps its records and VM logs.
-        zones: zone name -> how many VMs it holds (the default capacity; ``set_capacity``
-            overrides it while the state directory lives).
-        launch_latency_s: seconds a VM stays pending before its boot command starts.
-        notice_s: the notice window: how long a VM preempted with notice, or deleted, has
-            between its SIGTERM and its death.
-    """
-
-    state_dir: Path
-    zones: Mapping[str, int] = field(default_factory=lambda: {"local-a": 64})
-    launch_latency_s: float = 0.0
-    notice_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if not self.zones:
-            raise ValueError("the local cloud needs at least one zone")
-        for zone, cap in self.zones.items():
-            if cap < 0:
-                raise ValueError(f"zone {zone}: capacity must be >= 0, got {cap}")
-        if not 0 <= self.launch_latency_s <= 3600:
-            raise ValueError(f"launch_latency_s must be in [0, 3600], got {self.launch_latency_s}")
-        if not 0 < self.notice_s <= 600:
-            raise ValueError(f"notice_s must be in (0, 600], got {self.notice_s}")
 
 
 def _pid_start(pid: int) -> str | None:
@@ -351,7 +322,7 @@ class LocalProvider:
         cmd = [
             sys.executable,
             "-m",
-            "spottrain.cloud.local_vm",
+            "spottrain.cloud.local.vm",
             "--spawn",
             str(self.store.path(vm_id)),
             str(self.store.log_path(vm_id)),

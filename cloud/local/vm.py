@@ -1,8 +1,8 @@
 """One VM of the local cloud: a process that boots, runs its boot command, and dies the way a
 cloud VM does.
 
-``python -m spottrain.cloud.local_vm RECORD`` is started by
-:class:`spottrain.cloud.local.LocalProvider` in a session of its own, so it outlives the
+``python -m spottrain.cloud.local.vm RECORD`` is started by
+:class:`spottrain.cloud.local.compute.LocalProvider` in a session of its own, so it outlives the
 controller that launched it (as a real VM outlives a laptop going to sleep). It:
 
 1. stays ``pending`` for the launch latency, then is ``running``;
@@ -30,9 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spottrain.agent.processes import child_pids, descendants
-
-from .local_records import RecordStore
+from spottrain.cloud.local.records import RecordStore
+from spottrain.process_group import child_pids, descendants
 
 
 class _Stop:
@@ -191,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return spawn(Path(args[1]), Path(args[2]))
     if len(args) != 1:
         print(
-            "usage: python -m spottrain.cloud.local_vm [--spawn RECORD.json LOG] RECORD.json",
+            "usage: python -m spottrain.cloud.local.vm [--spawn RECORD.json LOG] RECORD.json",
             file=sys.stderr,
         )
         return 2

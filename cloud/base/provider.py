@@ -290,7 +290,7 @@ class TransientError(ProviderError):
 @runtime_checkable
 class Provider(Protocol):
     """One cloud. Implementations: :class:`spottrain.cloud.aws.AwsProvider`,
-    :class:`spottrain.cloud.gcp.GcpProvider`, :class:`spottrain.cloud.local.LocalProvider`.
+    :class:`spottrain.cloud.gcp.GcpProvider`, :class:`spottrain.cloud.local.compute.LocalProvider`.
     """
 
     cloud: str
