@@ -44,12 +44,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, cast
 
 from spottrain.cloud.aws.errors import NOT_FOUND_CODES, classify_error, error_code
 from spottrain.cloud.aws.launch import placement_group_name, run_instances_params, tag_list
+from spottrain.cloud.aws.prices import spot_prices, zone_offers
 from spottrain.cloud.aws.settings import CLOUD, AwsSettings
 from spottrain.cloud.base import (
     TAG_JOB,
@@ -306,72 +306,14 @@ class AwsProvider:
             if not zones:
                 return []
             described = client.describe_instance_types(InstanceTypes=sorted(zones))
-            spot = self._spot_prices(client, sorted(zones))
-        info = {t["InstanceType"]: t for t in described.get("InstanceTypes", [])}
-        offers: builtins.list[Offer] = []
-        for name, type_zones in zones.items():
-            entry = known[name]
-            gpus, network = entry.gpus, entry.network
-            api = info.get(name)
-            if api is not None:
-                gpus = sum(int(g.get("Count", 0)) for g in api.get("GpuInfo", {}).get("Gpus", []))
-                network = "efa" if api.get("NetworkInfo", {}).get("EfaSupported") else ""
-                if gpus != entry.gpus:
-                    log.warning(
-                        "aws %s has %d GPUs per EC2, %d per the catalog; using EC2's",
-                        name,
-                        gpus,
-                        entry.gpus,
-                    )
-            on_demand = self._catalog.price(CLOUD, name, region, Market.ON_DEMAND)
-            table_spot = self._catalog.price(CLOUD, name, region, Market.SPOT)
-            for zone in sorted(type_zones):
-                on_demand_offer = Offer(
-                    cloud=CLOUD,
-                    region=region,
-                    zone=zone,
-                    instance_type=name,
-                    gpus=gpus,
-                    gpu_type=entry.gpu_type,
-                    market=Market.ON_DEMAND,
-                    price_per_hour=on_demand,
-                    interruption_risk=0.0,
-                    network=network,
-                )
-                offers.append(on_demand_offer)
-                price = spot.get((name, zone), table_spot)
-                cap = self.settings.max_spot_price
-                if cap is not None and price > cap:
-                    continue  # EC2 would refuse the bid (SpotMaxPriceTooLow)
-                offers.append(
-                    replace(
-                        on_demand_offer,
-                        market=Market.SPOT,
-                        price_per_hour=price,
-                        interruption_risk=entry.interruption_risk,
-                    )
-                )
-        return offers
-
-    def _spot_prices(self, client: Any, types: builtins.list[str]) -> dict[tuple[str, str], float]:
-        """The latest spot price per (type, zone); empty when the table is the source."""
-        if self.settings.spot_price_source != "api":
-            return {}
-        latest: dict[tuple[str, str], tuple[datetime, float]] = {}
-        # With a start time of now, EC2 returns the price in effect now per zone, not days
-        # of history. AWS's now, not the cache's (injectable) clock.
-        pages = client.get_paginator("describe_spot_price_history").paginate(
-            InstanceTypes=types,
-            ProductDescriptions=["Linux/UNIX"],
-            StartTime=datetime.now(UTC),
+            spot = (
+                spot_prices(client, sorted(zones))
+                if self.settings.spot_price_source == "api"
+                else {}
+            )
+        return zone_offers(
+            self._catalog, region, zones, described, spot, self.settings.max_spot_price
         )
-        for page in pages:
-            for row in page.get("SpotPriceHistory", []):
-                key = (row["InstanceType"], row["AvailabilityZone"])
-                stamp = row["Timestamp"]
-                if key not in latest or stamp > latest[key][0]:
-                    latest[key] = (stamp, float(row["SpotPrice"]))
-        return {key: price for key, (_, price) in latest.items()}
 
     # --- launch helpers -----------------------------------------------------------------
 

@@ -208,7 +208,13 @@ def classify_error(
             else f"{service} call failed"
         )
         return TransientError(CLOUD, f"{what} in {region}: {type(exc).__name__}: {exc}")
+    return _classify_client_error(exc, region, zone, instance_type, market, service)
 
+
+def _classify_client_error(
+    exc: Exception, region: str, zone: str, instance_type: str, market: Market, service: str
+) -> ProviderError:
+    """:func:`classify_error` for a botocore ``ClientError``, by its error code."""
     code = error_code(exc)
     response = cast(dict[str, Any], getattr(exc, "response", {}))
     message = str(response.get("Error", {}).get("Message", "")) or str(exc)

@@ -72,98 +72,129 @@ class AwsSettings:
     offers_ttl_s: float = DEFAULT_OFFERS_TTL_S
 
     def __post_init__(self) -> None:
-        if isinstance(self.regions, str):
-            raise ValueError(
-                f"AwsSettings.regions must be a list of region names, got the string "
-                f"{self.regions!r}"
-            )
-        regions = tuple(self.regions)
-        if not regions:
-            raise ValueError("AwsSettings.regions is empty: name at least one, e.g. ['us-east-1']")
-        if len(set(regions)) != len(regions):
-            raise ValueError(f"AwsSettings.regions names a region twice: {list(regions)}")
-        images = dict(self.image_ids)
-        for region in regions:
-            if region not in images:
-                raise ValueError(
-                    f"AwsSettings.image_ids has no AMI for region {region!r}: give a GPU AMI "
-                    "id (ami-...) for every region in regions"
-                )
-        for region, image in images.items():
-            if not _AMI_RE.match(image):
-                raise ValueError(
-                    f"AwsSettings.image_ids[{region!r}] is {image!r}, not an AMI id "
-                    "(ami- and 8 to 17 hex digits)"
-                )
-        subnets = dict(self.subnet_ids)
-        for zone, subnet in subnets.items():
-            if not _ZONE_RE.match(zone) or not any(zone.startswith(r) for r in regions):
-                raise ValueError(
-                    f"AwsSettings.subnet_ids key {zone!r} is not an availability zone of "
-                    f"{', '.join(regions)} (e.g. {regions[0]}a)"
-                )
-            if not _SUBNET_RE.match(subnet):
-                raise ValueError(
-                    f"AwsSettings.subnet_ids[{zone!r}] is {subnet!r}, not a subnet id "
-                    "(subnet- and 8 to 17 hex digits)"
-                )
-        if isinstance(self.security_group_ids, str):
-            raise ValueError(
-                "AwsSettings.security_group_ids must be a list of ids, got the string "
-                f"{self.security_group_ids!r}"
-            )
-        groups = tuple(self.security_group_ids)
-        for group in groups:
-            if not _SG_RE.match(group):
-                raise ValueError(
-                    f"AwsSettings.security_group_ids has {group!r}, not a security group id "
-                    "(sg- and 8 to 17 hex digits)"
-                )
-        profile = self.instance_profile
-        if profile and not (
-            _PROFILE_ARN_RE.match(profile)
-            if profile.startswith("arn:")
-            else _PROFILE_NAME_RE.match(profile)
-        ):
-            raise ValueError(
-                f"AwsSettings.instance_profile {profile!r} is neither an instance profile "
-                "name nor an arn:aws:iam::ACCOUNT:instance-profile/NAME ARN"
-            )
-        if len(self.key_name) > 255:
-            raise ValueError("AwsSettings.key_name is longer than 255 characters")
-        if (
-            isinstance(self.root_volume_gb, bool)
-            or not isinstance(self.root_volume_gb, int)
-            or not 8 <= self.root_volume_gb <= 16384
-        ):
-            raise ValueError(
-                f"AwsSettings.root_volume_gb must be a whole number of GiB from 8 to 16384, "
-                f"got {self.root_volume_gb!r}"
-            )
-        if self.root_volume_kms_key and not self.encrypt_root_volume:
-            raise ValueError(
-                "AwsSettings.root_volume_kms_key is set but encrypt_root_volume is off: "
-                "turn encryption on or drop the key"
-            )
-        if self.root_volume_kms_key and not _KMS_KEY_RE.match(self.root_volume_kms_key):
-            raise ValueError(
-                f"AwsSettings.root_volume_kms_key {self.root_volume_kms_key!r} is not a KMS key "
-                "id, alias/NAME or key or alias ARN"
-            )
-        if self.spot_price_source not in SPOT_PRICE_SOURCES:
-            raise ValueError(
-                f"AwsSettings.spot_price_source must be 'api' or 'table', got "
-                f"{self.spot_price_source!r}"
-            )
-        if self.max_spot_price is not None and not self.max_spot_price > 0:
-            raise ValueError(
-                f"AwsSettings.max_spot_price must be > 0 USD per hour, or None to cap at the "
-                f"on-demand price, got {self.max_spot_price!r}"
-            )
-        if not self.offers_ttl_s >= 0:
-            raise ValueError(f"AwsSettings.offers_ttl_s must be >= 0, got {self.offers_ttl_s!r}")
+        regions, images = _checked_regions(self)
+        subnets = _checked_subnets(self, regions)
+        groups = _checked_security_groups(self)
+        _check_identity(self)
+        _check_root_volume(self)
+        _check_market(self)
         # Frozen copies, so settings shared between providers cannot change under them.
         object.__setattr__(self, "regions", regions)
         object.__setattr__(self, "image_ids", MappingProxyType(images))
         object.__setattr__(self, "subnet_ids", MappingProxyType(subnets))
         object.__setattr__(self, "security_group_ids", groups)
+
+
+def _checked_regions(s: AwsSettings) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The regions, and an AMI for each of them."""
+    if isinstance(s.regions, str):
+        raise ValueError(
+            f"AwsSettings.regions must be a list of region names, got the string {s.regions!r}"
+        )
+    regions = tuple(s.regions)
+    if not regions:
+        raise ValueError("AwsSettings.regions is empty: name at least one, e.g. ['us-east-1']")
+    if len(set(regions)) != len(regions):
+        raise ValueError(f"AwsSettings.regions names a region twice: {list(regions)}")
+    images = dict(s.image_ids)
+    for region in regions:
+        if region not in images:
+            raise ValueError(
+                f"AwsSettings.image_ids has no AMI for region {region!r}: give a GPU AMI "
+                "id (ami-...) for every region in regions"
+            )
+    for region, image in images.items():
+        if not _AMI_RE.match(image):
+            raise ValueError(
+                f"AwsSettings.image_ids[{region!r}] is {image!r}, not an AMI id "
+                "(ami- and 8 to 17 hex digits)"
+            )
+    return regions, images
+
+
+def _checked_subnets(s: AwsSettings, regions: tuple[str, ...]) -> dict[str, str]:
+    """The subnet per availability zone of ``regions``."""
+    subnets = dict(s.subnet_ids)
+    for zone, subnet in subnets.items():
+        if not _ZONE_RE.match(zone) or not any(zone.startswith(r) for r in regions):
+            raise ValueError(
+                f"AwsSettings.subnet_ids key {zone!r} is not an availability zone of "
+                f"{', '.join(regions)} (e.g. {regions[0]}a)"
+            )
+        if not _SUBNET_RE.match(subnet):
+            raise ValueError(
+                f"AwsSettings.subnet_ids[{zone!r}] is {subnet!r}, not a subnet id "
+                "(subnet- and 8 to 17 hex digits)"
+            )
+    return subnets
+
+
+def _checked_security_groups(s: AwsSettings) -> tuple[str, ...]:
+    """The security group ids."""
+    if isinstance(s.security_group_ids, str):
+        raise ValueError(
+            "AwsSettings.security_group_ids must be a list of ids, got the string "
+            f"{s.security_group_ids!r}"
+        )
+    groups = tuple(s.security_group_ids)
+    for group in groups:
+        if not _SG_RE.match(group):
+            raise ValueError(
+                f"AwsSettings.security_group_ids has {group!r}, not a security group id "
+                "(sg- and 8 to 17 hex digits)"
+            )
+    return groups
+
+
+def _check_identity(s: AwsSettings) -> None:
+    """The instance profile and the key pair."""
+    profile = s.instance_profile
+    if profile and not (
+        _PROFILE_ARN_RE.match(profile)
+        if profile.startswith("arn:")
+        else _PROFILE_NAME_RE.match(profile)
+    ):
+        raise ValueError(
+            f"AwsSettings.instance_profile {profile!r} is neither an instance profile "
+            "name nor an arn:aws:iam::ACCOUNT:instance-profile/NAME ARN"
+        )
+    if len(s.key_name) > 255:
+        raise ValueError("AwsSettings.key_name is longer than 255 characters")
+
+
+def _check_root_volume(s: AwsSettings) -> None:
+    """The root volume's size and encryption."""
+    if (
+        isinstance(s.root_volume_gb, bool)
+        or not isinstance(s.root_volume_gb, int)
+        or not 8 <= s.root_volume_gb <= 16384
+    ):
+        raise ValueError(
+            f"AwsSettings.root_volume_gb must be a whole number of GiB from 8 to 16384, "
+            f"got {s.root_volume_gb!r}"
+        )
+    if s.root_volume_kms_key and not s.encrypt_root_volume:
+        raise ValueError(
+            "AwsSettings.root_volume_kms_key is set but encrypt_root_volume is off: "
+            "turn encryption on or drop the key"
+        )
+    if s.root_volume_kms_key and not _KMS_KEY_RE.match(s.root_volume_kms_key):
+        raise ValueError(
+            f"AwsSettings.root_volume_kms_key {s.root_volume_kms_key!r} is not a KMS key "
+            "id, alias/NAME or key or alias ARN"
+        )
+
+
+def _check_market(s: AwsSettings) -> None:
+    """Spot prices and the offer cache."""
+    if s.spot_price_source not in SPOT_PRICE_SOURCES:
+        raise ValueError(
+            f"AwsSettings.spot_price_source must be 'api' or 'table', got {s.spot_price_source!r}"
+        )
+    if s.max_spot_price is not None and not s.max_spot_price > 0:
+        raise ValueError(
+            f"AwsSettings.max_spot_price must be > 0 USD per hour, or None to cap at the "
+            f"on-demand price, got {s.max_spot_price!r}"
+        )
+    if not s.offers_ttl_s >= 0:
+        raise ValueError(f"AwsSettings.offers_ttl_s must be >= 0, got {s.offers_ttl_s!r}")

@@ -264,18 +264,7 @@ def download_dir(
     tmp = dest.parent / f".{dest.name}.download-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
-        for key in keys:
-            rel = key[len(prefix) + 1 :]
-            problem = _key_problem(rel)
-            if problem:
-                raise ValueError(f"refusing object {store.url(key)}: {problem}")
-            info = store.get_file(key, tmp / rel)
-            if info.sha256 is None:
-                raise CorruptObject(
-                    key,
-                    f"{store.url(key)} has no recorded sha256, so it cannot be verified; "
-                    "it was not written by upload_dir",
-                )
+        _download_keys(store, prefix, keys, tmp)
         try:
             now = store.stat(marker_key)
         except ObjectNotFound:
@@ -296,6 +285,23 @@ def download_dir(
         "event=storage.download_dir url=%s dest=%s files=%d", store.url(prefix), dest, len(keys)
     )
     return dest
+
+
+def _download_keys(store: ObjectStore, prefix: str, keys: list[str], tmp: Path) -> None:
+    """Download each object of ``keys`` (under ``prefix/``) to its path under ``tmp``,
+    refusing keys that cannot be a local path and objects without a recorded sha256."""
+    for key in keys:
+        rel = key[len(prefix) + 1 :]
+        problem = _key_problem(rel)
+        if problem:
+            raise ValueError(f"refusing object {store.url(key)}: {problem}")
+        info = store.get_file(key, tmp / rel)
+        if info.sha256 is None:
+            raise CorruptObject(
+                key,
+                f"{store.url(key)} has no recorded sha256, so it cannot be verified; "
+                "it was not written by upload_dir",
+            )
 
 
 def list_dirs(
