@@ -1,7 +1,7 @@
 """The one interface every cloud provider implements, and the errors it may raise.
 
-The contract, which the provider contract suite (``tests/integration/test_provider_contract.py``)
-checks for every cloud:
+The contract, which the provider contract suite
+(``tests/integration/cloud/test_provider_contract.py``) checks for every cloud:
 
 - **Eventually consistent.** ``list`` may lag ``launch`` and ``terminate`` by a few seconds
   (AWS's describe calls do); callers reconcile on their next pass and never assume a single

@@ -54,8 +54,8 @@ class ObjectInfo:
 class ObjectStore(Protocol):
     """A flat namespace of immutable-until-overwritten objects under one prefix.
 
-    The contract, which ``tests/integration/test_object_store_contract.py`` checks for every
-    implementation:
+    The contract, which ``tests/integration/cloud/storage/test_object_store_contract.py``
+    checks for every implementation:
 
     - **Keys** are '/'-separated paths relative to the store's prefix: no leading '/', no
       empty, '.' or '..' parts, nothing ending in ``.spottrain-part`` and no first part
