@@ -171,7 +171,7 @@ class LaunchRequest:
         node: the node name the VM will run (its ``spottrain-node`` tag and hostname hint).
         offer: where and what to launch.
         user_data: the boot script (AWS user data, GCP ``startup-script``, the local cloud's
-            command line as JSON); rendered by :mod:`spottrain.bootstrap`.
+            command line as JSON); rendered by the controller's boot scripts.
         tags: extra tags or labels (values must be valid GCP label values).
     """
 
