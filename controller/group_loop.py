@@ -21,7 +21,7 @@ from typing import Any
 
 from spottrain.catalog import Catalog, bundled
 from spottrain.cloud.base import Market, Offer, region_of_zone
-from spottrain.cloud.groups import Group, GroupView, Member, MemberState
+from spottrain.cloud.base.groups import Group, GroupView, Member, MemberState
 from spottrain.spec import JobSpec
 
 from .group_plan import (

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spottrain.cloud.groups import Member, MemberState
+from spottrain.cloud.base.groups import Member, MemberState
 
 # What an agent reports (spottrain.agent.lifecycle.NodeState values), as plain words: the
 # controller reads them from Redis and must not import the agent.

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from spottrain.catalog import Catalog, bundled
 from spottrain.cloud.base import Market, OfferQuery, Provider
-from spottrain.cloud.groups import Group
+from spottrain.cloud.base.groups import Group
 from spottrain.spec import JobSpec, LocalCloudSpec, SpotPolicy
 
 if TYPE_CHECKING:
-    from spottrain.cloud.local import PreemptionInjector
+    from spottrain.cloud.local.compute import PreemptionInjector
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ def build_provider(
     ep = endpoints or Endpoints()
     cat = catalog or bundled()
     if cloud == "local":
-        from spottrain.cloud.local import LocalProvider, LocalSettings
+        from spottrain.cloud.local.compute import LocalProvider
+        from spottrain.cloud.local.settings import LocalSettings
 
         if local_state_dir is None:
             raise ValueError("the local cloud needs a state directory")
@@ -157,7 +158,7 @@ def build_group(spec: JobSpec, *, endpoints: Endpoints | None = None) -> Group:
         raise ValueError("the spec has no `fleet:` section")
     ep = endpoints or Endpoints()
     if fleet.cloud == "aws":
-        from spottrain.cloud.aws_group import AwsAsgGroup
+        from spottrain.cloud.aws.group import AwsAsgGroup
 
         assert fleet.region is not None  # the spec requires it for aws
         return AwsAsgGroup(
@@ -168,7 +169,7 @@ def build_group(spec: JobSpec, *, endpoints: Endpoints | None = None) -> Group:
             session=ep.aws_session,
             endpoint_url=ep.aws_endpoint_url,
         )
-    from spottrain.cloud.gcp_group import GcpMigGroup
+    from spottrain.cloud.gcp.group import GcpMigGroup
 
     assert fleet.project is not None and fleet.zone is not None  # required for gcp
     return GcpMigGroup(
@@ -205,7 +206,7 @@ def preemption_injector(
     Raises:
         ValueError: the trace file cannot be read, or the provider is not the local cloud.
     """
-    from spottrain.cloud.local import LocalProvider, PreemptionInjector
+    from spottrain.cloud.local.compute import LocalProvider, PreemptionInjector
     from spottrain.trace import load_trace
 
     if spec.local is None:

@@ -2,7 +2,7 @@
 the agent, rendered from the job spec and the node's identity.
 
 On AWS it is the instance's user data, on GCP its ``startup-script`` metadata, and on the
-local cloud a JSON command line (:mod:`spottrain.cloud.local_vm`). The Terraform modules
+local cloud a JSON command line (:mod:`spottrain.cloud.local.vm`). The Terraform modules
 render the same agent settings into their own templates.
 
 Everything the agent needs travels in ``/etc/spottrain/agent.env`` (the systemd unit's

@@ -268,7 +268,7 @@ def _check_group(spec: JobSpec, *, quiet: bool) -> bool:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from spottrain.cloud.local import LocalProvider
+    from spottrain.cloud.local.compute import LocalProvider
     from spottrain.controller.runs import home_dir
 
     state_dir = Path(args.state_dir) if args.state_dir else home_dir() / "local"

@@ -51,7 +51,8 @@ from spottrain.agent.checkpoint.manifest import Manifest  # noqa: E402
 from spottrain.agent.node_record import NodeInfo, NodeRecord  # noqa: E402
 from spottrain.agent.rendezvous.handler import create_handler  # noqa: E402
 from spottrain.agent.sdk import ENV_NODE, GlobalBatch, TrainSession  # noqa: E402
-from spottrain.cloud.local import LocalProvider, LocalSettings  # noqa: E402
+from spottrain.cloud.local.compute import LocalProvider  # noqa: E402
+from spottrain.cloud.local.settings import LocalSettings  # noqa: E402
 from spottrain.controller.loop import Controller, policy_from_spec, summarize  # noqa: E402
 from spottrain.controller.report import build_report, read_redis_inputs  # noqa: E402
 from spottrain.controller.state import RunState  # noqa: E402

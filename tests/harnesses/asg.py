@@ -35,7 +35,7 @@ from moto.autoscaling.responses import AutoScalingResponse
 from moto.backends import get_backend
 from moto.core.responses import EmptyResult
 
-from spottrain.cloud.aws_group import AwsAsgGroup
+from spottrain.cloud.aws.group import AwsAsgGroup
 from spottrain.cloud.base import TAG_JOB
 
 from .aws import AwsHarness

@@ -7,7 +7,8 @@ import tempfile
 from pathlib import Path
 
 from spottrain.cloud.base import Market, OfferQuery
-from spottrain.cloud.local import LocalProvider, LocalSettings
+from spottrain.cloud.local.compute import LocalProvider
+from spottrain.cloud.local.settings import LocalSettings
 
 # A VM's boot command for the contract suite: a long sleep that leaves on SIGTERM, like an
 # agent with nothing to checkpoint.

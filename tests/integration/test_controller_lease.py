@@ -16,7 +16,8 @@ import yaml
 from spec_samples import LOCAL, _with
 
 from spottrain.cloud.base import Instance, LaunchRequest
-from spottrain.cloud.local import LocalProvider, LocalSettings
+from spottrain.cloud.local.compute import LocalProvider
+from spottrain.cloud.local.settings import LocalSettings
 from spottrain.controller.loop import (
     Controller,
     ControllerError,

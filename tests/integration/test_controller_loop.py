@@ -22,7 +22,8 @@ from spottrain.agent.notices import Notice, NoticeKind
 from spottrain.agent.notices.handler import NoticeHandler
 from spottrain.agent.sdk import ENV_NODE, TrainSession
 from spottrain.cloud.base import InstanceState, LaunchRequest, Offer, OfferQuery
-from spottrain.cloud.local import LocalProvider, LocalSettings
+from spottrain.cloud.local.compute import LocalProvider
+from spottrain.cloud.local.settings import LocalSettings
 from spottrain.controller.drive import format_summary
 from spottrain.controller.loop import Controller, ControllerError, policy_from_spec, summarize
 from spottrain.controller.state import LAUNCHED, RunState

@@ -17,7 +17,7 @@ from spec_samples import LOCAL, _with
 from spottrain import cli
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.cloud.base import InstanceState, LaunchRequest, OfferQuery
-from spottrain.cloud.local import LocalProvider
+from spottrain.cloud.local.compute import LocalProvider
 from spottrain.controller.providers import build_providers
 from spottrain.controller.runs import RunInfo, create_run
 from spottrain.embedded_redis import RedisServer

@@ -1,5 +1,5 @@
 """The HTTP fake's managed instance groups (and instance templates), driven by the real
-``google-cloud-compute`` client: what :mod:`spottrain.cloud.gcp_group` and its tests lean on."""
+``google-cloud-compute`` client: what :mod:`spottrain.cloud.gcp.group` and its tests lean on."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ import pytest
 import yaml
 from spec_samples import VALID, _with
 
-from spottrain.cloud.local import LocalProvider, LocalSettings
+from spottrain.cloud.local.compute import LocalProvider
+from spottrain.cloud.local.settings import LocalSettings
 from spottrain.embedded_redis import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]

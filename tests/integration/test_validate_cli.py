@@ -16,7 +16,7 @@ import yaml
 from spec_samples import LOCAL, VALID, _with
 
 from spottrain.cloud.base import Market
-from spottrain.cloud.local import LocalProvider
+from spottrain.cloud.local.compute import LocalProvider
 from spottrain.controller.providers import build_provider, offer_query
 from spottrain.spec import parse_spec
 

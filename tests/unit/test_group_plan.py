@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spottrain.cloud.groups import Member, MemberState
+from spottrain.cloud.base.groups import Member, MemberState
 from spottrain.controller.group_plan import (
     DrainMember,
     GroupObserved,

@@ -1,0 +1,52 @@
+"""The cloud contract: what every provider implements (:mod:`.provider`: offers, launch
+requests, instances, the typed errors) and what a managed group of VMs offers the group
+controller (:mod:`.groups`).
+
+The provider names are re-exported here, where every caller has always imported them.
+"""
+
+from spottrain.cloud.base.provider import (
+    CLOUDS,
+    TAG_JOB,
+    TAG_NODE,
+    TAG_REQUEST,
+    AuthError,
+    BadRequestError,
+    CapacityError,
+    Instance,
+    InstanceState,
+    LaunchRequest,
+    Market,
+    Offer,
+    OfferQuery,
+    Provider,
+    ProviderError,
+    QuotaError,
+    TransientError,
+    region_of_zone,
+    sort_offers,
+    validate_request_id,
+)
+
+__all__ = [
+    "CLOUDS",
+    "TAG_JOB",
+    "TAG_NODE",
+    "TAG_REQUEST",
+    "AuthError",
+    "BadRequestError",
+    "CapacityError",
+    "Instance",
+    "InstanceState",
+    "LaunchRequest",
+    "Market",
+    "Offer",
+    "OfferQuery",
+    "Provider",
+    "ProviderError",
+    "QuotaError",
+    "TransientError",
+    "region_of_zone",
+    "sort_offers",
+    "validate_request_id",
+]
