@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from spottrain.bootstrap import CodeRef, NodeIdentity, render_boot_script, render_local_boot
+from spottrain.controller.run.boot import CodeRef, NodeIdentity, render_boot_script, render_local_boot
 from spottrain.cloud.base import Offer, Provider
 from spottrain.embedded_redis import (
     config_on_stdin,

@@ -24,7 +24,7 @@ import redis
 import yaml
 from spec_samples import COMMIT, VALID, _with
 
-from spottrain.bootstrap import NodeIdentity, render_boot_script
+from spottrain.controller.run.boot import NodeIdentity, render_boot_script
 from spottrain.spec import parse_spec
 
 pytestmark = pytest.mark.slow

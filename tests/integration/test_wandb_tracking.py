@@ -28,7 +28,7 @@ from spec_samples import VALID, _with
 
 from spottrain import tracking
 from spottrain.agent.sdk import ModelState, RngState, TrainSession
-from spottrain.bootstrap import NodeIdentity, agent_env
+from spottrain.controller.run.boot import NodeIdentity, agent_env
 from spottrain.controller import drive
 from spottrain.controller.loop import Summary
 from spottrain.controller.state import RunState

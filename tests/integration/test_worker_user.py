@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from spottrain.agent.processes import hand_over, resolve_worker_user
-from spottrain.bootstrap import WORKER_UID, WORKER_USER, worker_user_lines
+from spottrain.controller.run.boot import WORKER_UID, WORKER_USER, worker_user_lines
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 

@@ -35,7 +35,7 @@ from terraform_hcl import (
 from spottrain import __version__
 from spottrain import cli as spottrain_cli
 from spottrain.agent import cli as agent_cli
-from spottrain.bootstrap import parse_env_file, worker_user_lines
+from spottrain.controller.run.boot import parse_env_file, worker_user_lines
 from spottrain.cloud.base import TAG_JOB
 from spottrain.spec import FleetSpec
 
