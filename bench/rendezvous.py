@@ -33,7 +33,7 @@ from pathlib import Path
 
 from spottrain.agent.local_torchrun import LocalElasticJob
 from spottrain.agent.rendezvous.membership import leave_node
-from spottrain.embedded_redis import RedisServer, free_port
+from spottrain.controller.run.embedded_redis import RedisServer, free_port
 from spottrain.keys import RunKeys
 
 REPO = Path(__file__).resolve().parents[1]

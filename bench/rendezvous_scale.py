@@ -61,7 +61,7 @@ from typing import Any
 
 import redis
 
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
 POLL_INTERVAL_S = 0.1  # torchrun's agent monitor interval

@@ -31,7 +31,7 @@ from demo_progress import Progress, say
 
 from spottrain.agent.agent import inject_notice
 from spottrain.agent.local_torchrun import LocalAgentJob
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys, make_run_id
 
 HERE = Path(__file__).resolve().parent

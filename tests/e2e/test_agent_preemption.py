@@ -15,7 +15,7 @@ import pytest
 from spottrain.agent.agent import inject_notice
 from spottrain.agent.checkpoint.directory import CheckpointDir
 from spottrain.agent.local_torchrun import LocalAgentJob
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
 from .agent_job import (

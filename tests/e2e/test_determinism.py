@@ -20,7 +20,7 @@ import torch
 
 from spottrain.agent.agent import inject_notice
 from spottrain.agent.local_torchrun import LocalAgentJob
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
 pytestmark = pytest.mark.slow

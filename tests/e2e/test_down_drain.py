@@ -41,7 +41,7 @@ def _spec(tmp: Path) -> dict[str, Any]:
 
 def _cli(home: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "spottrain.cli", *args],
+        [sys.executable, "-m", "spottrain.controller.cli", *args],
         capture_output=True,
         text=True,
         env={**os.environ, "SPOTTRAIN_HOME": str(home), "PYTHONUNBUFFERED": "1"},

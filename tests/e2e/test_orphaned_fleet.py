@@ -23,8 +23,8 @@ import pytest
 import redis
 import yaml
 
-from spottrain.controller.runs import (
-    RunInfo,
+from spottrain.controller.run.records import RunInfo
+from spottrain.controller.run.run_redis import (
     open_redis,
     restart_embedded_redis,
     stop_embedded_redis,
@@ -42,7 +42,7 @@ MANY_STEPS = int(4 * TIMEOUT_S / STEP_S)
 
 def _cli(home: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "spottrain.cli", *args],
+        [sys.executable, "-m", "spottrain.controller.cli", *args],
         capture_output=True,
         text=True,
         env={**os.environ, "SPOTTRAIN_HOME": str(home), "PYTHONUNBUFFERED": "1"},

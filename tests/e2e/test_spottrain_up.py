@@ -17,7 +17,8 @@ import yaml
 
 from spottrain.agent.agent import inject_notice
 from spottrain.agent.checkpoint.directory import CheckpointDir
-from spottrain.controller.runs import find_run, open_redis
+from spottrain.controller.run.records import find_run
+from spottrain.controller.run.run_redis import open_redis
 from spottrain.keys import RunKeys
 
 pytestmark = pytest.mark.slow
@@ -52,7 +53,7 @@ class Cli:
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "spottrain.cli", *args],
+            [sys.executable, "-m", "spottrain.controller.cli", *args],
             capture_output=True,
             text=True,
             env=self.env,

@@ -50,7 +50,7 @@ from spottrain.cloud.gcp import (
     classify_error,
     instance_name,
 )
-from spottrain.controller.providers import Endpoints, build_provider
+from spottrain.controller.run.providers import Endpoints, build_provider
 from spottrain.spec import parse_spec
 
 ZONE_A = "us-central1-a"

@@ -18,7 +18,7 @@ from spottrain.agent import sdk
 from spottrain.agent.checkpoint.dcp_io import CheckpointLoadError
 from spottrain.agent.checkpoint.directory import CheckpointDir, CheckpointDirError
 from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
 
@@ -371,8 +371,8 @@ def test_a_frozen_older_session_is_refused_and_status_says_so(
     import yaml
     from spec_samples import LOCAL
 
-    from spottrain import cli
-    from spottrain.controller.runs import RunInfo
+    from spottrain.controller.cli import main as cli
+    from spottrain.controller.run.records import RunInfo
 
     monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
     RunInfo(

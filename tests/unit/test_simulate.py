@@ -20,8 +20,8 @@ from spottrain.controller.planner import (
     ZoneHistory,
     plan,
 )
-from spottrain.controller.sim_engine import SimConfig, SimResult, simulate
-from spottrain.controller.sim_report import figures, table
+from spottrain.controller.sim.engine import SimConfig, SimResult, simulate
+from spottrain.controller.sim.report import figures, table
 from spottrain.spec import SpotPolicy
 
 SPOT = Offer("aws", "us-east-1", "us-east-1a", "p5.48xlarge", 8, "H100", Market.SPOT, 24.77, 0.25)

@@ -2,7 +2,7 @@
 controller's real planner keeping it at size.
 
 One event queue (``heapq``) in simulated seconds; nothing sleeps. The fleet is simulated once
-and every policy of :mod:`spottrain.controller.sim_policies` watches the same fleet, so the
+and every policy of :mod:`spottrain.controller.sim.policies` watches the same fleet, so the
 policies see the same preemptions at the same instants (the cloud does not care how the job
 trains).
 
@@ -61,7 +61,7 @@ from spottrain.controller.planner import (
     plan,
     request_id,
 )
-from spottrain.controller.sim_policies import POLICIES, Costs, Trainer
+from spottrain.controller.sim.policies import POLICIES, Costs, Trainer
 from spottrain.spec import SpotPolicy
 
 # Event priorities at one instant: the fleet first, then the training's own timers, then the
@@ -72,7 +72,7 @@ PENDING, READY, DRAINING_VM, GONE = 0, 1, 2, 3
 
 @dataclass(frozen=True)
 class SimConfig:
-    """One simulation. See :mod:`spottrain.controller.simulate` for what each default is
+    """One simulation. See :mod:`spottrain.controller.sim.command` for what each default is
     and where it comes from.
 
     Attributes:
