@@ -31,7 +31,9 @@ from spottrain.cloud.base import Instance
 from spottrain.controller.planner import NodeObs
 from spottrain.controller.sim.command import add_parser
 from spottrain.controller.sim.config import config_from_args
-from spottrain.controller.sim.engine import SimConfig, plain_plan_seconds, simulate
+from spottrain.controller.sim.engine import simulate
+from spottrain.controller.sim.model import SimConfig
+from spottrain.controller.sim.plan_timing import plain_plan_seconds
 from spottrain.controller.sim.report import figures
 
 TARGET_S = 120.0

@@ -85,7 +85,8 @@ from spottrain.controller.sim.config import (
     BadInput,
     config_from_args,
 )
-from spottrain.controller.sim.engine import SimConfig, SimResult, simulate
+from spottrain.controller.sim.engine import simulate
+from spottrain.controller.sim.model import SimConfig, SimResult
 from spottrain.controller.sim.policies import POLICIES
 from spottrain.controller.sim.report import figures, plot, table
 from spottrain.spec import SpotPolicy

@@ -13,7 +13,7 @@ from spottrain.cloud.base import Market, Offer, region_of_zone
 from spottrain.cloud.catalog import Catalog, UnknownInstanceType, UnknownRegion, bundled
 from spottrain.cloud.local import TracedPreemption, load_trace
 from spottrain.controller.planner import HOURS_PER_MONTH
-from spottrain.controller.sim.engine import SimConfig
+from spottrain.controller.sim.model import SimConfig
 from spottrain.controller.sim.policies import POLICIES
 from spottrain.spec import (
     NOTICE_WINDOW_S,

@@ -20,7 +20,8 @@ from spottrain.controller.planner import (
     ZoneHistory,
     plan,
 )
-from spottrain.controller.sim.engine import SimConfig, SimResult, simulate
+from spottrain.controller.sim.engine import simulate
+from spottrain.controller.sim.model import SimConfig, SimResult
 from spottrain.controller.sim.report import figures, table
 from spottrain.spec import SpotPolicy
 
