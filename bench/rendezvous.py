@@ -33,7 +33,7 @@ from benchlib import median, parser, print_figures, ratio
 
 from spottrain.agent.rendezvous.membership import leave_node
 from spottrain.agent.testing.local_launcher import LocalElasticJob
-from spottrain.embedded_redis import RedisServer, free_port
+from spottrain.controller.run.embedded_redis import RedisServer, free_port
 from spottrain.keys import RunKeys
 
 REPO = Path(__file__).resolve().parents[1]

@@ -50,7 +50,7 @@ from benchlib import parser, print_figures
 from rdzv_scale.report import print_report, summary_figures
 from rdzv_scale.run import run_size
 
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 
 
 def _default_procs(n: int) -> int:

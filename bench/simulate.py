@@ -30,9 +30,12 @@ from benchlib import print_figures
 
 from spottrain.cloud.base import Instance
 from spottrain.controller.planner import NodeObs
-from spottrain.controller.sim_engine import SimConfig, plain_plan_seconds, simulate
-from spottrain.controller.sim_report import figures
-from spottrain.controller.simulate import add_parser, config_from_args
+from spottrain.controller.sim.command import add_parser
+from spottrain.controller.sim.config import config_from_args
+from spottrain.controller.sim.engine import simulate
+from spottrain.controller.sim.model import SimConfig
+from spottrain.controller.sim.plan_timing import plain_plan_seconds
+from spottrain.controller.sim.report import figures
 
 TARGET_S = 120.0
 

@@ -51,7 +51,7 @@ from spottrain.controller.planner import (
     Terminate,
     plan,
 )
-from spottrain.controller.providers import offer_query
+from spottrain.controller.run.providers import offer_query
 from spottrain.controller.state import (
     ENDED,
     FAILED,

@@ -30,7 +30,7 @@ from pathlib import Path
 from demo_progress import Progress, say
 
 from spottrain.agent.testing.local_launcher import LocalAgentJob
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys, make_run_id
 from spottrain.protocol.notices import inject_notice
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 from spottrain.redis_conn import RedisSettings
 

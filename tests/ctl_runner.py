@@ -1,7 +1,7 @@
 """A controller process for the crash-safety tests: a few passes of one run against moto.
 
 Builds the run's :class:`~spottrain.controller.loop.Controller` the way ``spottrain up`` does
-(:func:`spottrain.controller.runs.build_controller`), with its AWS provider pointed at a moto
+(:func:`spottrain.controller.run.records.build_controller`), with its AWS provider pointed at a moto
 server through a boto3 session of its own (fake credentials, every request refused unless it
 goes to the server), then calls ``step()`` ``--passes`` times. ``SPOTTRAIN_CRASH_AT`` in the
 environment kills it at that crash point (exit status 137), as a killed controller dies.
@@ -32,8 +32,9 @@ import boto3
 from botocore.exceptions import ClientError
 
 from spottrain.cloud.base import AuthError, ProviderError
-from spottrain.controller.providers import Endpoints
-from spottrain.controller.runs import RunInfo, build_controller
+from spottrain.controller.run.providers import Endpoints
+from spottrain.controller.run.records import RunInfo
+from spottrain.controller.run.wiring import build_controller
 
 FAKE_CREDENTIALS = {
     "aws_access_key_id": "testing",

@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
 from .common import TORCH_KEEP_ALIVE_S, PhaseTimeout

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def cli(home: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     """``spottrain ARGS`` with ``SPOTTRAIN_HOME=home``, run from the repository root."""
     return subprocess.run(
-        [sys.executable, "-m", "spottrain.cli", *args],
+        [sys.executable, "-m", "spottrain.controller.cli", *args],
         capture_output=True,
         text=True,
         env={**os.environ, "SPOTTRAIN_HOME": str(home), "PYTHONUNBUFFERED": "1"},

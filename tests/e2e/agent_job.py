@@ -9,7 +9,7 @@ from pathlib import Path
 import redis
 
 from spottrain.agent.testing.local_launcher import LocalAgentJob, Record
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
 REPO = Path(__file__).resolve().parents[2]

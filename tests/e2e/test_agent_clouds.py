@@ -13,7 +13,7 @@ import pytest
 from fakes.metadata_server import MetadataServer
 
 from spottrain.agent.notices.gce_metadata import GCP_PREEMPTED_PATH
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
 from .agent_job import (

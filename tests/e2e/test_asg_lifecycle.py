@@ -18,7 +18,7 @@ from fakes.metadata_server import MetadataServer
 from harnesses.asg import AsgFleet
 from harnesses.aws import AwsHarness
 
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 
 from .agent_job import (
     RECOVER_TIMEOUT,

@@ -50,8 +50,8 @@ from spec_samples import VALID
 
 from spottrain.cloud.base import TAG_JOB, TAG_NODE, TAG_REQUEST
 from spottrain.controller.loop import CRASH_ENV, CRASH_POINTS
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.controller.state import ENDED, INTENT, LAUNCHED, Ledger, RunState
-from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from spottrain.agent.testing.local_launcher import LocalAgentJob
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 from spottrain.protocol.notices import inject_notice
 

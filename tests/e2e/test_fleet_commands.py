@@ -22,11 +22,11 @@ from harnesses.asg import AsgFleet
 from harnesses.aws import AwsHarness
 from spec_samples import FLEET_AWS, _with
 
-from spottrain import cli
 from spottrain.agent.node_record import NodeInfo, NodeRecord
+from spottrain.controller.cli import main as cli
 from spottrain.controller.loop import summarize
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.controller.state import RunState
-from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
 pytestmark = pytest.mark.slow

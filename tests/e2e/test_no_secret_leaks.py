@@ -24,7 +24,7 @@ import redis
 import yaml
 from spec_samples import COMMIT, VALID, _with
 
-from spottrain.bootstrap import NodeIdentity, render_boot_script
+from spottrain.controller.run.boot import NodeIdentity, render_boot_script
 from spottrain.spec import parse_spec
 
 pytestmark = pytest.mark.slow
@@ -131,7 +131,7 @@ def home(tmp_path: Path) -> Iterator[Path]:
     env = {**os.environ, "SPOTTRAIN_HOME": str(h)}
     for run in (h / "runs").glob("*") if (h / "runs").exists() else []:
         subprocess.run(
-            [sys.executable, "-m", "spottrain.cli", "down", run.name],
+            [sys.executable, "-m", "spottrain.controller.cli", "down", run.name],
             env=env,
             cwd=REPO,
             capture_output=True,
@@ -156,7 +156,7 @@ def test_the_readme_job_with_secrets_leaks_them_nowhere(home: Path, tmp_path: Pa
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "spottrain.cli", *args],
+            [sys.executable, "-m", "spottrain.controller.cli", *args],
             env=env,
             cwd=REPO,
             capture_output=True,

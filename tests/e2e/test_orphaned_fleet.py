@@ -19,8 +19,8 @@ import pytest
 import redis
 import yaml
 
-from spottrain.controller.runs import (
-    RunInfo,
+from spottrain.controller.run.records import RunInfo
+from spottrain.controller.run.run_redis import (
     open_redis,
     restart_embedded_redis,
     stop_embedded_redis,

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from spottrain.agent.checkpoint.directory import CheckpointDir
-from spottrain.controller.runs import find_run, open_redis
+from spottrain.controller.run.records import find_run
+from spottrain.controller.run.run_redis import open_redis
 from spottrain.keys import RunKeys
 from spottrain.protocol.notices import inject_notice
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spottrain.embedded_redis import RedisServer, free_port
+from spottrain.controller.run.embedded_redis import RedisServer, free_port
 
 pytestmark = pytest.mark.slow
 

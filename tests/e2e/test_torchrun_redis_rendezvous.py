@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys, make_run_id
 
 from .elastic_job import ElasticJob

@@ -55,8 +55,8 @@ from spottrain.cloud.local.compute import LocalProvider  # noqa: E402
 from spottrain.cloud.local.settings import LocalSettings  # noqa: E402
 from spottrain.controller.loop import Controller, policy_from_spec, summarize  # noqa: E402
 from spottrain.controller.report import build_report, read_redis_inputs  # noqa: E402
+from spottrain.controller.run.embedded_redis import RedisServer, free_port  # noqa: E402
 from spottrain.controller.state import RunState  # noqa: E402
-from spottrain.embedded_redis import RedisServer, free_port  # noqa: E402
 from spottrain.keys import RunKeys  # noqa: E402
 from spottrain.spec import parse_spec  # noqa: E402
 

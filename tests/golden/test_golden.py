@@ -30,8 +30,8 @@ from spottrain.agent.rendezvous.backend import RedisRendezvousBackend
 from spottrain.agent.sdk import GlobalBatch, TrainSession
 from spottrain.controller.loop import summarize
 from spottrain.controller.report import build_report, read_archive_inputs, read_redis_inputs
+from spottrain.controller.run.embedded_redis import RedisServer, free_port
 from spottrain.controller.state import RunState
-from spottrain.embedded_redis import RedisServer, free_port
 from spottrain.keys import RunKeys
 from spottrain.redis_conn import RedisSettings
 

@@ -18,7 +18,7 @@ from fakes.metadata_server import MetadataServer
 
 from spottrain.agent.notices.injected import parse_injected
 from spottrain.agent.notices.notice import NoticeKind
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
 AGENT = [sys.executable, "-m", "spottrain.agent.cli"]

@@ -25,8 +25,8 @@ from spottrain.controller.loop import (
     drive_passes,
     policy_from_spec,
 )
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.controller.state import LeaseLost, RunState
-from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 from spottrain.spec import parse_spec
 

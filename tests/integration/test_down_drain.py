@@ -14,13 +14,14 @@ import redis
 import yaml
 from spec_samples import LOCAL, _with
 
-from spottrain import cli
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.cloud.base import InstanceState, LaunchRequest, OfferQuery
 from spottrain.cloud.local.compute import LocalProvider
-from spottrain.controller.providers import build_providers
-from spottrain.controller.runs import RunInfo, create_run
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.cli import main as cli
+from spottrain.controller.run.create import create_run
+from spottrain.controller.run.embedded_redis import RedisServer
+from spottrain.controller.run.providers import build_providers
+from spottrain.controller.run.records import RunInfo
 from spottrain.keys import RunKeys
 from spottrain.spec import load_spec
 
@@ -156,7 +157,7 @@ def test_down_deletes_a_gcp_vm_that_stopped_itself(no_egress: None) -> None:
 
     from harnesses.gcp import GcpHarness
 
-    from spottrain.controller.commands import _end_vms
+    from spottrain.controller.cli.down import _end_vms
 
     h = GcpHarness()
     try:

@@ -15,17 +15,16 @@ import redis
 import yaml
 
 from spottrain.cloud.base import Market, Offer
-from spottrain.controller.runs import (
-    RunError,
-    RunInfo,
-    boot_renderer,
-    create_run,
+from spottrain.controller.run.code import boot_renderer
+from spottrain.controller.run.create import create_run
+from spottrain.controller.run.embedded_redis import RedisServer
+from spottrain.controller.run.records import RunError, RunInfo
+from spottrain.controller.run.run_redis import (
     embedded_password_file,
     open_redis,
     restart_embedded_redis,
     stop_embedded_redis,
 )
-from spottrain.embedded_redis import RedisServer
 from spottrain.spec import load_spec
 
 

@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousS
 from spottrain.agent.rendezvous.config import RendezvousConfigError
 from spottrain.agent.rendezvous.handler import ROUND_ENV, RedisRendezvousHandler, create_handler
 from spottrain.agent.rendezvous.membership import leave_node
-from spottrain.embedded_redis import RedisServer, free_port
+from spottrain.controller.run.embedded_redis import RedisServer, free_port
 from spottrain.keys import RunKeys
 
 FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 2, "last_call_timeout": 8}

@@ -21,7 +21,7 @@ from spottrain.agent.lifecycle import Lifecycle, NodeState
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.agent.notices.handler import NoticeHandler, _covers
 from spottrain.agent.notices.notice import Notice, NoticeKind
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 from spottrain.redis_conn import RedisSettings, connect
 

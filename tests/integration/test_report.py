@@ -36,10 +36,12 @@ from spottrain.agent.sdk import ENV_NODE
 from spottrain.agent.sdk.channel import RequestChannel as _RequestPoller
 from spottrain.cloud.base import Market, Offer
 from spottrain.controller import report
+from spottrain.controller.cli import report as report_cli
 from spottrain.controller.loop import summarize
-from spottrain.controller.runs import RunInfo, archive_run
+from spottrain.controller.run.archive import archive_run, load_report_data
+from spottrain.controller.run.embedded_redis import RedisServer, free_port
+from spottrain.controller.run.records import RunInfo
 from spottrain.controller.state import ENDED, LAUNCHED, LaunchRecord, RunState
-from spottrain.embedded_redis import RedisServer, free_port
 from spottrain.keys import RunKeys
 
 T0 = 1_700_000_000.0
@@ -278,7 +280,7 @@ def _hours(*spans: float) -> float:
 @pytest.mark.progress_events
 def test_progress_events_add_points_to_the_step_timeline(scripted: Script) -> None:
     play(scripted)
-    data = report.load_report_data(scripted.run.info, now=T0 + 999)
+    data = load_report_data(scripted.run.info, now=T0 + 999)
     progress = [p for p in _rel(data.steps, "step", "source") if p[2] == "progress"]
     assert progress == PROGRESS_POINTS
     # They refine the rate between commits without changing what the commits say.
@@ -290,7 +292,7 @@ def test_progress_events_add_points_to_the_step_timeline(scripted: Script) -> No
 
 def test_finished_run_panels_from_redis(scripted: Script) -> None:
     play(scripted)
-    data = report.load_report_data(scripted.run.info, now=T0 + 999)
+    data = load_report_data(scripted.run.info, now=T0 + 999)
     assert data.source == "redis"
     assert data.start == T0
     assert data.end == T0 + 155  # an ended run ends at its last record, not at "now"
@@ -370,7 +372,7 @@ def test_finished_run_panels_from_redis(scripted: Script) -> None:
 
 def test_running_run_ends_now_and_uses_the_live_progress(scripted: Script) -> None:
     play(scripted, until=100)
-    data = report.load_report_data(scripted.run.info, now=T0 + 110)
+    data = load_report_data(scripted.run.info, now=T0 + 110)
     assert data.figures.phase == "running"
     assert data.end == T0 + 110
     assert _rel(data.nodes, "nodes")[-1] == (90, 2)
@@ -414,7 +416,7 @@ def test_preemption_with_notice(
         script.vm_gone("n0", interrupted=True)
     finally:
         script.poller.stop()
-    data = report.load_report_data(info, now=T0 + 50)
+    data = load_report_data(info, now=T0 + 50)
     assert _rel(data.nodes, "nodes") == [(0, 0), (5, 1), (30, 0)]
     assert [(p.at - T0, p.notice_at) for p in data.preemptions] == [(40, T0 + 30)]
     assert data.figures.preemptions_with_notice == 1
@@ -440,7 +442,7 @@ def _redis_gone(info: RunInfo) -> RunInfo:
 def test_archived_run_gives_the_same_data(scripted: Script, redis_client: redis.Redis) -> None:
     play(scripted)
     info = scripted.run.info
-    live = report.load_report_data(info, now=T0 + 999)
+    live = load_report_data(info, now=T0 + 999)
     archive_run(info, redis_client, asdict(summarize(scripted.run.state, T0 + 155)))
     assert {p.name for p in info.dir.iterdir()} >= {
         "events.jsonl",
@@ -448,7 +450,7 @@ def test_archived_run_gives_the_same_data(scripted: Script, redis_client: redis.
         "launches.json",
         "progress.json",
     }
-    archived = report.load_report_data(_redis_gone(info), now=T0 + 999)
+    archived = load_report_data(_redis_gone(info), now=T0 + 999)
     assert archived.source == "archive"
     assert _comparable(archived) == _comparable(live)
 
@@ -458,10 +460,10 @@ def test_archive_without_ledger_costs_from_events(
 ) -> None:
     play(scripted)
     info = scripted.run.info
-    live = report.load_report_data(info, now=T0 + 999)
+    live = load_report_data(info, now=T0 + 999)
     archive_run(info, redis_client, asdict(summarize(scripted.run.state, T0 + 155)))
     (info.dir / "launches.json").unlink()  # an archive made before the ledger was kept
-    data = report.load_report_data(_redis_gone(info), now=T0 + 999)
+    data = load_report_data(_redis_gone(info), now=T0 + 999)
     assert data.cost_source == "events"
     assert [(v.node, v.price, v.start - T0, v.end and v.end - T0) for v in data.vms] == [
         ("n0", 0.60, 0, 155),
@@ -484,7 +486,7 @@ def test_archive_without_ledger_costs_from_events(
 
 def test_png_and_text_summary(scripted: Script, tmp_path: Path) -> None:
     play(scripted)
-    data = report.load_report_data(scripted.run.info)
+    data = load_report_data(scripted.run.info)
     path = report.render_png(data, tmp_path / "r.png")
     raw = path.read_bytes()
     assert raw[:8] == PNG_MAGIC
@@ -506,7 +508,7 @@ def test_empty_run_still_draws(
 ) -> None:
     info = _info(run_keys, redis_server.url)
     (info.dir / "summary.json").write_text(json.dumps({"phase": "down", "step": 0}))
-    data = report.load_report_data(_redis_gone(info), now=T0 + 10)
+    data = load_report_data(_redis_gone(info), now=T0 + 10)
     assert data.source == "archive"
     assert data.figures.step == 0 and data.preemptions == [] and data.rate == []
     assert report.render_png(data, tmp_path / "e.png").read_bytes()[:8] == PNG_MAGIC
@@ -518,20 +520,20 @@ def test_empty_run_still_draws(
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="spottrain")
-    report.add_parser(parser.add_subparsers(dest="command"))
+    report_cli.add_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["report", *argv])
 
 
 def test_parser() -> None:
     args = _args("tiny", "--png", "x.png", "--json")
-    assert (args.run, args.png, args.json, args.func) == ("tiny", "x.png", True, report.command)
+    assert (args.run, args.png, args.json, args.func) == ("tiny", "x.png", True, report_cli.command)
     assert _args().run is None
 
 
 def test_command_no_run(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert report.command(_args()) == 2
+    assert report_cli.command(_args()) == 2
     assert "no runs on this machine yet" in capsys.readouterr().err
-    assert report.command(_args("nope")) == 2
+    assert report_cli.command(_args("nope")) == 2
     assert "no run or job named 'nope' on this machine" in capsys.readouterr().err
 
 
@@ -539,7 +541,7 @@ def test_command_nothing_to_report(
     home: Path, run_keys: RunKeys, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _info(run_keys, f"redis://127.0.0.1:{free_port()}/0")
-    assert report.command(_args(run_keys.run_id)) == 1
+    assert report_cli.command(_args(run_keys.run_id)) == 1
     err = capsys.readouterr().err
     assert "does not answer and it left no archive" in err
     assert "nothing to report" in err
@@ -549,14 +551,16 @@ def test_command_writes_png_and_prints(
     scripted: Script, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     play(scripted)
-    assert report.command(_args("tiny")) == 0  # by job name
+    assert report_cli.command(_args("tiny")) == 0  # by job name
     out = capsys.readouterr().out
     png = scripted.run.info.dir / "report.png"
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert "103 trained" in out and f"timeline      {png}" in out
 
     assert (
-        report.command(_args(scripted.run.keys.run_id, "--json", "--png", str(tmp_path / "j.png")))
+        report_cli.command(
+            _args(scripted.run.keys.run_id, "--json", "--png", str(tmp_path / "j.png"))
+        )
         == 0
     )
     doc = json.loads(capsys.readouterr().out)
@@ -565,7 +569,7 @@ def test_command_writes_png_and_prints(
     assert doc["preemptions"][0]["zone"] == "local-a"
     assert doc["figures"]["steps_lost"] == 8
 
-    assert report.command(_args("tiny", "--png", str(tmp_path / "missing" / "r.png"))) == 2
+    assert report_cli.command(_args("tiny", "--png", str(tmp_path / "missing" / "r.png"))) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -575,5 +579,5 @@ def test_command_reads_the_archive_when_redis_is_gone(
     play(scripted)
     archive_run(scripted.run.info, redis_client, asdict(summarize(scripted.run.state, T0 + 155)))
     _redis_gone(scripted.run.info)
-    assert report.command(_args("tiny")) == 0
+    assert report_cli.command(_args("tiny")) == 0
     assert "(done, from its archive)" in capsys.readouterr().out

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from spottrain import cli
-from spottrain.controller.runs import RunError, RunInfo, find_run
+from spottrain.controller.cli import main as cli
+from spottrain.controller.run.records import RunError, RunInfo, find_run
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from spottrain.agent.checkpoint.dcp_io import CheckpointLoadError
 from spottrain.agent.checkpoint.directory import CheckpointDir
 from spottrain.agent.checkpoint.files import CheckpointDirError
 from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession, channel
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
 
@@ -372,8 +372,8 @@ def test_a_frozen_older_session_is_refused_and_status_says_so(
     import yaml
     from spec_samples import LOCAL
 
-    from spottrain import cli
-    from spottrain.controller.runs import RunInfo
+    from spottrain.controller.cli import main as cli
+    from spottrain.controller.run.records import RunInfo
 
     monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
     RunInfo(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from spottrain.controller.simulate import add_parser, command
+from spottrain.controller.sim.command import add_parser, command
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.utils.store import barrier
 
 from spottrain.agent.rendezvous.store import RedisStore
-from spottrain.embedded_redis import free_port
+from spottrain.controller.run.embedded_redis import free_port
 from spottrain.keys import RunKeys
 from spottrain.redis_conn import RedisSettings, connect
 

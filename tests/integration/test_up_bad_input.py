@@ -18,7 +18,7 @@ from spec_samples import VALID, _with
 
 from spottrain.cloud.local.compute import LocalProvider
 from spottrain.cloud.local.settings import LocalSettings
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.embedded_redis import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 # VALID's 7B checkpoint does not fit GCP's notice window (`up` would stop at exit 3): 1B does.
@@ -31,7 +31,16 @@ def _up(
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     return subprocess.run(
-        [sys.executable, "-m", "spottrain.cli", "up", str(path), "--interval", "0.2", *args],
+        [
+            sys.executable,
+            "-m",
+            "spottrain.controller.cli",
+            "up",
+            str(path),
+            "--interval",
+            "0.2",
+            *args,
+        ],
         capture_output=True,
         text=True,
         env={**os.environ, "SPOTTRAIN_HOME": str(home), **env},
@@ -127,7 +136,7 @@ def test_a_budget_that_cannot_start_a_node_is_refused(tmp_path: Path) -> None:
     _no_redis_left(home)
     # The run ended on its own: its embedded Redis is gone too.
     status = subprocess.run(
-        [sys.executable, "-m", "spottrain.cli", "status", "--json"],
+        [sys.executable, "-m", "spottrain.controller.cli", "status", "--json"],
         capture_output=True,
         text=True,
         env={**os.environ, "SPOTTRAIN_HOME": str(home)},
@@ -165,7 +174,7 @@ def test_up_force_launches_past_the_window_and_records_a_warning(tmp_path: Path)
     assert "warning (--force): local: 100 GB" in out.stderr
     assert "cannot cover an hour of the cheapest node" in out.stdout
     logs = subprocess.run(
-        [sys.executable, "-m", "spottrain.cli", "logs"],
+        [sys.executable, "-m", "spottrain.controller.cli", "logs"],
         capture_output=True,
         text=True,
         env={**os.environ, "SPOTTRAIN_HOME": str(home)},

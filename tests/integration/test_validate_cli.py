@@ -17,7 +17,7 @@ from spec_samples import LOCAL, VALID, _with
 
 from spottrain.cloud.base import Market
 from spottrain.cloud.local.compute import LocalProvider
-from spottrain.controller.providers import build_provider, offer_query
+from spottrain.controller.run.providers import build_provider, offer_query
 from spottrain.spec import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "spottrain.cli", "validate", *args],
+        [sys.executable, "-m", "spottrain.controller.cli", "validate", *args],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},
@@ -151,7 +151,7 @@ def _no_credentials(tmp_path: Path) -> dict[str, str]:
 
 
 def _check_clouds(example: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "spottrain.cli", "validate", example, "--check-clouds"]
+    cmd = [sys.executable, "-m", "spottrain.controller.cli", "validate", example, "--check-clouds"]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
 
 
@@ -217,7 +217,7 @@ def test_local_provider_is_built_from_the_spec(tmp_path: Path) -> None:
 
 
 def test_preemption_injector_is_built_from_the_spec_and_its_trace(tmp_path: Path) -> None:
-    from spottrain.controller.providers import preemption_injector
+    from spottrain.controller.run.providers import preemption_injector
 
     (tmp_path / "trace.yaml").write_text("- {at_s: 5, notice: false}\n")
     data = _with(LOCAL, "local.preemptions", {"rate_per_hour": 2, "trace": "trace.yaml"})

@@ -16,8 +16,11 @@ import pytest
 import yaml
 from spec_samples import VALID, _with
 
-from spottrain import cli
-from spottrain.controller.runs import RunInfo, build_controller, create_run, stop_embedded_redis
+from spottrain.controller.cli import main as cli
+from spottrain.controller.run.create import create_run
+from spottrain.controller.run.records import RunInfo
+from spottrain.controller.run.run_redis import stop_embedded_redis
+from spottrain.controller.run.wiring import build_controller
 from spottrain.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +36,7 @@ def _cap_memory() -> None:
 
 def _validate(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "spottrain.cli", "validate", str(path), *args],
+        [sys.executable, "-m", "spottrain.controller.cli", "validate", str(path), *args],
         capture_output=True,
         text=True,
         cwd=REPO,

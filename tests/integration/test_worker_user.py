@@ -23,8 +23,8 @@ import pytest
 import redis
 
 from spottrain.agent.processes import hand_over, resolve_worker_user
-from spottrain.bootstrap import WORKER_UID, WORKER_USER, worker_user_lines
-from spottrain.embedded_redis import RedisServer
+from spottrain.controller.run.boot import WORKER_UID, WORKER_USER, worker_user_lines
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from spec_samples import COMMIT, LOCAL, VALID, _with
 
-from spottrain.bootstrap import (
+from spottrain.controller.run.boot import (
     AGENT_ENV_PATH,
     GIT_ASKPASS_PATH,
     NodeIdentity,

@@ -13,7 +13,7 @@ import yaml
 from spec_samples import COMMIT, LOCAL, VALID, _with
 
 from spottrain.agent.cli import RUN_ENV_VARS, build_parser
-from spottrain.bootstrap import (
+from spottrain.controller.run.boot import (
     AGENT_ENV_PATH,
     CodeRef,
     NodeIdentity,

@@ -19,8 +19,9 @@ from spottrain.controller.planner import (
     ZoneHistory,
     plan,
 )
-from spottrain.controller.sim_engine import SimConfig, SimResult, simulate
-from spottrain.controller.sim_report import figures, table
+from spottrain.controller.sim.engine import simulate
+from spottrain.controller.sim.model import SimConfig, SimResult
+from spottrain.controller.sim.report import figures, table
 from spottrain.spec import SpotPolicy
 from spottrain.trace import TracedPreemption
 

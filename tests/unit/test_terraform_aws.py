@@ -33,10 +33,10 @@ from terraform_hcl import (
 )
 
 from spottrain import __version__
-from spottrain import cli as spottrain_cli
 from spottrain.agent import cli as agent_cli
-from spottrain.bootstrap import parse_env_file, worker_user_lines
 from spottrain.cloud.base import TAG_JOB
+from spottrain.controller.cli import main as spottrain_cli
+from spottrain.controller.run.boot import parse_env_file, worker_user_lines
 from spottrain.spec import FleetSpec
 
 AWS = TERRAFORM / "aws"

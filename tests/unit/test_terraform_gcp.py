@@ -27,11 +27,11 @@ from terraform_hcl import (
     terraform_console,
 )
 
-from spottrain import cli as spottrain_cli
 from spottrain.agent import cli as agent_cli
-from spottrain.bootstrap import _unit_lines, parse_env_file, worker_user_lines
 from spottrain.cloud.base import TAG_JOB
 from spottrain.cloud.storage import parse_store_url
+from spottrain.controller.cli import main as spottrain_cli
+from spottrain.controller.run.boot import _unit_lines, parse_env_file, worker_user_lines
 from spottrain.spec import parse_spec
 
 MODULE_DIR = TERRAFORM / "gcp"

@@ -49,7 +49,7 @@ from spottrain.cloud.base import (
     QuotaError,
     TransientError,
 )
-from spottrain.controller.providers import Endpoints, build_provider
+from spottrain.controller.run.providers import Endpoints, build_provider
 from spottrain.spec import parse_spec
 
 P4D = "p4d.24xlarge"

@@ -332,7 +332,7 @@ def test_validate_check_clouds_describes_the_fleets_group(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from spottrain import cli
+    from spottrain.controller.cli import main as cli
 
     for k, v in fleet.process_env().items():
         monkeypatch.setenv(k, v)

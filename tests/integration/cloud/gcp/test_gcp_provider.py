@@ -46,7 +46,7 @@ from spottrain.cloud.gcp import GcpProvider, GcpSettings
 from spottrain.cloud.gcp.errors import CallTarget, classify_error
 from spottrain.cloud.gcp.launch import instance_name
 from spottrain.cloud.gcp.settings import AUTH_HINT
-from spottrain.controller.providers import Endpoints, build_provider
+from spottrain.controller.run.providers import Endpoints, build_provider
 from spottrain.spec import parse_spec
 
 ZONE_A = "us-central1-a"

@@ -195,7 +195,14 @@ def test_capacity_counts_live_vms_and_can_be_changed_from_another_process(
     with pytest.raises(CapacityError, match="holds 1 VMs and has 1"):
         _launch(cloud, _boot(tmp_path, "b"), "r2", "local-b")
     # The CLI, in another process, raises the zone's capacity.
-    cli = [sys.executable, "-m", "spottrain.cli", "local", "--state-dir", str(cloud.store.root)]
+    cli = [
+        sys.executable,
+        "-m",
+        "spottrain.controller.cli",
+        "local",
+        "--state-dir",
+        str(cloud.store.root),
+    ]
     subprocess.run(
         [*cli, "capacity", "local-b", "2"],
         check=True,
@@ -277,7 +284,14 @@ def test_trace_file_errors_name_the_row(tmp_path: Path) -> None:
 def test_cli_lists_and_preempts_vms(cloud: LocalProvider, tmp_path: Path) -> None:
     vm = _launch(cloud, _boot(tmp_path, "a"), "r1")
     _pids(tmp_path, "a")
-    base = [sys.executable, "-m", "spottrain.cli", "local", "--state-dir", str(cloud.store.root)]
+    base = [
+        sys.executable,
+        "-m",
+        "spottrain.controller.cli",
+        "local",
+        "--state-dir",
+        str(cloud.store.root),
+    ]
     out = subprocess.run([*base, "vms"], capture_output=True, text=True, check=True).stdout
     assert vm in out and "job=job-1" in out
     out = subprocess.run(
@@ -290,7 +304,15 @@ def test_cli_lists_and_preempts_vms(cloud: LocalProvider, tmp_path: Path) -> Non
 
 def test_cli_without_a_local_cloud_says_how_to_start_one(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "spottrain.cli", "local", "--state-dir", str(tmp_path), "vms"],
+        [
+            sys.executable,
+            "-m",
+            "spottrain.controller.cli",
+            "local",
+            "--state-dir",
+            str(tmp_path),
+            "vms",
+        ],
         capture_output=True,
         text=True,
     )

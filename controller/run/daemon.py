@@ -1,4 +1,4 @@
-"""``python -m spottrain.controller.daemon RUN_ID``: a run's controller in the background
+"""``python -m spottrain.controller.run.daemon RUN_ID``: a run's controller in the background
 (what ``spottrain up --detach`` starts). Its output goes to the run's ``controller.log``."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import logging
 import sys
 
-from .drive import drive_run
-from .runs import RunError, RunInfo
+from spottrain.controller.run.drive import drive_run
+from spottrain.controller.run.records import RunError, RunInfo
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m spottrain.controller.daemon RUN_ID", file=sys.stderr)
+        print("usage: python -m spottrain.controller.run.daemon RUN_ID", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:

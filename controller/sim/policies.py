@@ -1,7 +1,7 @@
 """What the training does with a fleet that changes: the three policies ``spottrain simulate``
 compares, each a small state machine driven by the simulated fleet.
 
-The fleet (:mod:`spottrain.controller.sim_engine`) has one *slot* per node of the full-size
+The fleet (:mod:`spottrain.controller.sim.engine`) has one *slot* per node of the full-size
 job; slot ``s`` belongs to data-parallel replica ``s // replica_nodes``. It tells every policy
 the same three things, at the same simulated instants:
 

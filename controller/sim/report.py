@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from spottrain.controller.sim_engine import PolicyResult, SimResult
+from spottrain.controller.sim.model import PolicyResult, SimResult
 
 
 def policy_figures(res: SimResult, p: PolicyResult) -> dict[str, Any]:

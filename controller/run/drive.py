@@ -9,9 +9,12 @@ from typing import Any
 
 import redis
 
-from .loop import ControllerError, Summary, drive_passes
-from .runs import RunError, RunInfo, archive_run, build_controller, stop_embedded_redis
-from .tracking import FleetTracker
+from spottrain.controller.loop import ControllerError, Summary, drive_passes
+from spottrain.controller.run.archive import archive_run
+from spottrain.controller.run.records import RunError, RunInfo
+from spottrain.controller.run.run_redis import stop_embedded_redis
+from spottrain.controller.run.wiring import build_controller
+from spottrain.controller.tracking import FleetTracker
 
 EXIT_OK, EXIT_FAILED = 0, 1
 

@@ -1,0 +1,248 @@
+"""The fleet commands of ``spottrain``: up, resume, status, logs, scale (``down``: its own
+module)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from spottrain.controller.cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_WINDOW,
+    err,
+    run_state,
+    say,
+)
+from spottrain.controller.loop import Summary, summarize
+from spottrain.controller.run.create import create_run
+from spottrain.controller.run.drive import drive_run, format_summary
+from spottrain.controller.run.records import RunError, RunInfo, find_run
+from spottrain.controller.run.run_redis import restart_embedded_redis
+from spottrain.controller.run.wiring import spawn_controller
+from spottrain.spec import JobSpec, SpecError, WindowCheck, check_notice_windows, load_spec
+
+
+def up(args: argparse.Namespace) -> int:
+    try:
+        loaded = load_spec(args.spec)
+    except SpecError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    short = _windows_short(loaded.spec)
+    if short and not args.force:
+        err(f"{loaded.source}: an emergency checkpoint does not fit every notice window:")
+        for line in short:
+            print(f"  {line}", file=sys.stderr)
+        err("nothing launched; fix the spec (`spottrain validate` checks it) or pass --force")
+        return EXIT_WINDOW
+    try:
+        info = create_run(loaded)
+    except RunError as e:
+        err(str(e))
+        return EXIT_FAILED
+    if short:
+        _record_forced(info, short)
+    say(
+        f"run {info.run_id}: Redis {info.redis_url}"
+        + (" (embedded)" if info.embedded_redis else "")
+    )
+    if info.code_url:
+        say(f"  code {info.code_url}")
+    if args.detach:
+        pid = spawn_controller(info)
+        say(f"  controller in the background (pid {pid}): {info.dir / 'controller.log'}")
+        say(f"  follow: spottrain logs {info.run_id} -f    end: spottrain down {info.run_id}")
+        return EXIT_OK
+    return _drive(info, args.interval)
+
+
+def _windows_short(spec: JobSpec) -> list[str]:
+    """The notice windows (``validate``'s lines) an emergency checkpoint does not fit."""
+    size, gbps = spec.checkpoint.estimated_gb, spec.checkpoint.volume.write_gbps
+    checks: list[WindowCheck] = check_notice_windows(spec)
+    return [c.describe(size or 0.0, gbps) for c in checks if not c.fits]
+
+
+def _record_forced(info: RunInfo, short: list[str]) -> None:
+    """``up --force`` launched past a notice window: said now, and kept in the run's events
+    (a preemption there may lose the steps since the last periodic checkpoint)."""
+    for line in short:
+        err(f"warning (--force): {line}")
+    state = run_state(info)
+    if state is not None:
+        for line in short:
+            state.event("warning", why="notice-window", message=line)
+
+
+def _drive(info: RunInfo, interval: float) -> int:
+    info.controller_pid = os.getpid()
+    info.save()
+    try:
+        return drive_run(info, view=say, interval_s=interval)
+    except KeyboardInterrupt:
+        say(
+            f"\ncontroller stopped; the run's VMs keep training without backfill (a VM whose "
+            "training stops ends itself after controller.orphan_timeout_minutes). "
+            f"`spottrain resume {info.run_id}` restarts the controller, "
+            f"`spottrain down {info.run_id}` ends the run"
+        )
+        return EXIT_FAILED
+
+
+def resume(args: argparse.Namespace) -> int:
+    try:
+        info = find_run(args.run)
+        restart_embedded_redis(info)
+    except RunError as e:
+        err(str(e))
+        return EXIT_BAD_INPUT
+    if args.detach:
+        pid = spawn_controller(info)
+        say(f"run {info.run_id}: controller running in the background (pid {pid})")
+        return EXIT_OK
+    return _drive(info, args.interval)
+
+
+def status(args: argparse.Namespace) -> int:
+    try:
+        info = find_run(args.run)
+    except RunError as e:
+        err(str(e))
+        return EXIT_BAD_INPUT
+    state = run_state(info)
+    refused: dict[str, str] = {}
+    if state is not None:
+        summary: dict[str, Any] = asdict(summarize(state, time.time()))
+        refused = state.ckpt_refused()
+    elif (info.dir / "summary.json").exists():
+        summary = json.loads((info.dir / "summary.json").read_text())
+    else:
+        err(f"run {info.run_id}: its Redis ({info.redis_url}) is down and it left no summary")
+        return EXIT_FAILED
+    if args.json:
+        print(json.dumps({"run_id": info.run_id, **summary, "ckpt_refused": refused}))
+        return EXIT_OK
+    say(f"run {info.run_id}")
+    for line in format_summary(Summary(**summary)):
+        say(f"  {line}")
+    if refused:
+        say(f"  {_refused_line(refused)}")
+    return EXIT_OK
+
+
+def _refused_line(refused: dict[str, str]) -> str:
+    """A refused checkpoint commit must not pass unseen: the trainers went on training."""
+    return (
+        f"{refused.get('count', '?')} checkpoint commits refused (newest: step "
+        f"{refused.get('step', '?')} by {refused.get('node') or '?'}: {refused.get('reason', '')})"
+    )
+
+
+def _format_event(row: dict[str, str]) -> str:
+    at = float(row.pop("at", "0") or 0)
+    kind = row.pop("type", "?")
+    node = row.pop("node", "")
+    row.pop("id", None)
+    rest = " ".join(f"{k}={v}" for k, v in row.items())
+    return f"{time.strftime('%H:%M:%S', time.localtime(at))} {node:<10} {kind:<22} {rest}"
+
+
+def logs(args: argparse.Namespace) -> int:
+    try:
+        info = find_run(args.run)
+    except RunError as e:
+        err(str(e))
+        return EXIT_BAD_INPUT
+    if args.node:
+        return _node_log(info, args.node, args.follow)
+    state = run_state(info)
+    if state is None:
+        archived = info.dir / "events.jsonl"
+        if not archived.exists():
+            err(f"run {info.run_id}: its Redis does not answer and it left no event log")
+            return EXIT_FAILED
+        for line in archived.read_text().splitlines():
+            say(_format_event(json.loads(line)))
+        return EXIT_OK
+    last = "0-0"
+    while True:
+        for entry_id, fields in state.client.xrange(
+            state.keys.events, min=f"({last}" if last != "0-0" else "-"
+        ):
+            last = entry_id.decode()
+            say(_format_event({k.decode(): v.decode() for k, v in fields.items()}))
+        if not args.follow:
+            return EXIT_OK
+        try:
+            time.sleep(1.0)
+            if state.ctl().get("phase") in ("done", "failed") and not args.follow:
+                return EXIT_OK
+        except KeyboardInterrupt:
+            return EXIT_OK
+
+
+def _node_log(info: RunInfo, node: str, follow: bool) -> int:
+    """A node's training output: the local cloud keeps each VM's console log on disk."""
+    state = run_state(info)
+    vm = ""
+    if state is not None:
+        rec = state.ledger().records.get(node)
+        vm = rec.instance_id if rec else ""
+    if not vm and info.local_state_dir:
+        for p in (Path(info.local_state_dir) / "instances").glob("*.json"):
+            rec_json = json.loads(p.read_text())
+            tags = rec_json.get("tags", {})
+            if tags.get("spottrain-job") == info.run_id and tags.get("spottrain-node") == node:
+                vm = rec_json["id"]
+    if not vm or not info.local_state_dir:
+        err(
+            f"no output kept for node {node!r} of run {info.run_id} (the local cloud keeps each "
+            "VM's console; on AWS and GCP read the VM's journal: journalctl -u spottrain-agent)"
+        )
+        return EXIT_FAILED
+    path = Path(info.local_state_dir) / "logs" / f"{vm}.log"
+    with open(path, errors="replace") as f:
+        while True:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+            if not follow:
+                return EXIT_OK
+            try:
+                time.sleep(0.5)
+            except KeyboardInterrupt:
+                return EXIT_OK
+
+
+def scale(args: argparse.Namespace) -> int:
+    try:
+        info = find_run(args.run)
+    except RunError as e:
+        err(str(e))
+        return EXIT_BAD_INPUT
+    nodes = info.spec().nodes
+    if not nodes.min <= args.nodes <= nodes.max:
+        err(
+            f"run {info.run_id} keeps between {nodes.min} and {nodes.max} nodes (the spec's "
+            f"nodes.min and nodes.max), not {args.nodes}; `spottrain down {info.run_id}` "
+            "ends the run"
+        )
+        return EXIT_BAD_INPUT
+    state = run_state(info)
+    if state is None:
+        err(f"run {info.run_id}: its Redis ({info.redis_url}) does not answer")
+        return EXIT_FAILED
+    before = state.ctl().get("target_nodes") or str(nodes.max)
+    state.set_ctl(target_nodes=str(args.nodes))
+    state.event("scale", nodes=args.nodes, before=int(before))
+    say(f"run {info.run_id}: {before} -> {args.nodes} nodes (the controller acts on its next pass)")
+    return EXIT_OK

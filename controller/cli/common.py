@@ -1,0 +1,31 @@
+"""What every ``spottrain`` command shares: exit codes, how it speaks, a run's state."""
+
+from __future__ import annotations
+
+import sys
+
+from spottrain.controller.run.records import RunError, RunInfo
+from spottrain.controller.run.run_redis import open_redis
+from spottrain.controller.state import RunState
+from spottrain.keys import RunKeys
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_WINDOW = 3
+
+
+def err(msg: str) -> None:
+    print(f"spottrain: {msg}", file=sys.stderr)
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_state(info: RunInfo) -> RunState | None:
+    """The run's state in its Redis; None when that Redis does not answer."""
+    try:
+        return RunState(open_redis(info, info.spec()), RunKeys(info.run_id))
+    except RunError:
+        return None

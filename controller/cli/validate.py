@@ -1,0 +1,135 @@
+"""``spottrain validate``: a spec's keys, catalog and notice windows; with
+``--check-clouds``, each allowed cloud's offers (or a Terraform fleet's group)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from spottrain.controller.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_WINDOW
+from spottrain.spec import JobSpec
+
+
+def validate(args: argparse.Namespace) -> int:
+    from spottrain.spec import SpecError, check_notice_windows, load_spec
+    from spottrain.spec.exposure import exposure_warnings
+
+    try:
+        loaded = load_spec(args.spec)
+    except SpecError as e:
+        if args.json:
+            print(json.dumps({"valid": False, "source": e.source, "problems": e.problems}))
+        else:
+            print(str(e), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    spec = loaded.spec
+    checks = check_notice_windows(spec)
+    size = spec.checkpoint.estimated_gb
+    gbps = spec.checkpoint.volume.write_gbps
+    fits = all(c.fits for c in checks)
+    warnings = exposure_warnings(spec)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "valid": True,
+                    "name": spec.name,
+                    "checkpoint_gb": size,
+                    "windows": [
+                        {
+                            "cloud": c.cloud,
+                            "window_s": c.window_s,
+                            "write_s": round(c.write_s, 3),
+                            "fits": c.fits,
+                        }
+                        for c in checks
+                    ],
+                    "warnings": warnings,
+                }
+            )
+        )
+    else:
+        print(f"{loaded.source}: valid job spec for {spec.name!r}")
+        print(
+            f"  nodes {spec.nodes.min}-{spec.nodes.max} x {spec.nodes.gpus} GPUs, "
+            f"clouds {', '.join(spec.resources.clouds)}, spot policy {spec.spot.policy.value}, "
+            f"budget ${spec.budget.max_usd:,.2f}"
+        )
+        if spec.fleet is not None:
+            f = spec.fleet
+            where = f.region if f.cloud == "aws" else f"{f.project}/{f.zone}"
+            print(
+                f"  fleet: the {f.cloud} group {f.group} in {where}, made by Terraform, "
+                f"adopted as run {f.run_id}"
+            )
+        if size is None:
+            print(
+                "  emergency checkpoint: size unknown (set checkpoint.size_gb or "
+                "checkpoint.params to check it against the notice windows)"
+            )
+        for c in checks:
+            assert size is not None
+            print("  " + c.describe(size, gbps))
+        for warning in warnings:
+            print(f"  warning: {warning}", file=sys.stderr)
+    if args.check_clouds and not _check_clouds(spec, quiet=args.json):
+        return EXIT_FAILED
+    return EXIT_OK if fits else EXIT_WINDOW
+
+
+def _check_clouds(spec: JobSpec, *, quiet: bool) -> bool:
+    """Ask each allowed cloud for the spec's offers; print what each says."""
+    import tempfile
+
+    from spottrain.cloud.base import ProviderError
+    from spottrain.controller.run.providers import build_provider, offer_query
+
+    if spec.fleet is not None:
+        return _check_group(spec, quiet=quiet)
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="spottrain-validate-") as tmp:
+        for cloud in spec.resources.clouds:
+            try:
+                provider = build_provider(spec, cloud, local_state_dir=Path(tmp))
+                offers = provider.offers(offer_query(spec, cloud))
+            except (ProviderError, ImportError, ValueError) as e:
+                ok = False
+                print(f"  {cloud}: cannot use it: {e}", file=sys.stderr)
+                continue
+            if not offers:
+                ok = False
+                print(
+                    f"  {cloud}: no offer matches the spec (instance types, regions, zones, "
+                    "max price, spot policy)",
+                    file=sys.stderr,
+                )
+            elif not quiet:
+                o = offers[0]
+                print(
+                    f"  {cloud}: {len(offers)} offers; cheapest {o.instance_type} {o.market} in "
+                    f"{o.zone} at ${o.price_per_hour:,.2f}/h"
+                )
+    return ok
+
+
+def _check_group(spec: JobSpec, *, quiet: bool) -> bool:
+    """Ask the cloud for the Terraform fleet's group; print what it holds."""
+    from spottrain.cloud.base import ProviderError
+    from spottrain.controller.run.providers import build_group
+
+    assert spec.fleet is not None
+    cloud = spec.fleet.cloud
+    try:
+        view = build_group(spec).describe()
+    except (ProviderError, ImportError, ValueError) as e:
+        print(f"  {cloud}: cannot use the fleet's group: {e}", file=sys.stderr)
+        return False
+    if not quiet:
+        cap = f" of at most {view.max_size}" if view.max_size is not None else ""
+        print(
+            f"  {cloud}: group {view.name}: size {view.target}{cap}, "
+            f"{len(view.alive)} VMs running or starting"
+        )
+    return True

@@ -1,0 +1,1 @@
+"""A run: its records, code, boot scripts, provider wiring, drive loop, archive and daemon."""

@@ -1,0 +1,67 @@
+"""Making a new run of a spec: its directory, its Redis (embedded or checked), its code."""
+
+from __future__ import annotations
+
+import time
+
+from spottrain.controller.run.boot import CodeRef
+from spottrain.controller.run.code import local_secret_files, prepare_code
+from spottrain.controller.run.records import RunError, RunInfo, home_dir
+from spottrain.controller.run.run_redis import (
+    open_redis,
+    start_embedded_redis,
+    stop_embedded_redis,
+)
+from spottrain.keys import make_run_id, validate_run_id
+from spottrain.spec import LoadedSpec
+
+
+def create_run(loaded: LoadedSpec, *, run_id: str | None = None) -> RunInfo:
+    """Make a new run of a spec: its directory, Redis (embedded or checked), and code.
+
+    Raises:
+        RunError: Redis unreachable or refusing, the code cannot be archived or uploaded.
+    """
+    spec = loaded.spec
+    if run_id:
+        rid = validate_run_id(run_id)
+    elif spec.fleet is not None:
+        # The fleet's VMs were booted with the module's run id: the run must be that one.
+        rid = spec.fleet.run_id
+        if (home_dir() / "runs" / rid / "run.json").exists():
+            raise RunError(
+                f"run {rid} of this Terraform fleet already exists on this machine: "
+                f"`spottrain resume {rid}` drives it again, `spottrain down {rid}` ends it"
+            )
+    else:
+        rid = make_run_id(spec.name)
+    if "local" in spec.resources.clouds:
+        local_secret_files(spec)  # fail now, before anything starts
+    info = RunInfo.from_loaded(
+        loaded,
+        rid,
+        redis_url="",
+        embedded_redis=spec.redis.url == "embedded",
+        created_at=time.time(),
+    )
+    info.dir.mkdir(parents=True, exist_ok=True)
+    if info.embedded_redis:
+        info.redis_url = start_embedded_redis(info.dir)
+    else:
+        info.redis_url = spec.redis.url
+        open_redis(info, spec)  # fail now, before anything is launched
+    if "local" in spec.resources.clouds:
+        info.local_state_dir = str(home_dir() / "local")
+    try:
+        # A Terraform fleet's boot script pins and fetches the code itself.
+        code = CodeRef() if spec.fleet else prepare_code(spec, loaded.base_dir, info.dir)
+    except Exception as e:
+        if info.embedded_redis:
+            stop_embedded_redis(info)
+        raise RunError(f"cannot prepare the job's code: {e}") from None
+    info.code_url, info.code_sha256 = code.archive_url, code.archive_sha256
+    info.save()
+    jobs = home_dir() / "jobs"
+    jobs.mkdir(parents=True, exist_ok=True)
+    (jobs / spec.name).write_text(rid)
+    return info

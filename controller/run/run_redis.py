@@ -1,0 +1,150 @@
+"""A run's Redis: the embedded server's lifecycle (started, restarted, stopped with the run,
+its password in the run directory) and a checked client of whichever Redis the run uses."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import redis
+
+from spottrain.controller.run.embedded_redis import (
+    config_on_stdin,
+    find_redis_server,
+    free_port,
+    new_password_file,
+)
+from spottrain.controller.run.records import RunError, RunInfo
+from spottrain.redis_conn import (
+    RedisConfigError,
+    RedisSettings,
+    connect,
+    describe_error,
+    resolve_password,
+    settings_from_url,
+)
+from spottrain.spec import JobSpec
+
+
+def embedded_password_file(run_dir: Path) -> Path:
+    """Where a run's embedded Redis keeps its password (mode 0600): every local client (the
+    controller, ``status``, ``logs``, ``down``, the local VMs' agents) reads it there."""
+    return run_dir / "redis" / "password"
+
+
+def _embedded_password(run_dir: Path) -> str | None:
+    """The embedded Redis's password; None for a run made before it had one."""
+    path = embedded_password_file(run_dir)
+    if not path.exists():
+        return None
+    try:
+        return resolve_password(None, str(path))
+    except RedisConfigError as e:
+        raise RunError(f"{e}: `spottrain down` the run and start it again") from None
+
+
+def _redis_daemon(data: Path, port: int | str, password: str | None) -> None:
+    """Start a daemonized redis-server on ``port`` that keeps its data (append-only file)
+    in ``data``, and wait until it answers. Only this machine can reach it (127.0.0.1,
+    protected mode), and only with ``password``, which goes through its standard input,
+    never its command line."""
+    data.mkdir(mode=0o700, parents=True, exist_ok=True)
+    head, config = config_on_stdin(password)
+    args = [
+        find_redis_server(), *head,
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--dir", str(data),
+        "--appendonly", "yes",
+        "--appendfsync", "everysec",
+        "--save", "",
+        "--protected-mode", "yes",
+        "--daemonize", "yes",
+        "--pidfile", str(data / "redis.pid"),
+        "--logfile", str(data / "redis.log"),
+    ]  # fmt: skip
+    subprocess.run(args, input=config, check=True, capture_output=True, timeout=30)
+    settings = _embedded_settings(f"redis://127.0.0.1:{port}/0", password, socket_timeout=1.0)
+    deadline = time.monotonic() + 10
+    while not _redis_up(settings):
+        if time.monotonic() > deadline:
+            raise RunError(f"the run's Redis did not start; see {data / 'redis.log'}")
+        time.sleep(0.05)
+
+
+def _embedded_settings(url: str, password: str | None, socket_timeout: float) -> RedisSettings:
+    settings = settings_from_url(url, password_env=None, socket_timeout=socket_timeout)
+    return replace(settings, password=password)
+
+
+def start_embedded_redis(run_dir: Path) -> str:
+    """Start a redis-server for the run that outlives this process (a controller killed and
+    restarted finds its state), persisted to the run directory, with a fresh password kept
+    there (mode 0600). Returns its URL (which holds no password)."""
+    port = free_port()
+    (run_dir / "redis").mkdir(mode=0o700, parents=True, exist_ok=True)
+    password = new_password_file(embedded_password_file(run_dir))
+    _redis_daemon(run_dir / "redis", port, password)
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def restart_embedded_redis(info: RunInfo) -> None:
+    """Start the run's embedded Redis again on its port, from its data, with its password,
+    if it is down."""
+    if not info.embedded_redis:
+        return
+    password = _embedded_password(info.dir)
+    if _redis_up(_embedded_settings(info.redis_url, password, socket_timeout=1.0)):
+        return
+    port = info.redis_url.rsplit(":", 1)[1].split("/")[0]
+    _redis_daemon(info.dir / "redis", port, password)
+
+
+def stop_embedded_redis(info: RunInfo) -> None:
+    pidfile = info.dir / "redis" / "redis.pid"
+    with contextlib.suppress(redis.RedisError, RunError):
+        settings = _embedded_settings(
+            info.redis_url, _embedded_password(info.dir), socket_timeout=2.0
+        )
+        connect(settings, retries=0).shutdown(save=False)
+    with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+        pid = int(pidfile.read_text())
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            os.kill(pid, 0)
+            time.sleep(0.05)
+
+
+def _redis_up(settings: RedisSettings) -> bool:
+    try:
+        connect(settings, retries=0).ping()
+        return True
+    except redis.RedisError:
+        return False
+
+
+def open_redis(info: RunInfo, spec: JobSpec | None = None) -> redis.Redis:
+    """A client of the run's Redis, checked with a PING.
+
+    Raises:
+        RunError: unreachable or refusing (the message names the cause and the fix).
+    """
+    if info.embedded_redis:
+        settings = _embedded_settings(info.redis_url, _embedded_password(info.dir), 5.0)
+    else:
+        password_env = spec.redis.password_env if spec else "SPOTTRAIN_REDIS_PASSWORD"
+        password_file = spec.redis.password_file if spec else None
+        settings = settings_from_url(
+            info.redis_url, password_file=password_file, password_env=password_env
+        )
+    client = connect(settings, retries=0)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        raise RunError(describe_error(e, settings)) from None
+    return client
