@@ -19,7 +19,7 @@ import statistics
 import time
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
-from spottrain.controller.planner import (
+from spottrain.controller.reconcile.planner import (
     NodeObs,
     Observed,
     Policy,

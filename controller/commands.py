@@ -20,7 +20,7 @@ from spottrain.keys import RunKeys
 from spottrain.spec import JobSpec, SpecError, WindowCheck, check_notice_windows, load_spec
 
 from .drive import drive_run, format_summary
-from .loop import summarize
+from .reconcile.controller import summarize
 from .providers import build_providers
 from .runs import (
     RunError,
@@ -34,7 +34,7 @@ from .runs import (
     spawn_controller,
     stop_embedded_redis,
 )
-from .state import RunState
+from .reconcile.state import RunState
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_WINDOW = 0, 1, 2, 3
 
@@ -154,7 +154,7 @@ def status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"run_id": info.run_id, **summary, "ckpt_refused": refused}))
         return EXIT_OK
-    from .loop import Summary
+    from .reconcile.controller import Summary
 
     _say(f"run {info.run_id}")
     for line in format_summary(Summary(**summary)):
@@ -394,7 +394,7 @@ def _down_fleet(info: RunInfo, timeout: float, *, now: bool = False) -> int:
     """End a run on a Terraform fleet: every node drains (an emergency checkpoint each), then
     the controller removes every VM by name and the group is left at size 0. The group, its
     template and volume stay: `terraform destroy` removes them. ``now``: no drain."""
-    from .group_loop import GroupController
+    from .groups.controller import GroupController
 
     try:
         ctl = build_controller(info)

@@ -9,7 +9,7 @@ from typing import Any
 
 import redis
 
-from .loop import ControllerError, Summary, drive_passes
+from .reconcile.controller import ControllerError, Summary, drive_passes
 from .runs import RunError, RunInfo, archive_run, build_controller, stop_embedded_redis
 from .tracking import FleetTracker
 

@@ -27,7 +27,7 @@ from spec_samples import LOCAL
 
 import spottrain.agent.node_record as node_record_mod
 import spottrain.agent.sdk as sdk_mod
-import spottrain.controller.state as state_mod
+import spottrain.controller.reconcile.state as state_mod
 from spottrain.agent.checkpoint.dcp_io import SaveResult
 from spottrain.agent.checkpoint.manifest import FileSum, Manifest
 from spottrain.agent.node_record import NodeInfo, NodeRecord
@@ -35,9 +35,9 @@ from spottrain.agent.notices import Notice, NoticeKind
 from spottrain.agent.sdk import ENV_NODE, _RequestPoller
 from spottrain.cloud.base import Market, Offer
 from spottrain.controller import report
-from spottrain.controller.loop import summarize
+from spottrain.controller.reconcile.controller import summarize
 from spottrain.controller.runs import RunInfo, archive_run
-from spottrain.controller.state import ENDED, LAUNCHED, LaunchRecord, RunState
+from spottrain.controller.reconcile.state import ENDED, LAUNCHED, LaunchRecord, RunState
 from spottrain.embedded_redis import RedisServer, free_port
 from spottrain.keys import RunKeys
 

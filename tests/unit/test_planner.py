@@ -9,8 +9,8 @@ import yaml
 from spec_samples import VALID, _with
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
-from spottrain.controller.loop import policy_from_spec
-from spottrain.controller.planner import (
+from spottrain.controller.reconcile.controller import policy_from_spec
+from spottrain.controller.reconcile.planner import (
     Drain,
     FleetIndex,
     Launch,

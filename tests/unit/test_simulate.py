@@ -12,7 +12,7 @@ import pytest
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
 from spottrain.cloud.local import TracedPreemption
-from spottrain.controller.planner import (
+from spottrain.controller.reconcile.planner import (
     FleetIndex,
     NodeObs,
     Observed,

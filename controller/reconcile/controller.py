@@ -1,7 +1,7 @@
 """The reconcile loop: observe (clouds and Redis), plan (pure), act (the one executor).
 
 Each pass is level-triggered: it reads what the clouds list for the run's tag and what the
-agents report, asks :func:`spottrain.controller.planner.plan` what to do, and does it. A
+agents report, asks :func:`spottrain.controller.reconcile.planner.plan` what to do, and does it. A
 controller killed at any point and started again reads the same state and carries on: the
 launch ledger is written before every launch and launches are idempotent by request id, so
 nothing is leaked and nothing launched twice. Crash points (``SPOTTRAIN_CRASH_AT``) let the
@@ -37,7 +37,7 @@ from spottrain.cloud.base import (
     TransientError,
 )
 from spottrain.cloud.catalog import Catalog, bundled
-from spottrain.controller.planner import (
+from spottrain.controller.reconcile.planner import (
     Drain,
     Launch,
     Move,
@@ -52,7 +52,7 @@ from spottrain.controller.planner import (
     plan,
 )
 from spottrain.controller.providers import offer_query
-from spottrain.controller.state import (
+from spottrain.controller.reconcile.state import (
     ENDED,
     FAILED,
     INTENT,

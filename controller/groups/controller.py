@@ -1,7 +1,7 @@
 """The controller of a fleet that a cloud group owns (provisioned by ``terraform/aws`` or
 ``terraform/gcp``): it adopts the group's VMs by the job tag the modules set, keeps the
 run's state in Redis like the launching controller does, and applies
-:func:`~spottrain.controller.group_plan.plan_group`'s decisions. It is the only code that
+:func:`~spottrain.controller.groups.plan.plan_group`'s decisions. It is the only code that
 calls the group.
 
 Each VM of the group is a node of the run, named by its id (the modules' boot scripts make
@@ -24,7 +24,7 @@ from spottrain.cloud.catalog import Catalog, bundled
 from spottrain.cloud.groups import Group, GroupView, Member, MemberState
 from spottrain.spec import JobSpec
 
-from .group_plan import (
+from .plan import (
     DrainMember,
     GroupObserved,
     GroupPlan,
@@ -36,8 +36,8 @@ from .group_plan import (
     StopRun,
     plan_group,
 )
-from .loop import Summary, catalog_offer, drive_passes, finished, od_price, summarize
-from .state import ENDED, LAUNCHED, LaunchRecord, Ledger, RunState
+from ..reconcile.controller import Summary, catalog_offer, drive_passes, finished, od_price, summarize
+from ..reconcile.state import ENDED, LAUNCHED, LaunchRecord, Ledger, RunState
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def wanted_nodes(spec: JobSpec, ctl: Mapping[str, str]) -> int:
 @dataclass
 class GroupController:
     """Drives one run on a group-owned fleet. Same surface as
-    :class:`~spottrain.controller.loop.Controller` (``step``, ``run``, ``summary``, ``done``).
+    :class:`~spottrain.controller.reconcile.controller.Controller` (``step``, ``run``, ``summary``, ``done``).
 
     Args:
         spec: the job (its ``fleet:`` section names the group).

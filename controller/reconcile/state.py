@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from spottrain.cloud.base import Market, Offer
-from spottrain.controller.planner import Restore, ZoneHistory
+from spottrain.controller.reconcile.planner import Restore, ZoneHistory
 from spottrain.keys import EVENTS_MAXLEN, RunKeys
 
 INTENT, LAUNCHED, FAILED, ENDED = "intent", "launched", "failed", "ended"
