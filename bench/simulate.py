@@ -28,7 +28,7 @@ import statistics
 import time
 
 from spottrain.cloud.base import Instance
-from spottrain.controller.reconcile.planner import NodeObs
+from spottrain.controller.reconcile.types import NodeObs
 from spottrain.controller.sim_engine import SimConfig, plain_plan_seconds, simulate
 from spottrain.controller.sim_report import figures
 from spottrain.controller.simulate import add_parser, config_from_args

@@ -20,8 +20,9 @@ from spottrain.keys import RunKeys
 from spottrain.spec import JobSpec, SpecError, WindowCheck, check_notice_windows, load_spec
 
 from .drive import drive_run, format_summary
-from .reconcile.controller import summarize
 from .providers import build_providers
+from .reconcile.state import RunState
+from .reconcile.summary import summarize
 from .runs import (
     RunError,
     RunInfo,
@@ -34,7 +35,6 @@ from .runs import (
     spawn_controller,
     stop_embedded_redis,
 )
-from .reconcile.state import RunState
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_WINDOW = 0, 1, 2, 3
 
@@ -154,7 +154,7 @@ def status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"run_id": info.run_id, **summary, "ckpt_refused": refused}))
         return EXIT_OK
-    from .reconcile.controller import Summary
+    from .reconcile.summary import Summary
 
     _say(f"run {info.run_id}")
     for line in format_summary(Summary(**summary)):

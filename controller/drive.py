@@ -9,7 +9,8 @@ from typing import Any
 
 import redis
 
-from .reconcile.controller import ControllerError, Summary, drive_passes
+from .reconcile.drive import ControllerError, drive_passes
+from .reconcile.summary import Summary
 from .runs import RunError, RunInfo, archive_run, build_controller, stop_embedded_redis
 from .tracking import FleetTracker
 

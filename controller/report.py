@@ -44,8 +44,8 @@ from spottrain.keys import EVENTS_MAXLEN, RunKeys
 if TYPE_CHECKING:
     import redis
 
+    from .reconcile.records import LaunchRecord
     from .runs import RunInfo
-    from .reconcile.state import LaunchRecord
 
 # The controller's modules (runs, state, loop) and matplotlib are imported where they are
 # used: `spottrain --help` builds this command's parser and should stay quick.
@@ -250,8 +250,8 @@ class ReportInputs:
 
 def read_redis_inputs(client: redis.Redis, keys: RunKeys, now: float) -> ReportInputs:
     """The report's inputs from the run's Redis."""
-    from .reconcile.controller import summarize
     from .reconcile.state import RunState
+    from .reconcile.summary import summarize
 
     state = RunState(client, keys)
     events = state.events()
@@ -274,7 +274,7 @@ def read_archive_inputs(run_dir: Path) -> ReportInputs:
             if line.strip():
                 row = json.loads(line)
                 events.append({str(k): str(v) for k, v in row.items()})
-    from .reconcile.state import LaunchRecord
+    from .reconcile.records import LaunchRecord
 
     launches = None
     path = run_dir / "launches.json"
@@ -527,7 +527,7 @@ def _preemptions(
 
 
 def _vms_from_ledger(launches: list[LaunchRecord]) -> list[VmSpan]:
-    from .reconcile.state import FAILED
+    from .reconcile.records import FAILED
 
     out = []
     for r in sorted(launches, key=lambda r: (r.launched_at, r.node)):

@@ -42,8 +42,8 @@ from spottrain.redis_conn import (
 from spottrain.spec import ArchiveCode, JobSpec, LoadedSpec, parse_spec
 
 from .groups.controller import GROUP_TUNABLES, GroupController, group_policy_from_spec
-from .reconcile.controller import Controller, policy_from_spec
 from .providers import Endpoints, build_group, build_providers, preemption_injector
+from .reconcile.controller import Controller, policy_from_spec
 from .reconcile.state import RunState, new_owner
 
 

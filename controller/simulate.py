@@ -3,7 +3,7 @@ seconds, under three ways of training through preemptions, side by side on one f
 
 A discrete-event simulation (:mod:`spottrain.controller.sim_engine`): VMs are preempted (at a
 per-node rate, by zone-wide reclaims, or from a trace), with or without the notice window;
-the controller's **real planner** (:func:`spottrain.controller.reconcile.planner.plan`) decides every
+the controller's **real planner** (:func:`spottrain.controller.planner.plan`) decides every
 backfill, pass by pass, as ``spottrain up`` would; launches take time and can be refused for
 capacity. Three training policies (:mod:`spottrain.controller.sim_policies`) watch the same
 fleet, so they are compared on the same preemptions:
@@ -75,7 +75,7 @@ from typing import Any
 from spottrain.cloud.base import Market, Offer, region_of_zone
 from spottrain.cloud.catalog import Catalog, UnknownInstanceType, UnknownRegion, bundled
 from spottrain.cloud.local import TracedPreemption, load_trace
-from spottrain.controller.reconcile.planner import HOURS_PER_MONTH
+from spottrain.controller.reconcile.pricing import HOURS_PER_MONTH
 from spottrain.controller.sim_engine import SimConfig, SimResult, simulate
 from spottrain.controller.sim_policies import POLICIES
 from spottrain.controller.sim_report import figures, plot, table

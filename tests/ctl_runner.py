@@ -1,6 +1,6 @@
 """A controller process for the crash-safety tests: a few passes of one run against moto.
 
-Builds the run's :class:`~spottrain.controller.reconcile.controller.Controller` the way ``spottrain up`` does
+Builds the run's :class:`~spottrain.controller.loop.Controller` the way ``spottrain up`` does
 (:func:`spottrain.controller.runs.build_controller`), with its AWS provider pointed at a moto
 server through a boto3 session of its own (fake credentials, every request refused unless it
 goes to the server), then calls ``step()`` ``--passes`` times. ``SPOTTRAIN_CRASH_AT`` in the

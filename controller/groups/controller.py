@@ -24,6 +24,11 @@ from spottrain.cloud.catalog import Catalog, bundled
 from spottrain.cloud.groups import Group, GroupView, Member, MemberState
 from spottrain.spec import JobSpec
 
+from ..reconcile.drive import drive_passes
+from ..reconcile.observe import catalog_offer, od_price
+from ..reconcile.records import ENDED, LAUNCHED, LaunchRecord, Ledger
+from ..reconcile.state import RunState
+from ..reconcile.summary import Summary, finished, summarize
 from .plan import (
     DrainMember,
     GroupObserved,
@@ -36,8 +41,6 @@ from .plan import (
     StopRun,
     plan_group,
 )
-from ..reconcile.controller import Summary, catalog_offer, drive_passes, finished, od_price, summarize
-from ..reconcile.state import ENDED, LAUNCHED, LaunchRecord, Ledger, RunState
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +64,8 @@ def wanted_nodes(spec: JobSpec, ctl: Mapping[str, str]) -> int:
 @dataclass
 class GroupController:
     """Drives one run on a group-owned fleet. Same surface as
-    :class:`~spottrain.controller.reconcile.controller.Controller` (``step``, ``run``, ``summary``, ``done``).
+    :class:`~spottrain.controller.reconcile.controller.Controller` (``step``, ``run``,
+    ``summary``, ``done``).
 
     Args:
         spec: the job (its ``fleet:`` section names the group).

@@ -1,6 +1,6 @@
 """Crash safety of the controller against moto in server mode.
 
-For every crash point of the reconcile loop (:data:`spottrain.controller.reconcile.controller.CRASH_POINTS`)
+For every crash point of the reconcile loop (:data:`spottrain.controller.loop.CRASH_POINTS`)
 a controller process (``tests/ctl_runner.py``) is killed there (``SPOTTRAIN_CRASH_AT``, exit
 status 137), a new one is started on the same run, and once it has settled the fleet in moto
 must match the spec: exactly the target number of live VMs, at most one live VM per node and
@@ -49,8 +49,9 @@ from harnesses.aws import REGION, AwsHarness
 from spec_samples import VALID
 
 from spottrain.cloud.base import TAG_JOB, TAG_NODE, TAG_REQUEST
-from spottrain.controller.reconcile.controller import CRASH_ENV, CRASH_POINTS
-from spottrain.controller.reconcile.state import ENDED, INTENT, LAUNCHED, Ledger, RunState
+from spottrain.controller.reconcile.execute import CRASH_ENV, CRASH_POINTS
+from spottrain.controller.reconcile.records import ENDED, INTENT, LAUNCHED, Ledger
+from spottrain.controller.reconcile.state import RunState
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 

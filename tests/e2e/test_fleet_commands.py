@@ -24,8 +24,8 @@ from spec_samples import FLEET_AWS, _with
 
 from spottrain import cli
 from spottrain.agent.node_record import NodeInfo, NodeRecord
-from spottrain.controller.reconcile.controller import summarize
 from spottrain.controller.reconcile.state import RunState
+from spottrain.controller.reconcile.summary import summarize
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 

@@ -17,13 +17,8 @@ from spec_samples import LOCAL, _with
 
 from spottrain.cloud.base import Instance, LaunchRequest
 from spottrain.cloud.local import LocalProvider, LocalSettings
-from spottrain.controller.reconcile.controller import (
-    Controller,
-    ControllerError,
-    RedisOutage,
-    drive_passes,
-    policy_from_spec,
-)
+from spottrain.controller.reconcile.controller import Controller, policy_from_spec
+from spottrain.controller.reconcile.drive import ControllerError, RedisOutage, drive_passes
 from spottrain.controller.reconcile.state import LeaseLost, RunState
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys

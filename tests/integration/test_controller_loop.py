@@ -24,8 +24,11 @@ from spottrain.agent.sdk import ENV_NODE, TrainSession
 from spottrain.cloud.base import InstanceState, LaunchRequest, Offer, OfferQuery
 from spottrain.cloud.local import LocalProvider, LocalSettings
 from spottrain.controller.drive import format_summary
-from spottrain.controller.reconcile.controller import Controller, ControllerError, policy_from_spec, summarize
-from spottrain.controller.reconcile.state import LAUNCHED, RunState
+from spottrain.controller.reconcile.controller import Controller, policy_from_spec
+from spottrain.controller.reconcile.drive import ControllerError
+from spottrain.controller.reconcile.records import LAUNCHED
+from spottrain.controller.reconcile.state import RunState
+from spottrain.controller.reconcile.summary import summarize
 from spottrain.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 from spottrain.spec import parse_spec

@@ -35,9 +35,10 @@ from spottrain.agent.notices import Notice, NoticeKind
 from spottrain.agent.sdk import ENV_NODE, _RequestPoller
 from spottrain.cloud.base import Market, Offer
 from spottrain.controller import report
-from spottrain.controller.reconcile.controller import summarize
+from spottrain.controller.reconcile.records import ENDED, LAUNCHED, LaunchRecord
+from spottrain.controller.reconcile.state import RunState
+from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.runs import RunInfo, archive_run
-from spottrain.controller.reconcile.state import ENDED, LAUNCHED, LaunchRecord, RunState
 from spottrain.embedded_redis import RedisServer, free_port
 from spottrain.keys import RunKeys
 

@@ -30,8 +30,8 @@ from spottrain import tracking
 from spottrain.agent.sdk import ModelState, RngState, TrainSession
 from spottrain.bootstrap import NodeIdentity, agent_env
 from spottrain.controller import drive
-from spottrain.controller.reconcile.controller import Summary
 from spottrain.controller.reconcile.state import RunState
+from spottrain.controller.reconcile.summary import Summary
 from spottrain.controller.tracking import TABLE_COLUMNS, FleetTracker
 from spottrain.keys import RunKeys
 from spottrain.spec import JobSpec, parse_spec

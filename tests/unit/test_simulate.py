@@ -12,14 +12,9 @@ import pytest
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
 from spottrain.cloud.local import TracedPreemption
-from spottrain.controller.reconcile.planner import (
-    FleetIndex,
-    NodeObs,
-    Observed,
-    Policy,
-    ZoneHistory,
-    plan,
-)
+from spottrain.controller.reconcile.fleet import FleetIndex
+from spottrain.controller.reconcile.planner import plan
+from spottrain.controller.reconcile.types import NodeObs, Observed, Policy, ZoneHistory
 from spottrain.controller.sim_engine import SimConfig, SimResult, simulate
 from spottrain.controller.sim_report import figures, table
 from spottrain.spec import SpotPolicy
