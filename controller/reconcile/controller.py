@@ -23,6 +23,7 @@ from .execute import Executor, crash_point
 from .ledger import redrive
 from .observe import Observer, od_price
 from .planner import plan
+from .progress import MoveCopy, after_pass, stop_progress
 from .records import INTENT, LAUNCHED, Ledger
 from .state import RunState
 from .summary import Summary, finished, summarize
@@ -126,7 +127,7 @@ class Controller:
         execute = self._executor()
         execute.offer_errors(seen.offer_errors)
         execute.steps(seen.steps)
-        obs = self._progress_stop(seen.obs, now)
+        obs = self._progress_stop(seen.obs, execute)
         # `spottrain scale` lowers (or restores) the most nodes the planner keeps.
         wanted = self.state.ctl().get("target_nodes")
         policy = self.policy
@@ -137,80 +138,39 @@ class Controller:
         p = plan(policy, obs)
         execute.redrive(redrive(seen.ledger, seen.listed, obs.now, self.policy))
         execute.act(p.actions, obs.nodes, obs.now, p.next_index, seen.listed)
-        self._after(p, obs)
+        self._after(p, obs, execute)
         crash_point("after-pass")
         return p
 
-    def _progress_stop(self, obs: Observed, now: float) -> Observed:
+    def _progress_stop(self, obs: Observed, execute: Executor) -> Observed:
         """A stop in progress ends when every node has left or the stop timeout passed."""
-        ctl = self.state.ctl()
-        if ctl.get("stopping") and not ctl.get("stopped"):
-            since = float(ctl.get("stopping_since", now))
-            agents_left = all(
-                n.agent_state in ("left", "failed", None)
-                or n.instance is None
-                or not n.instance.state.alive
-                for n in obs.nodes
-            )
-            if agents_left or now - since > self.stop_timeout_s:
-                self.state.set_ctl(stopped=ctl["stopping"])
-                return replace(obs, stopped=ctl["stopping"])
+        obs, steps = stop_progress(self.state.ctl(), obs, self.stop_timeout_s)
+        execute.steps(steps)
         return obs
 
-    def _after(self, p: Plan, obs: Observed) -> None:
-        staying = [
-            n
-            for n in obs.nodes
-            if (n.instance is None or n.instance.state.alive)
-            and n.agent_state not in ("draining", "left", "failed")
-        ]
+    def _after(self, p: Plan, obs: Observed, execute: Executor) -> None:
         ctl = self.state.ctl()
-        updates: dict[str, str] = {"reason": p.reason}
-        if p.home is not None:
-            updates["home"] = "|".join(p.home)
-        if len(staying) < self.policy.min_nodes:
-            if not ctl.get("below_min_since"):
-                updates["below_min_since"] = str(obs.now)
-        elif ctl.get("below_min_since"):
-            self.state.client.hdel(self.state.keys.ctl, "below_min_since")
-        if ctl.get("moving") and self._move_copied(ctl, obs):
-            self.state.client.hdel(
-                self.state.keys.ctl, "moving", "below_min_since", "moving_quiet_since"
-            )
-            # The new zone's nodes bring in the newest copy at boot: they resume from it.
+        copy = MoveCopy(None, -1)
+        if ctl.get("moving"):
             copied = self.state.client.hget(self.state.keys.ckpt_copied, "step")
-            self.state.event(
-                "move-ready",
-                to=ctl["moving"],
-                resumes_from_step=int(copied) if copied is not None else -1,
+            copy = MoveCopy(
+                int(copied) if copied is not None else None,
+                int(self.state.ckpt_last().get("step", "-1")),
             )
-        self.state.set_ctl(**updates)
+        execute.steps(
+            after_pass(
+                p,
+                obs,
+                ctl,
+                min_nodes=self.policy.min_nodes,
+                move_timeout_s=self.move_timeout_s,
+                move_copy=copy,
+                last_reason=self._last_reason,
+            )
+        )
         if p.reason != self._last_reason:
-            # The reason is logged when it changes, not every pass.
-            self.state.event("plan", reason=p.reason)
             log.info("plan: %s", p.reason)
             self._last_reason = p.reason
-
-    def _move_copied(self, ctl: dict[str, str], obs: Observed) -> bool:
-        """The moved job may start in its new zone: every old agent has stopped (each copies
-        its drain checkpoint out before it exits) and the newest commit is copied, or a
-        short grace has passed since they stopped (a commit whose node died uncopied never
-        will be), or the move timed out."""
-        since = float(ctl.get("moving_since", "0"))
-        if obs.now - since > self.move_timeout_s:
-            return True
-        if any(n.alive_beat for n in obs.nodes if n.instance is None or n.instance.state.alive):
-            return False
-        copied = self.state.client.hgetall(self.state.keys.ckpt_copied)
-        copied_step = int(copied.get(b"step", b"-1"))
-        last_step = int(self.state.ckpt_last().get("step", "-1"))
-        if copied_step >= last_step:
-            return True
-        quiet = ctl.get("moving_quiet_since")
-        if not quiet:
-            self.state.set_ctl(moving_quiet_since=str(obs.now))
-            return False
-        return obs.now - float(quiet) > 15.0
 
     def live_vms(self) -> list[str]:
         """Nodes whose VM may still run, by the ledger."""

@@ -38,6 +38,7 @@ from .ledger import (
     SetCtl,
     Step,
 )
+from .progress import DelCtl, ProgressStep
 from .records import FAILED, LAUNCHED, LaunchRecord
 from .state import RunState
 from .types import Action, Drain, Launch, Move, NodeObs, Penalise, Report, Stop, Terminate
@@ -102,7 +103,7 @@ class Executor:
         for cloud, error in errors:
             self.state.event("offers-failed", cloud=cloud, error=error)
 
-    def steps(self, steps: Iterable[Step]) -> None:
+    def steps(self, steps: Iterable[Step | ProgressStep]) -> None:
         for s in steps:
             if isinstance(s, PutRecord):
                 self.state.put_launch(s.record)
@@ -114,6 +115,8 @@ class Executor:
                 self.terminate(s.instance, s.node, s.why)
             elif isinstance(s, SetCtl):
                 self.state.set_ctl(**s.fields)
+            elif isinstance(s, DelCtl):
+                self.state.client.hdel(self.state.keys.ctl, *s.fields)
 
     def redrive(self, actions: Iterable[Resend | GiveUp]) -> None:
         for a in actions:
