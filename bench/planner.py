@@ -19,14 +19,9 @@ import time
 from benchlib import parser, print_figures
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
-from spottrain.controller.planner import (
-    NodeObs,
-    Observed,
-    Policy,
-    ZoneHistory,
-    effective_price,
-    plan,
-)
+from spottrain.controller.reconcile.planner import plan
+from spottrain.controller.reconcile.pricing import effective_price
+from spottrain.controller.reconcile.types import NodeObs, Observed, Policy, ZoneHistory
 
 TARGET_MS_10000 = 50.0
 

@@ -29,7 +29,7 @@ import time
 from benchlib import print_figures
 
 from spottrain.cloud.base import Instance
-from spottrain.controller.planner import NodeObs
+from spottrain.controller.reconcile.types import NodeObs
 from spottrain.controller.sim.command import add_parser
 from spottrain.controller.sim.config import config_from_args
 from spottrain.controller.sim.engine import simulate

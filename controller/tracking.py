@@ -25,8 +25,8 @@ from typing import Any
 from spottrain.spec import JobSpec
 from spottrain.tracking import Tracker, WandbSettings, run_id_for, start_run
 
-from .loop import Summary
-from .state import RunState
+from .reconcile.state import RunState
+from .reconcile.summary import Summary
 
 log = logging.getLogger("spottrain.controller.tracking")
 

@@ -21,7 +21,7 @@ from spottrain.controller.cli.common import (
     run_state,
     say,
 )
-from spottrain.controller.loop import Summary, summarize
+from spottrain.controller.reconcile.summary import Summary, summarize
 from spottrain.controller.run.create import create_run
 from spottrain.controller.run.drive import drive_run, format_summary
 from spottrain.controller.run.records import RunError, RunInfo, find_run

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.run_redis import open_redis
-from spottrain.controller.state import RunState
 from spottrain.keys import RunKeys
 
 EXIT_OK = 0

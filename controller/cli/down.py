@@ -22,13 +22,14 @@ from spottrain.controller.cli.common import (
     run_state,
     say,
 )
-from spottrain.controller.loop import summarize
+from spottrain.controller.reconcile.execute import end_run_vms
+from spottrain.controller.reconcile.state import RunState
+from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.archive import archive_run
 from spottrain.controller.run.providers import build_providers
 from spottrain.controller.run.records import RunError, RunInfo, find_run
 from spottrain.controller.run.run_redis import stop_embedded_redis
 from spottrain.controller.run.wiring import build_controller
-from spottrain.controller.state import RunState
 from spottrain.spec import JobSpec
 
 
@@ -60,7 +61,7 @@ def down(args: argparse.Namespace) -> int:
                 _drain_launched(info, spec, providers, state, wait_s)
             except redis.RedisError as e:
                 err(f"run {info.run_id}: its Redis failed during the drain ({e}): VMs end now")
-        left = _end_vms(info, providers, state, args.timeout)
+        left = end_run_vms(info.run_id, providers, state, args.timeout)
     except ProviderError as e:
         err(f"cannot end the run's VMs: {e}")
         return EXIT_FAILED
@@ -142,42 +143,11 @@ def _alive_vms(info: RunInfo, providers: dict[str, Provider]) -> dict[str, Insta
     }
 
 
-def _end_vms(
-    info: RunInfo, providers: dict[str, Provider], state: RunState | None, timeout: float
-) -> list[str]:
-    """Terminate every VM of the run and wait, up to ``timeout``, until the clouds list
-    each as terminated. Returns what is still there."""
-    deadline = time.monotonic() + timeout
-    asked: set[str] = set()
-    first = True
-    while True:
-        left = []
-        for prov in providers.values():
-            listed = prov.list(info.run_id)
-            alive = [i for i in listed if i.state is not InstanceState.TERMINATED]
-            # The first round ends what is listed as ended too: a GCP VM that shut itself
-            # down (its dead man's switch, a STOP preemption) is stopped, its disks billed,
-            # until it is deleted. Ending an ended VM again is harmless on every cloud.
-            ending = listed if first else alive
-            if ending:
-                prov.terminate([i.id for i in ending])
-                left += [f"{i.cloud}:{i.id} ({i.state})" for i in alive]
-            for i in alive:
-                if i.id not in asked and state is not None:
-                    with contextlib.suppress(Exception):
-                        state.event("terminate", vm=i.id, node_name=i.node, why="down")
-                asked.add(i.id)
-        first = False
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(1.0)
-
-
 def _down_fleet(info: RunInfo, timeout: float, *, now: bool = False) -> int:
     """End a run on a Terraform fleet: every node drains (an emergency checkpoint each), then
     the controller removes every VM by name and the group is left at size 0. The group, its
     template and volume stay: `terraform destroy` removes them. ``now``: no drain."""
-    from spottrain.controller.group_loop import GroupController
+    from spottrain.controller.groups.controller import GroupController
 
     try:
         ctl = build_controller(info)

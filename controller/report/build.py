@@ -33,7 +33,7 @@ from spottrain.controller.report.timelines import (
 from spottrain.keys import EVENTS_MAXLEN
 
 if TYPE_CHECKING:
-    from spottrain.controller.state import LaunchRecord
+    from spottrain.controller.reconcile.records import LaunchRecord
 
 
 def build_report(

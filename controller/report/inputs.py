@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 def read_redis_inputs(client: redis.Redis, keys: RunKeys, now: float) -> ReportInputs:
     """The report's inputs from the run's Redis."""
-    from spottrain.controller.loop import summarize
-    from spottrain.controller.state import RunState
+    from spottrain.controller.reconcile.state import RunState
+    from spottrain.controller.reconcile.summary import summarize
 
     state = RunState(client, keys)
     events = state.events()
@@ -44,7 +44,7 @@ def read_archive_inputs(run_dir: Path) -> ReportInputs:
             if line.strip():
                 row = json.loads(line)
                 events.append({str(k): str(v) for k, v in row.items()})
-    from spottrain.controller.state import LaunchRecord
+    from spottrain.controller.reconcile.records import LaunchRecord
 
     launches = None
     path = run_dir / "launches.json"

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from spottrain.controller.state import LaunchRecord
+    from spottrain.controller.reconcile.records import LaunchRecord
 
 # Phases after which nothing of the run changes any more: its timeline ends at its last record.
 ENDED_PHASES = frozenset({"done", "failed", "down"})

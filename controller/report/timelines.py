@@ -23,7 +23,7 @@ from spottrain.controller.report.model import (
 )
 
 if TYPE_CHECKING:
-    from spottrain.controller.state import LaunchRecord
+    from spottrain.controller.reconcile.records import LaunchRecord
 
 
 def _at(row: dict[str, str]) -> float | None:
@@ -199,7 +199,7 @@ def _preemptions(
 
 
 def _vms_from_ledger(launches: list[LaunchRecord]) -> list[VmSpan]:
-    from spottrain.controller.state import FAILED
+    from spottrain.controller.reconcile.records import FAILED
 
     out = []
     for r in sorted(launches, key=lambda r: (r.launched_at, r.node)):

@@ -9,6 +9,7 @@ from typing import Any
 
 import redis
 
+from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.report.build import build_report
 from spottrain.controller.report.inputs import (
     read_archive_inputs,
@@ -18,7 +19,6 @@ from spottrain.controller.report.inputs import (
 from spottrain.controller.report.model import NoReportData, ReportData
 from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.run_redis import open_redis
-from spottrain.controller.state import RunState
 from spottrain.keys import RunKeys
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import redis
 
-from spottrain.controller.loop import ControllerError, Summary, drive_passes
+from spottrain.controller.reconcile.drive import ControllerError, drive_passes
+from spottrain.controller.reconcile.summary import Summary
 from spottrain.controller.run.archive import archive_run
 from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.run_redis import stop_embedded_redis

@@ -10,8 +10,13 @@ import time
 from pathlib import Path
 
 from spottrain.cloud.base import Provider
-from spottrain.controller.group_loop import GROUP_TUNABLES, GroupController, group_policy_from_spec
-from spottrain.controller.loop import Controller, policy_from_spec
+from spottrain.controller.groups.controller import (
+    GROUP_TUNABLES,
+    GroupController,
+    group_policy_from_spec,
+)
+from spottrain.controller.reconcile.controller import Controller, policy_from_spec
+from spottrain.controller.reconcile.state import RunState, new_owner
 from spottrain.controller.run.code import boot_renderer
 from spottrain.controller.run.providers import (
     Endpoints,
@@ -21,7 +26,6 @@ from spottrain.controller.run.providers import (
 )
 from spottrain.controller.run.records import RunInfo
 from spottrain.controller.run.run_redis import open_redis
-from spottrain.controller.state import RunState, new_owner
 from spottrain.keys import RunKeys
 
 

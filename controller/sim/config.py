@@ -11,7 +11,7 @@ from pathlib import Path
 
 from spottrain.catalog import Catalog, UnknownInstanceType, UnknownRegion, bundled
 from spottrain.cloud.base import Market, Offer, region_of_zone
-from spottrain.controller.planner import HOURS_PER_MONTH
+from spottrain.controller.reconcile.pricing import HOURS_PER_MONTH
 from spottrain.controller.sim.model import SimConfig
 from spottrain.controller.sim.policies import POLICIES
 from spottrain.spec import (

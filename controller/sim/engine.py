@@ -44,10 +44,12 @@ from collections.abc import Callable
 from typing import Any
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
-from spottrain.controller.planner import (
+from spottrain.controller.reconcile.fleet import FleetIndex
+from spottrain.controller.reconcile.planner import plan
+from spottrain.controller.reconcile.rules import request_id
+from spottrain.controller.reconcile.types import (
     DRAINING,
     JOINED,
-    FleetIndex,
     Launch,
     NodeObs,
     Observed,
@@ -56,8 +58,6 @@ from spottrain.controller.planner import (
     Stop,
     Terminate,
     ZoneHistory,
-    plan,
-    request_id,
 )
 from spottrain.controller.sim.model import PolicyResult, SimConfig, SimResult
 from spottrain.controller.sim.policies import POLICIES, Trainer

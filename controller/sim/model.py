@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from spottrain.cloud.base import Offer
-from spottrain.controller.planner import NodeObs
+from spottrain.controller.reconcile.types import NodeObs
 from spottrain.controller.sim.policies import Costs
 from spottrain.spec import SpotPolicy
 from spottrain.trace import TracedPreemption

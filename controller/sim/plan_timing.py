@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from spottrain.controller.planner import NodeObs, Observed, Policy, plan
+from spottrain.controller.reconcile.planner import plan
+from spottrain.controller.reconcile.types import NodeObs, Observed, Policy
 from spottrain.controller.sim.model import SimConfig
 
 

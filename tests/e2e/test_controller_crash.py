@@ -49,9 +49,10 @@ from harnesses.aws import REGION, AwsHarness
 from spec_samples import VALID
 
 from spottrain.cloud.base import TAG_JOB, TAG_NODE, TAG_REQUEST
-from spottrain.controller.loop import CRASH_ENV, CRASH_POINTS
+from spottrain.controller.reconcile.execute import CRASH_ENV, CRASH_POINTS
+from spottrain.controller.reconcile.records import ENDED, INTENT, LAUNCHED, Ledger
+from spottrain.controller.reconcile.records import zone_history as RunState
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.controller.state import ENDED, INTENT, LAUNCHED, Ledger, RunState
 from spottrain.keys import RunKeys
 
 pytestmark = pytest.mark.slow

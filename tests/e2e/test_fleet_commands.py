@@ -24,9 +24,9 @@ from spec_samples import FLEET_AWS, _with
 
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.controller.cli import main as cli
-from spottrain.controller.loop import summarize
+from spottrain.controller.reconcile.state import RunState
+from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.controller.state import RunState
 from spottrain.keys import RunKeys
 
 pytestmark = pytest.mark.slow

@@ -53,10 +53,11 @@ from spottrain.agent.rendezvous.handler import create_handler  # noqa: E402
 from spottrain.agent.sdk import ENV_NODE, GlobalBatch, TrainSession  # noqa: E402
 from spottrain.cloud.local.compute import LocalProvider  # noqa: E402
 from spottrain.cloud.local.settings import LocalSettings  # noqa: E402
-from spottrain.controller.loop import Controller, policy_from_spec, summarize  # noqa: E402
+from spottrain.controller.reconcile.controller import Controller, policy_from_spec  # noqa: E402
+from spottrain.controller.reconcile.state import RunState  # noqa: E402
+from spottrain.controller.reconcile.summary import summarize  # noqa: E402
 from spottrain.controller.report import build_report, read_redis_inputs  # noqa: E402
 from spottrain.controller.run.embedded_redis import RedisServer, free_port  # noqa: E402
-from spottrain.controller.state import RunState  # noqa: E402
 from spottrain.keys import RunKeys  # noqa: E402
 from spottrain.spec import parse_spec  # noqa: E402
 

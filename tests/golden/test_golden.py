@@ -28,10 +28,10 @@ from spottrain.agent.checkpoint.directory import CheckpointDir
 from spottrain.agent.checkpoint.manifest import Manifest, verify_files
 from spottrain.agent.rendezvous.backend import RedisRendezvousBackend
 from spottrain.agent.sdk import GlobalBatch, TrainSession
-from spottrain.controller.loop import summarize
+from spottrain.controller.reconcile.state import RunState
+from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.report import build_report, read_archive_inputs, read_redis_inputs
 from spottrain.controller.run.embedded_redis import RedisServer, free_port
-from spottrain.controller.state import RunState
 from spottrain.keys import RunKeys
 from spottrain.redis_conn import RedisSettings
 

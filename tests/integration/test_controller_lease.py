@@ -18,15 +18,10 @@ from spec_samples import LOCAL, _with
 from spottrain.cloud.base import Instance, LaunchRequest
 from spottrain.cloud.local.compute import LocalProvider
 from spottrain.cloud.local.settings import LocalSettings
-from spottrain.controller.loop import (
-    Controller,
-    ControllerError,
-    RedisOutage,
-    drive_passes,
-    policy_from_spec,
-)
+from spottrain.controller.reconcile.controller import Controller, policy_from_spec
+from spottrain.controller.reconcile.drive import ControllerError, RedisOutage, drive_passes
+from spottrain.controller.reconcile.state import LeaseLost, RunState
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.controller.state import LeaseLost, RunState
 from spottrain.keys import RunKeys
 from spottrain.spec import parse_spec
 

@@ -24,10 +24,13 @@ from spottrain.agent.sdk import ENV_NODE, TrainSession
 from spottrain.cloud.base import InstanceState, LaunchRequest, Offer, OfferQuery
 from spottrain.cloud.local.compute import LocalProvider
 from spottrain.cloud.local.settings import LocalSettings
-from spottrain.controller.loop import Controller, ControllerError, policy_from_spec, summarize
+from spottrain.controller.reconcile.controller import Controller, policy_from_spec
+from spottrain.controller.reconcile.drive import ControllerError
+from spottrain.controller.reconcile.records import LAUNCHED
+from spottrain.controller.reconcile.records import zone_history as RunState
+from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.drive import format_summary
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.controller.state import LAUNCHED, RunState
 from spottrain.keys import RunKeys
 from spottrain.spec import parse_spec
 

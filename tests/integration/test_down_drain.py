@@ -153,11 +153,9 @@ def test_down_refuses_a_negative_drain_timeout(
 def test_down_deletes_a_gcp_vm_that_stopped_itself(no_egress: None) -> None:
     """A GCP VM that shut itself down (its dead man's switch) is stopped, not deleted, and
     its disks are billed until it is: `down` deletes it too."""
-    from types import SimpleNamespace
-
     from harnesses.gcp import GcpHarness
 
-    from spottrain.controller.cli.down import _end_vms
+    from spottrain.controller.reconcile.execute import end_run_vms
 
     h = GcpHarness()
     try:
@@ -166,8 +164,7 @@ def test_down_deletes_a_gcp_vm_that_stopped_itself(no_egress: None) -> None:
         h.fake.stop(inst.id)  # the guest's `shutdown -h now`
         [listed] = h.provider.list("job-a")
         assert listed.state is InstanceState.TERMINATED
-        info = SimpleNamespace(run_id="job-a")
-        assert _end_vms(info, {"gcp": h.provider}, None, 30) == []  # type: ignore[arg-type]
+        assert end_run_vms("job-a", {"gcp": h.provider}, None, 30) == []
         assert h.fake.instances() == []
     finally:
         h.close()

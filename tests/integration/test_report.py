@@ -37,11 +37,12 @@ from spottrain.agent.sdk.channel import RequestChannel as _RequestPoller
 from spottrain.cloud.base import Market, Offer
 from spottrain.controller import report
 from spottrain.controller.cli import report as report_cli
-from spottrain.controller.loop import summarize
+from spottrain.controller.reconcile.records import ENDED, LAUNCHED, LaunchRecord
+from spottrain.controller.reconcile.records import zone_history as RunState
+from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.archive import archive_run, load_report_data
 from spottrain.controller.run.embedded_redis import RedisServer, free_port
 from spottrain.controller.run.records import RunInfo
-from spottrain.controller.state import ENDED, LAUNCHED, LaunchRecord, RunState
 from spottrain.keys import RunKeys
 
 T0 = 1_700_000_000.0

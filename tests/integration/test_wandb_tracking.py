@@ -28,10 +28,10 @@ from spec_samples import VALID, _with
 
 from spottrain import tracking
 from spottrain.agent.sdk import ModelState, RngState, TrainSession
-from spottrain.controller.loop import Summary
+from spottrain.controller.reconcile.state import RunState
+from spottrain.controller.reconcile.summary import Summary
 from spottrain.controller.run import drive
 from spottrain.controller.run.boot import NodeIdentity, agent_env
-from spottrain.controller.state import RunState
 from spottrain.controller.tracking import TABLE_COLUMNS, FleetTracker
 from spottrain.keys import RunKeys
 from spottrain.spec import JobSpec, parse_spec

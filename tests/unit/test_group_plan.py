@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from spottrain.cloud.base.groups import Member, MemberState
-from spottrain.controller.group_plan import (
+from spottrain.controller.groups.plan import (
     DrainMember,
     GroupObserved,
     GroupPolicy,

@@ -9,10 +9,13 @@ import yaml
 from spec_samples import VALID, _with
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
-from spottrain.controller.loop import policy_from_spec
-from spottrain.controller.planner import (
+from spottrain.controller.reconcile.controller import policy_from_spec
+from spottrain.controller.reconcile.fleet import FleetIndex
+from spottrain.controller.reconcile.planner import plan
+from spottrain.controller.reconcile.pricing import effective_price
+from spottrain.controller.reconcile.rules import request_id
+from spottrain.controller.reconcile.types import (
     Drain,
-    FleetIndex,
     Launch,
     Move,
     NodeObs,
@@ -24,9 +27,6 @@ from spottrain.controller.planner import (
     Stop,
     Terminate,
     ZoneHistory,
-    effective_price,
-    plan,
-    request_id,
 )
 from spottrain.spec import SpotPolicy, parse_spec
 

@@ -11,14 +11,9 @@ import numpy as np
 import pytest
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
-from spottrain.controller.planner import (
-    FleetIndex,
-    NodeObs,
-    Observed,
-    Policy,
-    ZoneHistory,
-    plan,
-)
+from spottrain.controller.reconcile.fleet import FleetIndex
+from spottrain.controller.reconcile.planner import plan
+from spottrain.controller.reconcile.types import NodeObs, Observed, Policy, ZoneHistory
 from spottrain.controller.sim.engine import simulate
 from spottrain.controller.sim.model import SimConfig, SimResult
 from spottrain.controller.sim.report import figures, table

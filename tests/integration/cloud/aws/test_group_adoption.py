@@ -22,8 +22,9 @@ from spec_samples import FLEET_AWS, _with
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.cloud.base import BadRequestError
 from spottrain.cloud.base.groups import MemberState
-from spottrain.controller.group_loop import GroupController, group_policy_from_spec
-from spottrain.controller.state import ENDED, LAUNCHED, RunState
+from spottrain.controller.groups.controller import GroupController, group_policy_from_spec
+from spottrain.controller.reconcile.records import ENDED, LAUNCHED
+from spottrain.controller.reconcile.records import zone_history as RunState
 from spottrain.keys import RunKeys
 from spottrain.spec import parse_spec
 

@@ -1,5 +1,5 @@
 """The decisions for a fleet that a cloud group owns (Terraform's Auto Scaling group or
-managed instance group): pure, like :mod:`spottrain.controller.planner`.
+managed instance group): pure, like :mod:`spottrain.controller.reconcile.planner`.
 
 The group launches and replaces VMs by itself; what is left to decide is its size and which
 VM leaves. The rules:

@@ -1,13 +1,14 @@
 """The controller of a fleet that a cloud group owns (provisioned by ``terraform/aws`` or
 ``terraform/gcp``): it adopts the group's VMs by the job tag the modules set, keeps the
 run's state in Redis like the launching controller does, and applies
-:func:`~spottrain.controller.group_plan.plan_group`'s decisions. It is the only code that
+:func:`~spottrain.controller.groups.plan.plan_group`'s decisions. It is the only code that
 calls the group.
 
 Each VM of the group is a node of the run, named by its id (the modules' boot scripts make
 the instance id, or the GCP instance name, the agent's node id). The launch ledger records
 each one when first seen, so cost, savings, ``spottrain status`` and the final report work
-as for launched fleets.
+as for launched fleets. Its observe is read-only: the ledger's fold is decided by
+:func:`~spottrain.controller.groups.fold.fold_group` and written by the pass.
 """
 
 from __future__ import annotations
@@ -20,11 +21,18 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spottrain.catalog import Catalog, bundled
-from spottrain.cloud.base import Market, Offer, region_of_zone
-from spottrain.cloud.base.groups import Group, GroupView, Member, MemberState
+from spottrain.cloud.base import Offer, region_of_zone
+from spottrain.cloud.base.groups import Group, Member
 from spottrain.spec import JobSpec
 
-from .group_plan import (
+from ..reconcile.drive import drive_passes
+from ..reconcile.ledger import CountPreemption, Note, PutRecord
+from ..reconcile.observe import catalog_offer, od_price
+from ..reconcile.records import LAUNCHED
+from ..reconcile.state import RunState
+from ..reconcile.summary import Summary, finished, summarize
+from .fold import ForgetAgent, GroupStep, Pricing, Unmark, fold_group
+from .plan import (
     DrainMember,
     GroupObserved,
     GroupPlan,
@@ -36,8 +44,6 @@ from .group_plan import (
     StopRun,
     plan_group,
 )
-from .loop import Summary, catalog_offer, drive_passes, finished, od_price, summarize
-from .state import ENDED, LAUNCHED, LaunchRecord, Ledger, RunState
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +67,8 @@ def wanted_nodes(spec: JobSpec, ctl: Mapping[str, str]) -> int:
 @dataclass
 class GroupController:
     """Drives one run on a group-owned fleet. Same surface as
-    :class:`~spottrain.controller.loop.Controller` (``step``, ``run``, ``summary``, ``done``).
+    :class:`~spottrain.controller.reconcile.controller.Controller` (``step``, ``run``,
+    ``summary``, ``done``).
 
     Args:
         spec: the job (its ``fleet:`` section names the group).
@@ -114,107 +121,28 @@ class GroupController:
                 interruption_risk=0.0,
             )
 
-    def _new_record(self, m: Member, now: float, why: str) -> LaunchRecord:
-        offer = self._offer_of(m)
-        rec = LaunchRecord(
-            node=m.id,
-            request_id=m.id,
-            offer=offer,
-            launched_at=now,
-            status=LAUNCHED,
-            instance_id=m.id,
-            od_price=od_price(self.catalog, offer),
-            reason=why,
-        )
-        self.state.put_launch(rec)
-        return rec
-
-    def _reincarnated(
-        self, m: Member, rec: LaunchRecord, now: float, why: str, ledger: Ledger
-    ) -> LaunchRecord:
-        """A new VM under an old name (a GCP MIG recreates members by name): the old VM's
-        record is kept under ``<name>@<launch time>`` so its cost still counts, and the
-        name starts a new record."""
-        old = rec if rec.status == ENDED else replace(rec, status=ENDED, ended_at=now, reason=why)
-        archived = replace(old, node=f"{m.id}@{old.launched_at:.0f}")
-        self.state.put_launch(archived)
-        ledger.records[archived.node] = archived
-        self.state.client.hdel(self.state.keys.ctl_group, m.id)
-        self.state.event("adopted", vm=m.id, node_name=m.id, why=why)
-        return self._new_record(m, now, f"{why} in group {self.group.name}")
-
     def _forget_agent(self, node: str) -> None:
         # The VM is gone: its agent's last state ("left", "failed") must not be read as the
         # state of the VM the group may bring back under the same name.
         self.state.client.delete(self.state.keys.node(node), self.state.keys.heartbeat(node))
 
-    def _reconcile(
-        self,
-        view: GroupView,
-        now: float,
-        ledger: Ledger,
-        marks: dict[str, dict[str, Any]],
-        agents: dict[str, dict[str, str]],
-    ) -> None:
-        """Record members first seen, and end the records of members gone; a member that
-        went without the controller removing it was taken by the cloud (a preemption).
-        ``ledger``, ``marks`` and ``agents`` (read once per pass) are kept up to date."""
-        listed = {m.id: m for m in view.members}
-        for m in view.members:
-            rec = ledger.records.get(m.id)
-            mark = marks.get(m.id, {})
-            # A replaced member's agent record is deleted when it is removed, so a record
-            # registered since is the new VM's agent (GCP recreates members by name).
-            registered_anew = bool(mark.get("replace")) and "registered_at" in agents.get(m.id, {})
-            if rec is None and m.state.alive:
-                rec = self._new_record(m, now, f"adopted from group {view.name}")
-                self.state.event(
-                    "adopted", vm=m.id, node_name=m.id, zone=m.zone, itype=m.instance_type
-                )
-            elif rec is not None and rec.status == ENDED and m.state.alive:
-                rec = self._reincarnated(m, rec, now, "restarted by group", ledger)
-                marks.pop(m.id, None)
-            elif rec is not None and mark.get("removed_at") is not None and registered_anew:
-                # An agent registered after the removal: the group replaced the VM in place.
-                rec = self._reincarnated(m, rec, now, "replaced by group", ledger)
-                marks.pop(m.id, None)
-            else:
-                continue
-            ledger.records[m.id] = rec
-        for node, rec in list(ledger.records.items()):
-            if rec.status != LAUNCHED:
-                continue
-            seen = listed.get(node)
-            if seen is not None and seen.state is not MemberState.GONE:
-                continue
-            removed = marks.get(node, {}).get("removed_at") is not None
-            interrupted = not removed and rec.offer.market is Market.SPOT
-            rec = replace(
-                rec,
-                status=ENDED,
-                ended_at=now,
-                interrupted=interrupted,
-                reason="removed" if removed else (seen.status if seen else "gone"),
-            )
-            self.state.put_launch(rec)
-            ledger.records[node] = rec
-            self._forget_agent(node)
-            agents.pop(node, None)
-            if interrupted:
-                key = (rec.offer.cloud, rec.offer.zone, rec.offer.instance_type)
-                self.state.count(key, "preemptions")
-                self.state.event("preempted", vm=node, node_name=node, zone=rec.offer.zone)
-            else:
-                self.state.event("vm-ended", vm=node, node_name=node, reason=rec.reason)
-
-    def observe(self, now: float) -> GroupObserved:
+    def _look(self, now: float) -> tuple[GroupObserved, list[GroupStep]]:
+        """The planner's input, read-only, with the ledger's fold applied in memory; and
+        the fold's steps that write it."""
         view = self.group.describe()
         ids = [m.id for m in view.members]
-        ledger, marks = self.state.ledger(), self._marks()
-        agents = self.state.node_records(ids)
-        self._reconcile(view, now, ledger, marks, agents)
-        records = ledger.records
-        beats = self.state.heartbeats(ids)
+        pricing = Pricing(self._offer_of, lambda o: od_price(self.catalog, o), self.group.name)
+        folded = fold_group(
+            view,
+            now,
+            self.state.ledger(),
+            self._marks(),
+            self.state.node_records(ids),
+            pricing,
+        )
+        records, marks, agents = folded.ledger.records, folded.marks, folded.agents
+        forgotten = {s.node for s in folded.steps if isinstance(s, ForgetAgent)}
+        beats = {n: beat and n not in forgotten for n, beat in self.state.heartbeats(ids).items()}
         members = tuple(
             MemberObs(
                 member=m,
@@ -227,7 +155,7 @@ class GroupController:
             for m in view.members
         )
         ctl = self.state.ctl()
-        return GroupObserved(
+        obs = GroupObserved(
             now=now,
             wanted=wanted_nodes(self.spec, ctl),
             group_target=view.target,
@@ -235,8 +163,27 @@ class GroupController:
             max_size=view.max_size,
             finished=finished(self.state),
             stopping=ctl.get("stopping", ""),
-            spent_usd=ledger.spent(now),
+            spent_usd=folded.ledger.spent(now),
         )
+        return obs, folded.steps
+
+    def observe(self, now: float) -> GroupObserved:
+        """The planner's input, read-only (this pass's ledger fold applied in memory)."""
+        return self._look(now)[0]
+
+    def _take(self, steps: list[GroupStep]) -> None:
+        """Write the fold's decisions."""
+        for s in steps:
+            if isinstance(s, PutRecord):
+                self.state.put_launch(s.record)
+            elif isinstance(s, Note):
+                self.state.event(s.type, **s.fields)
+            elif isinstance(s, CountPreemption):
+                self.state.count(s.key, "preemptions")
+            elif isinstance(s, Unmark):
+                self.state.client.hdel(self.state.keys.ctl_group, s.member_id)
+            elif isinstance(s, ForgetAgent):
+                self._forget_agent(s.node)
 
     # --- act -----------------------------------------------------------------------------
     def act(self, p: GroupPlan, obs: GroupObserved) -> None:
@@ -277,7 +224,8 @@ class GroupController:
 
     def step(self) -> GroupPlan:
         now = self.clock()
-        obs = self.observe(now)
+        obs, steps = self._look(now)
+        self._take(steps)
         p = plan_group(self.policy, obs)
         self.act(p, obs)
         self._after(p, obs)

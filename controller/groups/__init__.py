@@ -1,0 +1,1 @@
+"""The controller of a fleet that a cloud group owns: its pure planner and its loop."""

@@ -1,0 +1,471 @@
+"""The planner's rules, one function each (see :mod:`.planner` for the rules in words).
+
+Each rule reads the pass (:class:`Pass`: the policy, what was observed, and what earlier
+rules decided), adds actions and reasons to it, and returns a :class:`Plan` when it ends the
+pass early (a stop, a move), else None.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from spottrain.cloud.base import InstanceState, Offer
+
+from .fleet import FleetIndex, Tally, decrement, is_lost, is_settled, majority_home
+from .pricing import candidates, hourly_cost, spread_pick, zone_key
+from .types import (
+    BOOTING,
+    CHECKPOINTING,
+    DRAINING,
+    FAILED,
+    JOINED,
+    LEFT,
+    Action,
+    Drain,
+    Launch,
+    Move,
+    NodeObs,
+    Observed,
+    Penalise,
+    Plan,
+    Policy,
+    Report,
+    Restore,
+    Stop,
+    Terminate,
+)
+
+
+def request_id(job_tag: str, node: str) -> str:
+    """A launch's request id: unique across runs (a hash of the run id) and stable for a
+    node, so a restarted controller repeats a launch instead of doubling it."""
+    digest = hashlib.sha256(job_tag.encode()).hexdigest()[:10]
+    return f"st{digest}-{node}"
+
+
+# --- 1. The end ------------------------------------------------------------------------------
+def the_end(policy: Policy, obs: Observed) -> Plan | None:
+    """Rule 1: a finished or stopped job ends its VMs; a crash loop, or a streak of VMs that
+    fail at boot, stops it."""
+    if obs.finished:
+        return _finished(policy, obs)
+    if obs.stopped:
+        ends = _end_all(policy, obs, obs.stopped)
+        return Plan(
+            tuple(ends),
+            f"stopped ({obs.stopped}): {len(ends)} VMs to end",
+            obs.home,
+            obs.next_index,
+        )
+    loop = crash_loop(obs.restores, policy.crash_loop_k)
+    if loop is not None:
+        why = (
+            f"crash loop: the job failed at step {loop.reached_step} and restored step "
+            f"{loop.restored_step} {policy.crash_loop_k} times; fix the training script "
+            "and relaunch"
+        )
+        return Plan((Stop(why, error=True, checkpoint=False),), why, obs.home, obs.next_index)
+    if obs.bad_streak >= policy.crash_loop_k * policy.max_nodes:
+        why = (
+            f"{obs.bad_streak} VMs in a row failed at boot and none joined; the last said: "
+            f"{obs.last_failure or 'nothing'}. Fix that and relaunch"
+        )
+        return Plan((Stop(why, error=True, checkpoint=False),), why, obs.home, obs.next_index)
+    return None
+
+
+def _live_all(policy: Policy, obs: Observed) -> list[NodeObs]:
+    return [n for n in obs.nodes if not is_lost(n, obs.now, policy)]
+
+
+def _end_all(policy: Policy, obs: Observed, why: str) -> list[Action]:
+    return [
+        Terminate(n.name, n.instance.id, why)
+        for n in _live_all(policy, obs)
+        if n.instance is not None and n.instance.state.alive
+    ]
+
+
+def _finished(policy: Policy, obs: Observed) -> Plan:
+    """Agents leave on their own once training is over; a VM is ended once its agent left,
+    stopped beating, or after ``finish_grace_s`` whatever it does."""
+    late = obs.finished_at is not None and obs.now - obs.finished_at > policy.finish_grace_s
+    ends: list[Action] = [
+        Terminate(n.name, n.instance.id, "training finished")
+        for n in _live_all(policy, obs)
+        if n.instance is not None
+        and n.instance.state.alive
+        and (late or n.agent_state in (LEFT, FAILED, None) or not n.alive_beat)
+    ]
+    return Plan(
+        tuple(ends),
+        f"training finished: scaling down ({len(ends)} VMs)",
+        obs.home,
+        obs.next_index,
+    )
+
+
+def crash_loop(restores: Sequence[Restore], k: int) -> Restore | None:
+    """The last ``k`` restores all restored the same step after failing at the same step."""
+    if len(restores) < k:
+        return None
+    last = restores[-k:]
+    return last[0] if all(r == last[0] for r in last) else None
+
+
+# --- the pass ----------------------------------------------------------------------------------
+@dataclass
+class Pass:
+    """One pass of rules 2 to 5: the fleet sorted (settled nodes only counted, see
+    :func:`.fleet.is_settled`), and what the rules decided so far."""
+
+    policy: Policy
+    obs: Observed
+    tally: Tally
+    live: list[NodeObs]  # unsettled nodes not lost
+    vms: list[NodeObs]  # of those, the ones not stopping
+    actions: list[Action] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    gone: set[str] = field(default_factory=set)
+    running_rate: float = 0.0
+    n_staying: int = 0
+    staying_zones: Counter[str] = field(default_factory=Counter)
+    at_risk: list[NodeObs] = field(default_factory=list)
+    uncovered: list[NodeObs] = field(default_factory=list)
+    blocked: set[tuple[str, str, str, str]] = field(default_factory=set)
+    home: tuple[str, str, str] | None = None
+
+    @classmethod
+    def sort(cls, policy: Policy, obs: Observed) -> Pass:
+        nodes = obs.nodes
+        tally = nodes.tally() if isinstance(nodes, FleetIndex) else Tally.of(nodes)
+        live = [n for n in tally.unsettled if not is_lost(n, obs.now, policy)]
+        vms = [
+            n for n in live if n.instance is None or n.instance.state is not InstanceState.STOPPING
+        ]
+        return cls(policy, obs, tally, live, vms, home=obs.home)
+
+    def is_staying(self, n: NodeObs) -> bool:
+        """A VM that runs (or will) and whose agent is not leaving."""
+        return n.name not in self.gone and n.agent_state not in (DRAINING, LEFT, FAILED)
+
+    def staying_all(self) -> list[NodeObs]:
+        now, policy = self.obs.now, self.policy
+        return [
+            n
+            for n in self.obs.nodes
+            if not is_lost(n, now, policy)
+            and (n.instance is None or n.instance.state is not InstanceState.STOPPING)
+            and self.is_staying(n)
+        ]
+
+    def result(self, next_index: int | None = None) -> Plan:
+        index = self.obs.next_index if next_index is None else next_index
+        return Plan(tuple(self.actions), "; ".join(self.reasons), self.home, index)
+
+    def ending(self, last: Action, why: str, next_index: int | None = None) -> Plan:
+        index = self.obs.next_index if next_index is None else next_index
+        return Plan((*self.actions, last), why, self.home, index)
+
+
+# --- 2. Budget ---------------------------------------------------------------------------------
+def budget(p: Pass) -> Plan | None:
+    """Rule 2: at the cap (with the time to checkpoint reserved), checkpoint and stop."""
+    policy, obs = p.policy, p.obs
+    prices = p.tally.prices
+    prices.update(n.offer.price_per_hour for n in p.vms if n.offer is not None)
+    p.running_rate = hourly_cost(prices)
+    margin_cost = p.running_rate * policy.stop_margin_s / 3600.0
+    if obs.spent_usd + margin_cost >= policy.budget_usd:
+        why = (
+            f"budget: ${obs.spent_usd:,.2f} spent of ${policy.budget_usd:,.2f}; checkpointing "
+            "and stopping"
+        )
+        return Plan((Stop(why),), why, obs.home, obs.next_index)
+    return None
+
+
+# --- 3. Bad nodes --------------------------------------------------------------------------------
+def bad_nodes(p: Pass) -> None:
+    """Rule 3: failed, never-booted and left nodes end (the bad ones penalised), and a
+    straggler is reported and replaced."""
+    policy, now = p.policy, p.obs.now
+    for n in p.live:
+        if n.instance is None or not n.instance.state.alive:
+            continue
+        if n.health_failed or n.agent_state == FAILED:
+            p.actions.append(Terminate(n.name, n.instance.id, "its agent failed"))
+            if n.offer is not None:
+                p.actions.append(Penalise(zone_key(n.offer), f"node {n.name} was bad", node=n.name))
+            p.gone.add(n.name)
+        elif n.agent_state in (None, BOOTING) and now - n.launched_at > policy.boot_timeout_s:
+            why = f"not healthy {policy.boot_timeout_s:.0f} s after launch"
+            p.actions.append(Terminate(n.name, n.instance.id, why))
+            if n.offer is not None:
+                p.actions.append(
+                    Penalise(zone_key(n.offer), f"node {n.name} never booted", node=n.name)
+                )
+            p.gone.add(n.name)
+        elif n.agent_state == LEFT:
+            p.actions.append(Terminate(n.name, n.instance.id, "its agent left (drained or done)"))
+            p.gone.add(n.name)
+    p.n_staying = p.tally.settled
+    p.staying_zones = p.tally.zones
+    _replace_straggler(p)
+    if p.gone:
+        p.reasons.append(f"replacing {len(p.gone)} bad node(s)")
+
+
+def _replace_straggler(p: Pass) -> None:
+    # Fewer than three nodes timing their steps cannot make a straggler.
+    if p.tally.timed < 3:
+        return
+    found = straggler(_live_all(p.policy, p.obs), p.policy.straggler_factor, p.gone)
+    if found is None:
+        return
+    n, median = found
+    assert n.instance is not None and n.compute_s is not None
+    msg = (
+        f"node {n.name} is a straggler: {n.compute_s:.2f} s of compute per step against the "
+        f"fleet's median {median:.2f} s; replacing it"
+    )
+    p.actions += [Report(msg), Terminate(n.name, n.instance.id, "straggler")]
+    p.gone.add(n.name)
+    p.reasons.append(msg)
+    if is_settled(n):
+        p.n_staying -= 1
+        if n.offer is not None:
+            decrement(p.staying_zones, n.offer.zone)
+
+
+def straggler(
+    nodes: Sequence[NodeObs], factor: float, skip: set[str]
+) -> tuple[NodeObs, float] | None:
+    timed = [
+        n
+        for n in nodes
+        if n.compute_s is not None
+        and n.name not in skip
+        and n.instance is not None
+        and n.instance.state.alive
+        and n.agent_state == JOINED
+    ]
+    if len(timed) < 3:
+        return None
+    worst = max(timed, key=lambda n: n.compute_s or 0.0)
+    others = [n.compute_s for n in timed if n is not worst and n.compute_s is not None]
+    median = statistics.median(others)
+    if worst.compute_s is not None and median > 0 and worst.compute_s > factor * median:
+        return worst, median
+    return None
+
+
+def count_staying(p: Pass) -> None:
+    """Count who stays (settled nodes are counted already), then the at-risk handover, the
+    open offers and the job's home."""
+    for n in p.vms:
+        if p.is_staying(n):
+            p.n_staying += 1
+            if n.offer is not None:
+                p.staying_zones[n.offer.zone] += 1
+    handover(p)
+    now = p.obs.now
+    p.blocked = {k for k, until in p.obs.blocked.items() if until > now}
+    if p.home is None and p.n_staying:
+        p.home = majority_home(p.staying_all())
+
+
+def handover(p: Pass) -> None:
+    """Rule 3's at-risk nodes: drain each one whose replacement has joined. Sets the staying
+    at-risk nodes and those of them that have no replacement yet (rule 5 launches one for
+    each)."""
+    p.at_risk = sorted(
+        (
+            n
+            for n in p.vms
+            if n.at_risk and p.is_staying(n) and n.instance is not None and n.instance.state.alive
+        ),
+        key=lambda n: n.name,
+    )
+    replacements = {n.replaces: n for n in p.vms if n.replaces and p.is_staying(n)}
+    p.uncovered = []
+    for n in p.at_risk:
+        r = replacements.get(n.name)
+        if r is None:
+            p.uncovered.append(n)
+        elif r.agent_state == JOINED and n.agent_state in (JOINED, CHECKPOINTING):
+            why = f"{n.name} at risk ({n.at_risk}): replacement {r.name} joined; draining {n.name}"
+            p.actions.append(Drain(n.name, why))
+            p.reasons.append(why)
+        else:
+            p.reasons.append(
+                f"{n.name} at risk ({n.at_risk}): replacement {r.name} "
+                f"{r.agent_state or 'launching'}"
+            )
+
+
+# --- 4. Move -------------------------------------------------------------------------------------
+def move(p: Pass) -> Plan | None:
+    """Rule 4: below the minimum in a blocked home zone for ``move_after_s``: move the job to
+    the best offer elsewhere (when its checkpoints are copied)."""
+    policy, obs, home, now = p.policy, p.obs, p.home, p.obs.now
+    if not (
+        policy.same_zone
+        and home is not None
+        and p.n_staying < policy.min_nodes
+        and obs.below_min_since is not None
+        and now - obs.below_min_since >= policy.move_after_s
+        and not obs.moving
+    ):
+        return None
+    if candidates(policy, obs, p.blocked, home, now, only_home=True):
+        return None
+    away = [
+        o
+        for o in candidates(policy, obs, p.blocked, None, now, only_home=False)
+        if o.zone != home[1]
+    ]
+    if not away:
+        p.reasons.append(f"zone {home[1]} is short and no other offer is open")
+        return None
+    best = away[0]
+    if not policy.copies_checkpoints:
+        p.reasons.append(
+            f"zone {home[1]} is short but the job stays: a move to {best.cloud} "
+            f"{best.zone} would start from whatever its volumes hold, not the job's "
+            "checkpoint (set checkpoint.copy_to to let the job move)"
+        )
+        p.reasons.append(f"zone {home[1]} is short and no other offer is open")
+        return None
+    why = (
+        f"zone {home[1]} could not hold {policy.min_nodes} node(s) for "
+        f"{now - obs.below_min_since:.0f} s: moving the job to {best.cloud} "
+        f"{best.zone} ({best.instance_type}, {best.market})"
+    )
+    p.home = (best.cloud, best.zone, best.instance_type)
+    return p.ending(Move(best, why), why)
+
+
+def over_max(p: Pass) -> None:
+    """Never more than max nodes (plus one replacement per at-risk node): a late-confirmed
+    launch can overshoot; end the newest."""
+    policy = p.policy
+    cap = policy.max_nodes + len(p.at_risk)
+    if p.n_staying <= cap:
+        return
+    staying = p.staying_all()
+    extra = sorted(staying, key=lambda n: (n.launched_at, n.name))[cap:]
+    for n in extra:
+        if n.instance is not None and n.instance.state.alive:
+            p.actions.append(
+                Terminate(n.name, n.instance.id, f"over max_nodes ({policy.max_nodes})")
+            )
+    staying = [n for n in staying if n not in extra]
+    p.n_staying = len(staying)
+    p.staying_zones = Counter(n.offer.zone for n in staying if n.offer is not None)
+    p.reasons.append(f"ending {len(extra)} node(s) over max_nodes")
+
+
+# --- 5. Backfill ---------------------------------------------------------------------------------
+def backfill(p: Pass) -> Plan:
+    """Rule 5: replace lost and draining nodes up to ``max`` (at-risk nodes do not count
+    towards it: each gets its replacement), within the budget."""
+    policy, obs = p.policy, p.obs
+    need = policy.max_nodes - p.n_staying + len(p.at_risk)
+    next_index = obs.next_index
+    if need > 0:
+        only_home = policy.same_zone and p.home is not None
+        home = p.home if policy.same_zone else None
+        offers = candidates(policy, obs, p.blocked, home, obs.now, only_home=only_home)
+        launched, offers, next_index = _launch(p, need, offers)
+        stuck = _stuck(p, launched, offers, next_index)
+        if stuck is not None:
+            return stuck
+        if launched:
+            where = ", ".join(
+                sorted(
+                    {
+                        f"{a.offer.zone} {a.offer.instance_type} {a.offer.market}"
+                        for a in p.actions
+                        if isinstance(a, Launch)
+                    }
+                )
+            )
+            p.reasons.append(
+                f"{p.n_staying} of {policy.max_nodes} node(s): launching {launched} on {where}"
+            )
+        elif not offers:
+            p.reasons.append(
+                f"{p.n_staying} of {policy.max_nodes} node(s): no open offer to launch on"
+            )
+    if not p.reasons:
+        p.reasons.append(f"{p.n_staying} of {policy.max_nodes} node(s): nothing to do")
+    return p.result(next_index)
+
+
+def _launch(p: Pass, need: int, offers: list[Offer]) -> tuple[int, list[Offer], int]:
+    """Up to ``need`` launches on the best offers the budget covers. Returns how many, the
+    offers left to choose from, and the next free node index."""
+    policy, obs = p.policy, p.obs
+    next_index = obs.next_index
+    launched = 0
+    projected = p.running_rate
+    for _ in range(need):
+        if not offers:
+            break
+        offer = offers[0] if policy.same_zone else spread_pick(offers, p.staying_zones, p.actions)
+        projection = obs.spent_usd + projected + offer.price_per_hour
+        if projection > policy.budget_usd:
+            p.reasons.append(
+                f"budget: one more node would project ${projection:,.2f} within the "
+                f"hour, over the ${policy.budget_usd:,.2f} cap"
+            )
+            break
+        node = f"n{next_index}"
+        next_index += 1
+        replaces = p.uncovered.pop(0).name if p.uncovered else ""
+        p.actions.append(
+            Launch(
+                node,
+                request_id(obs.job_tag, node),
+                offer,
+                replaces,
+                block_s=policy.block_s,
+                refusal_block_s=policy.refusal_block_s,
+            )
+        )
+        if replaces:
+            p.reasons.append(f"{replaces} at risk: launching replacement {node}")
+        projected += offer.price_per_hour
+        launched += 1
+        if p.home is None and policy.same_zone:
+            p.home = (offer.cloud, offer.zone, offer.instance_type)
+            offers = [o for o in offers if (o.cloud, o.zone, o.instance_type) == p.home]
+    return launched, offers, next_index
+
+
+def _stuck(p: Pass, launched: int, offers: list[Offer], next_index: int) -> Plan | None:
+    """A job with no node and nothing it can launch stops: every offer refused for good, or
+    a budget that cannot cover an hour of the cheapest node."""
+    policy, obs, now = p.policy, p.obs, p.obs.now
+    if launched or p.n_staying:
+        return None
+    hard = [k for k, until in obs.blocked.items() if until - now > 3600]
+    if not offers and obs.offers and len(hard) >= len({o.key for o in obs.offers}):
+        why = (
+            "every allowed offer was refused by its cloud (quota, or a setting it rejects); "
+            f"the last said: {obs.last_refusal or 'nothing'}"
+        )
+        return p.ending(Stop(why, error=True, checkpoint=False), why, next_index)
+    if offers and "budget" in (p.reasons[-1] if p.reasons else ""):
+        cheapest = offers[0].price_per_hour
+        why = (
+            f"budget: ${policy.budget_usd - obs.spent_usd:,.2f} left cannot cover an hour of "
+            f"the cheapest node (${cheapest:,.2f}/h); raise budget.max_usd"
+        )
+        return p.ending(Stop(why, error=True, checkpoint=False), why, next_index)
+    return None

@@ -1,0 +1,252 @@
+"""The planner's vocabulary: the policy, what it observes, and the actions it decides.
+
+Plain frozen data: no cloud SDK, no Redis, no clock. Every action names the node it is
+about as a field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from spottrain.cloud.base import Instance, Offer
+from spottrain.spec import SpotPolicy
+
+# Agent states (spottrain.agent.lifecycle.NodeState values), spelt here so the planner
+# depends on nothing but data.
+BOOTING, HEALTHY, JOINED = "booting", "healthy", "joined"
+CHECKPOINTING, DRAINING, LEFT, FAILED = "checkpointing", "draining", "left", "failed"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the spec asks, as the planner needs it.
+
+    Attributes:
+        min_nodes, max_nodes: the elastic range; the controller aims for ``max_nodes``.
+        same_zone: keep every node in one zone and on one GPU type.
+        spot_policy: see :class:`SpotPolicy`.
+        fallback_after_s: seconds without spot capacity before on-demand is allowed.
+        budget_usd: the cap.
+        move_after_s: seconds below ``min_nodes`` in a blocked zone before the job moves.
+        copies_checkpoints: checkpoints are copied to object storage that nodes elsewhere
+            bring in at boot; without it the job never moves (another zone's volumes hold
+            nothing of it, or an older checkpoint than the one it must resume from).
+        block_s: how long an offer stays blocked after a capacity error or a bad node.
+        refusal_block_s: how long an offer stays blocked after its cloud refused a launch
+            (quota, or a setting it rejects): a human has to raise the quota or fix it.
+        boot_timeout_s: a VM not healthy this long after its launch is replaced.
+        lost_grace_s: a launched VM the cloud does not list for this long is taken as lost
+            (clouds are eventually consistent).
+        straggler_factor: a node whose compute time per step exceeds this multiple of the
+            median of the others is replaced (needs at least 3 nodes reporting).
+        crash_loop_k: restores from the same checkpoint after failing at the same step
+            that stop the job; ``crash_loop_k`` x ``max_nodes`` VMs in a row that fail at
+            boot, with none joining in between, stop it too (a broken image or setting).
+        stall_s: the seconds of training a preemption costs the whole fleet (recovery),
+            which turns an interruption rate into dollars for the ranking.
+        prior_hours: how many node-hours of observation the bundled band is worth when
+            blended with the job's own preemptions.
+        stop_margin_s: at the cap, the time reserved to checkpoint before stopping.
+        finish_grace_s: after training finished, how long a node's agent may take to leave
+            before its VM is ended anyway.
+    """
+
+    min_nodes: int
+    max_nodes: int
+    same_zone: bool = True
+    spot_policy: SpotPolicy = SpotPolicy.SPOT
+    fallback_after_s: float = 1800.0
+    budget_usd: float = math.inf
+    move_after_s: float = 600.0
+    copies_checkpoints: bool = True
+    block_s: float = 900.0
+    refusal_block_s: float = 86_400.0
+    boot_timeout_s: float = 900.0
+    lost_grace_s: float = 120.0
+    straggler_factor: float = 2.0
+    crash_loop_k: int = 3
+    stall_s: float = 120.0
+    prior_hours: float = 24.0
+    stop_margin_s: float = 300.0
+    finish_grace_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ValueError(
+                f"need 1 <= min_nodes <= max_nodes, got {self.min_nodes}, {self.max_nodes}"
+            )
+        if self.crash_loop_k < 2:
+            raise ValueError(f"crash_loop_k must be >= 2, got {self.crash_loop_k}")
+
+
+@dataclass(frozen=True)
+class NodeObs:
+    """One node as observed: its VM (from the cloud) and its agent (from Redis).
+
+    Attributes:
+        name: the node name (the VM's ``spottrain-node`` tag).
+        instance: the VM as the cloud lists it; None when the cloud does not (yet) list it.
+        offer: the offer it was launched on (from the launch record).
+        launched_at: when the controller launched it.
+        agent_state: the agent's lifecycle state, None before it registered.
+        alive_beat: whether its heartbeat is fresh.
+        compute_s: its recent compute seconds per step (forward and backward, without
+            waiting on the all-reduce; its slowest local rank's), if it reports one.
+        health_failed: the agent reported a failed boot health check.
+        at_risk: why the node is at risk of preemption ("rebalance recommendation"), from
+            its agent; empty when it is not.
+        replaces: the at-risk node this one was launched to replace, while that node lives.
+    """
+
+    name: str
+    instance: Instance | None
+    offer: Offer | None
+    launched_at: float
+    agent_state: str | None = None
+    alive_beat: bool = False
+    compute_s: float | None = None
+    health_failed: bool = False
+    at_risk: str = ""
+    replaces: str = ""
+
+
+@dataclass(frozen=True)
+class Restore:
+    """One restart of the job's workers: the checkpoint step they restored, and the highest
+    step the job had reached before (where it failed)."""
+
+    restored_step: int
+    reached_step: int
+
+
+@dataclass(frozen=True)
+class ZoneHistory:
+    """The job's own experience of one (cloud, zone, instance type): preemptions seen, bad
+    VMs (failed health checks, never booted) and node-hours run there."""
+
+    preemptions: int = 0
+    node_hours: float = 0.0
+    bad_nodes: int = 0
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything the planner looks at, gathered by the loop's observe step."""
+
+    now: float
+    nodes: Sequence[NodeObs]
+    offers: Sequence[Offer]
+    blocked: Mapping[tuple[str, str, str, str], float] = field(default_factory=dict)
+    history: Mapping[tuple[str, str, str], ZoneHistory] = field(default_factory=dict)
+    spent_usd: float = 0.0
+    finished: bool = False
+    finished_at: float | None = None
+    stopped: str = ""
+    restores: Sequence[Restore] = ()
+    home: tuple[str, str, str] | None = None  # (cloud, zone, instance type)
+    below_min_since: float | None = None
+    spot_short_since: float | None = None
+    next_index: int = 0
+    job_tag: str = "job"
+    moving: bool = False
+    bad_streak: int = 0
+    last_failure: str = ""
+    last_refusal: str = ""
+
+
+class ActionKind(StrEnum):
+    LAUNCH = "launch"
+    TERMINATE = "terminate"
+    PENALISE = "penalise"
+    MOVE = "move"
+    DRAIN = "drain"
+    STOP = "stop"
+    REPORT = "report"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Launch ``node`` on ``offer``; ``replaces`` names the at-risk node it takes over from.
+
+    ``block_s`` and ``refusal_block_s``: how long the offer is blocked if its cloud answers
+    with a capacity error, or refuses the launch (quota, a rejected setting)."""
+
+    node: str
+    request_id: str
+    offer: Offer
+    replaces: str = ""
+    block_s: float = 900.0
+    refusal_block_s: float = 86_400.0
+    kind: ActionKind = ActionKind.LAUNCH
+
+
+@dataclass(frozen=True)
+class Terminate:
+    node: str
+    instance_id: str
+    why: str
+    kind: ActionKind = ActionKind.TERMINATE
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Ask a node's agent to drain (emergency checkpoint, leave the rendezvous); its VM is
+    ended once the agent has left (rule 3)."""
+
+    node: str
+    why: str
+    kind: ActionKind = ActionKind.DRAIN
+
+
+@dataclass(frozen=True)
+class Penalise:
+    """Count a bad VM against its (cloud, zone, type) in the job's history, like a
+    preemption: the ranking then weighs that offer down (a bad host is not a bad zone, so
+    the offer is not blocked). ``node`` is the bad VM's node."""
+
+    key: tuple[str, str, str]
+    why: str
+    node: str
+    kind: ActionKind = ActionKind.PENALISE
+
+
+@dataclass(frozen=True)
+class Move:
+    """Checkpoint, copy it to object storage, end every VM, and restart on ``to``."""
+
+    to: Offer
+    why: str
+    kind: ActionKind = ActionKind.MOVE
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Checkpoint (when ``checkpoint``), end every VM, and end the job."""
+
+    why: str
+    error: bool = False
+    checkpoint: bool = True
+    kind: ActionKind = ActionKind.STOP
+
+
+@dataclass(frozen=True)
+class Report:
+    message: str
+    kind: ActionKind = ActionKind.REPORT
+
+
+Action = Launch | Terminate | Drain | Penalise | Move | Stop | Report
+
+
+@dataclass(frozen=True)
+class Plan:
+    actions: tuple[Action, ...]
+    reason: str
+    home: tuple[str, str, str] | None = None
+    next_index: int = 0
+
+    def of(self, kind: type) -> list[Action]:
+        return [a for a in self.actions if isinstance(a, kind)]
