@@ -27,7 +27,7 @@ from spec_samples import LOCAL
 
 import spottrain.agent.node_record as node_record_mod
 import spottrain.agent.sdk.channel as sdk_mod
-import spottrain.controller.state as state_mod
+import spottrain.controller.reconcile.state as state_mod
 from spottrain.agent.checkpoint.dcp_io import SaveResult
 from spottrain.agent.checkpoint.manifest import FileSum, Manifest
 from spottrain.agent.node_record import NodeInfo, NodeRecord
