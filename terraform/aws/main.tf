@@ -103,6 +103,7 @@ locals {
   # plain bash, so it needs no template directives.
   boot_template_values = {
     spottrain_version     = var.spottrain_version
+    env_lock              = var.env_lock
     run_id                = var.run_id
     region                = local.region
     redis_url             = local.redis_url

@@ -75,6 +75,7 @@ VARIABLES = {
     "code_archive_sha256": "ab" * 32,
     "git_repo": "",
     "git_commit": "",
+    "env_lock": "",
     "redis_password_secret_arn": (
         "arn:aws:secretsmanager:us-east-1:123456789012:secret:spottrain/redis-AbCdEf"
     ),
