@@ -20,6 +20,7 @@ from spottrain.keys import RunKeys
 from spottrain.spec import JobSpec, SpecError, WindowCheck, check_notice_windows, load_spec
 
 from .drive import drive_run, format_summary
+from .env_lock import clouds_to_lock, env_lock_lines, parse_lock_args
 from .loop import summarize
 from .providers import build_providers
 from .runs import (
@@ -61,7 +62,12 @@ def up(args: argparse.Namespace) -> int:
         _err("nothing launched; fix the spec (`spottrain validate` checks it) or pass --force")
         return EXIT_WINDOW
     try:
-        info = create_run(loaded)
+        given = parse_lock_args(getattr(args, "env_lock", None) or [], clouds_to_lock(loaded.spec))
+    except ValueError as e:
+        _err(str(e))
+        return EXIT_BAD_INPUT
+    try:
+        info = create_run(loaded, env_locks=given)
     except RunError as e:
         _err(str(e))
         return EXIT_FAILED
@@ -73,6 +79,8 @@ def up(args: argparse.Namespace) -> int:
     )
     if info.code_url:
         _say(f"  code {info.code_url}")
+    for line in env_lock_lines(info.env_locks):
+        _say(f"  {line}")
     if args.detach:
         pid = spawn_controller(info)
         _say(f"  controller in the background (pid {pid}): {info.dir / 'controller.log'}")
@@ -152,7 +160,8 @@ def status(args: argparse.Namespace) -> int:
         _err(f"run {info.run_id}: its Redis ({info.redis_url}) is down and it left no summary")
         return EXIT_FAILED
     if args.json:
-        print(json.dumps({"run_id": info.run_id, **summary, "ckpt_refused": refused}))
+        locks = {"env_locks": info.env_locks} if info.env_locks else {}
+        print(json.dumps({"run_id": info.run_id, **summary, "ckpt_refused": refused, **locks}))
         return EXIT_OK
     from .loop import Summary
 
@@ -161,6 +170,8 @@ def status(args: argparse.Namespace) -> int:
         _say(f"  {line}")
     if refused:
         _say(f"  {_refused_line(refused)}")
+    for line in env_lock_lines(info.env_locks):
+        _say(f"  {line}")
     return EXIT_OK
 
 

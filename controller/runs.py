@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,9 @@ class RunInfo:
     code_url: str = ""
     code_sha256: str = ""
     controller_pid: int = 0
+    # The hashed lock of the agent's environment per cloud (controller/env_lock.py):
+    # {cloud: {"file": "env-aws.lock", "sha256": ..., "packages": n}}, files in the run dir.
+    env_locks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def dir(self) -> Path:
@@ -328,6 +331,7 @@ def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
     password = embedded_password_file(info.dir) if info.embedded_redis else None
     password_file = str(password) if password is not None and password.exists() else None
     secrets = local_secret_files(spec) if "local" in spec.resources.clouds else {}
+    locks = {c: (info.dir / v["file"]).read_text() for c, v in info.env_locks.items()}
 
     def render(node: str, offer: Offer) -> str:
         ident = NodeIdentity(info.run_id, node, offer.cloud, offer.zone, offer.instance_type)
@@ -343,7 +347,12 @@ def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
                 secret_files=secrets,
             )
         return render_boot_script(
-            spec, ident, info.redis_url, code=code, password_secret=spec.redis.password_secret
+            spec,
+            ident,
+            info.redis_url,
+            code=code,
+            password_secret=spec.redis.password_secret,
+            env_lock=locks.get(offer.cloud),
         )
 
     return render
@@ -352,11 +361,15 @@ def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
 # --- building and starting -------------------------------------------------------------------
 
 
-def create_run(loaded: LoadedSpec, *, run_id: str | None = None) -> RunInfo:
+def create_run(
+    loaded: LoadedSpec, *, run_id: str | None = None, env_locks: dict[str, Path] | None = None
+) -> RunInfo:
     """Make a new run of a spec: its directory, Redis (embedded or checked), and code.
 
     Raises:
-        RunError: Redis unreachable or refusing, the code cannot be archived or uploaded.
+        RunError: Redis unreachable or refusing, the code cannot be archived or uploaded,
+            the agent's environment cannot be locked (``env_locks``: the user's lock files
+            by cloud, instead of resolving).
     """
     spec = loaded.spec
     if run_id:
@@ -384,6 +397,12 @@ def create_run(loaded: LoadedSpec, *, run_id: str | None = None) -> RunInfo:
     )
     _parsed_specs[(info.spec_text, info.spec_source, info.base_dir)] = spec
     info.dir.mkdir(parents=True, exist_ok=True)
+    from .env_lock import ResolveError, capture_locks
+
+    try:
+        info.env_locks = capture_locks(spec, loaded.base_dir, info.dir, env_locks)
+    except ResolveError as e:
+        raise RunError(str(e)) from None
     if info.embedded_redis:
         info.redis_url = start_embedded_redis(info.dir)
     else:

@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--detach", action="store_true", help="run the controller in the background and return"
     )
     up.add_argument("--interval", type=float, default=1.0, help="seconds between passes")
+    up.add_argument(
+        "--env-lock",
+        action="append",
+        metavar="[CLOUD=]FILE",
+        help="install this lock (from `spottrain lock`) on the cloud's VMs instead of "
+        "resolving one now; repeat for each cloud",
+    )
     resume = sub.add_parser(
         "resume", help="start the controller of an existing run again (after a crash or Ctrl-C)"
     )
@@ -121,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     report.add_parser(sub)
     simulate.add_parser(sub)
+    from spottrain.controller import env_lock
+
+    env_lock.add_parser(sub)
 
     local = sub.add_parser(
         "local", help="the local cloud's levers: list VMs, preempt, set capacity, refuse"
@@ -323,6 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _validate(args)
     if args.command == "local":
         return _local(args)
+    if args.command == "lock":
+        from spottrain.controller import env_lock
+
+        return env_lock.command(args)
     if args.command in ("report", "simulate"):
         from spottrain.controller import report, simulate
 
