@@ -150,29 +150,35 @@ def _version_from_url(url: str) -> str:
     return parts[1] if name.endswith(".whl") and len(parts) >= 5 else ""
 
 
-def installed_versions(path: Sequence[str] | None = None) -> dict[str, str]:
-    """The distributions installed on ``path`` (default: this interpreter's ``sys.path``),
-    by canonical name; the first found wins, as at import."""
-    out: dict[str, str] = {}
-    dists = (
-        metadata.distributions(path=list(path)) if path is not None else metadata.distributions()
-    )
+def installed_versions(path: Sequence[str] | None = None) -> dict[str, list[str]]:
+    """The versions of each distribution installed on ``path`` (default: this interpreter's
+    ``sys.path``), by canonical name, in the order import would find them. More than one
+    version of a name (a leftover ``.dist-info``, a shadowing copy) makes the environment
+    ambiguous, and :func:`differences` names it."""
+    out: dict[str, list[str]] = {}
+    if path is not None:
+        dists = metadata.distributions(path=list(path))
+    else:
+        dists = metadata.distributions()
     for dist in dists:
         name = dist.metadata["Name"]
         if name:
-            out.setdefault(canonical_name(name), dist.version)
+            versions = out.setdefault(canonical_name(name), [])
+            if dist.version not in versions:
+                versions.append(dist.version)
     return out
 
 
-def differences(lock: EnvLock, installed: Mapping[str, str]) -> list[str]:
-    """One line per locked package the environment does not hold at the locked version."""
+def differences(lock: EnvLock, installed: Mapping[str, Sequence[str]]) -> list[str]:
+    """One line per locked package the environment does not hold at exactly the locked
+    version (missing, another version, or several versions at once)."""
     out = []
     for p in lock.packages:
-        have = installed.get(p.name)
-        if have is None:
+        have = list(installed.get(p.name, ()))
+        if not have:
             out.append(f"{p.name}: locked {p.version or p.url}, not installed")
-        elif p.version and have != p.version:
-            out.append(f"{p.name}: locked {p.version}, installed {have}")
+        elif p.version and have != [p.version]:
+            out.append(f"{p.name}: locked {p.version}, installed {' and '.join(have)}")
     return out
 
 
