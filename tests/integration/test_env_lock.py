@@ -254,7 +254,11 @@ def _aws_job(tmp_path: Path, redis_url: str) -> Path:
 
 
 def test_up_on_aws_records_the_lock_and_sends_it_in_the_user_data(
-    wheels: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_server: Any
+    wheels: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_server: Any,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from harnesses.aws import AwsHarness
 
@@ -274,6 +278,11 @@ def test_up_on_aws_records_the_lock_and_sends_it_in_the_user_data(
     assert env_lock_lines(rec) == [
         f"env lock aws: 4 packages, sha256 {rec['aws']['sha256'][:16]} (env-aws.lock)"
     ]
+    from spottrain import cli
+
+    capsys.readouterr()
+    assert cli.main(["status", info.run_id]) == 0
+    assert f"  {env_lock_lines(rec)[0]}\n" in capsys.readouterr().out
     offer = Offer(
         cloud="aws", region="us-east-1", zone="us-east-1a", instance_type="p4d.24xlarge",
         gpus=8, gpu_type="A100-40GB", market=Market.SPOT, price_per_hour=8.0,
@@ -319,3 +328,33 @@ def test_up_takes_a_prebuilt_lock_and_refuses_one_for_another_spottrain(
     # The image is the environment; the local cloud runs in the controller's venv.
     image = parse_spec(yaml.safe_dump(_aws_data())).spec
     assert capture_locks(image, tmp_path, tmp_path) == {}
+
+
+def test_the_lock_command_writes_what_up_would_install(
+    wheels: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from spottrain import cli
+
+    job = _aws_job(tmp_path, "redis://127.0.0.1:1/0")
+    out = tmp_path / "aws.lock"
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
+    assert cli.main(["lock", str(job), "--cloud", "aws", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"spottrain[agent,aws]=={__version__}" in err and "--env-lock CLOUD=FILE" in err
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    assert cli.main(["lock", str(job), "--cloud", "aws", "-o", str(out)]) == 0
+    lock = parse_lock(out.read_text())
+    assert lock.versions()["gamma"] == "1.0" and lock.versions()["spottrain"] == __version__
+    assert capsys.readouterr().err == (
+        "spottrain: 4 packages locked for aws (python 3.11 cp manylinux_2_28_x86_64), "
+        f"sha256 {lock_sha256(out.read_text())}\n"
+    )
+    # up refuses an --env-lock for a cloud the run does not use, before anything starts.
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
+    assert cli.main(["up", str(job), "--env-lock", f"gcp={out}"]) == 2
+    assert "no gcp VM" in capsys.readouterr().err
+    assert not (tmp_path / "home" / "runs").exists()
