@@ -12,7 +12,9 @@ reads; beside them, the job's own variables for its workers (``train.env``, and 
 in a boot script, which anyone allowed to describe the VM can read: the Redis password, the
 git token (``code.git.token_secret``) and the job's secret variables (``train.secret_env``)
 are fetched at boot from the cloud's secret store into root-only files, and reach git and
-the agent through files and the environment, never a command line.
+the agent through files and the environment, never a command line. With the run's
+environment lock (:mod:`spottrain.envlock`), the agent's venv is built from the lock with
+hashes required and verified at every boot, so a backfilled VM runs the others' packages.
 """
 
 from __future__ import annotations
