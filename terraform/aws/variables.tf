@@ -553,8 +553,9 @@ variable "env_lock" {
     error_message = "env_lock: give the text of `spottrain lock` (one `name==version --hash=sha256:...` per line)."
   }
   validation {
-    # AWS user data holds at most 16 KB; the rest of the boot script takes about 9.
-    condition     = length(var.env_lock) <= 7000
-    error_message = "env_lock: longer than 7,000 characters; the boot script must stay within AWS's 16 KB of user data."
+    # AWS user data holds at most 16 KB: the boot script with its lock is gzipped, and a lock
+    # this long still fits.
+    condition     = length(var.env_lock) <= 16000
+    error_message = "env_lock: longer than 16,000 characters; the boot script must stay within AWS's 16 KB of (gzipped) user data."
   }
 }

@@ -447,8 +447,8 @@ variable "env_lock" {
     error_message = "env_lock: give the text of `spottrain lock` (one `name==version --hash=sha256:...` per line)."
   }
   validation {
-    # AWS user data holds at most 16 KB; the rest of the boot script takes about 9.
-    condition     = length(var.env_lock) <= 7000
-    error_message = "env_lock: longer than 7,000 characters; the boot script must stay within AWS's 16 KB of user data."
+    # GCP metadata values hold up to 256 KB; the limit matches the AWS module's.
+    condition     = length(var.env_lock) <= 16000
+    error_message = "env_lock: longer than 16,000 characters (the AWS module's limit, kept the same here)."
   }
 }
