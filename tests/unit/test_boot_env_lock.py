@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from spec_samples import COMMIT, VALID, _with
-from terraform_hcl import block_text, render_template, template_names
+from terraform_hcl import block_text, render_template, template_names, terraform_console
 from wheelhouse import realistic_lock_text
 
 from spottrain.bootstrap import (
@@ -204,3 +205,23 @@ def test_the_aws_module_with_a_lock_fits_its_user_data_gzipped() -> None:
         assert len(gzip.compress(script.encode())) < 16 * 1024
     fleet = (TERRAFORM / "aws" / "fleet.tf").read_text()
     assert "base64encode(local.boot_script) : base64gzip(local.boot_script)" in fleet
+
+
+@pytest.mark.skipif(shutil.which("terraform") is None, reason="no terraform binary here")
+@pytest.mark.parametrize("module", ["aws", "gcp"])
+def test_terraform_takes_a_real_lock_and_refuses_a_line_that_is_not_one(module: str) -> None:
+    variable = block_text((TERRAFORM / module / "variables.tf").read_text(), 'variable "env_lock"')
+    h = "sha256:" + "d" * 64
+    cases = [
+        (realistic_lock_text(), True),
+        ("", True),
+        (f"numpy==2.1.0 --hash={h}\n-e .\n", False),
+        (f"numpy==2.1.0 --hash={h}\nLOCK\nrm -rf /\n", False),
+        (_longest_lock() + _longest_lock(), False),
+    ]
+    for value, accepted in cases:
+        out = terraform_console(variable, "length(var.env_lock)", {"env_lock": value})
+        refused = "Error: Invalid value for variable" in out.stderr
+        assert refused is not accepted, (value[:80], out.stderr)
+        if accepted:
+            assert out.stdout.strip() == str(len(value)), out.stderr
