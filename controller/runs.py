@@ -41,6 +41,7 @@ from spottrain.redis_conn import (
 )
 from spottrain.spec import ArchiveCode, JobSpec, LoadedSpec, parse_spec
 
+from .env_lock import ResolveError, capture_locks
 from .group_loop import GROUP_TUNABLES, GroupController, group_policy_from_spec
 from .loop import Controller, policy_from_spec
 from .providers import Endpoints, build_group, build_providers, preemption_injector
@@ -397,8 +398,6 @@ def create_run(
     )
     _parsed_specs[(info.spec_text, info.spec_source, info.base_dir)] = spec
     info.dir.mkdir(parents=True, exist_ok=True)
-    from .env_lock import ResolveError, capture_locks
-
     try:
         info.env_locks = capture_locks(spec, loaded.base_dir, info.dir, env_locks)
     except ResolveError as e:
