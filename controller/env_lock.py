@@ -264,6 +264,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("spec", help="the job's YAML file")
     p.add_argument("--cloud", choices=LOCKED_CLOUDS, required=True, help="whose VMs")
     p.add_argument("-o", "--output", help="the file to write (default: standard output)")
+    p.add_argument(
+        "--platform",
+        default=LockTarget.platform,
+        help="the VMs' wheel platform tag (default: %(default)s; older manylinux tags are "
+        "accepted too; manylinux_2_28_aarch64 for Arm VMs)",
+    )
+    p.add_argument(
+        "--python-version",
+        default=LockTarget.python_version,
+        help="the VMs' python3 (default: %(default)s); the boot refuses another",
+    )
 
 
 def command(args: Any) -> int:
@@ -276,7 +287,8 @@ def command(args: Any) -> int:
         print(str(e), file=sys.stderr)
         return 2
     try:
-        lock = lock_for_cloud(loaded.spec, loaded.base_dir, args.cloud)
+        target = LockTarget(python_version=args.python_version, platform=args.platform)
+        lock = lock_for_cloud(loaded.spec, loaded.base_dir, args.cloud, target=target)
     except ResolveError as e:
         print(f"spottrain: {e}", file=sys.stderr)
         return 1

@@ -353,6 +353,12 @@ def test_the_lock_command_writes_what_up_would_install(
         "spottrain: 4 packages locked for aws (python 3.11 cp manylinux_2_28_x86_64), "
         f"sha256 {lock_sha256(out.read_text())}\n"
     )
+    # For Arm VMs with another python: the target is in the lock's header, and pure-Python
+    # wheels resolve for any platform.
+    arm = ["--platform", "manylinux_2_28_aarch64", "--python-version", "3.12"]
+    assert cli.main(["lock", str(job), "--cloud", "aws", "-o", str(out), *arm]) == 0
+    assert parse_lock(out.read_text()).target == "python 3.12 cp manylinux_2_28_aarch64"
+    capsys.readouterr()
     # up refuses an --env-lock for a cloud the run does not use, before anything starts.
     monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
     assert cli.main(["up", str(job), "--env-lock", f"gcp={out}"]) == 2
