@@ -24,6 +24,7 @@ from spottrain.controller.cli.common import (
 from spottrain.controller.reconcile.summary import Summary, summarize
 from spottrain.controller.run.create import create_run
 from spottrain.controller.run.drive import drive_run, format_summary
+from spottrain.controller.run.env_lock import clouds_to_lock, env_lock_lines, parse_lock_args
 from spottrain.controller.run.records import RunError, RunInfo, find_run
 from spottrain.controller.run.run_redis import restart_embedded_redis
 from spottrain.controller.run.wiring import spawn_controller
@@ -44,7 +45,12 @@ def up(args: argparse.Namespace) -> int:
         err("nothing launched; fix the spec (`spottrain validate` checks it) or pass --force")
         return EXIT_WINDOW
     try:
-        info = create_run(loaded)
+        given = parse_lock_args(getattr(args, "env_lock", None) or [], clouds_to_lock(loaded.spec))
+    except ValueError as e:
+        err(str(e))
+        return EXIT_BAD_INPUT
+    try:
+        info = create_run(loaded, env_locks=given)
     except RunError as e:
         err(str(e))
         return EXIT_FAILED
@@ -56,6 +62,8 @@ def up(args: argparse.Namespace) -> int:
     )
     if info.code_url:
         say(f"  code {info.code_url}")
+    for line in env_lock_lines(info.env_locks):
+        say(f"  {line}")
     if args.detach:
         pid = spawn_controller(info)
         say(f"  controller in the background (pid {pid}): {info.dir / 'controller.log'}")
@@ -128,13 +136,16 @@ def status(args: argparse.Namespace) -> int:
         err(f"run {info.run_id}: its Redis ({info.redis_url}) is down and it left no summary")
         return EXIT_FAILED
     if args.json:
-        print(json.dumps({"run_id": info.run_id, **summary, "ckpt_refused": refused}))
+        locks = {"env_locks": info.env_locks} if info.env_locks else {}
+        print(json.dumps({"run_id": info.run_id, **summary, "ckpt_refused": refused, **locks}))
         return EXIT_OK
     say(f"run {info.run_id}")
     for line in format_summary(Summary(**summary)):
         say(f"  {line}")
     if refused:
         say(f"  {_refused_line(refused)}")
+    for line in env_lock_lines(info.env_locks):
+        say(f"  {line}")
     return EXIT_OK
 
 

@@ -40,6 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from spottrain.controller.sim import command as simulate
 
         return simulate.command(args)
+    if args.command == "lock":
+        from spottrain.controller.cli import lock
+
+        return lock.command(args)
     if args.command == "down":
         from spottrain.controller.cli.down import down
 

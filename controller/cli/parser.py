@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from spottrain import __version__
-from spottrain.controller.cli import report
+from spottrain.controller.cli import lock, report
 from spottrain.controller.sim import command as simulate
 
 _RUN_HELP = "run id or job name (default: the newest run)"
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scale(sub)
     report.add_parser(sub)
     simulate.add_parser(sub)
+    lock.add_parser(sub)
     _add_local(sub)
     return parser
 
@@ -71,6 +72,13 @@ def _add_up(sub: Any) -> None:
         "--detach", action="store_true", help="run the controller in the background and return"
     )
     up.add_argument("--interval", type=float, default=1.0, help="seconds between passes")
+    up.add_argument(
+        "--env-lock",
+        action="append",
+        metavar="[CLOUD=]FILE",
+        help="install this lock (from `spottrain lock`) on the cloud's VMs instead of "
+        "resolving one now; repeat for each cloud",
+    )
 
 
 def _add_run_commands(sub: Any) -> None:

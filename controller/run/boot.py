@@ -12,7 +12,9 @@ reads; beside them, the job's own variables for its workers (``train.env``, and 
 in a boot script, which anyone allowed to describe the VM can read: the Redis password, the
 git token (``code.git.token_secret``) and the job's secret variables (``train.secret_env``)
 are fetched at boot from the cloud's secret store into root-only files, and reach git and
-the agent through files and the environment, never a command line.
+the agent through files and the environment, never a command line. With the run's
+environment lock (:mod:`spottrain.envlock`), the agent's venv is built from the lock with
+hashes required and verified at every boot, so a backfilled VM runs the others' packages.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spottrain import __version__
+from spottrain.envlock import lock_sha256, parse_lock
 from spottrain.spec import ArchiveCode, GitCode, ImageCode, JobSpec
 from spottrain.tracking import trainer_env
 
@@ -36,6 +39,10 @@ DOCKER_ENV_PATH = "/etc/spottrain/agent.docker.env"
 VOLUME_ROOT = "/mnt/spottrain"
 JOB_DIR = "/opt/job"
 VENV = "/opt/spottrain/venv"
+ENV_LOCK_PATH = "/etc/spottrain/env.lock"
+# The sha256 of the lock a venv was built from: a VM whose venv came from another lock
+# (a reused disk, an image with a venv) builds it again.
+ENV_LOCK_MARK = f"{VENV}/.spottrain-env-lock"
 # The unprivileged user torchrun and the workers run as (the unit's SPOTTRAIN_WORKER_USER).
 # Fixed ids: every VM writes the same shared checkpoint volume, which knows owners by number.
 WORKER_USER = "spottrain"
@@ -206,7 +213,66 @@ def _git_fetch_lines(spec: JobSpec, cloud: str) -> str:
     )
 
 
-def _code_lines(spec: JobSpec, code: CodeRef, cloud: str) -> str:
+def _job_requirements(path: str, env_lock: str | None, *, constrained: bool) -> str:
+    """Install the job's ``requirements.txt``. Without a lock: as it says. With one, an
+    archive's file is already in the lock (resolved with the agent at ``up``): nothing to
+    install; a git checkout's is installed constrained to the lock's versions, and the lock
+    is verified afterwards (a job requirement cannot move a locked package)."""
+    if env_lock is None:
+        return f"if [ -f {path} ]; then {VENV}/bin/pip install -q -r {path}; fi\n"
+    if not constrained:
+        return ""
+    pins = f"{ENV_LOCK_PATH}.constraints"
+    return (
+        f"if [ -f {path} ]; then\n"
+        f"  sed -e 's/ --hash=[^ ]*//g' {ENV_LOCK_PATH} > {pins}\n"
+        f"  {VENV}/bin/pip install -q -c {pins} -r {path}\n"
+        f"  {_verify_line()}\n"
+        "fi\n"
+    )
+
+
+def _verify_line() -> str:
+    return f"{VENV}/bin/python -m spottrain.envlock verify {ENV_LOCK_PATH}"
+
+
+def _venv_lines(requirement: str, env_lock: str | None) -> str:
+    """Create the agent's venv. With a lock (``spottrain.envlock``): write it, build the
+    venv from it with hashes required (again when the venv came from another lock), and
+    verify it at every boot."""
+    if env_lock is None:
+        return (
+            f"if [ ! -x {VENV}/bin/spottrain-agent ]; then\n"
+            f"  python3 -m venv {VENV}\n"
+            f"  {VENV}/bin/pip install -q {shlex.quote(requirement)}\n"
+            "fi\n"
+        )
+    lock = parse_lock(env_lock, "the env lock")
+    sha = lock_sha256(env_lock)
+    text = env_lock if env_lock.endswith("\n") else env_lock + "\n"
+    py = lock.target.split()[1] if lock.target.startswith("python ") else ""
+    check_py = (
+        f'python3 -c \'import sys; sys.exit("%d.%d" % sys.version_info[:2] != "{py}")\' || '
+        f"{{ echo \"spottrain: the env lock is for python {py}; this image's python3 is "
+        f'$(python3 -V 2>&1)" >&2; exit 1; }}\n'
+        if py
+        else ""
+    )
+    return (
+        f"cat > {ENV_LOCK_PATH} <<'LOCK'\n{text}LOCK\n"
+        f'if [ "$(cat {ENV_LOCK_MARK} 2>/dev/null)" != {sha} ]; then\n'
+        f"  {check_py}"
+        f"  rm -rf {VENV}\n"
+        f"  python3 -m venv {VENV}\n"
+        f"  {VENV}/bin/pip install -q --require-hashes --no-deps --only-binary=:all: "
+        f"-r {ENV_LOCK_PATH}\n"
+        f"  echo {sha} > {ENV_LOCK_MARK}\n"
+        "fi\n"
+        f"{_verify_line()}\n"
+    )
+
+
+def _code_lines(spec: JobSpec, code: CodeRef, cloud: str, env_lock: str | None = None) -> str:
     if isinstance(spec.code, GitCode):
         g = spec.code.git
         workdir = f"{JOB_DIR}/{g.subdir}" if g.subdir else JOB_DIR
@@ -218,8 +284,7 @@ def _code_lines(spec: JobSpec, code: CodeRef, cloud: str) -> str:
             "fi\n"
             f'test "$(git -C {JOB_DIR} rev-parse HEAD)" = {g.commit} || '
             "{ echo 'spottrain: the job checkout is not at the pinned commit' >&2; exit 1; }\n"
-            f"if [ -f {workdir}/requirements.txt ]; then "
-            f"{VENV}/bin/pip install -q -r {workdir}/requirements.txt; fi\n"
+            + _job_requirements(f"{workdir}/requirements.txt", env_lock, constrained=True)
         )
     if isinstance(spec.code, ArchiveCode):
         if not (code.archive_url and code.archive_sha256):
@@ -227,8 +292,7 @@ def _code_lines(spec: JobSpec, code: CodeRef, cloud: str) -> str:
         return (
             f"{VENV}/bin/python -m spottrain.cloud.code_archive fetch "
             f"{shlex.quote(code.archive_url)} {code.archive_sha256} {JOB_DIR}\n"
-            f"if [ -f {JOB_DIR}/requirements.txt ]; then "
-            f"{VENV}/bin/pip install -q -r {JOB_DIR}/requirements.txt; fi\n"
+            + _job_requirements(f"{JOB_DIR}/requirements.txt", env_lock, constrained=False)
         )
     assert isinstance(spec.code, ImageCode)
     return f"docker pull {shlex.quote(spec.code.image)}\n"
@@ -301,6 +365,7 @@ def render_boot_script(
     code: CodeRef | None = None,
     password_secret: str | None = None,
     spottrain_requirement: str | None = None,
+    env_lock: str | None = None,
 ) -> str:
     """The bash boot script of a VM on AWS (user data) or GCP (``startup-script``).
 
@@ -314,10 +379,14 @@ def render_boot_script(
         code: the uploaded archive, for ``code.archive``.
         password_secret: the secret holding the Redis password (AWS Secrets Manager id or
             GCP Secret Manager name); None when Redis has no password.
-        spottrain_requirement: what pip installs (default: this version of spottrain).
+        spottrain_requirement: what pip installs (default: this version of spottrain),
+            without ``env_lock``.
+        env_lock: the text of the run's lock for this cloud (:mod:`spottrain.envlock`): the
+            venv is built from it (hashes required) and verified at every boot.
 
     Raises:
-        ValueError: the node is on the local cloud, or the archive has no URL yet.
+        ValueError: the node is on the local cloud, the archive has no URL yet, or the
+            lock cannot be read.
     """
     if node.cloud not in ("aws", "gcp"):
         raise ValueError(f"boot scripts are for aws and gcp VMs, not {node.cloud!r}")
@@ -332,13 +401,10 @@ def render_boot_script(
         # Not /opt/job: the code step creates it (an archive fetch refuses an existing one).
         "install -d -m 0755 /etc/spottrain /opt/spottrain\n",
         worker_user_lines(),
-        f"if [ ! -x {VENV}/bin/spottrain-agent ]; then\n",
-        f"  python3 -m venv {VENV}\n",
-        f"  {VENV}/bin/pip install -q {shlex.quote(requirement)}\n",
-        "fi\n",
+        _venv_lines(requirement, env_lock),
         f"mountpoint -q {VOLUME_ROOT} || echo 'spottrain: {VOLUME_ROOT} is not mounted yet; "
         "the agent waits for it (RequiresMountsFor)' >&2\n",
-        _code_lines(spec, code or CodeRef(), node.cloud),
+        _code_lines(spec, code or CodeRef(), node.cloud, env_lock),
     ]
     if password_secret:
         parts.append(_secret_fetch(node.cloud, password_secret))

@@ -78,6 +78,7 @@ def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
     password = embedded_password_file(info.dir) if info.embedded_redis else None
     password_file = str(password) if password is not None and password.exists() else None
     secrets = local_secret_files(spec) if "local" in spec.resources.clouds else {}
+    locks = {c: (info.dir / v["file"]).read_text() for c, v in info.env_locks.items()}
 
     def render(node: str, offer: Offer) -> str:
         ident = NodeIdentity(info.run_id, node, offer.cloud, offer.zone, offer.instance_type)
@@ -93,7 +94,12 @@ def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
                 secret_files=secrets,
             )
         return render_boot_script(
-            spec, ident, info.redis_url, code=code, password_secret=spec.redis.password_secret
+            spec,
+            ident,
+            info.redis_url,
+            code=code,
+            password_secret=spec.redis.password_secret,
+            env_lock=locks.get(offer.cloud),
         )
 
     return render

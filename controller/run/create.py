@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from spottrain.controller.run.boot import CodeRef
 from spottrain.controller.run.code import local_secret_files, prepare_code
+from spottrain.controller.run.env_lock import ResolveError, capture_locks
 from spottrain.controller.run.records import RunError, RunInfo, home_dir
 from spottrain.controller.run.run_redis import (
     open_redis,
@@ -16,11 +18,15 @@ from spottrain.keys import make_run_id, validate_run_id
 from spottrain.spec import LoadedSpec
 
 
-def create_run(loaded: LoadedSpec, *, run_id: str | None = None) -> RunInfo:
+def create_run(
+    loaded: LoadedSpec, *, run_id: str | None = None, env_locks: dict[str, Path] | None = None
+) -> RunInfo:
     """Make a new run of a spec: its directory, Redis (embedded or checked), and code.
 
     Raises:
-        RunError: Redis unreachable or refusing, the code cannot be archived or uploaded.
+        RunError: Redis unreachable or refusing, the code cannot be archived or uploaded,
+            the agent's environment cannot be locked (``env_locks``: the user's lock files
+            by cloud, instead of resolving).
     """
     spec = loaded.spec
     if run_id:
@@ -45,6 +51,10 @@ def create_run(loaded: LoadedSpec, *, run_id: str | None = None) -> RunInfo:
         created_at=time.time(),
     )
     info.dir.mkdir(parents=True, exist_ok=True)
+    try:
+        info.env_locks = capture_locks(spec, loaded.base_dir, info.dir, env_locks)
+    except ResolveError as e:
+        raise RunError(str(e)) from None
     if info.embedded_redis:
         info.redis_url = start_embedded_redis(info.dir)
     else:

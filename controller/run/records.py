@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,9 @@ class RunInfo:
     code_url: str = ""
     code_sha256: str = ""
     controller_pid: int = 0
+    # The hashed lock of the agent's environment per cloud (controller/run/env_lock.py):
+    # {cloud: {"file": "env-aws.lock", "sha256": ..., "packages": n}}, files in the run dir.
+    env_locks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def dir(self) -> Path:

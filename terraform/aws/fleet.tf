@@ -14,7 +14,9 @@ resource "aws_launch_template" "fleet" {
   update_default_version = true
   # No instance_market_options: the group's mixed instances policy makes every VM spot.
 
-  user_data = base64encode(templatefile("${path.module}/boot.sh.tftpl", local.boot_template_values))
+  # With an env_lock the script is gzipped (cloud-init unpacks it): AWS takes at most 16 KB of
+  # user data, and the lock alone can be several.
+  user_data = var.env_lock == "" ? base64encode(local.boot_script) : base64gzip(local.boot_script)
 
   iam_instance_profile {
     arn = aws_iam_instance_profile.agent.arn

@@ -101,8 +101,10 @@ locals {
   # Every placeholder of boot.sh.tftpl. Values in single quotes in the script are
   # validated to hold no quote; the template chooses between code sources and mounts with
   # plain bash, so it needs no template directives.
+  boot_script = templatefile("${path.module}/boot.sh.tftpl", local.boot_template_values)
   boot_template_values = {
     spottrain_version     = var.spottrain_version
+    env_lock              = var.env_lock
     run_id                = var.run_id
     region                = local.region
     redis_url             = local.redis_url

@@ -92,6 +92,7 @@ locals {
   startup_vars = {
     spottrain_version     = var.spottrain_version
     spottrain_requirement = "spottrain[agent,gcp]==${var.spottrain_version}"
+    env_lock              = var.env_lock
     run_id                = var.run_id
     nfs_fstab_entry       = local.nfs_fstab_entry
     ckpt_dir              = local.ckpt_dir

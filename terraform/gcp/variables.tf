@@ -430,3 +430,25 @@ variable "controller_job_spec" {
     error_message = "controller_job_spec: not a YAML mapping; give the job spec's text, not its path."
   }
 }
+
+variable "env_lock" {
+  type        = string
+  description = "Optional hashed lock of the agents' environment (the text `spottrain lock JOB.yaml --cloud CLOUD` writes): every VM builds its venv from it with pip --require-hashes --no-deps, rebuilds it when the lock changes, and verifies it at every boot, so a backfilled VM runs exactly the others' packages. Empty: the VMs install spottrain_version's requirement from the index (versions may drift between VMs booted at different times)."
+  default     = ""
+  nullable    = false
+
+  validation {
+    # One `name==version --hash=sha256:<64 hex>` (or `name @ URL --hash=...`) per line,
+    # comments and blank lines aside: nothing else may reach the boot script's heredoc.
+    condition = alltrue([
+      for line in split("\n", var.env_lock) :
+      line == "" || can(regex("^#[^']*$", line)) || can(regex("^[A-Za-z0-9][A-Za-z0-9._-]*(==[A-Za-z0-9.!+_-]+| @ https://[^ ']+)( --hash=sha256:[0-9a-f]{64})+$", line))
+    ])
+    error_message = "env_lock: give the text of `spottrain lock` (one `name==version --hash=sha256:...` per line)."
+  }
+  validation {
+    # GCP metadata values hold up to 256 KB; the limit matches the AWS module's.
+    condition     = length(var.env_lock) <= 16000
+    error_message = "env_lock: longer than 16,000 characters (the AWS module's limit, kept the same here)."
+  }
+}

@@ -75,6 +75,7 @@ VARIABLES = {
     "code_archive_sha256": "ab" * 32,
     "git_repo": "",
     "git_commit": "",
+    "env_lock": "",
     "redis_password_secret_arn": (
         "arn:aws:secretsmanager:us-east-1:123456789012:secret:spottrain/redis-AbCdEf"
     ),
@@ -247,8 +248,12 @@ def test_boot_template_placeholders_are_the_templatefile_values(mod: Module) -> 
     calls = re.findall(r"templatefile\(([^,]+),\s*([^)]+)\)", mod.text())
     assert calls == [('"${path.module}/boot.sh.tftpl"', "local.boot_template_values")]
     user_data = mod.resources("aws_launch_template")["fleet"]["user_data"]
+    assert _ref(_locals(mod)["boot_script"]) == (
+        'templatefile("${path.module}/boot.sh.tftpl", local.boot_template_values)'
+    )
+    # Gzipped only with an env_lock (tests/unit/test_boot_env_lock.py checks it fits).
     assert _ref(user_data) == (
-        'base64encode(templatefile("${path.module}/boot.sh.tftpl", local.boot_template_values))'
+        'var.env_lock == "" ? base64encode(local.boot_script) : base64gzip(local.boot_script)'
     )
 
 

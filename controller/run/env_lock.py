@@ -1,0 +1,259 @@
+"""Resolve the agent's environment into a hashed lock (:mod:`spottrain.envlock`) on the
+controller, for the VMs of one cloud.
+
+Real pip resolves it, for the VMs' interpreter and platform rather than this machine's::
+
+    pip install --dry-run --ignore-installed --quiet --report FILE --only-binary=:all:
+        --platform manylinux_2_28_x86_64 --python-version 3.11 --implementation cp
+        'spottrain[agent,aws]==0.1.0' [-r <archive>/requirements.txt]
+
+and its report (each wheel's name, version and sha256) becomes the lock. pip reads the
+controller's own configuration (``PIP_INDEX_URL``, ``PIP_EXTRA_INDEX_URL``,
+``PIP_FIND_LINKS``, pip.conf), so a private index works as it does for ``pip install``; the
+VMs then install the lock from their own index (the same one, or PyPI), and a file whose hash
+differs is refused there.
+
+What the lock covers:
+
+- the agent requirement, ``spottrain[agent,<cloud>]==<this version>`` for the cloud;
+- ``code.archive``: the job's ``requirements.txt`` beside it, resolved together with the
+  agent, so a job requirement can never move torch: the VM installs the lock instead of the
+  file;
+- ``code.git``: the controller does not have the pinned commit, so the VM installs the
+  checkout's ``requirements.txt`` constrained to the lock's versions (``-c``), and verifies
+  the lock afterwards: the job's own extra packages are pinned by version, not by hash;
+- ``code.image``: the image is the environment; no lock is made.
+
+The local cloud's VMs run in the controller's own venv: no lock either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from spottrain import __version__
+from spottrain.envlock import EnvLock, LockedPackage, LockError, lock_sha256, make_lock, parse_lock
+from spottrain.spec import ArchiveCode, ImageCode, JobSpec
+
+LOCKED_CLOUDS = ("aws", "gcp")
+
+
+@dataclass(frozen=True)
+class LockTarget:
+    """The VMs' interpreter and platform, which pip resolves for."""
+
+    python_version: str = "3.11"
+    platform: str = "manylinux_2_28_x86_64"
+    implementation: str = "cp"
+
+    def describe(self) -> str:
+        return f"python {self.python_version} {self.implementation} {self.platform}"
+
+
+def agent_requirement(cloud: str) -> str:
+    """What a VM of ``cloud`` installs: the agent at this controller's version."""
+    return f"spottrain[agent,{cloud}]=={__version__}"
+
+
+def pip_command(
+    requirements: Sequence[str],
+    requirement_files: Sequence[Path],
+    report: Path,
+    target: LockTarget,
+    pip_args: Sequence[str] = (),
+) -> list[str]:
+    """The pip command line that resolves the requirements for ``target`` into ``report``."""
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed"]
+    cmd += ["--quiet", "--report", str(report), "--only-binary=:all:"]
+    cmd += ["--platform", target.platform, "--python-version", target.python_version]
+    cmd += ["--implementation", target.implementation, *pip_args, *requirements]
+    for f in requirement_files:
+        cmd += ["-r", str(f)]
+    return cmd
+
+
+def lock_from_report(
+    report: Mapping[str, Any], target: LockTarget, requires: Sequence[str]
+) -> EnvLock:
+    """The lock of pip's installation report.
+
+    Raises:
+        LockError: an item has no sha256 hash, or is a direct reference to a local file or
+            folder (the VMs cannot reach it).
+    """
+    packages = []
+    for item in report.get("install", []):
+        meta = item.get("metadata", {})
+        name, version = meta.get("name", "?"), meta.get("version", "")
+        info = item.get("download_info") or {}
+        url = str(info.get("url", ""))
+        if item.get("is_direct") and urlparse(url).scheme in ("file", ""):
+            raise LockError(
+                f"{name} {version} comes from {url}, a local path the VMs cannot reach: "
+                "publish it to an index (or object storage they can reach) and require it "
+                "by name"
+            )
+        sha = (info.get("archive_info") or {}).get("hashes", {}).get("sha256")
+        if not sha:
+            raise LockError(
+                f"{name} {version} ({url or 'no URL'}) has no sha256 hash (a folder or a VCS "
+                "checkout?): require a released wheel instead"
+            )
+        direct = url if item.get("is_direct") else ""
+        packages.append(LockedPackage(name, version, (f"sha256:{sha}",), direct))
+    return make_lock(packages, target=target.describe(), requires=requires)
+
+
+class ResolveError(Exception):
+    """pip could not resolve the environment; the message names the requirements, pip's own
+    words, and the way out."""
+
+
+def resolve_lock(
+    requirements: Sequence[str],
+    *,
+    requirement_files: Sequence[Path] = (),
+    target: LockTarget = LockTarget(),
+    pip_args: Sequence[str] = (),
+    timeout_s: float = 600.0,
+) -> EnvLock:
+    """Resolve ``requirements`` (and requirement files) with real pip for ``target``.
+
+    Raises:
+        ResolveError: pip failed, or its report cannot become a lock.
+    """
+    what = ", ".join([*requirements, *(f"-r {f}" for f in requirement_files)])
+    with tempfile.TemporaryDirectory(prefix="spottrain-lock-") as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = pip_command(requirements, requirement_files, report, target, pip_args)
+        env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise ResolveError(_advice(what, f"pip ran past {timeout_s:g} s")) from None
+        if proc.returncode != 0 or not report.exists():
+            said = proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}"
+            raise ResolveError(_advice(what, said[-2000:]))
+        try:
+            return lock_from_report(json.loads(report.read_text()), target, [*requirements])
+        except LockError as e:
+            raise ResolveError(_advice(what, str(e))) from None
+
+
+def _advice(what: str, said: str) -> str:
+    return (
+        f"cannot lock the agent's environment ({what}) for the VMs: {said}\n"
+        "pip uses this machine's configuration (PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, "
+        "PIP_FIND_LINKS, pip.conf); on a controller without access to the index, make a "
+        "lock where there is one (`spottrain lock JOB.yaml --cloud CLOUD -o FILE`) and pass "
+        "it: `spottrain up JOB.yaml --env-lock CLOUD=FILE`"
+    )
+
+
+def job_requirement_files(spec: JobSpec, base_dir: Path) -> list[Path]:
+    """The job's requirements the lock includes: ``requirements.txt`` of ``code.archive``."""
+    if isinstance(spec.code, ArchiveCode):
+        path = base_dir / spec.code.archive.path / "requirements.txt"
+        if path.is_file():
+            return [path]
+    return []
+
+
+def clouds_to_lock(spec: JobSpec) -> list[str]:
+    """The clouds whose VMs install a lock: AWS and GCP, unless the job runs in its image
+    or on a Terraform fleet (whose module takes ``env_lock`` itself)."""
+    if isinstance(spec.code, ImageCode) or spec.fleet is not None:
+        return []
+    return [c for c in spec.resources.clouds if c in LOCKED_CLOUDS]
+
+
+def lock_for_cloud(spec: JobSpec, base_dir: Path, cloud: str, **kw: Any) -> EnvLock:
+    """Resolve the lock a VM of ``cloud`` installs for ``spec``."""
+    return resolve_lock(
+        [agent_requirement(cloud)], requirement_files=job_requirement_files(spec, base_dir), **kw
+    )
+
+
+def read_lock_file(path: Path, cloud: str) -> EnvLock:
+    """A lock the user made (``spottrain lock``), checked to hold this spottrain.
+
+    Raises:
+        ResolveError: unreadable, malformed, or for another spottrain.
+    """
+    try:
+        lock = parse_lock(path.read_text(), str(path))
+    except (OSError, LockError) as e:
+        raise ResolveError(f"--env-lock {cloud}={path}: {e}") from None
+    have = lock.versions().get("spottrain")
+    if have != __version__:
+        raise ResolveError(
+            f"--env-lock {cloud}={path}: the lock holds spottrain {have or '(none)'}, this "
+            f"controller is {__version__}: every node must run the controller's agent "
+            f"(make it again: spottrain lock JOB.yaml --cloud {cloud} -o {path})"
+        )
+    return lock
+
+
+def capture_locks(
+    spec: JobSpec,
+    base_dir: Path,
+    run_dir: Path,
+    given: Mapping[str, Path] | None = None,
+    **kw: Any,
+) -> dict[str, dict[str, Any]]:
+    """Make (or take from ``given``, by cloud) the lock of every cloud the run launches on,
+    write each as ``<run dir>/env-<cloud>.lock``, and return what the run record keeps:
+    ``{cloud: {"file", "sha256", "packages"}}``.
+
+    Raises:
+        ResolveError: a lock cannot be made or read.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for cloud in clouds_to_lock(spec):
+        path = (given or {}).get(cloud)
+        lock = read_lock_file(path, cloud) if path else lock_for_cloud(spec, base_dir, cloud, **kw)
+        text = lock.text()
+        name = f"env-{cloud}.lock"
+        (run_dir / name).write_text(text)
+        out[cloud] = {"file": name, "sha256": lock_sha256(text), "packages": len(lock.packages)}
+    return out
+
+
+def parse_lock_args(values: Sequence[str], clouds: Sequence[str]) -> dict[str, Path]:
+    """``--env-lock`` values: ``CLOUD=FILE``, or ``FILE`` alone when the spec has one cloud
+    that takes a lock.
+
+    Raises:
+        ValueError: a value names another cloud, or FILE alone with several clouds.
+    """
+    out: dict[str, Path] = {}
+    for v in values:
+        cloud, sep, file = v.partition("=")
+        if not sep:
+            if len(clouds) != 1:
+                where = ", ".join(clouds) or "no cloud that takes a lock"
+                raise ValueError(
+                    f"--env-lock {v}: the run launches on {where}: give CLOUD=FILE for each"
+                )
+            cloud, file = clouds[0], v
+        if cloud not in clouds:
+            raise ValueError(f"--env-lock {v}: the run launches no {cloud} VM that takes a lock")
+        out[cloud] = Path(file)
+    return out
+
+
+def env_lock_lines(locks: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """What ``up`` and ``status`` say of a run's locks, one line per cloud."""
+    return [
+        f"env lock {cloud}: {v['packages']} packages, sha256 {v['sha256'][:16]} ({v['file']})"
+        for cloud, v in sorted(locks.items())
+    ]

@@ -1,0 +1,366 @@
+"""The agent's environment lock end to end, with real pip and no PyPI: tiny wheels in a local
+folder stand in for the index (issue 18 item 3).
+
+The resolver turns pip's report into the lock (hashes = the files' sha256), refuses what a
+VM cannot install, and includes an archive job's requirements so they cannot move a locked
+package; a venv installed from the lock verifies, one that differs names the package; the
+boot script's lock section, run for real, builds the venv from the lock, keeps it while the
+lock is the same, rebuilds it for another lock, and stops the boot when the venv was
+changed; ``up`` on moto's AWS records the lock in the run and sends it in the user data.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from spec_samples import VALID, _with
+from wheelhouse import build_wheel, build_wheelhouse, sha256_of
+
+from spottrain import __version__
+from spottrain.controller.run.boot import ENV_LOCK_MARK, ENV_LOCK_PATH, VENV, NodeIdentity
+from spottrain.controller.run.env_lock import (
+    LockTarget,
+    ResolveError,
+    agent_requirement,
+    capture_locks,
+    env_lock_lines,
+    parse_lock_args,
+    read_lock_file,
+    resolve_lock,
+)
+from spottrain.envlock import lock_sha256, main, parse_lock, verify
+from spottrain.spec import parse_spec
+
+PY = sys.executable
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("wheelhouse")
+    build_wheelhouse(folder)
+    return folder
+
+
+def _index(folder: Path) -> list[str]:
+    return ["--no-index", "--find-links", str(folder)]
+
+
+def test_the_lock_pins_every_package_by_the_sha256_of_its_wheel(wheels: Path) -> None:
+    lock = resolve_lock([agent_requirement("aws")], pip_args=_index(wheels))
+    assert lock.versions() == {"alpha": "1.0", "beta": "2.0", "spottrain": __version__}
+    files = {
+        "alpha": wheels / "alpha-1.0-py3-none-any.whl",
+        "beta": wheels / "beta-2.0-py3-none-any.whl",
+        "spottrain": wheels / f"spottrain-{__version__}-py3-none-any.whl",
+    }
+    for p in lock.packages:
+        assert p.hashes == (f"sha256:{sha256_of(files[p.name])}",)
+        assert p.url == ""  # installed by name from the VM's index
+    assert lock.target == LockTarget().describe() == "python 3.11 cp manylinux_2_28_x86_64"
+    assert lock.requires == (f"spottrain[agent,aws]=={__version__}",)
+    assert parse_lock(lock.text()) == lock
+    # Each cloud gets its own extra.
+    gcp = resolve_lock([agent_requirement("gcp")], pip_args=_index(wheels))
+    assert set(gcp.versions()) == {"alpha", "beta", "delta", "spottrain"}
+
+
+def test_pip_configuration_from_the_environment_is_used(
+    wheels: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    assert resolve_lock(["alpha==1.0"]).versions() == {"alpha": "1.0", "beta": "2.0"}
+
+
+def test_a_job_requirement_is_locked_with_the_agent_and_cannot_move_it(
+    wheels: Path, tmp_path: Path
+) -> None:
+    req = tmp_path / "requirements.txt"
+    req.write_text("gamma==1.0\nbeta<2\n")
+    lock = resolve_lock(
+        [agent_requirement("aws")], requirement_files=[req], pip_args=_index(wheels)
+    )
+    assert lock.versions()["gamma"] == "1.0" and lock.versions()["beta"] == "1.0"
+    req.write_text("alpha==9.9\n")  # against the agent's alpha>=1 from the index: none
+    with pytest.raises(ResolveError) as e:
+        resolve_lock([agent_requirement("aws")], requirement_files=[req], pip_args=_index(wheels))
+    said = str(e.value)
+    assert f"spottrain[agent,aws]=={__version__}" in said and f"-r {req}" in said
+    assert "alpha==9.9" in said  # pip's own words
+    assert "--env-lock" in said and "spottrain lock" in said
+
+
+def test_a_requirement_no_index_has_is_refused_with_the_way_out(wheels: Path) -> None:
+    with pytest.raises(ResolveError, match=r"(?s)no-such-pkg.*--env-lock CLOUD=FILE"):
+        resolve_lock(["no-such-pkg==1.0"], pip_args=_index(wheels))
+
+
+def test_a_local_file_the_vms_cannot_reach_is_refused(wheels: Path) -> None:
+    wheel = wheels / "gamma-1.0-py3-none-any.whl"
+    with pytest.raises(ResolveError, match="a local path the VMs cannot reach"):
+        resolve_lock([str(wheel)], pip_args=_index(wheels))
+
+
+def test_a_venv_from_the_lock_verifies_and_one_that_differs_names_the_package(
+    wheels: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lock = resolve_lock([agent_requirement("aws")], pip_args=_index(wheels))
+    path = tmp_path / "env.lock"
+    path.write_text(lock.text())
+    target = tmp_path / "site"
+    pip = [PY, "-m", "pip", "install", "-q", "--target", str(target), *_index(wheels)]
+    subprocess.run([*pip, "--require-hashes", "--no-deps", "-r", str(path)], check=True)
+    assert verify(lock, [str(target)]) == []
+    assert main(["verify", str(path), "--path", str(target)]) == 0
+    # A wheel whose hash differs from the lock's is refused by pip itself.
+    forged = tmp_path / "forged"
+    build_wheel(forged, "beta", "2.0", files={"beta/__init__.py": "EVIL = 1\n"})
+    for wheel in wheels.glob("*.whl"):
+        if not wheel.name.startswith("beta-"):
+            shutil.copy(wheel, forged)
+    hashed = ["--require-hashes", "--no-deps", "-r", str(path)]
+    refused = subprocess.run(
+        [*pip[:6], str(tmp_path / "other"), *_index(forged), *hashed],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode != 0 and "DO NOT MATCH THE HASHES" in refused.stderr
+    # Another beta in the environment: verify names it.
+    subprocess.run([*pip, "--upgrade", "--no-deps", "beta==1.0"], check=True, capture_output=True)
+    capsys.readouterr()
+    assert main(["verify", str(path), "--path", str(target)]) == 1
+    # pip --target leaves beta 2.0's .dist-info beside 1.0's: both are named.
+    assert "beta: locked 2.0, installed " in capsys.readouterr().err
+
+
+# --- the boot script's lock section, run for real ---------------------------------------------
+
+
+def _lock_section(script: str, root: Path) -> str:
+    """The boot script from writing the lock to its verification, with /opt and /etc moved
+    under ``root``."""
+    start = script.index(f"cat > {ENV_LOCK_PATH} <<'LOCK'")
+    verify_line = f"{VENV}/bin/python -m spottrain.envlock verify {ENV_LOCK_PATH}\n"
+    end = script.index(verify_line, start) + len(verify_line)
+    section = script[start:end]
+    return section.replace("/opt/spottrain", str(root / "opt")).replace(
+        "/etc/spottrain", str(root / "etc")
+    )
+
+
+def _boot_section(lock_text: str, root: Path) -> str:
+    from spottrain.controller.run.boot import CodeRef, render_boot_script
+
+    spec = parse_spec(yaml.safe_dump(_with(VALID, "code", {"archive": {"path": "."}}))).spec
+    node = NodeIdentity("r-1", "n0", "aws", "us-east-1a", "p4d.24xlarge")
+    script = render_boot_script(
+        spec, node, "redis://r:6379", code=CodeRef("s3://b/c.tar.gz", "ab" * 32), env_lock=lock_text
+    )
+    return _lock_section(script, root)
+
+
+def _run(section: str, wheels: Path, root: Path) -> subprocess.CompletedProcess[str]:
+    bindir = root / "bin"
+    bindir.mkdir(exist_ok=True)
+    if not (bindir / "python3").exists():
+        (bindir / "python3").symlink_to(PY)
+    env = {
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+        "HOME": str(root),
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(wheels),
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    }
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", section],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+@pytest.mark.slow  # two venvs built with pip: about a minute on a busy machine
+def test_the_boot_builds_the_venv_from_the_lock_rebuilds_it_for_another_and_verifies(
+    wheels: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "opt").mkdir()
+    venv = tmp_path / "opt" / "venv"
+    mark = Path(ENV_LOCK_MARK.replace("/opt/spottrain", str(tmp_path / "opt")))
+    first = resolve_lock([agent_requirement("aws")], pip_args=_index(wheels)).text()
+    done = _run(_boot_section(first, tmp_path), wheels, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert mark.read_text().strip() == lock_sha256(first)
+    assert "3 packages match the lock" in done.stdout
+    beta = venv / "lib" / "python3.11" / "site-packages" / "beta" / "__init__.py"
+    assert beta.read_text() == "VERSION = '2.0'\n"
+    # The same lock again: the venv stays (a marker file inside it survives).
+    (venv / "kept").write_text("")
+    again = _run(_boot_section(first, tmp_path), wheels, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert (venv / "kept").exists()
+    # Someone changed the venv: the boot stops, naming the package.
+    subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "-q", "--no-deps", *_index(wheels), "beta==1.0"],
+        check=True,
+    )
+    changed = _run(_boot_section(first, tmp_path), wheels, tmp_path)
+    assert changed.returncode == 1
+    assert "beta: locked 2.0, installed 1.0" in changed.stderr
+    # Another lock (beta pinned to 1.0, as a backfill under a new lock would get): rebuilt.
+    second = first.replace(
+        f"beta==2.0 --hash=sha256:{sha256_of(wheels / 'beta-2.0-py3-none-any.whl')}",
+        f"beta==1.0 --hash=sha256:{sha256_of(wheels / 'beta-1.0-py3-none-any.whl')}",
+    )
+    assert second != first
+    rebuilt = _run(_boot_section(second, tmp_path), wheels, tmp_path)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert not (venv / "kept").exists()
+    assert mark.read_text().strip() == lock_sha256(second)
+
+
+# --- up ---------------------------------------------------------------------------------------
+
+
+def _aws_data() -> dict[str, Any]:
+    data: dict[str, Any] = _with(VALID, "resources.clouds", ["aws"])
+    data = _with(data, "resources.regions", ["us-east-1"])
+    return _with(data, "resources.instance_types", ["p4d.24xlarge"])
+
+
+def _aws_job(tmp_path: Path, redis_url: str) -> Path:
+    (tmp_path / "code").mkdir()
+    (tmp_path / "store").mkdir()
+    (tmp_path / "code" / "train.py").write_text("print('hi')\n")
+    (tmp_path / "code" / "requirements.txt").write_text("gamma==1.0\n")
+    data = _with(
+        _aws_data(), "code", {"archive": {"path": "code", "store": f"file://{tmp_path}/store"}}
+    )
+    data = _with(data, "checkpoint.copy_to", ...)
+    data = _with(data, "redis", {"url": redis_url})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_up_on_aws_records_the_lock_and_sends_it_in_the_user_data(
+    wheels: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_server: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from harnesses.aws import AwsHarness
+
+    from spottrain.cloud.base import LaunchRequest, Market, Offer
+    from spottrain.controller.runs import RunInfo, boot_renderer, create_run
+    from spottrain.spec import load_spec
+
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    info = create_run(load_spec(_aws_job(tmp_path, redis_server.url)))
+    rec = RunInfo.load(info.run_id).env_locks
+    assert set(rec) == {"aws"} and rec["aws"]["packages"] == 4  # the job's gamma too
+    text = (info.dir / "env-aws.lock").read_text()
+    assert rec["aws"]["sha256"] == lock_sha256(text)
+    assert parse_lock(text).versions()["gamma"] == "1.0"
+    assert env_lock_lines(rec) == [
+        f"env lock aws: 4 packages, sha256 {rec['aws']['sha256'][:16]} (env-aws.lock)"
+    ]
+    from spottrain import cli
+
+    capsys.readouterr()
+    assert cli.main(["status", info.run_id]) == 0
+    assert f"  {env_lock_lines(rec)[0]}\n" in capsys.readouterr().out
+    offer = Offer(
+        cloud="aws", region="us-east-1", zone="us-east-1a", instance_type="p4d.24xlarge",
+        gpus=8, gpu_type="A100-40GB", market=Market.SPOT, price_per_hour=8.0,
+        interruption_risk=0.1, network="efa",
+    )  # fmt: skip
+    script = boot_renderer(info.spec(), info)("n0", offer)
+    assert f"<<'LOCK'\n{text}LOCK\n" in script and "--require-hashes" in script
+    harness = AwsHarness()
+    try:
+        vm = harness.provider.launch(
+            LaunchRequest(f"r-{uuid.uuid4().hex[:8]}", info.run_id, "n0", offer, script)
+        )
+        sent = harness.admin().describe_instance_attribute(InstanceId=vm.id, Attribute="userData")
+        assert base64.b64decode(sent["UserData"]["Value"]).decode() == script
+    finally:
+        harness.close()
+
+
+def test_up_takes_a_prebuilt_lock_and_refuses_one_for_another_spottrain(
+    wheels: Path, tmp_path: Path
+) -> None:
+    archive = _with(
+        _with(_aws_data(), "code", {"archive": {"path": "."}}), "checkpoint.copy_to", ...
+    )
+    archive = _with(archive, "code.archive.store", "file:///tmp")
+    spec = parse_spec(yaml.safe_dump(archive)).spec
+    lock = resolve_lock([agent_requirement("aws")], pip_args=_index(wheels))
+    given = tmp_path / "aws.lock"
+    given.write_text(lock.text())
+    # No resolution happens (pip would find no index here): the file is taken as it is.
+    out = capture_locks(spec, tmp_path, tmp_path, {"aws": given}, pip_args=["--no-index"])
+    assert out["aws"]["sha256"] == lock_sha256(lock.text())
+    assert (tmp_path / "env-aws.lock").read_text() == lock.text()
+    given.write_text(lock.text().replace(f"spottrain=={__version__}", "spottrain==0.0.1"))
+    with pytest.raises(ResolveError, match=r"holds spottrain 0\.0\.1"):
+        read_lock_file(given, "aws")
+    assert parse_lock_args(["x.lock"], ["aws"]) == {"aws": Path("x.lock")}
+    assert parse_lock_args(["gcp=y.lock"], ["aws", "gcp"]) == {"gcp": Path("y.lock")}
+    with pytest.raises(ValueError, match="give CLOUD=FILE"):
+        parse_lock_args(["x.lock"], ["aws", "gcp"])
+    with pytest.raises(ValueError, match="no gcp VM"):
+        parse_lock_args(["gcp=x.lock"], ["aws"])
+    # The image is the environment; the local cloud runs in the controller's venv.
+    image = parse_spec(yaml.safe_dump(_aws_data())).spec
+    assert capture_locks(image, tmp_path, tmp_path) == {}
+
+
+def test_the_lock_command_writes_what_up_would_install(
+    wheels: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from spottrain import cli
+
+    job = _aws_job(tmp_path, "redis://127.0.0.1:1/0")
+    out = tmp_path / "aws.lock"
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
+    assert cli.main(["lock", str(job), "--cloud", "aws", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"spottrain[agent,aws]=={__version__}" in err and "--env-lock CLOUD=FILE" in err
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    assert cli.main(["lock", str(job), "--cloud", "aws", "-o", str(out)]) == 0
+    lock = parse_lock(out.read_text())
+    assert lock.versions()["gamma"] == "1.0" and lock.versions()["spottrain"] == __version__
+    assert capsys.readouterr().err == (
+        "spottrain: 4 packages locked for aws (python 3.11 cp manylinux_2_28_x86_64), "
+        f"sha256 {lock_sha256(out.read_text())}\n"
+    )
+    # For Arm VMs with another python: the target is in the lock's header, and pure-Python
+    # wheels resolve for any platform.
+    arm = ["--platform", "manylinux_2_28_aarch64", "--python-version", "3.12"]
+    assert cli.main(["lock", str(job), "--cloud", "aws", "-o", str(out), *arm]) == 0
+    assert parse_lock(out.read_text()).target == "python 3.12 cp manylinux_2_28_aarch64"
+    capsys.readouterr()
+    # up refuses an --env-lock for a cloud the run does not use, before anything starts.
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
+    assert cli.main(["up", str(job), "--env-lock", f"gcp={out}"]) == 2
+    assert "no gcp VM" in capsys.readouterr().err
+    assert not (tmp_path / "home" / "runs").exists()
