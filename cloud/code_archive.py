@@ -37,10 +37,10 @@ from .storage import (
     ObjectStore,
     StorageError,
     file_sha256,
-    open_store,
     parse_store_url,
     validate_key,
 )
+from .stores import open_store
 
 DEFAULT_EXCLUDES = (
     ".git",

@@ -1,10 +1,11 @@
 """A controller process for the crash-safety tests: a few passes of one run against moto.
 
-Builds the run's :class:`~spottrain.controller.loop.Controller` the way ``spottrain up`` does
-(:func:`spottrain.controller.run.records.build_controller`), with its AWS provider pointed at a moto
-server through a boto3 session of its own (fake credentials, every request refused unless it
-goes to the server), then calls ``step()`` ``--passes`` times. ``SPOTTRAIN_CRASH_AT`` in the
-environment kills it at that crash point (exit status 137), as a killed controller dies.
+Builds the run's :class:`~spottrain.controller.reconcile.controller.Controller` the way
+``spottrain up`` does (:func:`spottrain.controller.run.wiring.build_controller`), with its
+AWS provider pointed at a moto server through a boto3 session of its own (fake credentials,
+every request refused unless it goes to the server), then calls ``step()`` ``--passes``
+times. ``SPOTTRAIN_CRASH_AT`` in the environment kills it at that crash point (exit status
+137), as a killed controller dies.
 
 Usage::
 

@@ -77,7 +77,7 @@ class CheckpointCopier:
         poll_s: float = 1.0,
         store: ObjectStore | None = None,
     ) -> None:
-        from spottrain.cloud.storage import open_store
+        from spottrain.cloud.stores import open_store
 
         self.store = store if store is not None else open_store(store_url)
         self.url = store_url

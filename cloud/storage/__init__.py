@@ -5,7 +5,7 @@ storage: :func:`upload_dir` copies a committed checkpoint directory to a store, 
 :func:`download_dir` fetches it back on the new fleet. ``spottrain up`` also uploads the job's
 code there (see :mod:`spottrain.cloud.code_archive`).
 
-Stores are opened from a URL::
+Stores are opened from a URL (:func:`spottrain.cloud.stores.open_store`)::
 
     store = open_store("s3://my-bucket/runs/llama")      # or gs://..., file:///..., a path
     report = upload_dir(store, Path("/ckpt/step-000000120"), "ckpt/step-000000120")
@@ -27,7 +27,7 @@ from spottrain.cloud.storage.errors import (
     StorageError,
     StorageUnavailable,
 )
-from spottrain.cloud.storage.factory import StoreUrl, open_store, parse_store_url
+from spottrain.cloud.storage.factory import StoreUrl, parse_store_url
 from spottrain.cloud.storage.interface import (
     DEFAULT_COMMIT_MARKER,
     SHA256_METADATA,
@@ -59,7 +59,6 @@ __all__ = [
     "download_dir",
     "file_sha256",
     "list_dirs",
-    "open_store",
     "parse_store_url",
     "upload_dir",
     "validate_key",

@@ -1,8 +1,5 @@
-"""Opening a store from its URL (``s3://``, ``gs://``, ``file://`` or a path).
-
-The S3 and GCS stores live with their clouds (:mod:`spottrain.cloud.aws.s3`,
-:mod:`spottrain.cloud.gcp.gcs`) and are imported only when a URL names them, so this module
-imports without either SDK."""
+"""Storage URLs (``s3://``, ``gs://``, ``file://`` or a path), parsed and checked.
+:mod:`spottrain.cloud.stores` opens the store a URL names."""
 
 from __future__ import annotations
 
@@ -11,8 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from spottrain.cloud.storage.interface import _BUCKET_RE, ObjectStore, _normalise_store_prefix
-from spottrain.cloud.storage.local import LocalStore
+from spottrain.cloud.storage.interface import _BUCKET_RE, _normalise_store_prefix
 
 _URL_FORMS = (
     "s3://BUCKET[/PREFIX], gs://BUCKET[/PREFIX], file:///ABSOLUTE/DIR, or a plain directory path"
@@ -81,28 +77,3 @@ def parse_store_url(url: str) -> StoreUrl:
     except ValueError as exc:
         raise ValueError(f"{bad} ({exc})") from None
     return StoreUrl(scheme, bucket, prefix)
-
-
-def open_store(url: str) -> ObjectStore:
-    """Open the store a URL names, with the SDK's default credentials.
-
-    ``s3://`` uses boto3's default session (``AWS_PROFILE``, ``AWS_ENDPOINT_URL_S3`` and the
-    rest of its environment apply); ``gs://`` uses Application Default Credentials (and
-    ``STORAGE_EMULATOR_HOST`` when set); a ``file://`` URL or a path opens a
-    :class:`LocalStore` on a directory that must exist.
-
-    Raises:
-        ValueError: a malformed URL; the message lists the accepted forms.
-        MissingSdkError: the SDK for that scheme is not installed.
-        StorageAuthError: no credentials could be found (GCS checks at construction).
-    """
-    parsed = parse_store_url(url)
-    if parsed.scheme == "s3":
-        from spottrain.cloud.aws.s3 import S3Store  # imports boto3 only when used
-
-        return S3Store(parsed.bucket, parsed.path)
-    if parsed.scheme == "gs":
-        from spottrain.cloud.gcp.gcs import GcsStore  # imports google-cloud-storage when used
-
-        return GcsStore(parsed.bucket, parsed.path)
-    return LocalStore(parsed.path)

@@ -181,7 +181,8 @@ class ObjectStore(Protocol):
         ...
 
     def url(self, key: str = "") -> str:
-        """The full URL of ``key`` (or of the store itself), which :func:`open_store` reads.
+        """The full URL of ``key`` (or of the store itself), which
+        :func:`spottrain.cloud.stores.open_store` reads.
 
         Raises:
             ValueError: a bad key.

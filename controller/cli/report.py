@@ -61,8 +61,8 @@ def command(args: argparse.Namespace) -> int:
     written: str | None = None
     try:
         written = str(render_png(data, png))
-    except ImportError:
-        _err("the PNG needs matplotlib: pip install 'spottrain[report]'")
+    except ImportError as e:
+        _err(str(e))
         code = EXIT_FAILED
     except OSError as e:
         _err(f"cannot write {png}: {e.strerror or e}")

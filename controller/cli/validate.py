@@ -84,7 +84,8 @@ def _check_clouds(spec: JobSpec, *, quiet: bool) -> bool:
     import tempfile
 
     from spottrain.cloud.base import ProviderError
-    from spottrain.controller.run.providers import build_provider, offer_query
+    from spottrain.controller.reconcile.offers import offer_query
+    from spottrain.controller.run.providers import build_provider
 
     if spec.fleet is not None:
         return _check_group(spec, quiet=quiet)

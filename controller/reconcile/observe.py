@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from spottrain.catalog import Catalog
 from spottrain.cloud.base import AuthError, Instance, Market, Offer, Provider, ProviderError
-from spottrain.controller.run.providers import offer_query
+from spottrain.controller.reconcile.offers import offer_query
 from spottrain.spec import JobSpec
 
 from .ledger import CountPreemption, Step, bookkeeping, fold_ledger

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from spottrain.controller.report.model import ReportData
+from spottrain.lazy_import import lazy_import
 
 
 def _unit(data: ReportData) -> tuple[float, str]:
@@ -26,9 +27,10 @@ def render_png(data: ReportData, path: Path | str) -> Path:
     axis (minutes, or hours past 3 hours, since the run started) into a PNG at ``path``.
 
     Raises:
-        ImportError: matplotlib is missing (``pip install 'spottrain[report]'``).
+        ImportError: matplotlib is missing; the message says which extra installs it.
         OSError: the file cannot be written.
     """
+    lazy_import("matplotlib", needs="the PNG needs matplotlib", extra="report")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -49,7 +49,8 @@ def prepare_code(spec: JobSpec, base_dir: Path, run_dir: Path) -> CodeRef:
     if not isinstance(spec.code, ArchiveCode):
         return CodeRef()
     from spottrain.cloud.code_archive import build_archive, upload_archive
-    from spottrain.cloud.storage import LocalStore, open_store
+    from spottrain.cloud.storage import LocalStore
+    from spottrain.cloud.stores import open_store
 
     src = spec.code.archive
     archive = build_archive(base_dir / src.path, run_dir / "archive", exclude=src.exclude)

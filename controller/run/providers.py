@@ -1,4 +1,4 @@
-"""From a job spec to the providers and offer queries of the clouds it allows.
+"""From a job spec to the providers of the clouds it allows.
 
 The one place that maps the spec's cloud sections onto each provider's settings, so the
 controller, ``spottrain validate --check-clouds`` and the tests build providers the same way.
@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spottrain.catalog import Catalog, bundled
-from spottrain.cloud.base import Market, OfferQuery, Provider
+from spottrain.cloud.base import Provider
 from spottrain.cloud.base.groups import Group
-from spottrain.spec import JobSpec, LocalCloudSpec, SpotPolicy
+from spottrain.controller.reconcile.offers import regions_of
+from spottrain.spec import JobSpec, LocalCloudSpec
 
 if TYPE_CHECKING:
     from spottrain.cloud.local.compute import PreemptionInjector
@@ -30,43 +31,6 @@ class Endpoints:
     gcp_api_endpoint: str | None = None
     gcp_credentials: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _regions_of(spec: JobSpec, cloud: str, catalog: Catalog) -> tuple[str, ...]:
-    known = set(catalog.regions(cloud))
-    return tuple(r for r in spec.resources.regions if r in known)
-
-
-def offer_query(spec: JobSpec, cloud: str, catalog: Catalog | None = None) -> OfferQuery:
-    """The offers of ``cloud`` that ``spec`` allows.
-
-    The spot policy decides the markets: ``spot`` asks for spot only, ``on-demand`` for
-    on-demand only, ``spot-then-on-demand`` for both (the planner decides when on-demand is
-    used).
-    """
-    cat = catalog or bundled()
-    types = tuple(t for t in spec.resources.instance_types if t in cat.types(cloud))
-    if cloud == "local":
-        regions: tuple[str, ...] = ()
-        zones = spec.resources.zones
-    else:
-        regions = _regions_of(spec, cloud, cat)
-        zones = tuple(z for z in spec.resources.zones if any(z.startswith(r) for r in regions))
-        if spec.resources.zones and not regions:
-            zones = spec.resources.zones
-    markets = {
-        SpotPolicy.SPOT: (Market.SPOT,),
-        SpotPolicy.ON_DEMAND: (Market.ON_DEMAND,),
-        SpotPolicy.SPOT_THEN_ON_DEMAND: (Market.SPOT, Market.ON_DEMAND),
-    }[spec.spot.policy]
-    return OfferQuery(
-        regions=regions,
-        zones=zones,
-        instance_types=types,
-        markets=markets,
-        max_price_per_hour=spec.resources.max_price_per_hour,
-        min_gpus=spec.nodes.gpus,
-    )
 
 
 def build_provider(
@@ -131,7 +95,7 @@ def build_provider(
         gcp = spec.gcp
         gsettings = GcpSettings(
             project=gcp.project,
-            regions=_regions_of(spec, "gcp", cat),
+            regions=regions_of(spec, "gcp", cat),
             source_image=gcp.image,
             network=gcp.network or "",
             subnetwork=gcp.subnetwork or "",

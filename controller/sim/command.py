@@ -1,12 +1,12 @@
 """``spottrain simulate``: a job of up to 100,000 GPUs on spot VMs, simulated for days in
 seconds, under three ways of training through preemptions, side by side on one fleet.
 
-A discrete-event simulation (:mod:`spottrain.controller.sim.engine`): VMs are preempted (at a
-per-node rate, by zone-wide reclaims, or from a trace), with or without the notice window;
-the controller's **real planner** (:func:`spottrain.controller.planner.plan`) decides every
-backfill, pass by pass, as ``spottrain up`` would; launches take time and can be refused for
-capacity. Three training policies (:mod:`spottrain.controller.sim.policies`) watch the same
-fleet, so they are compared on the same preemptions:
+A discrete-event simulation (:mod:`spottrain.controller.sim.engine`): VMs are preempted (at
+a per-node rate, by zone-wide reclaims, or from a trace), with or without the notice window;
+the controller's **real planner** (:func:`spottrain.controller.reconcile.planner.plan`)
+decides every backfill, pass by pass, as ``spottrain up`` would; launches take time and can
+be refused for capacity. Three training policies (:mod:`spottrain.controller.sim.policies`)
+watch the same fleet, so they are compared on the same preemptions:
 
 - ``sync``: fully synchronous, restart everything from the last periodic checkpoint once
   the fleet is whole again (what most teams run);
@@ -23,7 +23,7 @@ Defaults, and where each comes from
 -----------------------------------
 - ``--gpus 100000``: the scale the design aims at (12,500 VMs of 8 GPUs).
 - ``--cloud aws --instance-type p5.48xlarge``, ``us-east-1a``: prices from the bundled catalog
-  (``cloud/data/catalog.json``: 8 H100, $55.04/h on-demand, spot at 0.45 of it).
+  (``spottrain/data/catalog.json``: 8 H100, $55.04/h on-demand, spot at 0.45 of it).
 - ``--rate-per-node-hour``: the type's Spot Instance Advisor band as the planner reads it
   (band midpoint / 730 h, ``planner.hourly_risk``): 0.25 / 730 = 0.00034 for p5's ">20%".
 - ``--notice-fraction 1.0``: AWS and GCP give spot VMs their notice.

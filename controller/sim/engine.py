@@ -19,11 +19,11 @@ The fleet:
 - **The controller** runs a pass (``pass_s`` apart, as ``spottrain up`` does) whenever
   something changed since the last one (a notice, a VM lost, a VM booted), and at the times
   a pass could decide differently on its own (a blocked offer opening, the on-demand
-  fallback coming due). Each pass builds an :class:`~spottrain.controller.planner.Observed`
-  and calls :func:`~spottrain.controller.planner.plan`, the real planner, and does what it
+  fallback coming due). Each pass builds an :class:`~spottrain.controller.reconcile.types.Observed`
+  and calls :func:`~spottrain.controller.reconcile.planner.plan`, the real planner, and does what it
   says as the loop does: a launch on a spot offer during a capacity outage fails and blocks
   that offer for ``block_s``; any other launch boots after ``launch_latency_s``; terminates
-  end VMs. The nodes live in a :class:`~spottrain.controller.planner.FleetIndex` that each
+  end VMs. The nodes live in a :class:`~spottrain.controller.reconcile.fleet.FleetIndex` that each
   change updates in place, so a pass costs what its changed nodes cost, not what 12,500
   nodes cost.
 - **Slots.** The full-size job has one slot per node; a launch takes the slot that has

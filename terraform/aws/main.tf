@@ -53,7 +53,7 @@ locals {
   copy_to     = trimsuffix(var.checkpoint_copy_to, "/")
   copy_bucket = local.copy_to == "" ? "" : regex("^s3://([^/]+)", local.copy_to)[0]
   copy_prefix = local.copy_to == "" ? "" : trimprefix(trimprefix(local.copy_to, "s3://${local.copy_bucket}"), "/")
-  # Agents copy their checkpoints to <copy_to>/<run id>/ (agent/ckpt_copy.py): the VMs may
+  # Agents copy their checkpoints to <copy_to>/<run id>/ (agent/checkpoint/copy.py): the VMs may
   # write there and nowhere else in the bucket.
   copy_run_objects = local.copy_to == "" ? "" : (
     "arn:${local.partition}:s3:::${local.copy_bucket}/${local.copy_prefix == "" ? "" : "${local.copy_prefix}/"}${var.run_id}/*"

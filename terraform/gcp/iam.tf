@@ -24,7 +24,7 @@ resource "google_secret_manager_secret_iam_member" "fleet_redis_password" {
 }
 
 # objectAdmin, not objectCreator: replacing a checkpoint copy deletes its MANIFEST.json first
-# (cloud/storage.py's upload_dir), and a restore lists and reads the copies. Only under this
+# (cloud/storage/sync.py's upload_dir), and a restore lists and reads the copies. Only under this
 # run's prefix: a node of one run must not overwrite or delete another run's checkpoints in a
 # shared bucket. Objects are matched by name; a list (a bucket-level call) by the prefix it
 # asks for, which the agent always gives (only a list has that attribute, and the run's

@@ -63,7 +63,7 @@ locals {
   copy_bucket    = var.checkpoint_copy_to == "" ? "" : split("/", trimprefix(var.checkpoint_copy_to, "gs://"))[0]
   archive_bucket = startswith(var.code_archive_url, "gs://") ? split("/", trimprefix(var.code_archive_url, "gs://"))[0] : ""
   # Where this run's copies go inside the copy bucket: the agent writes under
-  # <checkpoint_copy_to>/<run id>/ (agent/ckpt_copy.py), and the nodes may touch nothing else.
+  # <checkpoint_copy_to>/<run id>/ (agent/checkpoint/copy.py), and the nodes may touch nothing else.
   copy_path       = trim(trimprefix(var.checkpoint_copy_to, "gs://${local.copy_bucket}"), "/")
   copy_run_prefix = local.copy_path == "" ? "${var.run_id}/" : "${local.copy_path}/${var.run_id}/"
 

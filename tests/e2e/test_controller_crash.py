@@ -1,12 +1,13 @@
 """Crash safety of the controller against moto in server mode.
 
-For every crash point of the reconcile loop (:data:`spottrain.controller.loop.CRASH_POINTS`)
-a controller process (``tests/ctl_runner.py``) is killed there (``SPOTTRAIN_CRASH_AT``, exit
-status 137), a new one is started on the same run, and once it has settled the fleet in moto
-must match the spec: exactly the target number of live VMs, at most one live VM per node and
-per request id (0 duplicated), and every live VM in the Redis launch ledger as ``launched``
-with its instance id (0 leaked); the ledger must agree with moto both ways and never give two
-records one request id.
+For every crash point of the reconcile loop
+(:data:`spottrain.controller.reconcile.execute.CRASH_POINTS`) a controller process
+(``tests/ctl_runner.py``) is killed there (``SPOTTRAIN_CRASH_AT``, exit status 137), a new
+one is started on the same run, and once it has settled the fleet in moto must match the
+spec: exactly the target number of live VMs, at most one live VM per node and per request id
+(0 duplicated), and every live VM in the Redis launch ledger as ``launched`` with its
+instance id (0 leaked); the ledger must agree with moto both ways and never give two records
+one request id.
 
 Each test has its own moto server and account (:class:`harnesses.aws.AwsHarness`) and its own
 run id. The spec allows one 8-GPU type (p4d.24xlarge) that moto offers in four zones of
@@ -51,7 +52,7 @@ from spec_samples import VALID
 from spottrain.cloud.base import TAG_JOB, TAG_NODE, TAG_REQUEST
 from spottrain.controller.reconcile.execute import CRASH_ENV, CRASH_POINTS
 from spottrain.controller.reconcile.records import ENDED, INTENT, LAUNCHED, Ledger
-from spottrain.controller.reconcile.records import zone_history as RunState
+from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
 

@@ -27,7 +27,7 @@ from spottrain.cloud.local.settings import LocalSettings
 from spottrain.controller.reconcile.controller import Controller, policy_from_spec
 from spottrain.controller.reconcile.drive import ControllerError
 from spottrain.controller.reconcile.records import LAUNCHED
-from spottrain.controller.reconcile.records import zone_history as RunState
+from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.drive import format_summary
 from spottrain.controller.run.embedded_redis import RedisServer

@@ -263,7 +263,9 @@ def test_up_on_aws_records_the_lock_and_sends_it_in_the_user_data(
     from harnesses.aws import AwsHarness
 
     from spottrain.cloud.base import LaunchRequest, Market, Offer
-    from spottrain.controller.runs import RunInfo, boot_renderer, create_run
+    from spottrain.controller.run.code import boot_renderer
+    from spottrain.controller.run.create import create_run
+    from spottrain.controller.run.records import RunInfo
     from spottrain.spec import load_spec
 
     monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
@@ -278,7 +280,7 @@ def test_up_on_aws_records_the_lock_and_sends_it_in_the_user_data(
     assert env_lock_lines(rec) == [
         f"env lock aws: 4 packages, sha256 {rec['aws']['sha256'][:16]} (env-aws.lock)"
     ]
-    from spottrain import cli
+    from spottrain.controller.cli import main as cli
 
     capsys.readouterr()
     assert cli.main(["status", info.run_id]) == 0
@@ -336,7 +338,7 @@ def test_the_lock_command_writes_what_up_would_install(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from spottrain import cli
+    from spottrain.controller.cli import main as cli
 
     job = _aws_job(tmp_path, "redis://127.0.0.1:1/0")
     out = tmp_path / "aws.lock"

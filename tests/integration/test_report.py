@@ -38,7 +38,7 @@ from spottrain.cloud.base import Market, Offer
 from spottrain.controller import report
 from spottrain.controller.cli import report as report_cli
 from spottrain.controller.reconcile.records import ENDED, LAUNCHED, LaunchRecord
-from spottrain.controller.reconcile.records import zone_history as RunState
+from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.archive import archive_run, load_report_data
 from spottrain.controller.run.embedded_redis import RedisServer, free_port

@@ -17,7 +17,8 @@ from spec_samples import LOCAL, VALID, _with
 
 from spottrain.cloud.base import Market
 from spottrain.cloud.local.compute import LocalProvider
-from spottrain.controller.run.providers import build_provider, offer_query
+from spottrain.controller.reconcile.offers import offer_query
+from spottrain.controller.run.providers import build_provider
 from spottrain.spec import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]

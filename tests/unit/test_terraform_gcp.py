@@ -453,7 +453,7 @@ def test_the_granted_prefix_is_where_the_agent_writes(
     )
     assert got["copy_bucket"] == "acme-ckpt"
     assert got["copy_run_prefix"] == prefix
-    # The agent's own object names: the store's path, then the run id (agent/ckpt_copy.py).
+    # The agent's own object names: the store's path, then the run id (agent/checkpoint/copy.py).
     store = parse_store_url(copy_to)
     agent_prefix = "/".join(p for p in (store.path, "r-1") if p) + "/"
     assert (store.bucket, agent_prefix) == (got["copy_bucket"], got["copy_run_prefix"])

@@ -12,10 +12,10 @@ from spottrain.cloud.storage import (
     BucketNotFound,
     LocalStore,
     StoreUrl,
-    open_store,
     parse_store_url,
     validate_key,
 )
+from spottrain.cloud.stores import open_store
 
 FORMS = (
     "s3://BUCKET[/PREFIX], gs://BUCKET[/PREFIX], file:///ABSOLUTE/DIR, or a plain directory path"
@@ -146,6 +146,7 @@ def test_a_store_without_its_sdk_says_which_extra_to_install(
 ) -> None:
     code = (
         "from spottrain.cloud.storage import *\n"
+        "from spottrain.cloud.stores import open_store\n"
         "from spottrain.cloud.aws.s3 import S3Store\n"
         "from spottrain.cloud.gcp.gcs import GcsStore\n"
         "try:\n"

@@ -24,7 +24,7 @@ from spottrain.cloud.base import BadRequestError
 from spottrain.cloud.base.groups import MemberState
 from spottrain.controller.groups.controller import GroupController, group_policy_from_spec
 from spottrain.controller.reconcile.records import ENDED, LAUNCHED
-from spottrain.controller.reconcile.records import zone_history as RunState
+from spottrain.controller.reconcile.state import RunState
 from spottrain.keys import RunKeys
 from spottrain.spec import parse_spec
 
