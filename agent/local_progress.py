@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable
 
-ENV_PROGRESS_FILE = "SPOTTRAIN_PROGRESS_FILE"
+from spottrain.protocol.env import ENV_PROGRESS_FILE
 
 
 class ProgressFile:

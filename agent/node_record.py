@@ -18,8 +18,9 @@ from typing import Any
 import redis
 
 from spottrain.keys import EVENTS_MAXLEN, RunKeys
+from spottrain.protocol.states import NodeState
 
-from .lifecycle import Lifecycle, NodeState
+from .lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class NodeRecord:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
-        self.state = "booting"
+        self.state: str = NodeState.BOOTING
         self._marks: dict[str, str] = {}
 
     def register(self, state: str) -> None:

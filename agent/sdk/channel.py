@@ -12,9 +12,9 @@ import time
 from typing import Any
 
 from spottrain.keys import EVENTS_MAXLEN, RunKeys
+from spottrain.protocol.env import ENV_NODE
 
 from ..checkpoint import dcp_io
-from .env import ENV_NODE
 
 log = logging.getLogger("spottrain.sdk")
 
