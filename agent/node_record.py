@@ -161,7 +161,7 @@ class NodeRecord:
 
     def event(self, type_: str, **fields: Any) -> None:
         """Append an event to the run's stream (kept in a backlog while Redis is away)."""
-        entry = events.envelope(type_, self.info.node_id, **fields)
+        entry = events.envelope(type_, self.info.node_id, at=time.time(), **fields)
         with self._lock:
             self._backlog.append(entry)
         self.flush()

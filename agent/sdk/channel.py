@@ -144,6 +144,7 @@ class RequestChannel:
             entry = events.envelope(
                 "restored",
                 os.environ.get(ENV_NODE, ""),
+                at=time.time(),
                 step=str(step),
                 reached=str(reached),
                 world_size=str(world),
