@@ -27,11 +27,19 @@ from typing import Any
 import redis
 
 from spottrain.keys import RunKeys
+from spottrain.protocol.env import (
+    ENV_CKPT_DIR,
+    ENV_NODE,
+    ENV_PROGRESS_FILE,
+    ENV_REDIS,
+    ENV_REDIS_PASSWORD,
+    ENV_RUN_ID,
+)
+from spottrain.protocol.states import NodeState
 from spottrain.redis_conn import RedisSettings, connect, ping, settings_from_url
 
 from .config import EXIT_CONFIG, EXIT_OK, EXIT_TORCHRUN_FAILED, EXIT_UNHEALTHY, AgentConfig
-from .lifecycle import Lifecycle, NodeState
-from .local_progress import ENV_PROGRESS_FILE
+from .lifecycle import Lifecycle
 from .node_record import NodeInfo, NodeRecord
 from .notices.handler import DrainOutcome, NoticeHandler
 from .notices.notice import Notice, NoticeKind
@@ -247,19 +255,19 @@ class Agent:
         env = {
             **os.environ,
             **self.cfg.extra_env,
-            "SPOTTRAIN_NODE_ID": self.cfg.node_id,
-            "SPOTTRAIN_RUN_ID": self.cfg.run_id,
-            "SPOTTRAIN_REDIS": self.settings.address,
+            ENV_NODE: self.cfg.node_id,
+            ENV_RUN_ID: self.cfg.run_id,
+            ENV_REDIS: self.settings.address,
             # When torchrun itself is stopped (SIGTERM), it kills its workers this long after
             # signalling them: long enough for an emergency checkpoint. (A restart for a
             # membership change uses torch's fixed 30 s instead.)
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(self.cfg.worker_stop_timeout)),
         }
         if self.cfg.ckpt_dir:
-            env["SPOTTRAIN_CKPT_DIR"] = self.cfg.ckpt_dir
+            env[ENV_CKPT_DIR] = self.cfg.ckpt_dir
         env[ENV_PROGRESS_FILE] = self.progress_path
         if self.cfg.password_file:
-            env["SPOTTRAIN_REDIS_PASSWORD"] = self.settings.password or ""
+            env[ENV_REDIS_PASSWORD] = self.settings.password or ""
         with self._launch_lock:
             if self._stopping:
                 return

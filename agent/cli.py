@@ -12,6 +12,30 @@ from collections.abc import Sequence
 
 from spottrain import __version__
 from spottrain.keys import DEFAULT_PREFIX, RunKeys
+from spottrain.protocol.env import (
+    ENV_ADDRESS,
+    ENV_ASG_LIFECYCLE_HOOK,
+    ENV_ASG_NAME,
+    ENV_CKPT_DIR,
+    ENV_CLOUD,
+    ENV_COPY_TO,
+    ENV_EXPECT_GPUS,
+    ENV_INSTANCE_TYPE,
+    ENV_MAX_RESTARTS,
+    ENV_METADATA_ENDPOINT,
+    ENV_NNODES,
+    ENV_NODE,
+    ENV_NPROC_PER_NODE,
+    ENV_ORPHAN_TIMEOUT,
+    ENV_REDIS,
+    ENV_REDIS_PASSWORD_FILE,
+    ENV_RUN_ID,
+    ENV_SELF_TERMINATE_CMD,
+    ENV_SIGTERM_GRACE,
+    ENV_TRAIN_CMD,
+    ENV_WORKER_USER,
+    ENV_ZONE,
+)
 from spottrain.redis_conn import (
     DEFAULT_PASSWORD_ENV,
     RedisAuthError,
@@ -29,7 +53,7 @@ from .watch_cmd import add_watch_parser, run_watch
 CLOUDS = ("local", "aws", "gcp")
 # Every variable `run` reads, filled in as its parser is built (the systemd unit's
 # environment file is checked against it).
-RUN_ENV_VARS: set[str] = {"SPOTTRAIN_TRAIN_CMD"}
+RUN_ENV_VARS: set[str] = {ENV_TRAIN_CMD}
 # --rdzv-conf keys whose value is a secret itself.
 
 
@@ -69,7 +93,7 @@ def _add_leave_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     _add_redis_args(leave)
     leave.add_argument(
         "--node-id",
-        default=os.environ.get("SPOTTRAIN_NODE_ID"),
+        default=os.environ.get(ENV_NODE),
         help="the node to remove (default: $SPOTTRAIN_NODE_ID)",
     )
 
@@ -91,23 +115,21 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _add_run_node_args(run: argparse.ArgumentParser) -> None:
     """Where the job is, who this node is, and what it runs."""
     env = _env
-    run.add_argument("--redis", default=env("SPOTTRAIN_REDIS"), help="redis[s]://HOST:PORT")
-    run.add_argument("--password-file", default=env("SPOTTRAIN_REDIS_PASSWORD_FILE"))
-    run.add_argument("--run-id", default=env("SPOTTRAIN_RUN_ID"))
+    run.add_argument("--redis", default=env(ENV_REDIS), help="redis[s]://HOST:PORT")
+    run.add_argument("--password-file", default=env(ENV_REDIS_PASSWORD_FILE))
+    run.add_argument("--run-id", default=env(ENV_RUN_ID))
     run.add_argument("--key-prefix", default=DEFAULT_PREFIX)
-    run.add_argument("--node-id", default=env("SPOTTRAIN_NODE_ID") or socket.gethostname())
-    run.add_argument("--cloud", default=env("SPOTTRAIN_CLOUD", "local"), choices=CLOUDS)
-    run.add_argument("--zone", default=env("SPOTTRAIN_ZONE", ""))
-    run.add_argument("--instance-type", default=env("SPOTTRAIN_INSTANCE_TYPE", ""))
-    run.add_argument("--address", default=env("SPOTTRAIN_ADDRESS", ""))
-    run.add_argument("--nnodes", default=env("SPOTTRAIN_NNODES", "1:1"), help="MIN:MAX nodes")
-    run.add_argument(
-        "--nproc-per-node", type=int, default=int(env("SPOTTRAIN_NPROC_PER_NODE", "1") or 1)
-    )
+    run.add_argument("--node-id", default=env(ENV_NODE) or socket.gethostname())
+    run.add_argument("--cloud", default=env(ENV_CLOUD, "local"), choices=CLOUDS)
+    run.add_argument("--zone", default=env(ENV_ZONE, ""))
+    run.add_argument("--instance-type", default=env(ENV_INSTANCE_TYPE, ""))
+    run.add_argument("--address", default=env(ENV_ADDRESS, ""))
+    run.add_argument("--nnodes", default=env(ENV_NNODES, "1:1"), help="MIN:MAX nodes")
+    run.add_argument("--nproc-per-node", type=int, default=int(env(ENV_NPROC_PER_NODE, "1") or 1))
     run.add_argument(
         "--expect-gpus",
         type=int,
-        default=int(env("SPOTTRAIN_EXPECT_GPUS", "0") or 0),
+        default=int(env(ENV_EXPECT_GPUS, "0") or 0),
         help="GPUs the health check requires",
     )
     run.add_argument("--no-health-check", action="store_true")
@@ -116,10 +138,10 @@ def _add_run_node_args(run: argparse.ArgumentParser) -> None:
 def _add_run_checkpoint_args(run: argparse.ArgumentParser) -> None:
     """Checkpoints, notices and their deadlines."""
     env = _env
-    run.add_argument("--ckpt-dir", default=env("SPOTTRAIN_CKPT_DIR", ""))
+    run.add_argument("--ckpt-dir", default=env(ENV_CKPT_DIR, ""))
     run.add_argument(
         "--ckpt-copy-to",
-        default=env("SPOTTRAIN_CKPT_COPY_TO", ""),
+        default=env(ENV_COPY_TO, ""),
         help="object storage (s3://, gs://, file://) this node copies its checkpoints to, "
         "and brings the newest copy in from at boot",
     )
@@ -132,13 +154,13 @@ def _add_run_checkpoint_args(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--sigterm-grace",
         type=float,
-        default=float(env("SPOTTRAIN_SIGTERM_GRACE", "60") or 60),
+        default=float(env(ENV_SIGTERM_GRACE, "60") or 60),
         help="deadline given to a SIGTERM (keep it under the unit's TimeoutStopSec)",
     )
     run.add_argument("--worker-stop-timeout", type=float, default=150.0)
     run.add_argument(
         "--metadata-endpoint",
-        default=env("SPOTTRAIN_METADATA_ENDPOINT"),
+        default=env(ENV_METADATA_ENDPOINT),
         help="metadata server override (else AWS_EC2_METADATA_SERVICE_ENDPOINT/GCE_METADATA_HOST)",
     )
     run.add_argument("--poll-interval", type=float, default=2.0)
@@ -150,36 +172,36 @@ def _add_run_fleet_args(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--max-restarts",
         type=int,
-        default=int(env("SPOTTRAIN_MAX_RESTARTS", "100") or 100),
+        default=int(env(ENV_MAX_RESTARTS, "100") or 100),
         help="worker failures torchrun retries (a peer lost without notice costs one)",
     )
     run.add_argument(
         "--asg-name",
-        default=env("SPOTTRAIN_ASG_NAME", ""),
+        default=env(ENV_ASG_NAME, ""),
         help="the Auto Scaling group this VM belongs to (terraform/aws fleets)",
     )
     run.add_argument(
         "--asg-lifecycle-hook",
-        default=env("SPOTTRAIN_ASG_LIFECYCLE_HOOK", ""),
+        default=env(ENV_ASG_LIFECYCLE_HOOK, ""),
         help="the group's termination hook: completed once the emergency checkpoint commits",
     )
     run.add_argument(
         "--orphan-timeout",
         type=float,
-        default=float(env("SPOTTRAIN_ORPHAN_TIMEOUT", "0") or 0),
+        default=float(env(ENV_ORPHAN_TIMEOUT, "0") or 0),
         help="seconds without a controller heartbeat and without a training step on this "
         "node after which the VM drains and ends itself (0: never)",
     )
     run.add_argument(
         "--self-terminate-cmd",
-        default=env("SPOTTRAIN_SELF_TERMINATE_CMD", ""),
+        default=env(ENV_SELF_TERMINATE_CMD, ""),
         help="how this VM ends itself (default: `shutdown -h now`; the local cloud: a signal "
         "to its VM process)",
     )
     run.add_argument("--rdzv-conf", default="", help="k=v,... passed to the Redis rendezvous")
     run.add_argument(
         "--worker-user",
-        default=env("SPOTTRAIN_WORKER_USER", ""),
+        default=env(ENV_WORKER_USER, ""),
         help="run torchrun and the workers as this unprivileged user (the agent must be "
         "root; the systemd unit sets spottrain); empty: the agent's own user",
     )
@@ -212,7 +234,7 @@ def _run(args: argparse.Namespace) -> int:
         names = ", ".join(f"--{n.replace('_', '-')} (SPOTTRAIN_{n.upper()})" for n in missing)
         print(f"spottrain-agent run: missing {names}", file=sys.stderr)
         return 2
-    command = args.train_cmd or shlex.split(os.environ.get("SPOTTRAIN_TRAIN_CMD", ""))
+    command = args.train_cmd or shlex.split(os.environ.get(ENV_TRAIN_CMD, ""))
     conf = {}
     for item in filter(None, args.rdzv_conf.split(",")):
         k, sep, v = item.partition("=")

@@ -18,7 +18,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO
+
+from spottrain.ports import free_port
 
 _WORKER_MODULE = "spottrain.agent.health"
 # More than one element so that a reduce that only half-worked shows; small enough that the
@@ -204,15 +205,6 @@ def run_collective_check(
     return _run_workers(nprocs, timeout, backend, hang_rank)
 
 
-def _free_port() -> int:
-    # Bound and released: rank 0's store binds it again a moment later. Another process
-    # taking it in between fails the check with "address already in use", which a retry of
-    # the agent's start fixes; a tighter handshake is not worth it for a boot check.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _tail(log: IO[bytes]) -> str:
     log.seek(0)
     lines = [ln.strip() for ln in log.read().decode(errors="replace").splitlines() if ln.strip()]
@@ -236,7 +228,10 @@ def _run_workers(
             f"torch is not importable by {sys.executable}: install spottrain[agent] in the "
             "agent's environment"
         )
-    port = _free_port()
+    # Bound and released: rank 0's store binds it again a moment later. Another process
+    # taking it in between fails the check with "address already in use", which a retry of
+    # the agent's start fixes; a tighter handshake is not worth it for a boot check.
+    port = free_port()
     what = f"{backend} all_reduce over {nprocs} processes on 127.0.0.1:{port}"
     env = {
         **os.environ,

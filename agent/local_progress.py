@@ -13,7 +13,8 @@ import os
 import time
 from collections.abc import Callable
 
-ENV_PROGRESS_FILE = "SPOTTRAIN_PROGRESS_FILE"
+from spottrain.fileio import atomic_write
+from spottrain.protocol.env import ENV_PROGRESS_FILE
 
 
 class ProgressFile:
@@ -50,11 +51,9 @@ class ProgressFile:
         if now - self._last_at < self.every_s:
             return
         self._last_at, self._last_step = now, step
-        tmp = f"{self.path}.tmp-{os.getpid()}"
         with contextlib.suppress(OSError):
-            with open(tmp, "w") as f:
-                f.write(f"{step}\n")
-            os.replace(tmp, self.path)
+            # A hint for the orphan watch, rewritten every few seconds: no fsync.
+            atomic_write(self.path, f"{step}\n", durable=False)
 
 
 def read_step(path: str) -> int | None:

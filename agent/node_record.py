@@ -8,7 +8,6 @@ in a short backlog until Redis takes them again.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 import time
@@ -17,9 +16,11 @@ from typing import Any
 
 import redis
 
-from spottrain.keys import EVENTS_MAXLEN, RunKeys
+from spottrain.keys import RunKeys
+from spottrain.protocol import events
+from spottrain.protocol.states import NodeState
 
-from .lifecycle import Lifecycle, NodeState
+from .lifecycle import Lifecycle
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class NodeRecord:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
-        self.state = "booting"
+        self.state: str = NodeState.BOOTING
         self._marks: dict[str, str] = {}
 
     def register(self, state: str) -> None:
@@ -160,12 +161,7 @@ class NodeRecord:
 
     def event(self, type_: str, **fields: Any) -> None:
         """Append an event to the run's stream (kept in a backlog while Redis is away)."""
-        entry = {
-            "type": type_,
-            "node": self.info.node_id,
-            "at": f"{time.time():.3f}",
-            **{k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()},
-        }
+        entry = events.envelope(type_, self.info.node_id, at=time.time(), **fields)
         with self._lock:
             self._backlog.append(entry)
         self.flush()
@@ -175,12 +171,7 @@ class NodeRecord:
             while self._backlog:
                 entry = self._backlog[0]
                 try:
-                    self.client.xadd(
-                        self.keys.events,
-                        entry,
-                        maxlen=EVENTS_MAXLEN,
-                        approximate=True,
-                    )
+                    events.append(self.client, self.keys.events, entry)
                 except redis.RedisError:
                     return
                 self._backlog.popleft()

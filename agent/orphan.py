@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import redis
 
 from spottrain.keys import RunKeys
+from spottrain.protocol.env import ENV_LOCAL_VM_PID
 
 from .local_progress import read_step
 
@@ -38,7 +39,6 @@ log = logging.getLogger(__name__)
 
 # The local cloud's VM process, which a VM's agent signals to end its own VM (SIGUSR2: a
 # shutdown from inside, as `shutdown -h now` is on a real VM).
-ENV_LOCAL_VM_PID = "SPOTTRAIN_LOCAL_VM_PID"
 
 
 @dataclass

@@ -18,7 +18,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-CATALOG_ENV = "SPOTTRAIN_CATALOG"
+from spottrain.protocol.env import ENV_CATALOG
+
 # How an on-demand VM is bought: the word of the cloud layer's ``Market.ON_DEMAND`` (a str
 # enum, so a Market compares equal to its word); the floor does not import the cloud layer.
 ON_DEMAND = "on-demand"
@@ -101,7 +102,7 @@ class Catalog:
         Raises:
             ValueError: the file is not a catalog, with the file and the missing part named.
         """
-        chosen = path or os.environ.get(CATALOG_ENV)
+        chosen = path or os.environ.get(ENV_CATALOG)
         if chosen:
             text = Path(chosen).read_text()
             source = str(chosen)
@@ -137,7 +138,7 @@ class Catalog:
             raise UnknownInstanceType(
                 f"{cloud} instance type {name!r} is not in the catalog{hint}; known: "
                 f"{', '.join(sorted(known))}. spottrain needs its GPU count and price: add it "
-                f"to a copy of the catalog and point {CATALOG_ENV} at it"
+                f"to a copy of the catalog and point {ENV_CATALOG} at it"
             ) from None
 
     def regions(self, cloud: str) -> list[str]:
@@ -160,7 +161,7 @@ class Catalog:
         except KeyError:
             raise UnknownRegion(
                 f"{cloud} region {region!r} has no prices in the catalog; priced regions: "
-                f"{', '.join(table)} (or add it to a copy of the catalog, see {CATALOG_ENV})"
+                f"{', '.join(table)} (or add it to a copy of the catalog, see {ENV_CATALOG})"
             ) from None
 
     def price(self, cloud: str, name: str, region: str, market: str) -> float:

@@ -14,9 +14,10 @@ import re
 import time
 from dataclasses import dataclass
 
+# Importers in controller/ still read it here; its home is the stream's module.
+from spottrain.protocol.events import EVENTS_MAXLEN as EVENTS_MAXLEN
+
 DEFAULT_PREFIX = "spottrain"
-# Every writer of a run's event stream trims it to about this many entries.
-EVENTS_MAXLEN = 100_000
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?\Z")
 _RUN_ID_RE = re.compile(r"^(?P<name>[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?)-(?P<epoch>[0-9]{9,12})\Z")

@@ -17,8 +17,10 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from spottrain.protocol.env import ENV_REDIS_PASSWORD
+
 DEFAULT_PORT = 6379
-DEFAULT_PASSWORD_ENV = "SPOTTRAIN_REDIS_PASSWORD"
+DEFAULT_PASSWORD_ENV = ENV_REDIS_PASSWORD  # the variable read when a spec names none
 
 _HOSTNAME_RE = re.compile(r"^[A-Za-z0-9_.-]+\Z")
 _IPV6_RE = re.compile(r"^[0-9a-fA-F:.]*:[0-9a-fA-F:.]*\Z")

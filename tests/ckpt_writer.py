@@ -34,7 +34,7 @@ from typing import Any
 
 from ckpt_state import state_for
 
-FAILPOINT_ENV = "SPOTTRAIN_FAILPOINT"  # spottrain.agent.checkpoint.failpoints.ENV
+FAILPOINT_ENV = "SPOTTRAIN_FAILPOINT"  # spottrain.protocol.env.ENV_FAILPOINT
 CHILD_TIMEOUT_S = 60
 
 

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from spottrain.fileio import fsync_dir
 from spottrain.keys import RunKeys
 
 from ..node_record import NodeRecord
 from .directory import CheckpointDir
-from .files import fsync_dir
 
 if TYPE_CHECKING:
     from spottrain.cloud.storage import ObjectStore

@@ -33,13 +33,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spottrain.fileio import fsync_dir
+
 from .epochs import Epochs
 from .failpoints import failpoint
 from .files import (
     CheckpointDirError,
     StaleCommitError,
     describe_os_error,
-    fsync_dir,
     step_name,
     write_file_durably,
     writer_tag,

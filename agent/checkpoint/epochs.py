@@ -32,7 +32,9 @@ import time
 import uuid
 from pathlib import Path
 
-from .files import CheckpointDirError, describe_os_error, fsync_dir, write_file_durably
+from spottrain.fileio import fsync_dir
+
+from .files import CheckpointDirError, describe_os_error, write_file_durably
 
 log = logging.getLogger("spottrain.agent.checkpoint.directory")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import signal
 
-ENV = "SPOTTRAIN_FAILPOINT"
+from spottrain.protocol.env import ENV_FAILPOINT
 
-_spec = os.environ.get(ENV, "")
+_spec = os.environ.get(ENV_FAILPOINT, "")
 _name, _, _nth = _spec.partition(":")
 _remaining = int(_nth) if _nth else 1
 

@@ -38,14 +38,6 @@ def describe_os_error(exc: OSError, root: Path, doing: str) -> str:
     return f"checkpoint directory {root}: {doing} failed because {why}; {fix}"
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_file_durably(path: Path, data: bytes, *, failpoint_name: str | None = None) -> None:
     """Write ``data`` to ``path`` and fsync it (the directory entry is the caller's job)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import redis
 
 from spottrain.keys import RunKeys
+from spottrain.protocol.states import NodeState
 
-from ..lifecycle import Lifecycle, NodeState
+from ..lifecycle import Lifecycle
 from ..node_record import NodeRecord
 from .notice import Notice
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spottrain.keys import DEFAULT_PREFIX, RunKeys
+from spottrain.protocol.env import ENV_NODE
 from spottrain.redis_conn import (
     DEFAULT_PASSWORD_ENV,
     RedisConfigError,
@@ -42,7 +43,6 @@ DEFAULT_TTL_S = 24 * 3600
 # Store reads block up to this long (torch's c10d default is 60 s).
 DEFAULT_READ_TIMEOUT_S = 60
 
-NODE_ID_ENV = "SPOTTRAIN_NODE_ID"
 
 # Keys torchrun itself puts in the conf: --rdzv-timeout ends up as "timeout" and --node-rank
 # as "rank"; torch's own c10d keys are accepted so a command line can switch backends.
@@ -215,7 +215,7 @@ def parse_config(
             run_id=run_id,
             redis=redis,
             key_prefix=str(conf.get("key_prefix", DEFAULT_PREFIX)),
-            node_id=str(conf.get("node_id") or env.get(NODE_ID_ENV) or socket.gethostname()),
+            node_id=str(conf.get("node_id") or env.get(ENV_NODE) or socket.gethostname()),
             ttl_s=_as_int(conf, "ttl", DEFAULT_TTL_S),
             read_timeout_s=_as_int(conf, "read_timeout", DEFAULT_READ_TIMEOUT_S),
             join_timeout_s=_as_int(conf, "join_timeout", join_default),

@@ -51,6 +51,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousExitOp,
 )
 
+from spottrain.protocol.env import ENV_RDZV_MEMBER, ENV_ROUND
 from spottrain.redis_conn import connect, describe_error
 
 from .backend import MemberGoneError, RedisRendezvousBackend
@@ -60,9 +61,6 @@ from .state_holder import OwnMemberGoneError, RedisStateHolder, member_name
 from .store import RedisStore
 
 log = logging.getLogger(__name__)
-
-ROUND_ENV = "SPOTTRAIN_RDZV_ROUND"
-MEMBER_ENV = "SPOTTRAIN_RDZV_MEMBER"
 
 
 class BrokenRoundError(RendezvousError):
@@ -251,8 +249,8 @@ class RedisRendezvousHandler(DynamicRendezvousHandler):
         self._joined_round = state.round
         self._joined_members = frozenset(state.participants)
         self._last_reason = None
-        os.environ[ROUND_ENV] = str(state.round)
-        os.environ[MEMBER_ENV] = self.member
+        os.environ[ENV_ROUND] = str(state.round)
+        os.environ[ENV_RDZV_MEMBER] = self.member
         try:
             ordered = sorted(state.participants, key=lambda n: state.participants[n])
             self._backend.publish_view(

@@ -66,15 +66,19 @@ a ``checkpoint-refused`` event in the run's stream and a count in ``ckpt:refused
 (the all-reduced flags), :mod:`.channel` (rank 0's Redis link: requests in, reports out, the
 fence), :mod:`.signals` (SIGTERM), :mod:`.state` (:class:`ModelState`, :class:`RngState`, the
 staging copy of an asynchronous save), :mod:`.batch` (:class:`GlobalBatch`), :mod:`.timing`
-(step and compute times), :mod:`.tracking` (wandb), :mod:`.env` (the environment it reads) and
-:mod:`.token_cache` (tokenized data cached on the shared volume). The names above are
-importable from this package; it loads each module on first use, so the token cache's
-tokenizing processes do not import torch.
+(step and compute times), :mod:`.tracking` (wandb) and :mod:`.token_cache` (tokenized data
+cached on the shared volume). The names above are importable from this package; it loads each
+module on first use, so the token cache's tokenizing processes do not import torch. The
+environment variables it reads are the floor's (:mod:`spottrain.protocol.env`), re-exported
+here under their documented names.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+# The environment the SDK reads: names of the floor's (no torch behind them).
+from spottrain.protocol.env import ENV_CKPT_DIR, ENV_COPY_TO, ENV_NODE, ENV_REDIS, ENV_ROUND
 
 # The public names, imported from their modules on first use: the token cache's tokenizing
 # processes import ``spottrain.agent.sdk.token_cache`` without paying for torch.
@@ -83,11 +87,6 @@ _EXPORTS = {
     "ModelState": "state",
     "RngState": "state",
     "TrainSession": "session",
-    "ENV_CKPT_DIR": "env",
-    "ENV_COPY_TO": "env",
-    "ENV_NODE": "env",
-    "ENV_REDIS": "env",
-    "ENV_ROUND": "env",
 }
 
 __all__ = [
@@ -104,7 +103,6 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .batch import GlobalBatch
-    from .env import ENV_CKPT_DIR, ENV_COPY_TO, ENV_NODE, ENV_REDIS, ENV_ROUND
     from .session import TrainSession
     from .state import ModelState, RngState
 

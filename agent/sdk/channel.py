@@ -11,10 +11,11 @@ import threading
 import time
 from typing import Any
 
-from spottrain.keys import EVENTS_MAXLEN, RunKeys
+from spottrain.keys import RunKeys
+from spottrain.protocol import events
+from spottrain.protocol.env import ENV_NODE
 
 from ..checkpoint import dcp_io
-from .env import ENV_NODE
 
 log = logging.getLogger("spottrain.sdk")
 
@@ -69,17 +70,9 @@ class RequestChannel:
                         row = {k: str(progress[k]) for k in ("step", "world_size", "round")}
                         if "loss" in progress:
                             row["loss"] = str(progress["loss"])
-                        pipe.xadd(
-                            self.keys.events,
-                            {
-                                "type": "progress",
-                                "node": os.environ.get(ENV_NODE, ""),
-                                "at": f"{progress['at']:.3f}",
-                                **row,
-                            },
-                            maxlen=EVENTS_MAXLEN,
-                            approximate=True,
-                        )
+                        node = os.environ.get(ENV_NODE, "")
+                        entry = events.envelope("progress", node, at=progress["at"], **row)
+                        events.append(pipe, self.keys.events, entry)
                     pipe.execute()
                 self._warned = False
             except Exception as exc:
@@ -148,20 +141,16 @@ class RequestChannel:
         try:
             reached = max(int(float(self.client.hget(self.keys.progress, "step") or 0)), step)
             pipe = self.client.pipeline(transaction=False)
-            pipe.xadd(
-                self.keys.events,
-                {
-                    "type": "restored",
-                    "node": os.environ.get(ENV_NODE, ""),
-                    "at": f"{time.time():.3f}",
-                    "step": str(step),
-                    "reached": str(reached),
-                    "world_size": str(world),
-                    "round": str(round_),
-                },
-                maxlen=EVENTS_MAXLEN,
-                approximate=True,
+            entry = events.envelope(
+                "restored",
+                os.environ.get(ENV_NODE, ""),
+                at=time.time(),
+                step=str(step),
+                reached=str(reached),
+                world_size=str(world),
+                round=str(round_),
             )
+            events.append(pipe, self.keys.events, entry)
             pipe.rpush(self.keys.restores, json.dumps({"step": step, "reached": reached}))
             pipe.execute()
         except Exception as exc:
@@ -187,11 +176,8 @@ class RequestChannel:
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(self.keys.ckpt_last, mapping=record)
-            pipe.xadd(
-                self.keys.events,
-                {"type": "checkpoint-committed", **{k: str(v) for k, v in record.items()}},
-                maxlen=EVENTS_MAXLEN,
-                approximate=True,
+            events.append(
+                pipe, self.keys.events, events.record_event("checkpoint-committed", record)
             )
             pipe.execute()
         except Exception as exc:
@@ -225,12 +211,7 @@ class RequestChannel:
             pipe = self.client.pipeline(transaction=True)
             pipe.hincrby(self.keys.ckpt_refused, "count", 1)
             pipe.hset(self.keys.ckpt_refused, mapping=record)
-            pipe.xadd(
-                self.keys.events,
-                {"type": "checkpoint-refused", **record},
-                maxlen=EVENTS_MAXLEN,
-                approximate=True,
-            )
+            events.append(pipe, self.keys.events, events.record_event("checkpoint-refused", record))
             pipe.execute()
         except Exception as exc:
             log.warning("refused checkpoint not reported to Redis: %s", exc)

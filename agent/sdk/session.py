@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spottrain.protocol.env import ENV_CKPT_DIR, ENV_NODE, ENV_REDIS, ENV_ROUND, ENV_RUN_ID
 from spottrain.tracking import Tracker, WandbSettings
 
 from ..checkpoint import dcp_io
@@ -26,7 +27,6 @@ from ..checkpoint.manifest import Manifest
 from ..local_progress import ProgressFile
 from .agreement import _DRAIN, _EARLY, _PERIODIC, _REQUEST, _SIGTERM, _ZEROS, Agreement, local_flags
 from .channel import RequestChannel
-from .env import ENV_CKPT_DIR, ENV_NODE, ENV_REDIS, ENV_ROUND
 from .signals import EXIT_TRACKING_S, SignalWatch, exit_clean
 from .state import stage
 from .timing import StepTimer
@@ -108,9 +108,7 @@ class TrainSession:
         self.node = os.environ.get(ENV_NODE, socket.gethostname())
         self._start_groups()
         self._start_loop_state()
-        self.run_id = (
-            run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SPOTTRAIN_RUN_ID")
-        )
+        self.run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(ENV_RUN_ID)
         self._requests = RequestChannel(
             redis_url if redis_url is not None else os.environ.get(ENV_REDIS),
             self.run_id,
@@ -486,5 +484,5 @@ def _use_cuda_device(device: int | None) -> None:
 def _generation(round_: int, node: str) -> str:
     """A name for this session's generation of writers, unique to it: a rendezvous round
     may repeat (a new rendezvous state starts again at 0), so the round only describes it."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SPOTTRAIN_RUN_ID") or "-"
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(ENV_RUN_ID) or "-"
     return f"run {run} round {round_} node {node} pid {os.getpid()} {uuid.uuid4().hex[:12]}"

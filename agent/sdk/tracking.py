@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from spottrain.protocol.env import ENV_COPY_TO
 from spottrain.tracking import Tracker, WandbSettings, active_run, run_id_for, start_run
 
 from ..checkpoint import dcp_io
-from .env import ENV_COPY_TO
 
 
 def start_tracker(

@@ -24,6 +24,7 @@ from typing import Any
 import redis
 
 from spottrain.keys import RunKeys
+from spottrain.protocol.env import ENV_NODE
 
 from ..processes import descendants, running, torchrun_command
 
@@ -64,7 +65,7 @@ class LocalNode:
         self.node_id = node_id
         self.command = list(command)
         self.log_path = Path(log_path)
-        self.env = {**os.environ, **(env or {}), "SPOTTRAIN_NODE_ID": node_id}
+        self.env = {**os.environ, **(env or {}), ENV_NODE: node_id}
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None

@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict
 
+from spottrain.protocol.env import ENV_PREFIX
+
 _DIGEST_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}\Z")
 _COMMIT_RE = re.compile(r"^([0-9a-f]{40}|[0-9a-f]{64})\Z")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -66,7 +68,7 @@ def _check_secret_names(v: Mapping[str, str]) -> None:
     for name, secret in v.items():
         if not _ENV_NAME_RE.match(name):
             raise ValueError(f"{name!r} is not an environment variable name")
-        if name.startswith("SPOTTRAIN_"):
+        if name.startswith(ENV_PREFIX):
             raise ValueError(f"{name}: SPOTTRAIN_* variables are set by spottrain itself")
         try:
             check_secret_name(secret)

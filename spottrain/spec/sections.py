@@ -10,6 +10,7 @@ from typing import Any, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
+from spottrain.protocol.env import ENV_PREFIX
 from spottrain.redis_conn import DEFAULT_PASSWORD_ENV, RedisConfigError, parse_endpoint
 
 from .fields import (
@@ -64,7 +65,7 @@ class TrainSpec(_Model):
     @classmethod
     def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
         for name in v:
-            if name.startswith("SPOTTRAIN_"):
+            if name.startswith(ENV_PREFIX):
                 raise ValueError(f"{name}: SPOTTRAIN_* variables are set by spottrain itself")
             if _SECRET_ENV_PARTS.search(name.upper()):
                 # Never echo the value; env is rendered into the boot script in the clear.

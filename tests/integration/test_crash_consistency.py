@@ -26,13 +26,15 @@ from ckpt_state import assert_bitwise_equal, state_for, zeros_like
 
 from spottrain.agent.checkpoint import dcp_io
 from spottrain.agent.checkpoint.directory import CheckpointDir, step_name
-from spottrain.agent.checkpoint.failpoints import ENV
 from spottrain.agent.checkpoint.manifest import Manifest, verify_files
+from spottrain.protocol.env import ENV_FAILPOINT
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
     # The saves below run in this process: an armed failpoint would kill pytest.
-    pytest.mark.skipif(bool(os.environ.get(ENV)), reason=f"{ENV} is set for the test process"),
+    pytest.mark.skipif(
+        bool(os.environ.get(ENV_FAILPOINT)), reason=f"{ENV_FAILPOINT} is set for the test process"
+    ),
 ]
 
 WRITER = Path(__file__).resolve().parents[1] / "ckpt_writer.py"
@@ -87,7 +89,7 @@ class Trial:
         return argv
 
     def env(self) -> dict[str, str]:
-        return {} if self.arm_later else {ENV: f"{self.failpoint}:{self.dies_in}"}
+        return {} if self.arm_later else {ENV_FAILPOINT: f"{self.failpoint}:{self.dies_in}"}
 
 
 TRIALS = (
@@ -116,7 +118,10 @@ class WriterServer:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env={**{k: v for k, v in os.environ.items() if k != ENV}, "OMP_NUM_THREADS": "1"},
+            env={
+                **{k: v for k, v in os.environ.items() if k != ENV_FAILPOINT},
+                "OMP_NUM_THREADS": "1",
+            },
         )
         assert self._reply() == {"ready": True}
 
@@ -231,7 +236,7 @@ def test_an_armed_shard_failpoint_not_yet_due_writes_intact_checkpoints(
     root = tmp_path / "ckpt"
     root.mkdir()
     argv = [str(root), "--round", "1", "--last", "2", "--threads", "2", "--scale", "4"]
-    out = writer.run(argv, {ENV: "shard:1000000"}, tmp_path / "writer.log")
+    out = writer.run(argv, {ENV_FAILPOINT: "shard:1000000"}, tmp_path / "writer.log")
     assert out.returncode == 0, out.output
     ckdir = CheckpointDir(root)
     assert ckdir.find_restorable() is not None

@@ -22,10 +22,11 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 from spottrain.agent.rendezvous.config import RendezvousConfigError
-from spottrain.agent.rendezvous.handler import ROUND_ENV, RedisRendezvousHandler, create_handler
+from spottrain.agent.rendezvous.handler import RedisRendezvousHandler, create_handler
 from spottrain.agent.rendezvous.membership import leave_node
 from spottrain.controller.run.embedded_redis import RedisServer, free_port
 from spottrain.keys import RunKeys
+from spottrain.protocol.env import ENV_ROUND
 
 FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 2, "last_call_timeout": 8}
 
@@ -106,7 +107,7 @@ def test_round_is_exported_to_workers_and_published_as_the_view(
 ) -> None:
     hs = spawn(handlers, redis_server.endpoint, run_keys.run_id, 1, max_nodes=1)
     hs[0].next_rendezvous()
-    assert os.environ[ROUND_ENV] == str(hs[0].round)
+    assert os.environ[ENV_ROUND] == str(hs[0].round)
     view = redis_client.hgetall(run_keys.rdzv_view)
     assert int(view[b"round"]) == hs[0].round
     assert view[b"world_size"] == b"1"

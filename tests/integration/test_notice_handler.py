@@ -17,12 +17,13 @@ import torch
 
 from spottrain.agent.checkpoint import dcp_io
 from spottrain.agent.checkpoint.directory import CheckpointDir
-from spottrain.agent.lifecycle import Lifecycle, NodeState
+from spottrain.agent.lifecycle import Lifecycle
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.agent.notices.handler import NoticeHandler, _covers
 from spottrain.agent.notices.notice import Notice, NoticeKind
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
+from spottrain.protocol.states import NodeState
 from spottrain.redis_conn import RedisSettings, connect
 
 

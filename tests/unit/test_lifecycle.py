@@ -1,6 +1,6 @@
-"""The node lifecycle state machine (spottrain.agent.lifecycle): the table as written down,
-every allowed and every refused move, the history and its clock, and concurrent advances.
-Pure: no I/O."""
+"""The node lifecycle state machine (the table in spottrain.protocol.states, walked by
+spottrain.agent.lifecycle): the table as written down, every allowed and every refused move,
+the history and its clock, and concurrent advances. Pure: no I/O."""
 
 from __future__ import annotations
 
@@ -11,14 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from spottrain.agent.lifecycle import (
-    TERMINAL,
-    TRANSITIONS,
-    IllegalTransition,
-    Lifecycle,
-    NodeState,
-    Transition,
-)
+from spottrain.agent.lifecycle import Lifecycle, Transition
+from spottrain.protocol.states import TERMINAL, TRANSITIONS, IllegalTransition, NodeState
 
 S = NodeState
 

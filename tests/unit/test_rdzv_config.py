@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from spottrain.agent.rendezvous.config import (
-    NODE_ID_ENV,
     RedisRendezvousConfig,
     RendezvousConfigError,
     parse_config,
 )
+from spottrain.protocol.env import ENV_NODE
 from spottrain.redis_conn import DEFAULT_PASSWORD_ENV, RedisSettings
 
 RUN_ID = "train-gpt-1732270000"
@@ -60,7 +60,7 @@ def refused(
 
 
 def test_the_defaults_suit_a_spot_fleet() -> None:
-    cfg = parse(environ={NODE_ID_ENV: "node-a"})
+    cfg = parse(environ={ENV_NODE: "node-a"})
     assert cfg.keep_alive_interval_s == 1
     assert cfg.keep_alive_max_attempt == 5
     assert cfg.dead_after_s == 5
@@ -75,7 +75,7 @@ def test_the_defaults_suit_a_spot_fleet() -> None:
 
 
 def test_the_redis_settings_come_from_the_endpoint_with_no_tls_and_no_password() -> None:
-    cfg = parse(environ={NODE_ID_ENV: "node-a"})
+    cfg = parse(environ={ENV_NODE: "node-a"})
     assert cfg.redis == RedisSettings(host="redis.internal", port=6379)
     assert cfg.redis.password is None
     assert cfg.redis.tls is False
@@ -347,7 +347,7 @@ def test_the_environ_argument_is_used_instead_of_the_process_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(DEFAULT_PASSWORD_ENV, "from-os")
-    monkeypatch.setenv(NODE_ID_ENV, "os-node")
+    monkeypatch.setenv(ENV_NODE, "os-node")
     cfg = parse(environ={})
     assert cfg.redis.password is None
     assert cfg.node_id != "os-node"
@@ -355,7 +355,7 @@ def test_the_environ_argument_is_used_instead_of_the_process_environment(
 
 def test_without_environ_the_process_environment_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DEFAULT_PASSWORD_ENV, "from-os")
-    monkeypatch.setenv(NODE_ID_ENV, "os-node")
+    monkeypatch.setenv(ENV_NODE, "os-node")
     cfg = parse_config(endpoint=ENDPOINT, run_id=RUN_ID, conf={})
     assert cfg.redis.password == "from-os"
     assert cfg.node_id == "os-node"
@@ -365,12 +365,12 @@ def test_without_environ_the_process_environment_is_read(monkeypatch: pytest.Mon
 
 
 def test_the_node_id_comes_from_the_conf_first() -> None:
-    cfg = parse({"node_id": "conf-node"}, environ={NODE_ID_ENV: "env-node"})
+    cfg = parse({"node_id": "conf-node"}, environ={ENV_NODE: "env-node"})
     assert cfg.node_id == "conf-node"
 
 
 def test_the_node_id_comes_from_spottrain_node_id_when_the_conf_has_none() -> None:
-    assert parse(environ={NODE_ID_ENV: "env-node"}).node_id == "env-node"
+    assert parse(environ={ENV_NODE: "env-node"}).node_id == "env-node"
 
 
 def test_the_node_id_falls_back_to_the_host_name(monkeypatch: pytest.MonkeyPatch) -> None:

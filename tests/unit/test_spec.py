@@ -385,14 +385,15 @@ def test_agreement_lag_is_two_of_the_sdks_agreement_spacings(
 def test_window_model_matches_the_agents_defaults() -> None:
     import inspect
 
-    from spottrain.agent import sdk, watchers
+    from spottrain.agent import sdk
+    from spottrain.agent.notices import poll_loop
     from spottrain.agent.sdk import agreement
 
     params = inspect.signature(sdk.TrainSession.__init__).parameters
     assert params["agree_interval"].default == AGREE_INTERVAL_S
     assert params["poll_interval"].default == REQUEST_POLL_S
     assert agreement._MAX_AGREE_EVERY == MAX_AGREE_EVERY
-    assert watchers.DEFAULT_INTERVAL_S == NOTICE_DETECT_S
+    assert poll_loop.DEFAULT_INTERVAL_S == NOTICE_DETECT_S
 
 
 @pytest.mark.parametrize(

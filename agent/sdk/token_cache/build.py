@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from spottrain.fileio import fsync_dir
+
 from .digests import changed, read_error
 from .format import (
     FORMAT_VERSION,
@@ -26,7 +28,6 @@ from .format import (
     TokenCacheError,
     Tokenizer,
     dir_error,
-    fsync_dir,
     log,
     token_dtype,
     unlink,

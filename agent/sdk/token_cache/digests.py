@@ -7,11 +7,12 @@ import contextlib
 import hashlib
 import json
 import os
-import socket
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from spottrain.fileio import atomic_write
 
 from .format import (
     DIGESTS_DIR,
@@ -163,15 +164,12 @@ class Digests:
         if entry is None:
             return
         record = {"path": str(src.path.resolve()), "identity": src.identity, "sha256": digest}
-        tmp = entry.with_name(f"{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}")
         try:
             entry.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, entry)
+            # A cache of digests: losing it to a crash only costs hashing again.
+            atomic_write(entry, json.dumps(record), durable=False)
         except OSError as exc:
             # A read-only cache directory: the key is still right, the next open hashes again.
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             log.debug("cannot record the digest of %s in %s: %s", src.path, entry.parent, exc)
 
 

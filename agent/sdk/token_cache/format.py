@@ -144,14 +144,6 @@ def token_dtype(vocab_size: int) -> np.dtype[Any]:
 
 
 # -- file system helpers ----------------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def unlink(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()

@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .format import DTYPES, FORMAT_VERSION, READ_BYTES, Paths, Verify, fsync_dir, log, unlink
+from spottrain.fileio import fsync_dir
+
+from .format import DTYPES, FORMAT_VERSION, READ_BYTES, Paths, Verify, log, unlink
 
 
 class Corrupt(Exception):

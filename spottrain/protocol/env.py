@@ -1,0 +1,61 @@
+"""The ``SPOTTRAIN_*`` environment variables, by name, in one place.
+
+Who sets them and who reads them:
+
+- the boot script (``bootstrap``) sets the agent's: run, node, cloud, Redis, the training
+  command and the node shape; ``spottrain-agent run`` reads each as the default of a flag;
+- the agent sets the workers' (torchrun and the training script): node, run, Redis, the
+  checkpoint directory; the rendezvous handler adds the round and the member;
+- the SDK (:mod:`spottrain.agent.sdk`) reads the workers' (``ENV_CKPT_DIR``, ``ENV_REDIS``,
+  ``ENV_ROUND``, ``ENV_NODE``, ``ENV_COPY_TO`` are its documented names);
+- operators and tests set the rest (home, catalog, failpoints, crash points).
+
+The names are a format: a fleet's boot script and the agent it installs may come from
+different releases, so a name never changes.
+"""
+
+from __future__ import annotations
+
+# Every spottrain variable starts so (the job spec refuses to set one of them in train.env).
+ENV_PREFIX = "SPOTTRAIN_"
+
+# -- the worker's, read by the SDK (documented; re-exported by spottrain.agent.sdk) ---------
+ENV_CKPT_DIR = "SPOTTRAIN_CKPT_DIR"
+ENV_REDIS = "SPOTTRAIN_REDIS"
+ENV_ROUND = "SPOTTRAIN_RDZV_ROUND"
+ENV_NODE = "SPOTTRAIN_NODE_ID"
+ENV_COPY_TO = "SPOTTRAIN_CKPT_COPY_TO"
+
+# -- the agent's, set by the boot script (each the default of a `spottrain-agent run` flag) --
+ENV_RUN_ID = "SPOTTRAIN_RUN_ID"
+ENV_CLOUD = "SPOTTRAIN_CLOUD"
+ENV_ZONE = "SPOTTRAIN_ZONE"
+ENV_INSTANCE_TYPE = "SPOTTRAIN_INSTANCE_TYPE"
+ENV_ADDRESS = "SPOTTRAIN_ADDRESS"
+ENV_NNODES = "SPOTTRAIN_NNODES"
+ENV_NPROC_PER_NODE = "SPOTTRAIN_NPROC_PER_NODE"
+ENV_EXPECT_GPUS = "SPOTTRAIN_EXPECT_GPUS"
+ENV_TRAIN_CMD = "SPOTTRAIN_TRAIN_CMD"
+ENV_ORPHAN_TIMEOUT = "SPOTTRAIN_ORPHAN_TIMEOUT"
+ENV_REDIS_PASSWORD = "SPOTTRAIN_REDIS_PASSWORD"
+ENV_REDIS_PASSWORD_FILE = "SPOTTRAIN_REDIS_PASSWORD_FILE"
+ENV_SIGTERM_GRACE = "SPOTTRAIN_SIGTERM_GRACE"
+ENV_METADATA_ENDPOINT = "SPOTTRAIN_METADATA_ENDPOINT"
+ENV_MAX_RESTARTS = "SPOTTRAIN_MAX_RESTARTS"
+ENV_ASG_NAME = "SPOTTRAIN_ASG_NAME"
+ENV_ASG_LIFECYCLE_HOOK = "SPOTTRAIN_ASG_LIFECYCLE_HOOK"
+ENV_SELF_TERMINATE_CMD = "SPOTTRAIN_SELF_TERMINATE_CMD"
+ENV_WORKER_USER = "SPOTTRAIN_WORKER_USER"
+
+# -- set by the rendezvous handler for the workers of one round -------------------------------
+ENV_RDZV_MEMBER = "SPOTTRAIN_RDZV_MEMBER"
+
+# -- the local cloud and the local launcher --------------------------------------------------
+ENV_LOCAL_VM_PID = "SPOTTRAIN_LOCAL_VM_PID"  # the local VM's pid: how its agent ends it
+ENV_PROGRESS_FILE = "SPOTTRAIN_PROGRESS_FILE"  # where the local launcher's workers report
+
+# -- operators and tests --------------------------------------------------------------------
+ENV_HOME = "SPOTTRAIN_HOME"  # the controller's run records (default ~/.spottrain)
+ENV_CATALOG = "SPOTTRAIN_CATALOG"  # a catalog file in place of the shipped one
+ENV_FAILPOINT = "SPOTTRAIN_FAILPOINT"  # the checkpoint writer's failpoints (tests)
+ENV_CRASH_AT = "SPOTTRAIN_CRASH_AT"  # crash the controller at a named point (tests)
