@@ -22,6 +22,7 @@ import logging
 from collections import Counter
 from typing import Any
 
+from spottrain.protocol import events as stream
 from spottrain.spec import JobSpec
 from spottrain.tracking import Tracker, WandbSettings, run_id_for, start_run
 
@@ -149,7 +150,7 @@ class FleetTracker:
     # -- the event stream -----------------------------------------------------------------
     def _new_events(self) -> list[tuple[str, dict[str, str]]]:
         """Fleet events after the logged position, which moves past them."""
-        cursor = self.state.ctl().get(_CURSOR, "0-0")
+        cursor = self.state.ctl().get(_CURSOR, stream.START)
         out: list[tuple[str, dict[str, str]]] = []
         last = cursor
         for eid, fields in self._events(cursor, limit=_PER_PASS):
@@ -167,16 +168,14 @@ class FleetTracker:
         out: list[tuple[str, dict[str, str]]] = []
         start = after
         while len(out) < limit:
-            batch = client.xrange(key, min=start, max="+", count=_BATCH)
-            fresh = [(i, f) for i, f in batch if start == "-" or i.decode() != start]
-            for raw_id, raw in fresh:
-                fields = {k.decode(): v.decode() for k, v in raw.items()}
+            batch = stream.read(client, key, after=start, count=_BATCH)
+            for fields in batch:
+                start = fields.pop("id")
                 if after == "-" and fields.get("type") not in FLEET_EVENTS:
                     continue
-                out.append((raw_id.decode(), fields))
-            if len(batch) < _BATCH or not batch:
+                out.append((start, fields))
+            if len(batch) < _BATCH:
                 break
-            start = batch[-1][0].decode()
         return out
 
     def _warn(self, message: str) -> None:

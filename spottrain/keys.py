@@ -14,9 +14,6 @@ import re
 import time
 from dataclasses import dataclass
 
-# Importers in controller/ still read it here; its home is the stream's module.
-from spottrain.protocol.events import EVENTS_MAXLEN as EVENTS_MAXLEN
-
 DEFAULT_PREFIX = "spottrain"
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?\Z")

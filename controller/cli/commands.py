@@ -28,6 +28,7 @@ from spottrain.controller.run.env_lock import clouds_to_lock, env_lock_lines, pa
 from spottrain.controller.run.records import RunError, RunInfo, find_run
 from spottrain.controller.run.run_redis import restart_embedded_redis
 from spottrain.controller.run.wiring import spawn_controller
+from spottrain.protocol import events as stream
 from spottrain.spec import JobSpec, SpecError, WindowCheck, check_notice_windows, load_spec
 
 
@@ -181,15 +182,13 @@ def logs(args: argparse.Namespace) -> int:
             err(f"run {info.run_id}: its Redis does not answer and it left no event log")
             return EXIT_FAILED
         for line in archived.read_text().splitlines():
-            say(_format_event(json.loads(line)))
+            say(_format_event(stream.from_archive_line(line)))
         return EXIT_OK
-    last = "0-0"
+    last = stream.START
     while True:
-        for entry_id, fields in state.client.xrange(
-            state.keys.events, min=f"({last}" if last != "0-0" else "-"
-        ):
-            last = entry_id.decode()
-            say(_format_event({k.decode(): v.decode() for k, v in fields.items()}))
+        for row in stream.read(state.client, state.keys.events, after=last):
+            last = row["id"]
+            say(_format_event(row))
         if not args.follow:
             return EXIT_OK
         try:

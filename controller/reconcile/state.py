@@ -17,7 +17,8 @@ from typing import Any
 
 import redis
 
-from spottrain.keys import EVENTS_MAXLEN, RunKeys
+from spottrain.keys import RunKeys
+from spottrain.protocol import events as stream
 
 from .records import LaunchRecord, Ledger
 from .types import Restore
@@ -163,21 +164,12 @@ class RunState:
     def events(self) -> list[dict[str, str]]:
         """Every event of the run still in the stream, oldest first, each with its stream
         id as ``id``."""
-        out = []
-        for entry_id, fields in self.client.xrange(self.keys.events):
-            row = {k.decode(): v.decode() for k, v in fields.items()}
-            row["id"] = entry_id.decode()
-            out.append(row)
-        return out
+        return stream.read(self.client, self.keys.events)
 
     def event(self, type_: str, **fields: Any) -> None:
-        entry = {
-            "type": type_,
-            "node": "controller",
-            "at": f"{time.time():.3f}",
-            **{k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()},
-        }
-        self.client.xadd(self.keys.events, entry, maxlen=EVENTS_MAXLEN, approximate=True)
+        # ``at`` from this module's clock: tests freeze it by patching this module's ``time``.
+        entry = stream.envelope(type_, "controller", at=time.time(), **fields)
+        stream.append(self.client, self.keys.events, entry)
 
     # --- the lease -----------------------------------------------------------------------
     def acquire(self, owner: str, ttl_s: float) -> bool:

@@ -30,7 +30,7 @@ from spottrain.controller.report.timelines import (
     _vms_from_ledger,
     _world_timeline,
 )
-from spottrain.keys import EVENTS_MAXLEN
+from spottrain.protocol.events import EVENTS_MAXLEN
 
 if TYPE_CHECKING:
     from spottrain.controller.reconcile.records import LaunchRecord

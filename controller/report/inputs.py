@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from spottrain.controller.report.model import ReportInputs
 from spottrain.keys import RunKeys
+from spottrain.protocol import events as stream
 
 if TYPE_CHECKING:
     import redis
@@ -42,8 +43,7 @@ def read_archive_inputs(run_dir: Path) -> ReportInputs:
     if path.exists():
         for line in path.read_text().splitlines():
             if line.strip():
-                row = json.loads(line)
-                events.append({str(k): str(v) for k, v in row.items()})
+                events.append(stream.from_archive_line(line))
     from spottrain.controller.reconcile.records import LaunchRecord
 
     launches = None

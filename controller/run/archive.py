@@ -20,6 +20,7 @@ from spottrain.controller.report.model import NoReportData, ReportData
 from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.run_redis import open_redis
 from spottrain.keys import RunKeys
+from spottrain.protocol import events as stream
 
 
 def archive_run(info: RunInfo, client: redis.Redis, summary: dict[str, Any]) -> None:
@@ -27,7 +28,7 @@ def archive_run(info: RunInfo, client: redis.Redis, summary: dict[str, Any]) -> 
     keys = RunKeys(info.run_id)
     with open(info.dir / "events.jsonl", "w") as f:
         for row in RunState(client, keys).events():
-            f.write(json.dumps(row) + "\n")
+            f.write(stream.to_archive_line(row) + "\n")
     (info.dir / "summary.json").write_text(json.dumps(summary, indent=1))
     write_report_inputs(info.dir, client, keys)
 
