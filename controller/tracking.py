@@ -23,6 +23,7 @@ from collections import Counter
 from typing import Any
 
 from spottrain.protocol import events as stream
+from spottrain.protocol.states import TRAINING
 from spottrain.spec import JobSpec
 from spottrain.tracking import Tracker, WandbSettings, run_id_for, start_run
 
@@ -50,8 +51,6 @@ FLEET_EVENTS = {
     "checkpoint-copied": "checkpoint_copies",
 }
 BACKFILLS = ("launched", "adopted")
-# Agent states of a node whose workers are in the training round.
-TRAINING_STATES = frozenset({"joined", "checkpointing"})
 TABLE_COLUMNS = ("at", "type", "node", "vm", "zone", "detail")
 _CURSOR = "tracking_events_id"
 _BATCH = 1000
@@ -111,7 +110,7 @@ class FleetTracker:
             "fleet/step": s.step,
             "fleet/world_size": s.world_size,
             "fleet/nodes": len(s.nodes),
-            "fleet/nodes_training": sum(1 for st in s.nodes.values() if st in TRAINING_STATES),
+            "fleet/nodes_training": sum(1 for st in s.nodes.values() if st in TRAINING),
             "fleet/preemptions": s.preemptions,
             "fleet/steps_lost": s.steps_lost,
             "fleet/spent_usd": round(s.spent_usd, 6),

@@ -29,6 +29,7 @@ from spottrain.controller.run.records import RunError, RunInfo, find_run
 from spottrain.controller.run.run_redis import restart_embedded_redis
 from spottrain.controller.run.wiring import spawn_controller
 from spottrain.protocol import events as stream
+from spottrain.protocol.states import RunPhase
 from spottrain.spec import JobSpec, SpecError, WindowCheck, check_notice_windows, load_spec
 
 
@@ -193,7 +194,7 @@ def logs(args: argparse.Namespace) -> int:
             return EXIT_OK
         try:
             time.sleep(1.0)
-            if state.ctl().get("phase") in ("done", "failed") and not args.follow:
+            if state.ctl().get("phase") in (RunPhase.DONE, RunPhase.FAILED) and not args.follow:
                 return EXIT_OK
         except KeyboardInterrupt:
             return EXIT_OK

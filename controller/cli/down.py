@@ -30,6 +30,7 @@ from spottrain.controller.run.providers import build_providers
 from spottrain.controller.run.records import RunError, RunInfo, find_run
 from spottrain.controller.run.run_redis import stop_embedded_redis
 from spottrain.controller.run.wiring import build_controller
+from spottrain.protocol.states import TERMINAL, RunPhase
 from spottrain.spec import JobSpec
 
 
@@ -67,7 +68,7 @@ def down(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     if state is not None:
         with contextlib.suppress(Exception):
-            state.set_ctl(stopped="down", phase="down")
+            state.set_ctl(stopped="down", phase=RunPhase.DOWN)
             state.event("down", left=len(left), drained=int(not now))
             archive_run(info, state.client, asdict(summarize(state, time.time())))
     if info.embedded_redis:
@@ -85,9 +86,6 @@ def drain_timeout(spec: JobSpec) -> float:
     return min(60.0, *spec.notice_windows.values()) + 30.0
 
 
-_DRAINED = ("left", "failed")
-
-
 def _drain_launched(
     info: RunInfo, spec: JobSpec, providers: dict[str, Provider], state: RunState, timeout: float
 ) -> list[str]:
@@ -101,7 +99,7 @@ def _drain_launched(
     beats = state.heartbeats(sorted(alive))
     # A node whose agent has not registered, or no longer beats, has nobody to ask.
     asked = sorted(
-        n for n in alive if agents.get(n, {}).get("state") not in (None, *_DRAINED) and beats.get(n)
+        n for n in alive if agents.get(n, {}).get("state") not in {None, *TERMINAL} and beats.get(n)
     )
     if not state.ctl().get("stopping"):
         state.set_ctl(stopping="down", stopping_since=str(time.time()))
@@ -121,7 +119,7 @@ def _drain_launched(
         asked = [
             n
             for n in asked
-            if n in alive and records.get(n, {}).get("state") not in _DRAINED and beats.get(n)
+            if n in alive and records.get(n, {}).get("state") not in TERMINAL and beats.get(n)
         ]
     last = state.ckpt_last()
     if asked:
@@ -175,7 +173,7 @@ def _down_fleet(info: RunInfo, timeout: float, *, now: bool = False) -> int:
         err(f"cannot end the run's VMs: {e}")
         return EXIT_FAILED
     with contextlib.suppress(Exception):
-        ctl.state.set_ctl(stopped="down", phase="down")
+        ctl.state.set_ctl(stopped="down", phase=RunPhase.DOWN)
         ctl.state.event("down", left=len(left))
         archive_run(info, ctl.state.client, asdict(summarize(ctl.state, time.time())))
     if left:

@@ -23,12 +23,12 @@ from typing import Any
 from spottrain.catalog import Catalog, bundled
 from spottrain.cloud.base import Offer, region_of_zone
 from spottrain.cloud.base.groups import Group, Member
+from spottrain.protocol.states import LedgerStatus
 from spottrain.spec import JobSpec
 
 from ..reconcile.drive import drive_passes
 from ..reconcile.ledger import CountPreemption, Note, PutRecord
 from ..reconcile.observe import catalog_offer, od_price
-from ..reconcile.records import LAUNCHED
 from ..reconcile.state import RunState
 from ..reconcile.summary import Summary, finished, summarize
 from .fold import ForgetAgent, GroupStep, Pricing, Unmark, fold_group
@@ -244,7 +244,11 @@ class GroupController:
 
     # --- the run -------------------------------------------------------------------------
     def live_vms(self) -> list[str]:
-        return [r.node for r in self.state.ledger().records.values() if r.status == LAUNCHED]
+        return [
+            r.node
+            for r in self.state.ledger().records.values()
+            if r.status == LedgerStatus.LAUNCHED
+        ]
 
     def done(self) -> bool:
         """Over: stopped or finished, and the group holds no VM."""

@@ -13,9 +13,10 @@ from typing import Any
 
 from spottrain.cloud.base import Market, Offer
 from spottrain.cloud.base.groups import GroupView, Member, MemberState
+from spottrain.protocol.states import LedgerStatus
 
 from ..reconcile.ledger import CountPreemption, Note, PutRecord
-from ..reconcile.records import ENDED, LAUNCHED, LaunchRecord, Ledger
+from ..reconcile.records import LaunchRecord, Ledger
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def fold_group(
                     {"vm": m.id, "node_name": m.id, "zone": m.zone, "itype": m.instance_type},
                 )
             )
-        elif rec is not None and rec.status == ENDED and m.state.alive:
+        elif rec is not None and rec.status == LedgerStatus.ENDED and m.state.alive:
             rec = _reincarnated(m, rec, now, "restarted by group", pricing, out)
         elif rec is not None and mark.get("removed_at") is not None and registered_anew:
             # An agent registered after the removal: the group replaced the VM in place.
@@ -100,7 +101,7 @@ def _new_record(m: Member, now: float, why: str, pricing: Pricing, out: Folded) 
         request_id=m.id,
         offer=offer,
         launched_at=now,
-        status=LAUNCHED,
+        status=LedgerStatus.LAUNCHED,
         instance_id=m.id,
         od_price=pricing.od_price(offer),
         reason=why,
@@ -115,7 +116,11 @@ def _reincarnated(
     """A new VM under an old name (a GCP MIG recreates members by name): the old VM's
     record is kept under ``<name>@<launch time>`` so its cost still counts, and the name
     starts a new record."""
-    old = rec if rec.status == ENDED else replace(rec, status=ENDED, ended_at=now, reason=why)
+    old = (
+        rec
+        if rec.status == LedgerStatus.ENDED
+        else replace(rec, status=LedgerStatus.ENDED, ended_at=now, reason=why)
+    )
     archived = replace(old, node=f"{m.id}@{old.launched_at:.0f}")
     out.ledger.records[archived.node] = archived
     out.marks.pop(m.id, None)
@@ -130,7 +135,7 @@ def _reincarnated(
 def _end_gone(view: GroupView, now: float, out: Folded) -> None:
     listed = {m.id: m for m in view.members}
     for node, rec in list(out.ledger.records.items()):
-        if rec.status != LAUNCHED:
+        if rec.status != LedgerStatus.LAUNCHED:
             continue
         seen = listed.get(node)
         if seen is not None and seen.state is not MemberState.GONE:
@@ -139,7 +144,7 @@ def _end_gone(view: GroupView, now: float, out: Folded) -> None:
         interrupted = not removed and rec.offer.market is Market.SPOT
         rec = replace(
             rec,
-            status=ENDED,
+            status=LedgerStatus.ENDED,
             ended_at=now,
             interrupted=interrupted,
             reason="removed" if removed else (seen.status if seen else "gone"),

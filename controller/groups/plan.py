@@ -25,11 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spottrain.cloud.base.groups import Member, MemberState
+from spottrain.protocol.states import TERMINAL, TRAINING, NodeState
 
-# What an agent reports (spottrain.agent.lifecycle.NodeState values), as plain words: the
-# controller reads them from Redis and must not import the agent.
-_SPENT = frozenset({"left", "failed"})
-_TRAINING = frozenset({"joined", "checkpointing", "draining"})
+# Agents in the training round, or draining out of it (still holding their place).
+_TRAINING = TRAINING | {NodeState.DRAINING}
 
 
 @dataclass(frozen=True)
@@ -151,18 +150,20 @@ class GroupPlan:
 
 
 def _spent(m: MemberObs) -> bool:
-    return m.agent_state in _SPENT
+    return m.agent_state in TERMINAL
 
 
 def broken(policy: GroupPolicy, m: MemberObs, now: float) -> bool:
     """A running VM whose agent failed, went silent, or never came up."""
     if m.member.state is not MemberState.RUNNING:
         return False
-    if m.agent_state == "failed":
+    if m.agent_state == NodeState.FAILED:
         return True
     if m.agent_state is None:
         return now - m.first_seen > policy.boot_timeout_s
-    return not m.alive_beat and m.agent_state not in _SPENT and now - m.first_seen > policy.silent_s
+    return (
+        not m.alive_beat and m.agent_state not in TERMINAL and now - m.first_seen > policy.silent_s
+    )
 
 
 def _victim_order(policy: GroupPolicy, m: MemberObs, now: float) -> tuple[int, int, float, str]:
@@ -175,7 +176,7 @@ def _victim_order(policy: GroupPolicy, m: MemberObs, now: float) -> tuple[int, i
 def _held_without_agent(m: MemberObs) -> bool:
     """Held by a termination hook with nobody left to complete it."""
     return m.member.waiting_on_hook and (
-        m.agent_state in _SPENT or m.agent_state is None or not m.alive_beat
+        m.agent_state in TERMINAL or m.agent_state is None or not m.alive_beat
     )
 
 
@@ -236,7 +237,7 @@ def plan_group(policy: GroupPolicy, obs: GroupObserved) -> GroupPlan:
     by_id = {m.id: m for m in obs.members}
     for member_id in [*to_remove, *spent]:
         m = by_id[member_id]
-        if m.agent_state in _SPENT or m.agent_state is None:
+        if m.agent_state in TERMINAL or m.agent_state is None:
             actions.append(ReleaseMember(member_id, f"agent {m.agent_state or 'never started'}"))
 
     if obs.group_target < wanted:

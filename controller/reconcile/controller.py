@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from spottrain.catalog import Catalog, bundled
 from spottrain.cloud.base import Instance, Offer, Provider
+from spottrain.protocol.states import LIVE_LAUNCHES
 from spottrain.spec import JobSpec, Placement
 
 from .drive import drive_passes
@@ -24,7 +25,7 @@ from .ledger import redrive
 from .observe import Observer, od_price
 from .planner import plan
 from .progress import MoveCopy, after_pass, stop_progress
-from .records import INTENT, LAUNCHED, Ledger
+from .records import Ledger
 from .state import RunState
 from .summary import Summary, finished, summarize
 from .types import Observed, Plan, Policy
@@ -174,15 +175,13 @@ class Controller:
 
     def live_vms(self) -> list[str]:
         """Nodes whose VM may still run, by the ledger."""
-        return [
-            r.node for r in self.state.ledger().records.values() if r.status in (INTENT, LAUNCHED)
-        ]
+        return [r.node for r in self.state.ledger().records.values() if r.status in LIVE_LAUNCHES]
 
     def done(self) -> bool:
         """The run is over: stopped or finished, and no VM of it runs."""
         ctl = self.state.ctl()
         ledger = self.state.ledger()
-        live = [r for r in ledger.records.values() if r.status in (INTENT, LAUNCHED)]
+        live = [r for r in ledger.records.values() if r.status in LIVE_LAUNCHES]
         return (finished(self.state) or bool(ctl.get("stopped"))) and not live
 
     def summary(self) -> Summary:

@@ -14,6 +14,7 @@ from typing import Protocol
 import redis
 
 from spottrain.cloud.base import AuthError, ProviderError
+from spottrain.protocol.states import RunPhase
 
 from .state import LeaseLost, RunState
 from .summary import Summary
@@ -185,7 +186,7 @@ def _one_pass(ctl: Driven, on_pass: Callable[[Summary], object] | None) -> Summa
     if on_pass is not None:
         on_pass(summary)
     if ctl.done():
-        phase = "failed" if state.ctl().get("error") else "done"
+        phase = RunPhase.FAILED if state.ctl().get("error") else RunPhase.DONE
         state.set_ctl(phase=phase)
         return ctl.summary()
     return None

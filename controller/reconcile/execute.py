@@ -26,6 +26,7 @@ from spottrain.cloud.base import (
     QuotaError,
     TransientError,
 )
+from spottrain.protocol.states import LedgerStatus
 from spottrain.spec import JobSpec
 
 from .ledger import (
@@ -39,7 +40,7 @@ from .ledger import (
     Step,
 )
 from .progress import DelCtl, ProgressStep
-from .records import FAILED, LAUNCHED, LaunchRecord
+from .records import LaunchRecord
 from .state import RunState
 from .types import Action, Drain, Launch, Move, NodeObs, Penalise, Report, Stop, Terminate
 
@@ -121,7 +122,7 @@ class Executor:
     def redrive(self, actions: Iterable[Resend | GiveUp]) -> None:
         for a in actions:
             if isinstance(a, GiveUp):
-                self.state.update_launch(a.node, status=FAILED, reason=a.reason)
+                self.state.update_launch(a.node, status=LedgerStatus.FAILED, reason=a.reason)
             else:
                 self.send_launch(a.record, a.block_s, a.refusal_block_s)
 
@@ -196,7 +197,7 @@ class Executor:
             # A human has to raise the quota or fix the setting.
             self.state.block(offer.key, self.clock() + refusal_block_s)
             crash_point("after-block")
-            self.state.update_launch(rec.node, status=FAILED, reason=str(e))
+            self.state.update_launch(rec.node, status=LedgerStatus.FAILED, reason=str(e))
             self.state.set_ctl(last_refusal=str(e))
             self.state.event("launch-refused", node_name=rec.node, error=str(e))
             return
@@ -205,7 +206,7 @@ class Executor:
             self.state.event("launch-retry", node_name=rec.node, error=str(e))
             return
         crash_point("after-launch")
-        self.state.update_launch(rec.node, status=LAUNCHED, instance_id=inst.id)
+        self.state.update_launch(rec.node, status=LedgerStatus.LAUNCHED, instance_id=inst.id)
         if offer.market is Market.SPOT:
             self.state.client.hdel(self.state.keys.ctl, "spot_short_since")
         crash_point("after-launch-record")
@@ -223,7 +224,9 @@ class Executor:
         offer = rec.offer
         now = self.clock()
         self.state.block(offer.key, now + block_s)
-        self.state.update_launch(rec.node, status=FAILED, reason=f"capacity: {message}")
+        self.state.update_launch(
+            rec.node, status=LedgerStatus.FAILED, reason=f"capacity: {message}"
+        )
         if offer.market is Market.SPOT and not self.state.ctl().get("spot_short_since"):
             self.state.set_ctl(spot_short_since=str(now))
         crash_point("after-block")

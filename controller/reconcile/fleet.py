@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from typing import TypeVar, overload
 
 from spottrain.cloud.base import InstanceState
+from spottrain.protocol.states import NodeState
 
-from .types import BOOTING, DRAINING, FAILED, LEFT, NodeObs, Policy
+from .types import NodeObs, Policy
 
 _K = TypeVar("_K", float, str)
 
@@ -27,7 +28,7 @@ def is_lost(n: NodeObs, now: float, policy: Policy) -> bool:
 
 
 # Agent states after which a node needs a look each pass (a timeout, an end, a replacement).
-_WATCHED_AGENT_STATES = (BOOTING, FAILED, LEFT, DRAINING)
+_WATCHED_AGENT_STATES = (NodeState.BOOTING, NodeState.FAILED, NodeState.LEFT, NodeState.DRAINING)
 
 
 def is_settled(n: NodeObs) -> bool:

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spottrain.cloud.base import Instance, InstanceState, Offer
+from spottrain.protocol.states import LIVE_LAUNCHES, LedgerStatus, NodeState
 
-from .records import ENDED, FAILED, INTENT, LAUNCHED, LaunchRecord, Ledger
-from .types import JOINED, Observed, Policy
+from .records import LaunchRecord, Ledger
+from .types import Observed, Policy
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,12 @@ def fold_ledger(
         out.records[node] = _fold_node(rec, insts, now, steps)
     for node, rec in list(out.records.items()):
         # Listed before, gone now: the cloud forgot it (a DELETE-on-preempt VM).
-        if rec.status == LAUNCHED and node not in by_node and now - rec.launched_at > lost_grace_s:
-            rec = replace(rec, status=ENDED, ended_at=now, reason="vanished")
+        if (
+            rec.status == LedgerStatus.LAUNCHED
+            and node not in by_node
+            and now - rec.launched_at > lost_grace_s
+        ):
+            rec = replace(rec, status=LedgerStatus.ENDED, ended_at=now, reason="vanished")
             out.records[node] = rec
             steps += [
                 PutRecord(rec),
@@ -123,7 +128,7 @@ def _adopt(
         request_id=inst.request_id,
         offer=offer,
         launched_at=inst.launched_at or now,
-        status=LAUNCHED,
+        status=LedgerStatus.LAUNCHED,
         instance_id=inst.id,
         od_price=od_price(offer),
         reason="adopted",
@@ -137,9 +142,9 @@ def _fold_node(
     node = rec.node
     mine = [i for i in insts if i.request_id == rec.request_id] or insts
     inst = mine[0]
-    if rec.status in (FAILED, ENDED) and inst.state.alive:
+    if rec.status in (LedgerStatus.FAILED, LedgerStatus.ENDED) and inst.state.alive:
         # A VM the ledger gave up on runs after all (a late answer): count it again.
-        rec = replace(rec, status=LAUNCHED, instance_id=inst.id, ended_at=None)
+        rec = replace(rec, status=LedgerStatus.LAUNCHED, instance_id=inst.id, ended_at=None)
         steps += [
             PutRecord(rec),
             Note("adopted", {"vm": inst.id, "node_name": node, "why": "late launch"}),
@@ -148,14 +153,14 @@ def _fold_node(
         if extra is not inst and extra.state.alive:
             # Two VMs claim one node: keep the ledger's, end the other.
             steps.append(EndDuplicate(node, extra, "a second VM for the same node"))
-    if rec.status in (INTENT, LAUNCHED) and inst.state.alive:
-        if rec.status == INTENT or rec.instance_id != inst.id:
-            rec = replace(rec, status=LAUNCHED, instance_id=inst.id)
+    if rec.status in LIVE_LAUNCHES and inst.state.alive:
+        if rec.status == LedgerStatus.INTENT or rec.instance_id != inst.id:
+            rec = replace(rec, status=LedgerStatus.LAUNCHED, instance_id=inst.id)
             steps.append(PutRecord(rec))
-    elif rec.status in (INTENT, LAUNCHED) and inst.state is InstanceState.TERMINATED:
+    elif rec.status in LIVE_LAUNCHES and inst.state is InstanceState.TERMINATED:
         rec = replace(
             rec,
-            status=ENDED,
+            status=LedgerStatus.ENDED,
             instance_id=inst.id,
             ended_at=now,
             interrupted=inst.interrupted,
@@ -188,7 +193,7 @@ def bookkeeping(obs: Observed) -> tuple[Observed, list[Step]]:
     if obs.finished and obs.finished_at is None:
         steps.append(SetCtl({"finished_at": str(obs.now)}))
         obs = replace(obs, finished_at=obs.now)
-    if any(n.agent_state == JOINED for n in obs.nodes) and obs.bad_streak:
+    if any(n.agent_state == NodeState.JOINED for n in obs.nodes) and obs.bad_streak:
         steps.append(SetCtl({"bad_streak": "0"}))
         obs = replace(obs, bad_streak=0)
     return obs, steps
@@ -202,7 +207,7 @@ def redrive(
     shows up later is adopted)."""
     out: list[Resend | GiveUp] = []
     for rec in ledger.records.values():
-        if rec.status != INTENT or rec.node in listed:
+        if rec.status != LedgerStatus.INTENT or rec.node in listed:
             continue
         if now - rec.launched_at > policy.lost_grace_s:
             out.append(GiveUp(rec.node, "launch never confirmed"))

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from spottrain.catalog import Catalog
 from spottrain.cloud.base import AuthError, Instance, Market, Offer, Provider, ProviderError
 from spottrain.controller.reconcile.offers import offer_query
+from spottrain.protocol.states import LIVE_LAUNCHES
 from spottrain.spec import JobSpec
 
 from .ledger import CountPreemption, Step, bookkeeping, fold_ledger
-from .records import INTENT, LAUNCHED, Ledger, zone_history
+from .records import Ledger, zone_history
 from .state import RunState
 from .summary import finished, node_compute_s
 from .types import NodeObs, Observed
@@ -140,7 +141,7 @@ class Observer:
         return Observation(obs, ledger, by_node, [*steps, *more], errors)
 
     def _nodes(self, ledger: Ledger, by_node: Mapping[str, Instance], now: float) -> list[NodeObs]:
-        live_records = [r for r in ledger.records.values() if r.status in (INTENT, LAUNCHED)]
+        live_records = [r for r in ledger.records.values() if r.status in LIVE_LAUNCHES]
         names = [r.node for r in live_records]
         agents = self.state.node_records(names)
         beats = self.state.heartbeats(names)

@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from spottrain.protocol.states import LEAVING, TERMINAL
+
 from .ledger import Note, SetCtl
-from .types import DRAINING, FAILED, LEFT, Observed, Plan
+from .types import Observed, Plan
 
 # A move whose old agents all stopped waits this long for the newest commit's copy.
 MOVE_QUIET_S = 15.0
@@ -33,7 +35,10 @@ def stop_progress(
         return obs, []
     since = float(ctl.get("stopping_since", obs.now))
     agents_left = all(
-        n.agent_state in (LEFT, FAILED, None) or n.instance is None or not n.instance.state.alive
+        n.agent_state is None
+        or n.agent_state in TERMINAL
+        or n.instance is None
+        or not n.instance.state.alive
         for n in obs.nodes
     )
     if agents_left or obs.now - since > stop_timeout_s:
@@ -64,8 +69,7 @@ def after_pass(
     staying = [
         n
         for n in obs.nodes
-        if (n.instance is None or n.instance.state.alive)
-        and n.agent_state not in (DRAINING, LEFT, FAILED)
+        if (n.instance is None or n.instance.state.alive) and n.agent_state not in LEAVING
     ]
     steps: list[ProgressStep] = []
     updates: dict[str, str] = {"reason": p.reason}

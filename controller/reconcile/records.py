@@ -10,10 +10,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from spottrain.cloud.base import Market, Offer
+from spottrain.protocol.states import LedgerStatus
 
 from .types import ZoneHistory
-
-INTENT, LAUNCHED, FAILED, ENDED = "intent", "launched", "failed", "ended"
 
 
 def offer_to_dict(o: Offer) -> dict[str, Any]:
@@ -42,7 +41,7 @@ class LaunchRecord:
     request_id: str
     offer: Offer
     launched_at: float
-    status: str = INTENT
+    status: str = LedgerStatus.INTENT
     instance_id: str = ""
     ended_at: float | None = None
     interrupted: bool = False
@@ -63,7 +62,7 @@ class LaunchRecord:
 
     def hours(self, now: float) -> float:
         """VM-hours this launch has run (a refused launch ran none)."""
-        if self.status == FAILED:
+        if self.status == LedgerStatus.FAILED:
             return 0.0
         end = self.ended_at if self.ended_at is not None else now
         return max(0.0, end - self.launched_at) / 3600.0

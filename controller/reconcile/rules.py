@@ -14,16 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from spottrain.cloud.base import InstanceState, Offer
+from spottrain.protocol.states import LEAVING, TERMINAL, TRAINING, NodeState
 
 from .fleet import FleetIndex, Tally, decrement, is_lost, is_settled, majority_home
 from .pricing import candidates, hourly_cost, spread_pick, zone_key
 from .types import (
-    BOOTING,
-    CHECKPOINTING,
-    DRAINING,
-    FAILED,
-    JOINED,
-    LEFT,
     Action,
     Drain,
     Launch,
@@ -99,7 +94,7 @@ def _finished(policy: Policy, obs: Observed) -> Plan:
         for n in _live_all(policy, obs)
         if n.instance is not None
         and n.instance.state.alive
-        and (late or n.agent_state in (LEFT, FAILED, None) or not n.alive_beat)
+        and (late or n.agent_state is None or n.agent_state in TERMINAL or not n.alive_beat)
     ]
     return Plan(
         tuple(ends),
@@ -151,7 +146,7 @@ class Pass:
 
     def is_staying(self, n: NodeObs) -> bool:
         """A VM that runs (or will) and whose agent is not leaving."""
-        return n.name not in self.gone and n.agent_state not in (DRAINING, LEFT, FAILED)
+        return n.name not in self.gone and n.agent_state not in LEAVING
 
     def staying_all(self) -> list[NodeObs]:
         now, policy = self.obs.now, self.policy
@@ -197,12 +192,15 @@ def bad_nodes(p: Pass) -> None:
     for n in p.live:
         if n.instance is None or not n.instance.state.alive:
             continue
-        if n.health_failed or n.agent_state == FAILED:
+        if n.health_failed or n.agent_state == NodeState.FAILED:
             p.actions.append(Terminate(n.name, n.instance.id, "its agent failed"))
             if n.offer is not None:
                 p.actions.append(Penalise(zone_key(n.offer), f"node {n.name} was bad", node=n.name))
             p.gone.add(n.name)
-        elif n.agent_state in (None, BOOTING) and now - n.launched_at > policy.boot_timeout_s:
+        elif (
+            n.agent_state in (None, NodeState.BOOTING)
+            and now - n.launched_at > policy.boot_timeout_s
+        ):
             why = f"not healthy {policy.boot_timeout_s:.0f} s after launch"
             p.actions.append(Terminate(n.name, n.instance.id, why))
             if n.offer is not None:
@@ -210,7 +208,7 @@ def bad_nodes(p: Pass) -> None:
                     Penalise(zone_key(n.offer), f"node {n.name} never booted", node=n.name)
                 )
             p.gone.add(n.name)
-        elif n.agent_state == LEFT:
+        elif n.agent_state == NodeState.LEFT:
             p.actions.append(Terminate(n.name, n.instance.id, "its agent left (drained or done)"))
             p.gone.add(n.name)
     p.n_staying = p.tally.settled
@@ -252,7 +250,7 @@ def straggler(
         and n.name not in skip
         and n.instance is not None
         and n.instance.state.alive
-        and n.agent_state == JOINED
+        and n.agent_state == NodeState.JOINED
     ]
     if len(timed) < 3:
         return None
@@ -297,7 +295,7 @@ def handover(p: Pass) -> None:
         r = replacements.get(n.name)
         if r is None:
             p.uncovered.append(n)
-        elif r.agent_state == JOINED and n.agent_state in (JOINED, CHECKPOINTING):
+        elif r.agent_state == NodeState.JOINED and n.agent_state in TRAINING:
             why = f"{n.name} at risk ({n.at_risk}): replacement {r.name} joined; draining {n.name}"
             p.actions.append(Drain(n.name, why))
             p.reasons.append(why)

@@ -7,7 +7,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .records import INTENT, LAUNCHED, Ledger
+from spottrain.protocol.states import LEAVING, LIVE_LAUNCHES, RunPhase
+
+from .records import Ledger
 from .state import RunState
 
 
@@ -68,18 +70,18 @@ def summarize(state: RunState, now: float) -> Summary:
     ctl = state.ctl()
     ledger = state.ledger()
     progress = state.progress()
-    names = [r.node for r in ledger.records.values() if r.status in (INTENT, LAUNCHED)]
+    names = [r.node for r in ledger.records.values() if r.status in LIVE_LAUNCHES]
     agents = state.node_records(names)
     nodes = {}
     for r in sorted(ledger.records.values(), key=lambda r: r.launched_at):
-        if r.status in (INTENT, LAUNCHED):
+        if r.status in LIVE_LAUNCHES:
             nodes[r.node] = agents.get(r.node, {}).get("state", "launching")
     restores = state.restores()
     lost = sum(max(0, r.reached_step - r.restored_step) for r in restores)
     preempted = sum(1 for r in ledger.records.values() if r.interrupted)
     last = state.ckpt_last()
     loss = progress.get("loss")
-    phase = ctl.get("phase") or ("stopping" if ctl.get("stopping") else "running")
+    phase = ctl.get("phase") or (RunPhase.STOPPING if ctl.get("stopping") else RunPhase.RUNNING)
     final = _final_step(progress, last)
     return Summary(
         phase=phase,
@@ -99,13 +101,13 @@ def summarize(state: RunState, now: float) -> Summary:
 
 def _at_risk_lines(ledger: Ledger, agents: Mapping[str, Mapping[str, str]]) -> list[str]:
     """One line per live node at risk of preemption, and how its replacement is doing."""
-    live = {r.node: r for r in ledger.records.values() if r.status in (INTENT, LAUNCHED)}
+    live = {r.node: r for r in ledger.records.values() if r.status in LIVE_LAUNCHES}
     by_target = {r.replaces: r.node for r in live.values() if r.replaces}
     lines = []
     for node in sorted(live):
         why = agents.get(node, {}).get("at_risk")
         state = agents.get(node, {}).get("state")
-        if not why or state in ("draining", "left", "failed"):
+        if not why or state in LEAVING:
             continue
         r = by_target.get(node)
         if r is None:

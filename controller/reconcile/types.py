@@ -14,11 +14,6 @@ from enum import StrEnum
 from spottrain.cloud.base import Instance, Offer
 from spottrain.spec import SpotPolicy
 
-# Agent states (spottrain.agent.lifecycle.NodeState values), spelt here so the planner
-# depends on nothing but data.
-BOOTING, HEALTHY, JOINED = "booting", "healthy", "joined"
-CHECKPOINTING, DRAINING, LEFT, FAILED = "checkpointing", "draining", "left", "failed"
-
 
 @dataclass(frozen=True)
 class Policy:

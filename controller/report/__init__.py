@@ -32,7 +32,6 @@ from spottrain.controller.report.inputs import (
     write_report_inputs,
 )
 from spottrain.controller.report.model import (
-    ENDED_PHASES,
     CostPoint,
     Figures,
     NodesPoint,
@@ -47,6 +46,7 @@ from spottrain.controller.report.model import (
 )
 from spottrain.controller.report.png import render_png
 from spottrain.controller.report.text import text_summary
+from spottrain.protocol.states import ENDED_PHASES
 
 __all__ = [
     "ENDED_PHASES",

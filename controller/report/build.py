@@ -7,7 +7,6 @@ import itertools
 from typing import TYPE_CHECKING, Any
 
 from spottrain.controller.report.model import (
-    ENDED_PHASES,
     CostPoint,
     Figures,
     NodesPoint,
@@ -31,6 +30,7 @@ from spottrain.controller.report.timelines import (
     _world_timeline,
 )
 from spottrain.protocol.events import EVENTS_MAXLEN
+from spottrain.protocol.states import ENDED_PHASES
 
 if TYPE_CHECKING:
     from spottrain.controller.reconcile.records import LaunchRecord

@@ -10,11 +10,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from spottrain.controller.reconcile.records import LaunchRecord
 
-# Phases after which nothing of the run changes any more: its timeline ends at its last record.
-ENDED_PHASES = frozenset({"done", "failed", "down"})
-# Agent states in which a node's workers are in the training world.
-TRAINING_STATES = frozenset({"joined", "checkpointing"})
-LEAVING_STATES = frozenset({"draining", "left", "failed"})
 # Controller events that end a node's VM (``node_name`` names the node).
 VM_END_EVENTS = frozenset({"preempted", "vm-ended", "terminate"})
 

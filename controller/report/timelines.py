@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from spottrain.controller.report.model import (
-    LEAVING_STATES,
-    TRAINING_STATES,
     VM_END_EVENTS,
     CostPoint,
     NodesPoint,
@@ -21,6 +19,7 @@ from spottrain.controller.report.model import (
     VmSpan,
     WorldPoint,
 )
+from spottrain.protocol.states import LEAVING, TRAINING, LedgerStatus
 
 if TYPE_CHECKING:
     from spottrain.controller.reconcile.records import LaunchRecord
@@ -72,9 +71,9 @@ def _nodes_timeline(
             state = _unquote(row.get("state", ""))
             if node in ended:
                 continue
-            if state in TRAINING_STATES:
+            if state in TRAINING:
                 training.add(node)
-            elif state in LEAVING_STATES:
+            elif state in LEAVING:
                 training.discard(node)
         elif kind in VM_END_EVENTS and row.get("node") == "controller":
             node = _unquote(row.get("node_name", ""))
@@ -199,11 +198,10 @@ def _preemptions(
 
 
 def _vms_from_ledger(launches: list[LaunchRecord]) -> list[VmSpan]:
-    from spottrain.controller.reconcile.records import FAILED
 
     out = []
     for r in sorted(launches, key=lambda r: (r.launched_at, r.node)):
-        if r.status == FAILED:
+        if r.status == LedgerStatus.FAILED:
             continue  # refused by the cloud: nothing ran, nothing is billed
         out.append(
             VmSpan(

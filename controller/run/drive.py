@@ -16,6 +16,7 @@ from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.run_redis import stop_embedded_redis
 from spottrain.controller.run.wiring import build_controller
 from spottrain.controller.tracking import FleetTracker
+from spottrain.protocol.states import RunPhase
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -96,7 +97,7 @@ def drive_run(
     except ControllerError as e:
         view(f"spottrain: the controller stopped: {e}")
         try:
-            ctl.state.set_ctl(phase="failed", error=str(e))
+            ctl.state.set_ctl(phase=RunPhase.FAILED, error=str(e))
             summary = ctl.summary()
         except redis.RedisError:
             # Its Redis is gone: nothing to record or archive; the VMs train on.

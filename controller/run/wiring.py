@@ -27,6 +27,7 @@ from spottrain.controller.run.providers import (
 from spottrain.controller.run.records import RunInfo
 from spottrain.controller.run.run_redis import open_redis
 from spottrain.keys import RunKeys
+from spottrain.protocol.states import RunPhase
 
 
 def build_controller(
@@ -48,7 +49,7 @@ def build_controller(
     state = RunState(client, keys)
     if spec.fleet is not None:
         if not state.ctl().get("started_at"):
-            state.set_ctl(started_at=str(time.time()), phase="running")
+            state.set_ctl(started_at=str(time.time()), phase=RunPhase.RUNNING)
         return GroupController(
             spec=spec,
             run_id=info.run_id,
@@ -70,7 +71,7 @@ def build_controller(
     ctl = state.ctl()
     started = float(ctl.get("started_at") or time.time())
     if not ctl.get("started_at"):
-        state.set_ctl(started_at=str(started), phase="running")
+        state.set_ctl(started_at=str(started), phase=RunPhase.RUNNING)
     tick = None
     if "local" in providers:
         injector = preemption_injector(

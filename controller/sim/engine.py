@@ -48,8 +48,6 @@ from spottrain.controller.reconcile.fleet import FleetIndex
 from spottrain.controller.reconcile.planner import plan
 from spottrain.controller.reconcile.rules import request_id
 from spottrain.controller.reconcile.types import (
-    DRAINING,
-    JOINED,
     Launch,
     NodeObs,
     Observed,
@@ -61,6 +59,7 @@ from spottrain.controller.reconcile.types import (
 )
 from spottrain.controller.sim.model import PolicyResult, SimConfig, SimResult
 from spottrain.controller.sim.policies import POLICIES, Trainer
+from spottrain.protocol.states import NodeState
 from spottrain.spec import SpotPolicy
 from spottrain.trace import TracedPreemption
 
@@ -288,7 +287,7 @@ class Simulation:
     def _boot(self, vm: _VM) -> None:
         vm.state = READY
         self._run_add(vm)
-        self.index.put(self._obs(vm, InstanceState.RUNNING, JOINED))
+        self.index.put(self._obs(vm, InstanceState.RUNNING, NodeState.JOINED))
 
     def _ready(self, now: float, vm: _VM) -> None:
         if vm.state != PENDING:
@@ -312,7 +311,7 @@ class Simulation:
         self._run_remove(vm)
         vm.state = DRAINING_VM
         vm.noticed = True
-        self.index.put(self._obs(vm, InstanceState.RUNNING, DRAINING))
+        self.index.put(self._obs(vm, InstanceState.RUNNING, NodeState.DRAINING))
         self._at(now + self.cfg.notice_s, _FLEET, self._death, vm)
         s = vm.slot
         if s >= 0:

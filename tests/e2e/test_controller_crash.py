@@ -51,10 +51,11 @@ from spec_samples import VALID
 
 from spottrain.cloud.base import TAG_JOB, TAG_NODE, TAG_REQUEST
 from spottrain.controller.reconcile.execute import CRASH_ENV, CRASH_POINTS
-from spottrain.controller.reconcile.records import ENDED, INTENT, LAUNCHED, Ledger
+from spottrain.controller.reconcile.records import Ledger
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
+from spottrain.protocol.states import LedgerStatus
 
 pytestmark = pytest.mark.slow
 
@@ -187,7 +188,7 @@ class World:
             rec = ledger.records.get(node)
             if rec is None:
                 problems.append(f"leaked: live VM {iid} (node {node}) is not in the ledger")
-            elif rec.status != LAUNCHED or rec.instance_id != iid:
+            elif rec.status != LedgerStatus.LAUNCHED or rec.instance_id != iid:
                 problems.append(
                     f"leaked: live VM {iid} (node {node}) is in the ledger as {rec.status} "
                     f"with instance {rec.instance_id or '(none)'}"
@@ -199,9 +200,9 @@ class World:
                 )
         alive_ids = {i["InstanceId"] for i in alive}
         for rec in ledger.records.values():
-            if rec.status == INTENT:
+            if rec.status == LedgerStatus.INTENT:
                 problems.append(f"node {rec.node}: its launch is still an intent after settling")
-            elif rec.status == LAUNCHED and rec.instance_id not in alive_ids:
+            elif rec.status == LedgerStatus.LAUNCHED and rec.instance_id not in alive_ids:
                 problems.append(
                     f"node {rec.node}: launched in the ledger as {rec.instance_id or '(none)'}, "
                     "which moto does not list as live"
@@ -399,7 +400,9 @@ def test_restart_after_crash_leaves_the_fleet_whole(world: World, case: Case) ->
         world.settle(*extra, "--stop-timeout", "1", "--until-done", passes=30)
         ctl = RunState(world.client, world.keys).ctl()
         assert ctl.get("stopped"), world.report("the stop never completed")
-        open_records = [r.node for r in world.ledger().records.values() if r.status != ENDED]
+        open_records = [
+            r.node for r in world.ledger().records.values() if r.status != LedgerStatus.ENDED
+        ]
         assert not open_records, world.report(f"records not ended after the stop: {open_records}")
     else:
         world.settle(passes=10)

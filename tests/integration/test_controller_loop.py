@@ -26,12 +26,12 @@ from spottrain.cloud.local.compute import LocalProvider
 from spottrain.cloud.local.settings import LocalSettings
 from spottrain.controller.reconcile.controller import Controller, policy_from_spec
 from spottrain.controller.reconcile.drive import ControllerError
-from spottrain.controller.reconcile.records import LAUNCHED
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.drive import format_summary
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
+from spottrain.protocol.states import LedgerStatus
 from spottrain.spec import parse_spec
 
 SLEEP_BOOT = json.dumps({"argv": ["sleep", "600"]})
@@ -115,7 +115,7 @@ def test_a_pass_launches_the_fleet_and_records_every_launch(
     assert "launching 4 on local-a local-cpu spot" in p.reason
     ledger = ctl.state.ledger()
     assert sorted(ledger.records) == ["n0", "n1", "n2", "n3"]
-    assert {r.status for r in ledger.records.values()} == {LAUNCHED}
+    assert {r.status for r in ledger.records.values()} == {LedgerStatus.LAUNCHED}
     listed = {i.node for i in cloud.list(run_keys.run_id)}
     assert listed == {"n0", "n1", "n2", "n3"}
     # The next pass has nothing to do, and says so once in the event stream.
@@ -175,7 +175,7 @@ def test_a_preemption_is_counted_against_its_zone_and_backfilled(
     assert ev["node_name"] == "n0"
     records = ctl.state.ledger().records
     assert records["n0"].status == "ended" and records["n0"].interrupted
-    assert records["n2"].status == LAUNCHED
+    assert records["n2"].status == LedgerStatus.LAUNCHED
 
 
 def test_a_capacity_error_blocks_the_offer_and_fails_the_launch(
@@ -185,7 +185,7 @@ def test_a_capacity_error_blocks_the_offer_and_fails_the_launch(
     ctl = _controller(cloud, redis_client, run_keys, max_nodes=2)
     ctl.step()
     records = ctl.state.ledger().records
-    assert records["n0"].status == LAUNCHED and records["n1"].status == "failed"
+    assert records["n0"].status == LedgerStatus.LAUNCHED and records["n1"].status == "failed"
     assert "capacity" in records["n1"].reason
     blocked = ctl.state.blocked()
     assert ("local", "local-a", "local-cpu", "spot") in blocked
@@ -200,7 +200,7 @@ def test_a_vm_the_ledger_does_not_know_is_adopted(
     cloud.launch(LaunchRequest("stray-1", run_keys.run_id, "n7", offer, SLEEP_BOOT))
     p = ctl.step()
     records = ctl.state.ledger().records
-    assert records["n7"].status == LAUNCHED and records["n7"].reason == "adopted"
+    assert records["n7"].status == LedgerStatus.LAUNCHED and records["n7"].reason == "adopted"
     assert "1 of 1 node(s): nothing to do" in p.reason
     assert [
         i.node for i in cloud.list(run_keys.run_id) if i.state is not InstanceState.TERMINATED
@@ -243,7 +243,7 @@ def test_an_at_risk_node_gets_a_replacement_then_drains(
     p = ctl.step()
     assert "n1 at risk: launching replacement n3" in p.reason
     records = ctl.state.ledger().records
-    assert records["n3"].status == LAUNCHED and records["n3"].replaces == "n1"
+    assert records["n3"].status == LedgerStatus.LAUNCHED and records["n3"].replaces == "n1"
     assert [e["node_name"] for e in _events(redis_client, run_keys, "launched")][-1] == "n3"
     status = summarize(ctl.state, time.time())
     assert status.at_risk == ["n1 at risk (rebalance recommendation): replacement n3 launching"]

@@ -37,13 +37,14 @@ from spottrain.agent.sdk.channel import RequestChannel as _RequestPoller
 from spottrain.cloud.base import Market, Offer
 from spottrain.controller import report
 from spottrain.controller.cli import report as report_cli
-from spottrain.controller.reconcile.records import ENDED, LAUNCHED, LaunchRecord
+from spottrain.controller.reconcile.records import LaunchRecord
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.archive import archive_run, load_report_data
 from spottrain.controller.run.embedded_redis import RedisServer, free_port
 from spottrain.controller.run.records import RunInfo
 from spottrain.keys import RunKeys
+from spottrain.protocol.states import LedgerStatus
 
 T0 = 1_700_000_000.0
 SPOT_A = Offer("local", "local", "local-a", "local-cpu", 0, "cpu", Market.SPOT, 0.60, 0.05)
@@ -142,7 +143,7 @@ class Script:
             od_price=OD,
         )
         st.record_intent(rec, int(node[1:]) + 1)
-        st.update_launch(node, status=LAUNCHED, instance_id=vm)
+        st.update_launch(node, status=LedgerStatus.LAUNCHED, instance_id=vm)
         st.event(
             "launched",
             node_name=node,
@@ -157,7 +158,7 @@ class Script:
         st = self.run.state
         rec = st.update_launch(
             node,
-            status=ENDED,
+            status=LedgerStatus.ENDED,
             ended_at=self.run.clock.t,
             interrupted=interrupted,
             reason="spot interruption" if interrupted else "agent left",

@@ -7,7 +7,8 @@ from spottrain.cloud.base import Market, Offer
 from spottrain.cloud.base.groups import GroupView, Member, MemberState
 from spottrain.controller.groups.fold import ForgetAgent, Pricing, Unmark, fold_group
 from spottrain.controller.reconcile.ledger import CountPreemption, Note, PutRecord
-from spottrain.controller.reconcile.records import ENDED, LAUNCHED, Ledger
+from spottrain.controller.reconcile.records import Ledger
+from spottrain.protocol.states import LedgerStatus
 
 NOW = 5_000.0
 OFFER = Offer("aws", "us-east-1", "us-east-1a", "g5.xlarge", 1, "A10G", Market.SPOT, 0.5, 0.1)
@@ -27,7 +28,11 @@ def test_a_member_first_seen_is_recorded_and_noted() -> None:
     out = fold_group(view(member("i-1")), NOW, ledger, {}, {}, PRICING)
     assert ledger.records == {}
     rec = out.ledger.records["i-1"]
-    assert (rec.status, rec.reason, rec.od_price) == (LAUNCHED, "adopted from group grp", 1.0)
+    assert (rec.status, rec.reason, rec.od_price) == (
+        LedgerStatus.LAUNCHED,
+        "adopted from group grp",
+        1.0,
+    )
     assert out.steps == [
         PutRecord(rec),
         Note(
@@ -41,7 +46,7 @@ def test_a_member_taken_by_the_cloud_is_a_preemption_and_its_agent_forgotten() -
     agents = {"i-1": {"state": "joined"}}
     out = fold_group(view(member("i-1", MemberState.GONE)), NOW, first.ledger, {}, agents, PRICING)
     rec = out.ledger.records["i-1"]
-    assert (rec.status, rec.interrupted, rec.reason) == (ENDED, True, "gone")
+    assert (rec.status, rec.interrupted, rec.reason) == (LedgerStatus.ENDED, True, "gone")
     assert out.agents == {}
     assert out.steps == [
         PutRecord(rec),
@@ -56,7 +61,7 @@ def test_a_removed_member_ends_without_a_preemption() -> None:
     marks = {"i-1": {"removed_at": NOW - 5}}
     out = fold_group(view(), NOW, first.ledger, marks, {}, PRICING)
     rec = out.ledger.records["i-1"]
-    assert (rec.status, rec.interrupted, rec.reason) == (ENDED, False, "removed")
+    assert (rec.status, rec.interrupted, rec.reason) == (LedgerStatus.ENDED, False, "removed")
     assert out.steps[-1] == Note("vm-ended", {"vm": "i-1", "node_name": "i-1", "reason": "removed"})
 
 
@@ -66,9 +71,9 @@ def test_a_member_replaced_in_place_is_archived_and_recorded_anew() -> None:
     agents = {"vm-a": {"state": "booting", "registered_at": str(NOW - 5)}}
     out = fold_group(view(member("vm-a")), NOW, first.ledger, marks, agents, PRICING)
     archived = out.ledger.records[f"vm-a@{NOW - 600:.0f}"]
-    assert (archived.status, archived.reason) == (ENDED, "replaced by group")
+    assert (archived.status, archived.reason) == (LedgerStatus.ENDED, "replaced by group")
     fresh = out.ledger.records["vm-a"]
-    assert (fresh.status, fresh.reason) == (LAUNCHED, "replaced by group in group grp")
+    assert (fresh.status, fresh.reason) == (LedgerStatus.LAUNCHED, "replaced by group in group grp")
     assert out.marks == {} and marks != {}
     assert out.steps == [
         PutRecord(archived),

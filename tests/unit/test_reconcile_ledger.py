@@ -21,14 +21,7 @@ from spottrain.controller.reconcile.ledger import (
     redrive,
 )
 from spottrain.controller.reconcile.planner import plan
-from spottrain.controller.reconcile.records import (
-    ENDED,
-    FAILED,
-    INTENT,
-    LAUNCHED,
-    LaunchRecord,
-    Ledger,
-)
+from spottrain.controller.reconcile.records import LaunchRecord, Ledger
 from spottrain.controller.reconcile.types import (
     Launch,
     NodeObs,
@@ -36,6 +29,7 @@ from spottrain.controller.reconcile.types import (
     Penalise,
     Policy,
 )
+from spottrain.protocol.states import LedgerStatus
 
 NOW = 10_000.0
 OFFER = Offer("aws", "us-east-1", "us-east-1a", "p4d.24xlarge", 8, "A100", Market.SPOT, 10.0, 0.1)
@@ -65,14 +59,16 @@ def inst(
     )
 
 
-def rec(node: str, status: str = LAUNCHED, launched_at: float = NOW - 600) -> LaunchRecord:
+def rec(
+    node: str, status: str = LedgerStatus.LAUNCHED, launched_at: float = NOW - 600
+) -> LaunchRecord:
     return LaunchRecord(
         node=node,
         request_id=f"rq-{node}",
         offer=OFFER,
         launched_at=launched_at,
         status=status,
-        instance_id=f"i-{node}" if status != INTENT else "",
+        instance_id=f"i-{node}" if status != LedgerStatus.INTENT else "",
     )
 
 
@@ -86,13 +82,18 @@ def test_an_unknown_vm_is_adopted_and_the_ledger_given_is_left_as_it_is() -> Non
     out, steps = fold(ledger, [inst("n3")])
     assert ledger.records == {}
     r = out.records["n3"]
-    assert (r.status, r.instance_id, r.reason, r.od_price) == (LAUNCHED, "i-n3", "adopted", 30.0)
+    assert (r.status, r.instance_id, r.reason, r.od_price) == (
+        LedgerStatus.LAUNCHED,
+        "i-n3",
+        "adopted",
+        30.0,
+    )
     assert steps == [PutRecord(r), Note("adopted", {"vm": "i-n3", "node_name": "n3"})]
 
 
 def test_a_confirmed_intent_becomes_launched() -> None:
-    out, steps = fold(Ledger({"n0": rec("n0", INTENT)}), [inst("n0")])
-    assert out.records["n0"].status == LAUNCHED
+    out, steps = fold(Ledger({"n0": rec("n0", LedgerStatus.INTENT)}), [inst("n0")])
+    assert out.records["n0"].status == LedgerStatus.LAUNCHED
     assert steps == [PutRecord(out.records["n0"])]
 
 
@@ -102,7 +103,7 @@ def test_a_preemption_is_recorded_counted_and_noted_once() -> None:
         [inst("n0", state=InstanceState.TERMINATED, interrupted=True)],
     )
     r = out.records["n0"]
-    assert (r.status, r.interrupted, r.ended_at) == (ENDED, True, NOW)
+    assert (r.status, r.interrupted, r.ended_at) == (LedgerStatus.ENDED, True, NOW)
     assert steps == [
         PutRecord(r),
         CountPreemption(("aws", "us-east-1a", "p4d.24xlarge")),
@@ -125,8 +126,8 @@ def test_a_second_vm_for_one_node_is_ended_and_the_ledgers_kept() -> None:
 
 def test_a_vm_gone_from_the_listing_past_the_grace_vanished() -> None:
     out, steps = fold(Ledger({"n0": rec("n0"), "n1": rec("n1", launched_at=NOW - 10)}), [])
-    assert out.records["n0"].status == ENDED and out.records["n0"].reason == "vanished"
-    assert out.records["n1"].status == LAUNCHED  # within the grace
+    assert out.records["n0"].status == LedgerStatus.ENDED and out.records["n0"].reason == "vanished"
+    assert out.records["n1"].status == LedgerStatus.LAUNCHED  # within the grace
     assert steps == [
         PutRecord(out.records["n0"]),
         Note("vm-ended", {"vm": "i-n0", "node_name": "n0", "reason": "vanished"}),
@@ -134,15 +135,15 @@ def test_a_vm_gone_from_the_listing_past_the_grace_vanished() -> None:
 
 
 def test_a_late_launch_is_counted_again() -> None:
-    out, steps = fold(Ledger({"n0": rec("n0", FAILED)}), [inst("n0")])
-    assert out.records["n0"].status == LAUNCHED
+    out, steps = fold(Ledger({"n0": rec("n0", LedgerStatus.FAILED)}), [inst("n0")])
+    assert out.records["n0"].status == LedgerStatus.LAUNCHED
     assert steps[1] == Note("adopted", {"vm": "i-n0", "node_name": "n0", "why": "late launch"})
 
 
 def test_redrive_resends_fresh_intents_with_the_policys_blocks_and_gives_up_old_ones() -> None:
     policy = Policy(min_nodes=1, max_nodes=2, block_s=60.0, refusal_block_s=3600.0)
-    fresh = rec("n0", INTENT, launched_at=NOW - 10)
-    ledger = Ledger({"n0": fresh, "n1": rec("n1", INTENT), "n2": rec("n2")})
+    fresh = rec("n0", LedgerStatus.INTENT, launched_at=NOW - 10)
+    ledger = Ledger({"n0": fresh, "n1": rec("n1", LedgerStatus.INTENT), "n2": rec("n2")})
     assert redrive(ledger, {}, NOW, policy) == [
         Resend(fresh, 60.0, 3600.0),
         GiveUp("n1", "launch never confirmed"),

@@ -23,9 +23,9 @@ from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.cloud.base import BadRequestError
 from spottrain.cloud.base.groups import MemberState
 from spottrain.controller.groups.controller import GroupController, group_policy_from_spec
-from spottrain.controller.reconcile.records import ENDED, LAUNCHED
 from spottrain.controller.reconcile.state import RunState
 from spottrain.keys import RunKeys
+from spottrain.protocol.states import LedgerStatus
 from spottrain.spec import parse_spec
 
 
@@ -92,7 +92,7 @@ def test_adopts_the_groups_vms_into_the_ledger_by_their_job_tag(
     ledger = ctl.state.ledger()
     assert sorted(ledger.records) == fleet.in_service()
     rec = next(iter(ledger.records.values()))
-    assert rec.status == LAUNCHED and rec.offer.instance_type == "p4d.24xlarge"
+    assert rec.status == LedgerStatus.LAUNCHED and rec.offer.instance_type == "p4d.24xlarge"
     assert rec.offer.market.value == "spot" and rec.offer.price_per_hour > 0
     adopted = [e for e in event_types(redis_client, run_keys) if e["type"] == "adopted"]
     assert len(adopted) == 3
@@ -141,7 +141,7 @@ def test_scaling_in_removes_exactly_the_drained_instance_and_no_other(
     ctl.step()  # nothing more: the group holds what the job wants
     assert len(fleet.terminations) == 1 and fleet.desired == 2
     rec = ctl.state.ledger().records[drained]
-    assert rec.status == ENDED and not rec.interrupted and rec.reason == "removed"
+    assert rec.status == LedgerStatus.ENDED and not rec.interrupted and rec.reason == "removed"
 
 
 def test_scaling_in_drains_the_victim_first_and_removes_it_only_once_it_left(
@@ -241,8 +241,8 @@ def test_a_preempted_vm_is_counted_and_its_replacement_adopted(
     clock.now += 5
     ctl.step()
     records = ctl.state.ledger().records
-    assert records[lost].status == ENDED and records[lost].interrupted
-    assert len([r for r in records.values() if r.status == LAUNCHED]) == 3
+    assert records[lost].status == LedgerStatus.ENDED and records[lost].interrupted
+    assert len([r for r in records.values() if r.status == LedgerStatus.LAUNCHED]) == 3
     assert ctl.summary().preemptions == 1
     assert not fleet.terminations
 

@@ -22,9 +22,9 @@ from spec_samples import FLEET_AWS
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.cloud.gcp.group import GcpMigGroup
 from spottrain.controller.groups.controller import GroupController, group_policy_from_spec
-from spottrain.controller.reconcile.records import ENDED, LAUNCHED
 from spottrain.controller.reconcile.state import RunState
 from spottrain.keys import RunKeys
+from spottrain.protocol.states import LedgerStatus
 from spottrain.spec import parse_spec
 
 ZONE = "us-central1-a"
@@ -148,7 +148,7 @@ def test_scaling_in_deletes_exactly_the_drained_member(
     clock.now += 5
     ctl.step()
     assert changes(gce) == [DELETE]
-    assert ctl.state.ledger().records[drained].status == ENDED
+    assert ctl.state.ledger().records[drained].status == LedgerStatus.ENDED
 
 
 def test_a_broken_member_is_recreated_in_place_and_its_new_vm_counted_afresh(
@@ -173,9 +173,11 @@ def test_a_broken_member_is_recreated_in_place_and_its_new_vm_counted_afresh(
     clock.now += 5
     ctl.step()
     records = ctl.state.ledger().records
-    assert records[broken].status == LAUNCHED and records[broken].launched_at == clock.now
+    assert (
+        records[broken].status == LedgerStatus.LAUNCHED and records[broken].launched_at == clock.now
+    )
     [old] = [r for n, r in records.items() if n.startswith(f"{broken}@")]
-    assert old.status == ENDED and old.cost(clock.now) > 0
+    assert old.status == LedgerStatus.ENDED and old.cost(clock.now) > 0
     assert changes(gce) == [RECREATE]
 
 
@@ -193,14 +195,14 @@ def test_a_preempted_member_is_counted_and_its_return_adopted_as_a_new_vm(
     clock.now += 5
     ctl.step()
     records = ctl.state.ledger().records
-    assert records[lost].status == ENDED and records[lost].interrupted
+    assert records[lost].status == LedgerStatus.ENDED and records[lost].interrupted
     assert not redis_client.exists(run_keys.node(lost))
     assert ctl.summary().preemptions == 1
     settle(gce, ctl, 2)  # the MIG recreates it under the same name
     clock.now += 5
     ctl.step()
     records = ctl.state.ledger().records
-    assert records[lost].status == LAUNCHED
+    assert records[lost].status == LedgerStatus.LAUNCHED
     assert any(n.startswith(f"{lost}@") for n in records)
     # Not mistaken for a spent node (its old agent left): nothing removed or resized.
     assert changes(gce) == []
