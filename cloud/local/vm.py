@@ -32,6 +32,7 @@ from typing import Any
 
 from spottrain.cloud.local.records import RecordStore
 from spottrain.process_group import child_pids, descendants
+from spottrain.protocol.env import ENV_LOCAL_VM_PID
 
 
 class _Stop:
@@ -115,7 +116,7 @@ def run_vm(record_path: Path) -> int:
     if argv:
         log_path = store.log_path(vm_id)
         env = {**os.environ, **{str(k): str(v) for k, v in (boot.get("env") or {}).items()}}
-        env["SPOTTRAIN_LOCAL_VM_PID"] = str(os.getpid())  # how the VM's agent ends it
+        env[ENV_LOCAL_VM_PID] = str(os.getpid())  # how the VM's agent ends it
         with open(log_path, "ab") as log:
             child = subprocess.Popen(
                 [str(a) for a in argv],

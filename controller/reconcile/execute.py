@@ -26,6 +26,7 @@ from spottrain.cloud.base import (
     QuotaError,
     TransientError,
 )
+from spottrain.protocol.env import ENV_CRASH_AT
 from spottrain.protocol.states import LedgerStatus
 from spottrain.spec import JobSpec
 
@@ -44,7 +45,7 @@ from .records import LaunchRecord
 from .state import RunState
 from .types import Action, Drain, Launch, Move, NodeObs, Penalise, Report, Stop, Terminate
 
-CRASH_ENV = "SPOTTRAIN_CRASH_AT"
+CRASH_ENV = ENV_CRASH_AT
 # Every point between two side effects of a pass, in the order a pass meets them.
 CRASH_POINTS = (
     "after-intent",

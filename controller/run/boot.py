@@ -28,6 +28,7 @@ from pathlib import Path
 
 from spottrain import __version__
 from spottrain.envlock import lock_sha256, parse_lock
+from spottrain.protocol import env as env_names
 from spottrain.spec import ArchiveCode, GitCode, ImageCode, JobSpec
 from spottrain.tracking import trainer_env
 
@@ -95,24 +96,24 @@ def agent_env(
     API key travels here: give the VMs one through the image or ``~/.netrc``, or use
     ``mode: offline`` and ``wandb sync`` afterwards."""
     env = {
-        "SPOTTRAIN_REDIS": redis_url,
-        "SPOTTRAIN_RUN_ID": node.run_id,
-        "SPOTTRAIN_NODE_ID": node.node_id,
-        "SPOTTRAIN_CLOUD": node.cloud,
-        "SPOTTRAIN_ZONE": node.zone,
-        "SPOTTRAIN_INSTANCE_TYPE": node.instance_type,
-        "SPOTTRAIN_NNODES": f"{spec.nodes.min}:{spec.nodes.max}",
-        "SPOTTRAIN_NPROC_PER_NODE": str(spec.nodes.workers_per_node),
-        "SPOTTRAIN_EXPECT_GPUS": str(spec.nodes.gpus),
-        "SPOTTRAIN_CKPT_DIR": run_ckpt_dir(spec, node),
-        "SPOTTRAIN_TRAIN_CMD": shlex.join(spec.train.command),
+        env_names.ENV_REDIS: redis_url,
+        env_names.ENV_RUN_ID: node.run_id,
+        env_names.ENV_NODE: node.node_id,
+        env_names.ENV_CLOUD: node.cloud,
+        env_names.ENV_ZONE: node.zone,
+        env_names.ENV_INSTANCE_TYPE: node.instance_type,
+        env_names.ENV_NNODES: f"{spec.nodes.min}:{spec.nodes.max}",
+        env_names.ENV_NPROC_PER_NODE: str(spec.nodes.workers_per_node),
+        env_names.ENV_EXPECT_GPUS: str(spec.nodes.gpus),
+        env_names.ENV_CKPT_DIR: run_ckpt_dir(spec, node),
+        env_names.ENV_TRAIN_CMD: shlex.join(spec.train.command),
         # A VM the controller launched ends itself once its controller is long gone.
-        "SPOTTRAIN_ORPHAN_TIMEOUT": f"{spec.controller.orphan_timeout_minutes * 60:g}",
+        env_names.ENV_ORPHAN_TIMEOUT: f"{spec.controller.orphan_timeout_minutes * 60:g}",
     }
     if password_file:
-        env["SPOTTRAIN_REDIS_PASSWORD_FILE"] = password_file
+        env[env_names.ENV_REDIS_PASSWORD_FILE] = password_file
     if copy_to or spec.checkpoint.copy_to:
-        env["SPOTTRAIN_CKPT_COPY_TO"] = copy_to or spec.checkpoint.copy_to or ""
+        env[env_names.ENV_COPY_TO] = copy_to or spec.checkpoint.copy_to or ""
     return {**trainer_env(spec.wandb, node.run_id), **spec.train.env, **env}
 
 
@@ -421,7 +422,7 @@ def render_boot_script(
             "ENV\n",
         ]
     parts.append(_secret_env_lines(spec, node.cloud))
-    parts += ["umask 022\n", _unit_lines(spec, env["SPOTTRAIN_CKPT_DIR"])]
+    parts += ["umask 022\n", _unit_lines(spec, env[env_names.ENV_CKPT_DIR])]
     return "".join(parts)
 
 
@@ -469,7 +470,7 @@ def render_local_boot(
         # The agent's SIGTERM deadline is the local cloud's notice window.
         agent.append(f"--sigterm-grace={local.notice_s:g}")
     # The local cloud "mounts" the zone's checkpoint volume by creating its directory.
-    steps = [f"mkdir -p {shlex.quote(env['SPOTTRAIN_CKPT_DIR'])}"]
+    steps = [f"mkdir -p {shlex.quote(env[env_names.ENV_CKPT_DIR])}"]
     if code is not None and code.archive_url:
         fetch = [
             python,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from spottrain.keys import validate_run_id
+from spottrain.protocol.env import ENV_HOME
 from spottrain.spec import JobSpec, LoadedSpec, parse_spec
 
 
@@ -24,7 +25,7 @@ class RunError(Exception):
 
 
 def home_dir() -> Path:
-    return Path(os.environ.get("SPOTTRAIN_HOME") or Path.home() / ".spottrain")
+    return Path(os.environ.get(ENV_HOME) or Path.home() / ".spottrain")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from spottrain.controller.run.embedded_redis import (
 )
 from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.redis_conn import (
+    DEFAULT_PASSWORD_ENV,
     RedisConfigError,
     RedisSettings,
     connect,
@@ -137,7 +138,7 @@ def open_redis(info: RunInfo, spec: JobSpec | None = None) -> redis.Redis:
     if info.embedded_redis:
         settings = _embedded_settings(info.redis_url, _embedded_password(info.dir), 5.0)
     else:
-        password_env = spec.redis.password_env if spec else "SPOTTRAIN_REDIS_PASSWORD"
+        password_env = spec.redis.password_env if spec else DEFAULT_PASSWORD_ENV
         password_file = spec.redis.password_file if spec else None
         settings = settings_from_url(
             info.redis_url, password_file=password_file, password_env=password_env
