@@ -27,6 +27,7 @@ from typing import Any
 import redis
 
 from spottrain.keys import RunKeys
+from spottrain.process_group import child_pids, descendants
 from spottrain.protocol.env import (
     ENV_CKPT_DIR,
     ENV_NODE,
@@ -46,8 +47,6 @@ from .notices.notice import Notice, NoticeKind
 from .notices.signals import SignalMonitor
 from .processes import (
     WorkerUser,
-    child_pids,
-    descendants,
     hand_over,
     resolve_worker_user,
     running,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from spottrain.cloud.aws.errors import lifecycle_action_gone
 from spottrain.cloud.base import region_of_zone
 
 log = logging.getLogger(__name__)
@@ -75,10 +76,9 @@ def complete(
             )
             return None
         except Exception as e:
-            text = str(e)
-            if "No active Lifecycle Action" in text:
+            if lifecycle_action_gone(e):
                 return None
-            problem = f"{type(e).__name__}: {text}"
+            problem = f"{type(e).__name__}: {e}"
             log.warning("complete_lifecycle_action failed (try %d): %s", attempt + 1, problem)
             sleep(1.0 * (attempt + 1))
     return problem

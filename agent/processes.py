@@ -1,6 +1,6 @@
-"""Processes on this machine: torchrun's command line, and finding and checking a process
-tree (torchrun puts each worker in a session of its own, so process groups do not reach
-them), and the unprivileged user the workers run as on a VM."""
+"""Processes on this machine: torchrun's command line, checking which of a process tree
+still run (the tree itself: :mod:`spottrain.process_group`), and the unprivileged user the
+workers run as on a VM."""
 
 from __future__ import annotations
 
@@ -44,35 +44,6 @@ def torchrun_command(
     if rdzv_conf:
         cmd.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in rdzv_conf.items()))
     return [*cmd, script, *script_args]
-
-
-def child_pids() -> dict[int, list[int]]:
-    """Map each process id on this machine to its children (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue  # exited meanwhile
-        # The command name is in parentheses and may itself contain spaces or parentheses.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    return children
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid``, nearest first."""
-    tree = child_pids()
-    out: list[int] = []
-    todo = list(tree.get(pid, []))
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo.extend(tree.get(p, []))
-    return out
 
 
 def running(pids: Iterable[int]) -> list[int]:

@@ -51,6 +51,8 @@ from typing import Any
 
 from benchlib import parser, print_figures
 
+from spottrain.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 GPT_EXAMPLE = REPO / "examples" / "gpt_train.py"
 CHUNK = 64 << 20
@@ -61,14 +63,6 @@ START_TIMEOUT = 300
 
 
 # -- the parent ------------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(role: str, args: argparse.Namespace, workdir: Path, tag: str) -> list[subprocess.Popen]:
     """Start the WORLD ranks of ``role`` (this script), logs under workdir/logs/``tag``-*."""
     port = str(free_port())

@@ -24,9 +24,10 @@ from typing import Any
 import redis
 
 from spottrain.keys import RunKeys
+from spottrain.process_group import descendants
 from spottrain.protocol.env import ENV_NODE
 
-from ..processes import descendants, running, torchrun_command
+from ..processes import running, torchrun_command
 
 __all__ = [
     "LocalAgentJob",

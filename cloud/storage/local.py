@@ -25,7 +25,8 @@ from spottrain.cloud.storage.interface import (
     ObjectInfo,
     validate_key,
 )
-from spottrain.cloud.storage.store_base import _fsync_dir, _part_path, _StoreBase
+from spottrain.cloud.storage.store_base import _part_path, _StoreBase
+from spottrain.fileio import fsync_dir
 
 
 class LocalStore(_StoreBase):
@@ -103,7 +104,7 @@ class LocalStore(_StoreBase):
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
 
     def _put(self, key: str, write: Any, sha256: str, size: int) -> None:
         meta = self._meta_path(key)

@@ -26,6 +26,7 @@ from spottrain.cloud.storage.interface import (
     _validate_prefix,
     validate_key,
 )
+from spottrain.fileio import fsync_dir, fsync_file
 
 # --- shared helpers -------------------------------------------------------------------------
 
@@ -54,22 +55,6 @@ def _stream_sha256(f: BinaryIO) -> tuple[str, int]:
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     """What changes when a file's content is written (for the same open file)."""
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _part_path(dest: Path) -> Path:
@@ -160,14 +145,14 @@ class _StoreBase:
         tmp = _part_path(dest)
         try:
             info = self._download_to(key, tmp)
-            _fsync_file(tmp)
+            fsync_file(tmp)
             self._verify(key, info, file_sha256(tmp))
             os.replace(tmp, dest)
         except BaseException:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
         return info
 
     def get_bytes(self, key: str) -> bytes:

@@ -25,7 +25,8 @@ from spottrain.cloud.storage.interface import (
     _key_problem,
     validate_key,
 )
-from spottrain.cloud.storage.store_base import _fsync_dir, _stream_sha256
+from spottrain.cloud.storage.store_base import _stream_sha256
+from spottrain.fileio import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -275,12 +276,12 @@ def download_dir(
                 f"{store.url(prefix)} changed while it was downloaded (a new upload began); "
                 "try again",
             )
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.rename(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(dest.parent)
+    fsync_dir(dest.parent)
     log.info(
         "event=storage.download_dir url=%s dest=%s files=%d", store.url(prefix), dest, len(keys)
     )

@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 from types import TracebackType
 
 import redis
+
+from spottrain.ports import free_port
 
 
 def find_redis_server() -> str:
@@ -72,12 +73,6 @@ def config_on_stdin(password: str | None) -> tuple[list[str], bytes | None]:
     if any(c.isspace() or c in "\"'\\" for c in password):
         raise ValueError("a Redis password for redis-server cannot hold spaces or quotes")
     return ["-"], f"requirepass {password}\n".encode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:

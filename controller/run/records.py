@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spottrain.fileio import atomic_write
 from spottrain.keys import validate_run_id
 from spottrain.protocol.env import ENV_HOME
 from spottrain.spec import JobSpec, LoadedSpec, parse_spec
@@ -53,9 +54,7 @@ class RunInfo:
 
     def save(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / "run.json.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        os.replace(tmp, self.dir / "run.json")
+        atomic_write(self.dir / "run.json", json.dumps(asdict(self), indent=1), durable=False)
 
     def __post_init__(self) -> None:
         # The parsed spec: given by `from_loaded` (what `up` validated), else parsed from

@@ -16,10 +16,10 @@ import redis
 from spottrain.controller.run.embedded_redis import (
     config_on_stdin,
     find_redis_server,
-    free_port,
     new_password_file,
 )
 from spottrain.controller.run.records import RunError, RunInfo
+from spottrain.ports import free_port
 from spottrain.redis_conn import (
     DEFAULT_PASSWORD_ENV,
     RedisConfigError,

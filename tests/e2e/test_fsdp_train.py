@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from spottrain.controller.run.embedded_redis import free_port
+from spottrain.ports import free_port
 
 pytestmark = pytest.mark.slow
 

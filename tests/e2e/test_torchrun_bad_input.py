@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from spottrain.controller.run.embedded_redis import RedisServer, free_port
+from spottrain.controller.run.embedded_redis import RedisServer
+from spottrain.ports import free_port
 
 pytestmark = pytest.mark.slow
 

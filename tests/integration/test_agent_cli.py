@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -20,6 +19,7 @@ from spottrain.agent.notices.injected import parse_injected
 from spottrain.agent.notices.notice import NoticeKind
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
+from spottrain.ports import free_port
 
 AGENT = [sys.executable, "-m", "spottrain.agent.cli"]
 FAILING_SCRIPT = "import sys; sys.exit(7)"
@@ -50,12 +50,6 @@ def run_id(redis_client: redis.Redis) -> Iterator[str]:
 def node_state(client: redis.Redis, run_id: str, node: str) -> str | None:
     raw = client.hget(RunKeys(run_id).node(node), "state")
     return raw.decode() if raw else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_run_without_redis_names_the_option_and_the_variable() -> None:

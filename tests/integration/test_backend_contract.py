@@ -125,7 +125,7 @@ def test_corrupt_state_hash_raises_state_error(
 
 
 def test_lost_connection_raises_connection_error(run_keys: RunKeys) -> None:
-    from spottrain.controller.run.embedded_redis import free_port
+    from spottrain.ports import free_port
 
     settings = RedisSettings(host="127.0.0.1", port=free_port(), socket_timeout=0.5)
     backend = RedisRendezvousBackend(connect(settings, retries=0), settings, run_keys, 3600)

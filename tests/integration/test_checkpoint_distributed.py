@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from spottrain.agent.checkpoint import dcp_io
 from spottrain.agent.checkpoint.directory import CheckpointDir
 from spottrain.agent.checkpoint.manifest import Manifest
-from spottrain.controller.run.embedded_redis import free_port
+from spottrain.ports import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -24,8 +24,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousS
 from spottrain.agent.rendezvous.config import RendezvousConfigError
 from spottrain.agent.rendezvous.handler import RedisRendezvousHandler, create_handler
 from spottrain.agent.rendezvous.membership import leave_node
-from spottrain.controller.run.embedded_redis import RedisServer, free_port
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.keys import RunKeys
+from spottrain.ports import free_port
 from spottrain.protocol.env import ENV_ROUND
 
 FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 2, "last_call_timeout": 8}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from spottrain.agent.health import HealthReport, check_health, count_gpus, run_collective_check
-from spottrain.agent.processes import descendants
+from spottrain.process_group import descendants
 
 # Generous: two interpreters importing torch on a loaded 2-core machine take a while. The
 # bound under test is the one in the hang test.

@@ -18,7 +18,8 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from spottrain.agent.rendezvous.handler import create_handler
-from spottrain.controller.run.embedded_redis import find_redis_server, free_port
+from spottrain.controller.run.embedded_redis import find_redis_server
+from spottrain.ports import free_port
 from spottrain.redis_conn import (
     RedisAuthError,
     RedisSettings,
