@@ -26,7 +26,6 @@ from typing import Any
 
 import redis
 
-from spottrain.keys import RunKeys
 from spottrain.process_group import child_pids, descendants
 from spottrain.protocol.env import (
     ENV_CKPT_DIR,
@@ -36,6 +35,7 @@ from spottrain.protocol.env import (
     ENV_REDIS_PASSWORD,
     ENV_RUN_ID,
 )
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.states import NodeState
 from spottrain.redis_conn import RedisSettings, connect, ping, settings_from_url
 

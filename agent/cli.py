@@ -11,7 +11,6 @@ import sys
 from collections.abc import Sequence
 
 from spottrain import __version__
-from spottrain.keys import DEFAULT_PREFIX, RunKeys
 from spottrain.protocol.env import (
     ENV_ADDRESS,
     ENV_ASG_LIFECYCLE_HOOK,
@@ -36,6 +35,7 @@ from spottrain.protocol.env import (
     ENV_WORKER_USER,
     ENV_ZONE,
 )
+from spottrain.protocol.keys import DEFAULT_PREFIX, RunKeys
 from spottrain.redis_conn import (
     DEFAULT_PASSWORD_ENV,
     RedisAuthError,

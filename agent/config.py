@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spottrain.keys import DEFAULT_PREFIX
+from spottrain.protocol.keys import DEFAULT_PREFIX
 
 EXIT_OK, EXIT_TORCHRUN_FAILED, EXIT_CONFIG, EXIT_UNHEALTHY = 0, 1, 2, 3
 

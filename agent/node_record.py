@@ -16,8 +16,8 @@ from typing import Any
 
 import redis
 
-from spottrain.keys import RunKeys
 from spottrain.protocol import events
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.states import NodeState
 
 from .lifecycle import Lifecycle

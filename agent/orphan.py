@@ -4,7 +4,7 @@ stopped, ends itself instead of running on, billed, with nobody to end it.
 Two pieces of evidence, both needed, each for ``timeout_s``:
 
 * **no controller**: the controller stamps a heartbeat key in Redis every pass
-  (:attr:`spottrain.keys.RunKeys.ctl_alive`); the watch counts only the time over which
+  (:attr:`spottrain.protocol.keys.RunKeys.ctl_alive`); the watch counts only the time over which
   Redis answered and the key was absent. A Redis that does not answer says nothing about the
   controller, so an outage never adds to that time (training goes on through a Redis outage
   by design, and an outage alone must never make the fleet end itself);
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import redis
 
-from spottrain.keys import RunKeys
 from spottrain.protocol.env import ENV_LOCAL_VM_PID
+from spottrain.protocol.keys import RunKeys
 
 from .local_progress import read_step
 

@@ -34,8 +34,8 @@ from benchlib import median, parser, print_figures, ratio
 from spottrain.agent.rendezvous.membership import leave_node
 from spottrain.agent.testing.local_launcher import LocalElasticJob
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
 from spottrain.ports import free_port
+from spottrain.protocol.keys import RunKeys
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = str(REPO / "examples" / "elastic_train.py")

@@ -26,7 +26,7 @@ from demo_progress import Progress, say
 from spottrain.agent.rendezvous.membership import leave_node
 from spottrain.agent.testing.local_launcher import LocalElasticJob
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys, make_run_id
+from spottrain.protocol.keys import RunKeys, make_run_id
 
 HERE = Path(__file__).resolve().parent
 

@@ -31,7 +31,7 @@ from demo_progress import Progress, say
 
 from spottrain.agent.testing.local_launcher import LocalAgentJob
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys, make_run_id
+from spottrain.protocol.keys import RunKeys, make_run_id
 from spottrain.protocol.notices import inject_notice
 
 HERE = Path(__file__).resolve().parent

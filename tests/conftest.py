@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.redis_conn import RedisSettings
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from spottrain.fileio import fsync_dir
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 from ..node_record import NodeRecord
 from .directory import CheckpointDir

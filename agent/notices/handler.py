@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import redis
 
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.states import NodeState
 
 from ..lifecycle import Lifecycle

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import redis
 
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.notices import DEFAULT_IN_S, DEFAULT_KIND, decode_injected
 
 from .notice import Notice, NoticeKind

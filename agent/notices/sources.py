@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 from .injected import InjectedNotices
 from .notice import Notice

@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.redis_conn import RedisSettings, describe_error
 
 from .membership import MARK_GONE_LUA

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from spottrain.keys import DEFAULT_PREFIX, RunKeys
 from spottrain.protocol.env import ENV_NODE
+from spottrain.protocol.keys import DEFAULT_PREFIX, RunKeys
 from spottrain.redis_conn import (
     DEFAULT_PASSWORD_ENV,
     RedisConfigError,

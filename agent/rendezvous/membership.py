@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import redis
 
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 # Why a member is in the run's rdzv:gone hash.
 GONE_LEFT = "left"

@@ -16,7 +16,7 @@ import redis
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store as _TorchStore
 
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.redis_conn import RedisSettings, describe_error
 
 T = TypeVar("T")

@@ -11,9 +11,9 @@ import threading
 import time
 from typing import Any
 
-from spottrain.keys import RunKeys
 from spottrain.protocol import events
 from spottrain.protocol.env import ENV_NODE
+from spottrain.protocol.keys import RunKeys
 
 from ..checkpoint import dcp_io
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 
 class StepTimer:

@@ -23,9 +23,9 @@ from typing import Any
 
 import redis
 
-from spottrain.keys import RunKeys
 from spottrain.process_group import descendants
 from spottrain.protocol.env import ENV_NODE
+from spottrain.protocol.keys import RunKeys
 
 from ..processes import running, torchrun_command
 

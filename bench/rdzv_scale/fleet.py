@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 from .common import PHASES, PhaseTimeout
 from .measure import state_summary

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 from .common import TORCH_KEEP_ALIVE_S, PhaseTimeout
 from .fleet import Fleet, Monitor

@@ -7,7 +7,7 @@ import sys
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.run_redis import open_redis
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -17,8 +17,8 @@ from typing import Any
 
 import redis
 
-from spottrain.keys import RunKeys
 from spottrain.protocol import events as stream
+from spottrain.protocol.keys import RunKeys
 
 from .records import LaunchRecord, Ledger
 from .types import Restore

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spottrain.controller.report.model import ReportInputs
-from spottrain.keys import RunKeys
 from spottrain.protocol import events as stream
+from spottrain.protocol.keys import RunKeys
 
 if TYPE_CHECKING:
     import redis

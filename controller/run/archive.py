@@ -19,8 +19,8 @@ from spottrain.controller.report.inputs import (
 from spottrain.controller.report.model import NoReportData, ReportData
 from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.run_redis import open_redis
-from spottrain.keys import RunKeys
 from spottrain.protocol import events as stream
+from spottrain.protocol.keys import RunKeys
 
 
 def archive_run(info: RunInfo, client: redis.Redis, summary: dict[str, Any]) -> None:

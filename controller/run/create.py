@@ -14,7 +14,7 @@ from spottrain.controller.run.run_redis import (
     start_embedded_redis,
     stop_embedded_redis,
 )
-from spottrain.keys import make_run_id, validate_run_id
+from spottrain.protocol.keys import make_run_id, validate_run_id
 from spottrain.spec import LoadedSpec
 
 

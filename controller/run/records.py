@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from spottrain.fileio import atomic_write
-from spottrain.keys import validate_run_id
 from spottrain.protocol.env import ENV_HOME
+from spottrain.protocol.keys import validate_run_id
 from spottrain.spec import JobSpec, LoadedSpec, parse_spec
 
 

@@ -26,7 +26,7 @@ from spottrain.controller.run.providers import (
 )
 from spottrain.controller.run.records import RunInfo
 from spottrain.controller.run.run_redis import open_redis
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.states import RunPhase
 
 

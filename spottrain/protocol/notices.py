@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 DEFAULT_KIND = "injected"
 # Seconds from reading a draining injected notice that gives no time to its deadline.

@@ -8,7 +8,7 @@ from typing import Any, Self
 
 from pydantic import Field, field_validator, model_validator
 
-from spottrain.keys import validate_job_name
+from spottrain.protocol.keys import validate_job_name
 
 from .checks import NOTICE_WINDOW_S, stores_readable
 from .clouds import AwsCloudSpec, FleetSpec, GcpCloudSpec, LocalCloudSpec

@@ -10,7 +10,7 @@ import redis
 
 from spottrain.agent.testing.local_launcher import LocalAgentJob, Record
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 REPO = Path(__file__).resolve().parents[2]
 GPT = str(REPO / "examples" / "gpt_train.py")

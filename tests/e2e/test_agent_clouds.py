@@ -14,7 +14,7 @@ from fakes.metadata_server import MetadataServer
 
 from spottrain.agent.notices.gce_metadata import GCP_PREEMPTED_PATH
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 from .agent_job import (
     RECOVER_TIMEOUT,

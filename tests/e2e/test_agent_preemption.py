@@ -15,7 +15,7 @@ import pytest
 from spottrain.agent.checkpoint.directory import CheckpointDir
 from spottrain.agent.testing.local_launcher import LocalAgentJob
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.notices import inject_notice
 
 from .agent_job import (

@@ -54,7 +54,7 @@ from spottrain.controller.reconcile.execute import CRASH_ENV, CRASH_POINTS
 from spottrain.controller.reconcile.records import Ledger
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.states import LedgerStatus
 
 pytestmark = pytest.mark.slow

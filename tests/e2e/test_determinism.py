@@ -20,7 +20,7 @@ import torch
 
 from spottrain.agent.testing.local_launcher import LocalAgentJob
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.notices import inject_notice
 
 pytestmark = pytest.mark.slow

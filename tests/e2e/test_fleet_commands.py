@@ -27,7 +27,7 @@ from spottrain.controller.cli import main as cli
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from spottrain.controller.run.run_redis import (
     restart_embedded_redis,
     stop_embedded_redis,
 )
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 from ._fleet import REPO, cli, wait
 

@@ -14,7 +14,7 @@ import yaml
 from spottrain.agent.checkpoint.directory import CheckpointDir
 from spottrain.controller.run.records import find_run
 from spottrain.controller.run.run_redis import open_redis
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.notices import inject_notice
 
 from ._fleet import REPO, Cli, wait

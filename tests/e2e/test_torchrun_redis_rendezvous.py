@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys, make_run_id
+from spottrain.protocol.keys import RunKeys, make_run_id
 
 from .elastic_job import ElasticJob
 

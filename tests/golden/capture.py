@@ -58,8 +58,8 @@ from spottrain.controller.reconcile.state import RunState  # noqa: E402
 from spottrain.controller.reconcile.summary import summarize  # noqa: E402
 from spottrain.controller.report import build_report, read_redis_inputs  # noqa: E402
 from spottrain.controller.run.embedded_redis import RedisServer  # noqa: E402
-from spottrain.keys import RunKeys  # noqa: E402
 from spottrain.ports import free_port  # noqa: E402
+from spottrain.protocol.keys import RunKeys  # noqa: E402
 from spottrain.spec import parse_spec  # noqa: E402
 
 RUN_ID = "golden-1700000000"

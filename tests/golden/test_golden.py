@@ -32,8 +32,8 @@ from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.report import build_report, read_archive_inputs, read_redis_inputs
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
 from spottrain.ports import free_port
+from spottrain.protocol.keys import RunKeys
 from spottrain.redis_conn import RedisSettings
 
 HERE = Path(__file__).resolve().parent

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import redis
 
-from spottrain.keys import RunKeys
 from spottrain.protocol import events
+from spottrain.protocol.keys import RunKeys
 
 HERE = Path(__file__).parent
 DUMP = json.loads((HERE / "redis_dump.json").read_text())

@@ -18,8 +18,8 @@ from fakes.metadata_server import MetadataServer
 from spottrain.agent.notices.injected import parse_injected
 from spottrain.agent.notices.notice import NoticeKind
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
 from spottrain.ports import free_port
+from spottrain.protocol.keys import RunKeys
 
 AGENT = [sys.executable, "-m", "spottrain.agent.cli"]
 FAILING_SCRIPT = "import sys; sys.exit(7)"

@@ -14,7 +14,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from spottrain.agent.rendezvous.backend import MemberGoneError, RedisRendezvousBackend
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.redis_conn import RedisSettings, connect
 
 

@@ -22,7 +22,7 @@ from spottrain.controller.reconcile.controller import Controller, policy_from_sp
 from spottrain.controller.reconcile.drive import ControllerError, RedisOutage, drive_passes
 from spottrain.controller.reconcile.state import LeaseLost, RunState
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.spec import parse_spec
 
 SLEEP_BOOT = '{"argv": ["sleep", "600"]}'

@@ -30,7 +30,7 @@ from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.drive import format_summary
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.states import LedgerStatus
 from spottrain.spec import parse_spec
 

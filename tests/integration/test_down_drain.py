@@ -22,7 +22,7 @@ from spottrain.controller.run.create import create_run
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.controller.run.providers import build_providers
 from spottrain.controller.run.records import RunInfo
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.spec import load_spec
 
 SLEEP_BOOT = '{"argv": ["sleep", "600"]}'

@@ -25,9 +25,9 @@ from spottrain.agent.rendezvous.config import RendezvousConfigError
 from spottrain.agent.rendezvous.handler import RedisRendezvousHandler, create_handler
 from spottrain.agent.rendezvous.membership import leave_node
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
 from spottrain.ports import free_port
 from spottrain.protocol.env import ENV_ROUND
+from spottrain.protocol.keys import RunKeys
 
 FAST = {"keep_alive_interval": 1, "keep_alive_max_attempt": 2, "last_call_timeout": 8}
 

@@ -22,7 +22,7 @@ from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.agent.notices.handler import NoticeHandler, _covers
 from spottrain.agent.notices.notice import Notice, NoticeKind
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.states import NodeState
 from spottrain.redis_conn import RedisSettings, connect
 

@@ -15,7 +15,7 @@ import redis
 from spottrain.agent.local_progress import ProgressFile, read_step
 from spottrain.agent.orphan import OrphanView, OrphanWatch, end_this_vm, orphaned
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 TIMEOUT = 10.0
 

@@ -43,8 +43,8 @@ from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.archive import archive_run, load_report_data
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.controller.run.records import RunInfo
-from spottrain.keys import RunKeys
 from spottrain.ports import free_port
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.states import LedgerStatus
 
 T0 = 1_700_000_000.0

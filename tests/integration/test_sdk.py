@@ -20,7 +20,7 @@ from spottrain.agent.checkpoint.directory import CheckpointDir
 from spottrain.agent.checkpoint.files import CheckpointDirError
 from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession, channel
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 
 def make_state(seed: int = 0) -> tuple[dict[str, object], torch.nn.Module]:

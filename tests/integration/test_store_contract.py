@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.utils.store import barrier
 
 from spottrain.agent.rendezvous.store import RedisStore
-from spottrain.keys import RunKeys
 from spottrain.ports import free_port
+from spottrain.protocol.keys import RunKeys
 from spottrain.redis_conn import RedisSettings, connect
 
 # Every handle's default timeout: long enough for slow CI, short enough that a hang fails fast.

@@ -33,7 +33,7 @@ from spottrain.controller.reconcile.summary import Summary
 from spottrain.controller.run import drive
 from spottrain.controller.run.boot import NodeIdentity, agent_env
 from spottrain.controller.tracking import TABLE_COLUMNS, FleetTracker
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.spec import JobSpec, parse_spec
 from spottrain.tracking import Tracker, WandbSettings
 

@@ -25,7 +25,7 @@ import redis
 from spottrain.agent.processes import hand_over, resolve_worker_user
 from spottrain.controller.run.boot import WORKER_UID, WORKER_USER, worker_user_lines
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
 

@@ -1,4 +1,4 @@
-"""Unit tests of the Redis key schema (spottrain.keys): pure, no Redis."""
+"""Unit tests of the Redis key schema (spottrain.protocol.keys): pure, no Redis."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import fnmatch
 
 import pytest
 
-from spottrain import keys as keys_module
-from spottrain.keys import (
+from spottrain.protocol import keys as keys_module
+from spottrain.protocol.keys import (
     DEFAULT_PREFIX,
     RunKeys,
     make_run_id,

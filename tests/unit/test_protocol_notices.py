@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.notices import decode_injected, inject_notice
 
 

@@ -24,7 +24,7 @@ from spottrain.cloud.base import BadRequestError
 from spottrain.cloud.base.groups import MemberState
 from spottrain.controller.groups.controller import GroupController, group_policy_from_spec
 from spottrain.controller.reconcile.state import RunState
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.states import LedgerStatus
 from spottrain.spec import parse_spec
 

@@ -23,7 +23,7 @@ from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.cloud.gcp.group import GcpMigGroup
 from spottrain.controller.groups.controller import GroupController, group_policy_from_spec
 from spottrain.controller.reconcile.state import RunState
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.states import LedgerStatus
 from spottrain.spec import parse_spec
 

@@ -52,7 +52,7 @@ from spottrain.cloud.storage import (
     parse_store_url,
     upload_dir,
 )
-from spottrain.keys import RunKeys
+from spottrain.protocol.keys import RunKeys
 
 MIB = 1 << 20
 BUCKET = "spottrain-test"
