@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from spottrain.fileio import atomic_write
 
 
 class RecordStore:
@@ -68,17 +68,8 @@ class RecordStore:
 
     def write(self, record: dict[str, Any]) -> None:
         """Write a whole record atomically (call with the lock held)."""
-        fd, tmp = tempfile.mkstemp(dir=self.instances, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path(record["id"]))
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        # The temporary file's name starts with a dot: records() skips it.
+        atomic_write(self.path(record["id"]), json.dumps(record, indent=1, sort_keys=True))
 
     def update(self, vm_id: str, **fields: Any) -> dict[str, Any]:
         """Change some fields of a record under the lock; returns the new record.
