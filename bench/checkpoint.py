@@ -52,6 +52,7 @@ from typing import Any
 from benchlib import parser, print_figures
 
 from spottrain.ports import free_port
+from spottrain.protocol.env import ENV_FAILPOINT, ENV_REDIS, ENV_ROUND
 
 REPO = Path(__file__).resolve().parents[1]
 GPT_EXAMPLE = REPO / "examples" / "gpt_train.py"
@@ -79,9 +80,9 @@ def launch(role: str, args: argparse.Namespace, workdir: Path, tag: str) -> list
             "WORLD_SIZE": str(WORLD),
             "OMP_NUM_THREADS": "1",
         }
-        env.pop("SPOTTRAIN_FAILPOINT", None)
-        env.pop("SPOTTRAIN_REDIS", None)
-        env.pop("SPOTTRAIN_RDZV_ROUND", None)
+        env.pop(ENV_FAILPOINT, None)
+        env.pop(ENV_REDIS, None)
+        env.pop(ENV_ROUND, None)
         cmd = [sys.executable, __file__, "--role", role, "--dir", str(workdir)]
         cmd += ["--size-gib", str(args.size_gib), "--reps", str(args.reps)]
         cmd += ["--steps", str(args.steps), "--tag", tag]
