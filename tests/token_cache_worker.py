@@ -1,4 +1,4 @@
-"""One process opening a token cache, for tests/integration/test_token_cache.py.
+"""One process opening a token cache, for tests/integration/agent/test_token_cache.py.
 
 Prints one JSON line: the cache's key, hit, count, the sha256 of the tokens as this process
 reads them through its mapping, the manifest's builder and created_at, and the token file's

@@ -1,7 +1,7 @@
 """The ``redis`` rendezvous handler: torch's dynamic rendezvous, fixed for spot fleets.
 
 It subclasses torch's ``DynamicRendezvousHandler`` and keeps its join/leave state machine,
-changing four things (each pinned by ``tests/unit/test_torch_internals.py`` where it leans on
+changing four things (each pinned by ``tests/unit/agent/test_torch_internals.py`` where it leans on
 torch's private behaviour):
 
 * **Liveness** is a sorted set of heartbeats stamped by the Redis clock (see

@@ -30,8 +30,8 @@ DRAIN_OVERHEAD_S = 10.0
 # seen up to that late, and GCP's 30 s run from the notice, not from when it is seen), rank 0
 # polls Redis for the checkpoint request every 0.2 s, and the ranks agree on the save step
 # at agreement steps, about every 0.2 s of steps (at least one step, at most 64): a request
-# is acted on within two agreements (agent/sdk/agreement.py; tests/unit/test_spec.py checks these
-# against the agent's defaults).
+# is acted on within two agreements (agent/sdk/agreement.py;
+# tests/unit/spottrain/test_spec.py checks these against the agent's defaults).
 NOTICE_DETECT_S = 2.0
 REQUEST_POLL_S = 0.2
 AGREE_INTERVAL_S = 0.2

@@ -94,7 +94,7 @@ locals {
   # The agent splits the value like a POSIX shell (shlex.split), so each argument goes in
   # single quotes, with a ' inside written as '\''. The environment file then wraps the
   # value in double quotes, inside which systemd unescapes only \\ and \".
-  # tests/unit/test_terraform_aws.py mirrors these two expressions; change both together.
+  # tests/unit/terraform/test_terraform_aws.py mirrors these two expressions; change both together.
   train_command_shell = join(" ", [for a in var.train_command : "'${replace(a, "'", "'\\''")}'"])
   train_command_env   = replace(replace(local.train_command_shell, "\\", "\\\\"), "\"", "\\\"")
 

@@ -3,7 +3,7 @@
 Each cloud's harness (``aws.py``, ``gcp.py``, ``local.py``) wraps a real provider pointed at a
 fake of that cloud (moto, the HTTP fake of the compute API, local processes) and adds the
 faults only a test can cause: a stockout, an interruption, revoked credentials.
-``tests/integration/test_provider_contract.py`` runs one suite over all of them.
+``tests/integration/cloud/test_provider_contract.py`` runs one suite over all of them.
 """
 
 from __future__ import annotations

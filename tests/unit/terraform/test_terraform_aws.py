@@ -251,7 +251,7 @@ def test_boot_template_placeholders_are_the_templatefile_values(mod: Module) -> 
     assert _ref(_locals(mod)["boot_script"]) == (
         'templatefile("${path.module}/boot.sh.tftpl", local.boot_template_values)'
     )
-    # Gzipped only with an env_lock (tests/unit/test_boot_env_lock.py checks it fits).
+    # Gzipped only with an env_lock (tests/unit/controller/test_boot_env_lock.py checks it fits).
     assert _ref(user_data) == (
         'var.env_lock == "" ? base64encode(local.boot_script) : base64gzip(local.boot_script)'
     )
@@ -782,7 +782,7 @@ def test_boot_installs_the_packaged_unit_with_the_job_directory(mod: Module) -> 
 
 
 def test_boot_creates_the_workers_user_before_the_agent_starts(mod: Module) -> None:
-    # The same lines as the controller's own VMs (tests/integration/test_worker_user.py runs
+    # The same lines as the controller's own VMs (tests/integration/agent/test_worker_user.py runs
     # them): a fixed uid, as the shared checkpoint volume needs.
     script = _render(mod)
     assert worker_user_lines() in script

@@ -13,7 +13,7 @@ import yaml
 
 from spottrain.controller.sim.command import add_parser, command
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _run(*argv: str) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from terraform_hcl import block_text, terraform_console
 
-ROOT = Path(__file__).resolve().parents[2] / "terraform"
+ROOT = Path(__file__).resolve().parents[3] / "terraform"
 MODULES = ["aws", "gcp"]
 URLS = [
     ("https://github.com/acme/gpt.git", True),

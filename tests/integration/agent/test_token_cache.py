@@ -24,7 +24,7 @@ from spottrain.agent.sdk.token_cache import (
     open_tokens,
 )
 
-WORKER = str(Path(__file__).resolve().parents[1] / "token_cache_worker.py")
+WORKER = str(Path(__file__).resolve().parents[2] / "token_cache_worker.py")
 
 
 def write_corpus(root: Path) -> list[Path]:

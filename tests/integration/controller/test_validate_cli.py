@@ -21,7 +21,7 @@ from spottrain.controller.reconcile.offers import offer_query
 from spottrain.controller.run.providers import build_provider
 from spottrain.spec import parse_spec
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "terraform" / ".checkov.yaml"
 
 

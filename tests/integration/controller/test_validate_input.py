@@ -23,7 +23,7 @@ from spottrain.controller.run.run_redis import stop_embedded_redis
 from spottrain.controller.run.wiring import build_controller
 from spottrain.spec import load_spec
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SECRET = "sk-live-Zq8vR2mN5xT7"
 # Address space for one `spottrain validate` (it needs about 200 MiB): an alias bomb that
 # expanded would run out of it instead of taking the machine's memory.

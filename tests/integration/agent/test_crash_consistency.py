@@ -37,7 +37,7 @@ pytestmark = [
     ),
 ]
 
-WRITER = Path(__file__).resolve().parents[1] / "ckpt_writer.py"
+WRITER = Path(__file__).resolve().parents[2] / "ckpt_writer.py"
 BEFORE_COMMIT = ("shard", "before-manifest", "manifest", "before-rename")
 AFTER_COMMIT = ("after-rename", "latest", "after-latest")
 REPLACE = "replace"

@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "checkpoint.py"
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "checkpoint.py"
 KEYS = {
     "emergency_vs_raw",
     "emergency_vs_dcp",

@@ -33,7 +33,7 @@ from spottrain.spec import JobSpec, parse_spec
 NODE = NodeIdentity("gpt-small-1795000000", "node-3", "aws", "us-east-1a", "p4d.24xlarge")
 REDIS = "rediss://redis.internal:6380"
 SHA = "ab" * 32
-TERRAFORM = Path(__file__).resolve().parents[2] / "terraform"
+TERRAFORM = Path(__file__).resolve().parents[3] / "terraform"
 
 
 def _spec(data: dict[str, Any]) -> JobSpec:

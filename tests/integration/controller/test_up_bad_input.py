@@ -20,7 +20,7 @@ from spottrain.cloud.local.compute import LocalProvider
 from spottrain.cloud.local.settings import LocalSettings
 from spottrain.controller.run.embedded_redis import RedisServer
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # VALID's 7B checkpoint does not fit GCP's notice window (`up` would stop at exit 3): 1B does.
 FITS = _with(VALID, "checkpoint.params", "1B")
 

@@ -150,7 +150,7 @@ def test_the_unit_makes_the_runs_checkpoint_directory_once_the_volume_is_mounted
 
 
 def test_boot_creates_the_workers_user_before_the_agent_starts() -> None:
-    # tests/integration/test_worker_user.py runs these lines in a throwaway namespace.
+    # tests/integration/agent/test_worker_user.py runs these lines in a throwaway namespace.
     script = render_boot_script(_spec(VALID), NODE, REDIS)
     assert script.index(worker_user_lines()) < script.index("systemctl enable --now")
 

@@ -27,7 +27,7 @@ from spottrain.ports import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-WORKER = Path(__file__).resolve().parents[1] / "ckpt_dist_worker.py"
+WORKER = Path(__file__).resolve().parents[2] / "ckpt_dist_worker.py"
 WORLD = 2
 
 

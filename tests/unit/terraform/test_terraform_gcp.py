@@ -559,7 +559,7 @@ def test_startup_script_pins_spottrain_and_installs_the_packaged_unit(mod: Modul
 
 
 def test_startup_script_creates_the_workers_user_before_the_agent_starts(mod: Module) -> None:
-    # The same lines as the controller's own VMs (tests/integration/test_worker_user.py runs
+    # The same lines as the controller's own VMs (tests/integration/agent/test_worker_user.py runs
     # them): a fixed uid, as the shared checkpoint volume needs.
     script, _ = _render_startup(mod)
     assert worker_user_lines() in script
