@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spottrain import __version__
+from spottrain.cloud.aws import secrets as aws_secrets
+from spottrain.cloud.gcp import secrets as gcp_secrets
 from spottrain.envlock import lock_sha256, parse_lock
 from spottrain.protocol import env as env_names
 from spottrain.spec import ArchiveCode, GitCode, ImageCode, JobSpec
@@ -135,14 +137,9 @@ def render_env_file(env: Mapping[str, str]) -> str:
 
 def _secret_get(cloud: str, secret: str) -> str:
     """A shell command that prints a secret from the cloud's secret store to its stdout."""
-    q = shlex.quote(secret)
     if cloud == "aws":
-        # The instance profile needs secretsmanager:GetSecretValue on these secrets only.
-        return (
-            f"aws secretsmanager get-secret-value --secret-id {q} "
-            "--query SecretString --output text"
-        )
-    return f"gcloud secrets versions access latest --secret={q}"
+        return aws_secrets.secret_read_command(secret)
+    return gcp_secrets.secret_read_command(secret)
 
 
 def _secret_fetch(cloud: str, secret: str) -> str:
