@@ -1,5 +1,5 @@
-"""The injected-notice monitor: notices written to Redis for this node (the local cloud's
-preemptions, the controller's drains, operators and tests; the format is in
+"""The injected-notice monitor: notices written to Redis for this node (the
+controller's drains, operators and tests; the format is in
 :mod:`spottrain.protocol.notices`).
 
 An injected notice's id is its body as queued: the same body queued again is the same event

@@ -25,7 +25,7 @@ class NoticeKind(StrEnum):
     PREEMPTED = "preempted"  # GCP instance/preempted turned TRUE
     MAINTENANCE = "maintenance"  # GCP maintenance-event TERMINATE_ON_HOST_MAINTENANCE
     SIGTERM = "sigterm"  # the agent was sent SIGTERM (ACPI shutdown, systemd stop)
-    INJECTED = "injected"  # a notice written to Redis (the local cloud, operators, tests)
+    INJECTED = "injected"  # a notice written to Redis (the controller, operators, tests)
 
     @property
     def drains(self) -> bool:

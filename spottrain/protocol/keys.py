@@ -177,8 +177,8 @@ class RunKeys:
         return f"{self.base}:hb:{node_id}"
 
     def notices(self, node_id: str) -> str:
-        """List of JSON notices injected for a node (the local cloud's preemptions); its
-        agent pops them."""
+        """List of JSON notices injected for a node (the controller's drains,
+        ``spottrain-agent notify``); its agent pops them."""
         return f"{self.base}:notices:{node_id}"
 
     @property

@@ -1,7 +1,9 @@
 """Injected notices: a notice written to Redis for one node's agent.
 
-The local cloud preempts a node this way, the controller drains one this way, and operators
-and tests use ``spottrain-agent notify``. The agent pops them from ``RunKeys.notices(node)``.
+The controller drains a node this way (a move, a budget stop, ``spottrain down``, a scale-in),
+and operators and tests use ``spottrain-agent notify``. (The local cloud preempts through its
+VM process instead: a signal the VM turns into the agent's SIGTERM.) The agent pops them
+from ``RunKeys.notices(node)``.
 
 Format (one JSON object per list item, unchanged since the first release)::
 
@@ -29,7 +31,7 @@ DEFAULT_IN_S = 120.0
 def inject_notice(
     client: redis.Redis, keys: RunKeys, node_id: str, kind: str = "injected", in_s: float = 120
 ) -> None:
-    """Queue a notice for a node's agent (what the local cloud does to preempt a node)."""
+    """Queue a notice for a node's agent (how the controller asks a node to drain)."""
     client.rpush(keys.notices(node_id), json.dumps({"kind": kind, "in": in_s}))
 
 
