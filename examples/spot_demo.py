@@ -31,6 +31,7 @@ from demo_progress import Progress, say
 
 from spottrain.agent.testing.local_launcher import LocalAgentJob
 from spottrain.controller.run.embedded_redis import RedisServer
+from spottrain.fileio import atomic_write
 from spottrain.protocol.keys import RunKeys, make_run_id
 from spottrain.protocol.notices import inject_notice
 
@@ -60,9 +61,7 @@ class Demo(Progress):
 
 def set_pace(path: Path, seconds: float) -> None:
     """Set the seconds each training step sleeps (the trainer reads the file every step)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(f"{seconds:g}")
-    tmp.replace(path)
+    atomic_write(path, f"{seconds:g}", durable=False)
 
 
 def main() -> int:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from spottrain.controller.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, err
 from spottrain.controller.run.env_lock import (
     LOCKED_CLOUDS,
     LockTarget,
@@ -49,21 +50,20 @@ def command(args: Any) -> int:
         loaded = load_spec(args.spec)
     except SpecError as e:
         print(str(e), file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         target = LockTarget(python_version=args.python_version, platform=args.platform)
         lock = lock_for_cloud(loaded.spec, loaded.base_dir, args.cloud, target=target)
     except ResolveError as e:
-        print(f"spottrain: {e}", file=sys.stderr)
-        return 1
+        err(str(e))
+        return EXIT_FAILED
     text = lock.text()
     if args.output:
         Path(args.output).write_text(text)
     else:
         sys.stdout.write(text)
-    print(
-        f"spottrain: {len(lock.packages)} packages locked for {args.cloud} "
-        f"({lock.target}), sha256 {lock_sha256(text)}",
-        file=sys.stderr,
+    err(
+        f"{len(lock.packages)} packages locked for {args.cloud} "
+        f"({lock.target}), sha256 {lock_sha256(text)}"
     )
-    return 0
+    return EXIT_OK
