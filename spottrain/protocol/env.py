@@ -47,6 +47,18 @@ ENV_ASG_LIFECYCLE_HOOK = "SPOTTRAIN_ASG_LIFECYCLE_HOOK"
 ENV_SELF_TERMINATE_CMD = "SPOTTRAIN_SELF_TERMINATE_CMD"
 ENV_WORKER_USER = "SPOTTRAIN_WORKER_USER"
 
+# -- replica mode (train.fault_tolerance: replica) -------------------------------------------
+# The agent's, set by the boot script: the mode, the replica's size in nodes, the quorum's
+# floor and where the lighthouse listens (host:port, reached over http).
+ENV_FAULT_TOLERANCE = "SPOTTRAIN_FAULT_TOLERANCE"
+ENV_NODES_PER_REPLICA = "SPOTTRAIN_NODES_PER_REPLICA"
+ENV_MIN_REPLICAS = "SPOTTRAIN_MIN_REPLICAS"
+ENV_LIGHTHOUSE = "SPOTTRAIN_LIGHTHOUSE"
+# The workers', set by the agent for one replica: its slot ("replica-<j>"), the manager's
+# fixed port on the replica's first node, and that node's address.
+ENV_REPLICA_ID = "SPOTTRAIN_REPLICA_ID"
+ENV_MANAGER_PORT = "SPOTTRAIN_MANAGER_PORT"
+
 # -- set by the rendezvous handler for the workers of one round -------------------------------
 ENV_RDZV_MEMBER = "SPOTTRAIN_RDZV_MEMBER"
 
