@@ -55,7 +55,7 @@ ENV_NODES_PER_REPLICA = "SPOTTRAIN_NODES_PER_REPLICA"
 ENV_MIN_REPLICAS = "SPOTTRAIN_MIN_REPLICAS"
 ENV_LIGHTHOUSE = "SPOTTRAIN_LIGHTHOUSE"
 # The workers', set by the agent for one replica: its slot ("replica-<j>"), the manager's
-# fixed port on the replica's first node, and that node's address.
+# fixed port on the replica's first node.
 ENV_REPLICA_ID = "SPOTTRAIN_REPLICA_ID"
 ENV_MANAGER_PORT = "SPOTTRAIN_MANAGER_PORT"
 
