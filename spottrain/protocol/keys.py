@@ -126,6 +126,19 @@ class RunKeys:
     def store_pattern(self) -> str:
         return f"{self.base}:store:*"
 
+    # -- replica mode -------------------------------------------------------------------------
+    @property
+    def replica_slots(self) -> str:
+        """Hash slot ("replica-<j>") -> JSON list of the node ids holding it, claimed
+        atomically by each node's agent in replica mode (replica j holds nodes j*k..j*k+k-1)."""
+        return f"{self.base}:replica:slots"
+
+    @property
+    def replica_holders(self) -> str:
+        """Hash replica id -> JSON {state: "live" | "leaving", step, at}: which replicas hold
+        the training state, so a leaver learns atomically whether it is the last."""
+        return f"{self.base}:replica:holders"
+
     # -- checkpoints --------------------------------------------------------------------------
     @property
     def ckpt_requests(self) -> str:
