@@ -134,6 +134,12 @@ class RunKeys:
         return f"{self.base}:replica:slots"
 
     @property
+    def replica_lighthouse(self) -> str:
+        """String "host:port": where the run's lighthouse listens, written by the controller
+        each time it (re)starts it; agents in replica mode read it at each launch."""
+        return f"{self.base}:replica:lighthouse"
+
+    @property
     def replica_holders(self) -> str:
         """Hash replica id -> JSON {state: "live" | "leaving", step, at}: which replicas hold
         the training state, so a leaver learns atomically whether it is the last."""
