@@ -1,0 +1,306 @@
+"""The replica engine: torchft's Manager behind one class of ours (the only place torchft is
+driven), with our own step protocol.
+
+**Step protocol.** :meth:`ReplicaEngine.begin_step` runs a SYNCHRONOUS quorum (torchft's
+``use_async_quorum=False``): it returns only when the step's members are known and a
+replica that must heal has loaded a live peer's state, so the step's global batch can be
+split over its participants before the forward pass (:mod:`.plan`). The cost is the
+quorum's round trip at the start of every step instead of overlapping it with the forward
+pass; :attr:`ReplicaEngine.quorum_wait_s` records it per step. A healed replica takes part in
+the step it healed in: it holds the live state before its forward pass (torchft's async mode
+excludes healers because their forward runs on stale weights, which cannot happen here;
+excluding them would also need every member to know who heals, which an init-sync heal at
+step 0 does not tell the primary).
+
+Gradients cross replicas through one function, :meth:`ReplicaEngine.reduce` (a plain list
+of gradient tensors: a model without DDP, or the local shards of an FSDP2 model whose
+replicas are the outer dimension of HSDP), or :meth:`ReplicaEngine.ddp_hook` (a DDP comm
+hook over the same path). The reduction is a SUM (each sample's loss weighs
+``1 / global batch``). A collective that fails (a peer died or froze and the watchdog aborted
+the group) marks the step DISCARDED: :meth:`ReplicaEngine.commit` returns False, the
+optimizer step must be skipped, and the next :meth:`begin_step` returns the same step, so
+it is redone on the same samples. torchft's own DDP hook asserts on the failed future's value
+and crashes the survivor; ours never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torchft.manager import Manager
+
+from spottrain.protocol.env import (
+    ENV_LIGHTHOUSE,
+    ENV_MANAGER_PORT,
+    ENV_MIN_REPLICAS,
+    ENV_REPLICA_ID,
+)
+
+from .groups import make_group
+from .plan import StepPlan, make_plan
+from .quorum import RecordingClient
+from .watchdog import Watchdog
+
+log = logging.getLogger("spottrain.replica")
+
+
+class PeerLostError(RuntimeError):
+    """A member of the step's quorum stopped heartbeating during a collective."""
+
+
+@dataclass
+class EngineConfig:
+    """Where the replica is and how long things may take (defaults from the environment)."""
+
+    replica_id: str
+    lighthouse: str  # "host:port" or "http://host:port"
+    manager_port: int = 0
+    min_replicas: int = 1
+    # Long: a multi-GB all-reduce must not time out; a lost peer is noticed by the watchdog.
+    collective_timeout_s: float = 120.0
+    quorum_timeout_s: float = 120.0
+    connect_timeout_s: float = 10.0
+    heartbeat_interval_ms: int = 100
+    quorum_retries: int = 100
+    device: str = "cpu"
+    hostname: str = field(default_factory=socket.gethostname)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> EngineConfig:
+        env = os.environ
+        missing = [n for n in (ENV_REPLICA_ID, ENV_LIGHTHOUSE) if not env.get(n)]
+        if missing and not all(k in overrides for k in ("replica_id", "lighthouse")):
+            raise ValueError(
+                f"${missing[0]} is not set: replica mode needs the agent's "
+                f"${ENV_REPLICA_ID} and ${ENV_LIGHTHOUSE} (run under spottrain-agent with "
+                "train.fault_tolerance: replica, or set them)"
+            )
+        values: dict[str, Any] = {
+            "replica_id": env.get(ENV_REPLICA_ID, ""),
+            "lighthouse": env.get(ENV_LIGHTHOUSE, ""),
+            "manager_port": _int_env(ENV_MANAGER_PORT, 0),
+            "min_replicas": _int_env(ENV_MIN_REPLICAS, 1),
+        }
+        values.update(overrides)
+        return cls(**values)
+
+    @property
+    def lighthouse_url(self) -> str:
+        addr = self.lighthouse
+        return addr if "://" in addr else f"http://{addr}"
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"${name}={raw!r} is not an integer: set it to a number") from None
+
+
+class ReplicaEngine:
+    """One replica's link to its peers. Every rank of the replica makes one, after
+    ``torch.distributed`` is initialised for the replica's own group (its rank 0 hosts the
+    store the manager uses).
+
+    Args:
+        state_dict: Returns the state a joiner needs (model, optimizer, scheduler, RNG, data
+            position), nested dicts of tensors and plain values.
+        load_state_dict: Loads what ``state_dict`` returned (from a live peer).
+        config: Default :meth:`EngineConfig.from_env`.
+    """
+
+    def __init__(
+        self,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.config = config or EngineConfig.from_env()
+        cfg = self.config
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "initialise torch.distributed for the replica's own group first "
+                "(dist.init_process_group under torchrun): the manager uses its store"
+            )
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group = make_group(cfg.device, timedelta(seconds=cfg.collective_timeout_s))
+        self.manager = Manager(
+            pg=self.group,
+            load_state_dict=load_state_dict,
+            state_dict=state_dict,
+            min_replica_size=cfg.min_replicas,
+            use_async_quorum=False,
+            timeout=timedelta(seconds=cfg.collective_timeout_s),
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=cfg.connect_timeout_s),
+            rank=self.rank,
+            world_size=self.world,
+            lighthouse_addr=cfg.lighthouse_url,
+            replica_id=cfg.replica_id,
+            port=cfg.manager_port,
+            hostname=cfg.hostname,
+            heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_interval_ms),
+            quorum_retries=cfg.quorum_retries,
+        )
+        self.recorder = RecordingClient(self.manager._client, self.manager)
+        self.manager._client = self.recorder
+        self.group.recorder = self.recorder
+        self.watchdog = Watchdog(cfg.lighthouse_url, self.group, self.recorder)
+        self.discarded = 0
+        self.quorum_wait_s: list[float] = []
+        self.plan: StepPlan | None = None
+        self._closed = False
+
+    # -- the step ---------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Committed steps (the step being attempted next)."""
+        return int(self.manager.current_step())
+
+    def begin_step(self, global_batch: int, micro_batch: int) -> StepPlan:
+        """The synchronous quorum of the next step, and this replica's part of it."""
+        t0 = time.monotonic()
+        self.manager.start_quorum()
+        self.quorum_wait_s.append(time.monotonic() - t0)
+        view = self.recorder.last
+        participants = int(self.manager.num_participants())
+        rank = self.manager.participating_rank() if self.manager.is_participating() else None
+        errored = self.manager.errored() is not None
+        self.plan = make_plan(
+            step=self.step,
+            quorum_id=view.quorum_id if view else -1,
+            participants=max(participants, 1),
+            participant_rank=None if errored else rank,
+            healed=bool(view and view.heal),
+            global_batch=global_batch,
+            micro_batch=micro_batch,
+        )
+        self.watchdog.watch(view)
+        return self.plan
+
+    def reduce(self, tensors: list[torch.Tensor]) -> bool:
+        """SUM ``tensors`` (gradients, or an FSDP2 model's local gradient shards) across the
+        step's replicas, in place; False when the step is discarded (the tensors are then
+        garbage and must not be stepped on). A non-participant contributes zeros."""
+        if not tensors:
+            return self.manager.errored() is None
+        flat = tensors[0] if len(tensors) == 1 else _flatten_dense_tensors(tensors)  # type: ignore[no-untyped-call]
+        ok = self._allreduce(flat)
+        if ok and len(tensors) > 1:
+            parts = _unflatten_dense_tensors(flat, tensors)  # type: ignore[no-untyped-call]
+            for t, reduced in zip(tensors, parts, strict=True):
+                t.copy_(reduced)
+        return ok
+
+    def reduce_grads(self, params: list[torch.nn.Parameter]) -> bool:
+        """:meth:`reduce` over the parameters' gradients (missing ones become zeros)."""
+        grads = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        return self.reduce(grads)
+
+    def _allreduce(self, buf: torch.Tensor) -> bool:
+        if self.intra_group is not None:
+            dist.all_reduce(buf, group=self.intra_group)
+        if self.manager.errored() is not None:
+            return False
+        from torch.distributed import ReduceOp
+
+        wake = threading.Event()
+        self.watchdog.enter(wake)
+        try:
+            work = self.manager.allreduce(buf, reduce_op=ReduceOp.SUM)
+            raw = getattr(work, "_work", None)  # the group's own work (absent: a no-op)
+            if raw is not None:
+                # Wait on the future, not in gloo's blocking wait: the watchdog can wake us
+                # when a peer is lost, and gloo's abort does not interrupt its wait.
+                raw.get_future().add_done_callback(lambda _f: wake.set())
+                wake.wait()
+                if self.watchdog.lost_during(wake):
+                    self.manager.report_error(PeerLostError("a peer stopped heartbeating"))
+                    return False
+            work.wait()
+        except Exception as exc:  # never crash the survivor: the step is discarded
+            log.warning("cross-replica all-reduce failed: %s", exc)
+            self.manager.report_error(exc)
+        finally:
+            self.watchdog.leave()
+        return self.manager.errored() is None
+
+    @property
+    def intra_group(self) -> Any:
+        """The replica's own group, for replicas of several ranks (None for one)."""
+        return None if self.world == 1 else dist.group.WORLD
+
+    def ddp_hook(self, _state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """A DDP comm hook over :meth:`reduce`: a failed reduce discards the step instead of
+        raising (``model.register_comm_hook(None, engine.ddp_hook)``)."""
+        buf = bucket.buffer()
+        # A copy: an all-reduce abandoned when a peer froze may still write into its buffer
+        # later, and DDP reuses its bucket buffers every step.
+        work = buf.clone()
+        if self._allreduce(work):
+            buf.copy_(work)
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    def wrap_ddp(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` in DDP whose gradients cross replicas through :meth:`ddp_hook` (a
+        dummy group soaks up DDP's own init broadcast; the manager syncs weights)."""
+        from torch.nn.parallel import DistributedDataParallel
+        from torchft.process_group import ProcessGroupDummy
+
+        ddp = DistributedDataParallel(
+            module, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True
+        )
+        ddp.register_comm_hook(None, self.ddp_hook)
+        return ddp
+
+    def commit(self) -> bool:
+        """Whether to step the optimizer (every rank of the replica agrees). False: the step
+        is discarded and will be redone on the same samples."""
+        ok = bool(self.manager.should_commit())
+        if not ok:
+            self.discarded += 1
+            err = self.manager.errored()
+            log.warning(
+                "step %d discarded (%d so far)%s",
+                self.step,
+                self.discarded,
+                f": {str(err).splitlines()[0]}" if err else "",
+            )
+        return ok
+
+    def load_manager_state(self, state: dict[str, int]) -> None:
+        """Restore the committed step (from a disk checkpoint) before the first quorum."""
+        self.manager.load_state_dict(state)
+
+    def manager_state(self) -> dict[str, int]:
+        return dict(self.manager.state_dict())
+
+    def close(self) -> None:
+        """Stop heartbeating and serving (the lighthouse drops this replica after its
+        heartbeat timeout)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.watchdog.stop()
+        self.manager.shutdown(wait=False)
+        self.group.abort_now()

@@ -1,0 +1,186 @@
+"""A tiny deterministic model trained in replica mode (``train.fault_tolerance: replica``).
+
+Each replica (its own torchrun; one process here) trains a full copy; replicas sum their
+gradients through spottrain's fault-tolerant all-reduce (:mod:`spottrain.agent.replica`).
+Sample ``i`` is made from ``(seed, i)`` alone, and step ``s`` consumes samples
+``[s * G, (s + 1) * G)`` split over the replicas taking part, so a step that is discarded
+(a peer lost mid-step) and redone re-consumes the same samples, and the loss curve does not
+depend on how many replicas computed it.
+
+Every replica appends one JSON line per attempted step to ``--progress`` (committed or
+discarded, participants, quorum id, the sample ids it computed, a digest of its parameters
+after the step), and a line per event (start, restore, heal, leave).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spottrain.agent.replica import ReplicaSession
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--every-steps", type=int, default=0, help="periodic checkpoint interval")
+    p.add_argument("--ckpt-dir", default=os.environ.get("SPOTTRAIN_CKPT_DIR"))
+    p.add_argument("--global-batch", type=int, default=32, help="samples per step")
+    p.add_argument("--micro-batch", type=int, default=8, help="samples per forward pass")
+    p.add_argument("--progress", help="JSON-lines file this replica appends to")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
+    p.add_argument("--ddp", action="store_true", help="wrap the model in DDP (comm hook)")
+    p.add_argument(
+        "--freeze-after-steps",
+        type=int,
+        default=-1,
+        help="(tests) SIGSTOP this process just before the all-reduce of its Nth step taken "
+        "part in (a VM that vanishes mid-step without closing its sockets)",
+    )
+    args = p.parse_args(argv)
+    for flag in ("steps", "global_batch", "micro_batch"):
+        if getattr(args, flag) <= 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be positive")
+    return args
+
+
+def sample(seed: int, index: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``index``: an input and its target, from ``(seed, index)`` alone."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    x = torch.randn(dim, generator=g)
+    w = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(dim, dim, generator=w) / dim**0.5
+    return x, torch.tanh(teacher @ x)
+
+
+def batch(seed: int, ids: range, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = [sample(seed, i, dim) for i in ids]
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+def param_digest(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Progress:
+    def __init__(self, path: str | None, replica: str) -> None:
+        self.path, self.replica = path, replica
+
+    def write(self, **row: Any) -> None:
+        if not self.path:
+            return
+        row = {"replica": self.replica, "t": time.time(), **row}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    torch.manual_seed(args.seed)  # the same initial weights on every replica
+    model = nn.Sequential(
+        nn.Linear(args.dim, args.hidden), nn.Tanh(), nn.Linear(args.hidden, args.dim)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100, gamma=0.5)
+    # Momentum buffers exist from the start, so a checkpoint's template has them.
+    for p in model.parameters():
+        opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+
+    def state_dict() -> dict[str, Any]:
+        return {
+            "model": model.state_dict(),
+            "optim": opt.state_dict(),
+            "sched": sched.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+        sched.load_state_dict(sd["sched"])
+        torch.set_rng_state(sd["rng"])
+
+    t_start = time.monotonic()
+    session = ReplicaSession(
+        state_dict, load_state_dict, ckpt_dir=args.ckpt_dir, every_steps=args.every_steps
+    )
+    replica = session.engine.config.replica_id
+    progress = Progress(args.progress if session.rank == 0 else None, replica)
+    step = session.restore()
+    progress.write(event="start", step=step, pid=os.getpid(), digest=param_digest(model))
+    net = session.engine.wrap_ddp(model) if args.ddp else model
+    first_full = False
+    taken_part = 0
+    while session.step < args.steps:
+        plan = session.begin_step(args.global_batch, args.micro_batch)
+        if plan.healed:
+            progress.write(event="healed", step=plan.step, since_start_s=time.monotonic() - t_start)
+        opt.zero_grad(set_to_none=False)
+        loss_sum = 0.0
+        micro = list(plan.micro_batches) or [range(0)]
+        for ids in micro:
+            x, y = (
+                batch(args.seed, ids, args.dim)
+                if len(ids)
+                else batch(args.seed, range(1), args.dim)
+            )
+            per_sample = ((net(x) - y) ** 2).mean(dim=1)
+            # Every sample weighs 1 / global batch; a replica with no share adds zeros.
+            loss = per_sample.sum() / args.global_batch * (1.0 if len(ids) else 0.0)
+            loss.backward()
+            loss_sum += float(loss.detach())
+        taken_part += int(plan.participating)
+        if plan.participating and args.freeze_after_steps == taken_part:
+            progress.write(event="freezing", step=plan.step, pid=os.getpid())
+            os.kill(os.getpid(), signal.SIGSTOP)
+        ok = True if args.ddp else session.reduce_grads(list(model.parameters()))
+        loss_t = torch.tensor([loss_sum])
+        ok = session.reduce([loss_t]) and ok
+        committed = session.commit()
+        if committed:
+            opt.step()
+            sched.step()
+        if args.step_time:
+            time.sleep(args.step_time)
+        if committed and not first_full and plan.participating:
+            first_full = True
+            progress.write(
+                event="first-step", step=plan.step, since_start_s=time.monotonic() - t_start
+            )
+        progress.write(
+            step=plan.step,
+            committed=committed,
+            participants=plan.participants,
+            participant_rank=plan.participant_rank,
+            quorum_id=plan.quorum_id,
+            samples=[i for r in plan.micro_batches for i in r],
+            loss=float(loss_t[0]),
+            discarded=session.engine.discarded,
+            quorum_wait_s=session.engine.quorum_wait_s[-1],
+            digest=param_digest(model),
+        )
+        session.end_step()
+    progress.write(event="finished", step=session.step, digest=param_digest(model))
+    session.finish()  # exits 0
+
+
+if __name__ == "__main__":
+    main()
