@@ -15,6 +15,7 @@ after the step), and a line per event (start, restore, heal, leave).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -72,6 +73,16 @@ def batch(seed: int, ids: range, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
 
+def backward(net: nn.Module, args: argparse.Namespace, ids: range) -> float:
+    """Forward and backward of one micro-batch; every sample weighs 1 / global batch. A
+    replica with no share runs one sample at weight 0 (DDP's hooks must still fire)."""
+    x, y = batch(args.seed, ids if len(ids) else range(1), args.dim)
+    per_sample = ((net(x) - y) ** 2).mean(dim=1)
+    loss = per_sample.sum() / args.global_batch * (1.0 if len(ids) else 0.0)
+    loss.backward()
+    return float(loss.detach())
+
+
 def param_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
@@ -124,29 +135,39 @@ def main() -> None:
     )
     replica = session.engine.config.replica_id
     progress = Progress(args.progress if session.rank == 0 else None, replica)
+    t0 = time.monotonic()
     step = session.restore()
-    progress.write(event="start", step=step, pid=os.getpid(), digest=param_digest(model))
+    progress.write(
+        event="start",
+        step=step,
+        pid=os.getpid(),
+        digest=param_digest(model),
+        restore_s=time.monotonic() - t0,  # 0 unless it loaded a disk checkpoint
+        state_bytes=sum(p.numel() * p.element_size() for p in model.parameters()) * 2,
+    )
     net = session.engine.wrap_ddp(model) if args.ddp else model
     first_full = False
     taken_part = 0
     while session.step < args.steps:
         plan = session.begin_step(args.global_batch, args.micro_batch)
         if plan.healed:
-            progress.write(event="healed", step=plan.step, since_start_s=time.monotonic() - t_start)
+            # The quorum's wait includes fetching and loading the live peer's state.
+            progress.write(
+                event="healed",
+                step=plan.step,
+                since_start_s=time.monotonic() - t_start,
+                heal_s=session.engine.quorum_wait_s[-1],
+            )
         opt.zero_grad(set_to_none=False)
         loss_sum = 0.0
         micro = list(plan.micro_batches) or [range(0)]
-        for ids in micro:
-            x, y = (
-                batch(args.seed, ids, args.dim)
-                if len(ids)
-                else batch(args.seed, range(1), args.dim)
-            )
-            per_sample = ((net(x) - y) ** 2).mean(dim=1)
-            # Every sample weighs 1 / global batch; a replica with no share adds zeros.
-            loss = per_sample.sum() / args.global_batch * (1.0 if len(ids) else 0.0)
-            loss.backward()
-            loss_sum += float(loss.detach())
+        for k, ids in enumerate(micro):
+            # Under DDP only the last micro-batch's backward may reduce: every replica must
+            # run the same collectives, however many micro-batches its share has.
+            last = k == len(micro) - 1
+            sync = contextlib.nullcontext() if last or not args.ddp else net.no_sync()
+            with sync:
+                loss_sum += backward(net, args, ids)
         taken_part += int(plan.participating)
         if plan.participating and args.freeze_after_steps == taken_part:
             progress.write(event="freezing", step=plan.step, pid=os.getpid())

@@ -270,7 +270,12 @@ class ReplicaEngine:
         ddp = DistributedDataParallel(
             module, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True
         )
-        ddp.register_comm_hook(None, self.ddp_hook)
+
+        # DDP checks the hook's annotations against the real classes; ours are strings.
+        def hook(state, bucket):  # type: ignore[no-untyped-def]
+            return self.ddp_hook(state, bucket)
+
+        ddp.register_comm_hook(None, hook)
         return ddp
 
     def commit(self) -> bool:

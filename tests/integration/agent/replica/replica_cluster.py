@@ -5,6 +5,7 @@ store port), each in a process group of its own that is killed afterwards, even 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -177,7 +178,7 @@ class Cluster:
 def max_gap(rows: list[dict[str, Any]], after_t: float) -> float:
     """The longest time between two consecutive committed steps, from ``after_t`` on."""
     times = [r["t"] for r in rows if r["committed"] and r["t"] >= after_t]
-    return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
 
 def figure(name: str, value: float) -> None:

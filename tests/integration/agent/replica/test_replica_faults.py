@@ -5,6 +5,7 @@ Each test prints the figures it measures (``pytest -s ... | grep FIGURE``)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -33,7 +34,7 @@ def assert_no_step_lost(rep: Replica) -> None:
     after a commit."""
     steps = [r["step"] for r in rep.committed()]
     healed = {r["step"] for r in rep.events("healed")}
-    for before, after in zip(steps, steps[1:], strict=False):
+    for before, after in itertools.pairwise(steps):
         assert after == before + 1 or (after > before and after in healed), steps
 
 
@@ -71,9 +72,15 @@ def test_peer_killed_between_steps_then_joiner_heals_bitwise(cluster: Cluster) -
     figure("join_heal_s", joined["t"] - c.started_at)
 
 
-def test_peer_frozen_during_allreduce_discards_and_redoes_the_step(cluster: Cluster) -> None:
-    a = cluster.start("replica-0", *ARGS)
-    b = cluster.start("replica-1", *ARGS, "--freeze-after-steps", "8")
+@pytest.mark.parametrize("path", ["grads", "ddp"])
+def test_peer_frozen_during_allreduce_discards_and_redoes_the_step(
+    cluster: Cluster, path: str
+) -> None:
+    # "grads": the plain reduction of a model not wrapped in DDP (the path FSDP2/HSDP
+    # shards take); "ddp": our comm hook inside DDP's backward.
+    extra = ("--ddp",) if path == "ddp" else ()
+    a = cluster.start("replica-0", *ARGS, *extra)
+    b = cluster.start("replica-1", *ARGS, *extra, "--freeze-after-steps", "8")
     frozen = wait_for(lambda: b.events("freezing"), 90, "the peer to freeze")[0]
     s = frozen["step"]
     wait_for(lambda: a.reached() >= s + 10, 60, "the survivor to go on")
@@ -90,7 +97,7 @@ def test_peer_frozen_during_allreduce_discards_and_redoes_the_step(cluster: Clus
     assert set(discarded[0]["samples"]) < set(step_samples)
     assert_no_step_lost(a)
     before = max(r["t"] for r in a.committed() if r["step"] == s - 1)
-    figure("freeze_stall_s", redone[0]["t"] - before)
+    figure(f"freeze_stall_s[{path}]", redone[0]["t"] - before)
 
 
 def test_lighthouse_restarted_mid_run(cluster: Cluster) -> None:
