@@ -7,7 +7,9 @@ each share cut into micro-batches (gradient accumulation takes up the slack). Ev
 loss is weighted ``1 / G`` and the replicas' gradients are SUMMED, so the step's gradient is
 the mean over the same ``G`` samples however many replicas computed it. A step that is
 discarded (a peer lost mid-step) is redone at the same ``s``, so it re-consumes the same
-samples; a healing replica (or a spare) takes no share and contributes zeros.
+samples. A replica that heals at the start of a step takes its share of it (the heal is
+done before its forward pass); one that takes no part (its quorum failed) computes nothing
+and contributes zeros.
 """
 
 from __future__ import annotations
@@ -87,13 +89,15 @@ def make_plan(
     global_batch: int,
     micro_batch: int,
 ) -> StepPlan:
-    rank = None if healed else participant_rank
+    # A healed replica takes its share: it loaded the live state before its forward pass.
     return StepPlan(
         step=step,
         quorum_id=quorum_id,
         participants=participants,
-        participant_rank=rank,
+        participant_rank=participant_rank,
         healed=healed,
-        micro_batches=micro_batches(step, global_batch, micro_batch, participants, rank),
+        micro_batches=micro_batches(
+            step, global_batch, micro_batch, participants, participant_rank
+        ),
         global_batch=global_batch,
     )
