@@ -198,7 +198,7 @@ def main() -> None:
             quorum_wait_s=session.engine.quorum_wait_s[-1],
             digest=param_digest(model),
         )
-        session.end_step()
+        session.end_step(loss=float(loss_t[0]), participants=plan.participants)
     progress.write(event="finished", step=session.step, digest=param_digest(model))
     session.finish()  # exits 0
 

@@ -72,8 +72,12 @@ class EngineConfig:
     quorum_timeout_s: float = 120.0
     connect_timeout_s: float = 10.0
     heartbeat_interval_ms: int = 100
+    # A peer whose last heartbeat is older than this during a collective is lost (the
+    # lighthouse's own --heartbeat_timeout_ms; about 1 s in spottrain's).
+    peer_timeout_s: float = 1.0
     quorum_retries: int = 100
-    device: str = "cpu"
+    # "cuda": the cross-replica group is NCCL in a subprocess (untested without a GPU).
+    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
     hostname: str = field(default_factory=socket.gethostname)
 
     @classmethod
@@ -159,7 +163,9 @@ class ReplicaEngine:
         self.recorder = RecordingClient(self.manager._client, self.manager)
         self.manager._client = self.recorder
         self.group.recorder = self.recorder
-        self.watchdog = Watchdog(cfg.lighthouse_url, self.group, self.recorder)
+        self.watchdog = Watchdog(
+            cfg.lighthouse_url, self.group, self.recorder, peer_timeout_s=cfg.peer_timeout_s
+        )
         self.discarded = 0
         self.quorum_wait_s: list[float] = []
         self.plan: StepPlan | None = None

@@ -43,6 +43,7 @@ from spottrain.protocol.keys import RunKeys
 
 from ..checkpoint import dcp_io
 from ..local_progress import ProgressFile
+from ..sdk.channel import RequestChannel
 from .disk import ReplicaCheckpoints
 from .engine import EngineConfig, ReplicaEngine
 from .holders import LIVE, HolderBoard, must_save_on_leave
@@ -95,6 +96,14 @@ class ReplicaSession:
             os.environ.get(ENV_NODE, socket.gethostname()),
         )
         self._progress = ProgressFile.from_env()
+        # The controller's view (step, loss, finished, restores), as the elastic SDK reports
+        # it; every replica's rank 0 writes it, the newest step wins.
+        self._channel = RequestChannel(
+            redis_url if redis_url is not None else os.environ.get(ENV_REDIS),
+            run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(ENV_RUN_ID),
+            1.0,
+            active=self.rank == 0,
+        )
         self._sigterm = False
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -120,6 +129,8 @@ class ReplicaSession:
             if restored is not None:
                 self.engine.load_manager_state(restored)
                 self.board.update(state=LIVE, step=restored["step"])
+                if self.rank == 0:
+                    self._channel.report_restore(restored["step"], self.world, -1)
         return self.step
 
     # -- every step ---------------------------------------------------------------------------
@@ -136,11 +147,14 @@ class ReplicaSession:
     def commit(self) -> bool:
         return self.engine.commit()
 
-    def end_step(self) -> None:
-        """After the optimizer step (or its skip): report, save if due, leave if asked."""
+    def end_step(self, **metrics: float) -> None:
+        """After the optimizer step (or its skip): report (``metrics`` such as ``loss=``
+        go to the run's progress), save if due, leave if asked."""
         plan = self.last_plan
         step = self.step
         self._progress.report(step)
+        if self.rank == 0 and plan is not None and step > plan.step:
+            self._channel.report_progress(step, plan.participants, plan.quorum_id, metrics)
         if plan is not None and (self.board.row is not None or plan.step < step):
             self.board.update(
                 state=LIVE,
@@ -199,6 +213,9 @@ class ReplicaSession:
             newest = self.disk.saves[-1].step if self.disk and self.disk.saves else -1
             if newest != self.step:
                 self._save(self.step, "final")
+        if self.rank == 0:
+            self._channel.report_finished(self.step)
+        self._channel.stop()
         self.board.stop()
         self.engine.close()
         if exit_process:
