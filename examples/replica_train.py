@@ -160,7 +160,7 @@ def main() -> None:
             )
         opt.zero_grad(set_to_none=False)
         loss_sum = 0.0
-        micro = list(plan.micro_batches) or [range(0)]
+        micro = list(plan.local(session.rank, session.world)) or [range(0)]
         for k, ids in enumerate(micro):
             # Under DDP only the last micro-batch's backward may reduce: every replica must
             # run the same collectives, however many micro-batches its share has.
@@ -192,7 +192,7 @@ def main() -> None:
             participants=plan.participants,
             participant_rank=plan.participant_rank,
             quorum_id=plan.quorum_id,
-            samples=[i for r in plan.micro_batches for i in r],
+            samples=[i for r in plan.local(session.rank, session.world) for i in r],
             loss=float(loss_t[0]),
             discarded=session.engine.discarded,
             quorum_wait_s=session.engine.quorum_wait_s[-1],

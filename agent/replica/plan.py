@@ -37,6 +37,14 @@ class StepPlan:
     def samples(self) -> int:
         return sum(len(m) for m in self.micro_batches)
 
+    def local(self, rank: int, world: int) -> tuple[range, ...]:
+        """The micro-batches rank ``rank`` of the replica's ``world`` ranks computes (round
+        robin; a rank may get none and then contributes zeros). The replica's ranks sum
+        their gradients before the cross-replica sum."""
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside the replica's {world} ranks")
+        return self.micro_batches[rank::world]
+
     def weight(self, micro: range) -> float:
         """Factor for ``micro``'s mean loss: every sample weighs ``1 / global_batch``, and
         the replicas' gradients are summed."""

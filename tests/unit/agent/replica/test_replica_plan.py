@@ -65,3 +65,18 @@ def test_more_replicas_than_samples_names_the_flag() -> None:
         share(8, 2, 2)
     with pytest.raises(ValueError, match="micro batch"):
         micro_batches(0, 8, 0, 1, 0)
+
+
+def test_the_ranks_of_a_replica_split_its_share() -> None:
+    plan = make_plan(
+        step=0,
+        quorum_id=1,
+        participants=1,
+        participant_rank=0,
+        healed=False,
+        global_batch=12,
+        micro_batch=4,
+    )
+    parts = [plan.local(r, 2) for r in range(2)]
+    assert parts == [(range(0, 4), range(8, 12)), (range(4, 8),)]
+    assert plan.local(3, 4) == ()
