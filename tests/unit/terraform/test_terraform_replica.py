@@ -1,7 +1,8 @@
 """Replica mode (``fault_tolerance = "replica"``) in both Terraform modules, without a
 Terraform binary: the variables and their checks (evaluated here from the modules' own
 conditions), the agent's environment file a replica-mode VM writes (rendered and run for
-real, then read back with the agent's parser), the replica extra on the fleet and the
+real, then read back as systemd would, and by the agent's own parser once this tree's agent
+reads replica mode), the replica extra on the fleet and the
 controller VM, and the one new opening: the lighthouse port, from the fleet to the
 controller VM only."""
 
