@@ -40,12 +40,6 @@ def replica_problem(spec: JobSpec) -> str | None:
             "a partial replica cannot train: use whole replicas, e.g. nodes.min "
             f"{_round_up(lo, k)} and nodes.max {max(_round_up(lo, k), hi - hi % k)}"
         )
-    if spec.fleet is not None:
-        return (
-            "fleet: a Terraform fleet's VMs boot from the module's own template, which does "
-            "not start replica mode: drop the fleet section (the controller launches the VMs) "
-            "or use train.fault_tolerance: elastic"
-        )
     return None
 
 

@@ -119,12 +119,6 @@ def test_replica_mode_parses_with_its_settings() -> None:
             "train.replica.nodes_per_replica (2); a partial replica cannot train: use whole "
             "replicas, e.g. nodes.min 4 and nodes.max 4",
         ),
-        (
-            _replica(FLEET_AWS),
-            "(top level): fleet: a Terraform fleet's VMs boot from the module's own template, "
-            "which does not start replica mode: drop the fleet section (the controller "
-            "launches the VMs) or use train.fault_tolerance: elastic",
-        ),
     ],
 )
 def test_what_replica_mode_cannot_run_is_refused_in_one_line(
@@ -164,6 +158,8 @@ def test_what_replica_mode_can_run_is_accepted() -> None:
     _parse(_with(_replica(VALID), "resources.instance_types", ["p4d.24xlarge", "a3-highgpu-8g"]))
     # The local cloud has one type: spread over its zones is fine.
     _parse(_with(_replica(LOCAL, {"min": 2, "max": 4, "gpus": 0}), "resources.placement", "spread"))
+    # A Terraform fleet: the module renders the replica settings (it checks they match).
+    _parse(_replica(FLEET_AWS))
     # Whole replicas from nodes.min up, with a quorum that fits in nodes.min.
     _parse(_replica(LOCAL, {"min": 4, "max": 6, "gpus": 0}, nodes_per_replica=2, min_replicas=2))
 
