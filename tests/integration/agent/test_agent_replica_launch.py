@@ -301,3 +301,23 @@ def test_a_drained_replica_leaves_only_its_own_rendezvous(
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
         finish(procs)
+
+
+def test_leave_finds_a_replica_nodes_own_rendezvous(
+    redis_server: RedisServer, redis_client: redis.Redis, run_id: str
+) -> None:
+    from spottrain.agent.replica_slots import claim_slot
+
+    keys = RunKeys(run_id)
+    slot = claim_slot(redis_client, keys, "a", 1).slot
+    scoped = RunKeys(replica_rdzv_id(run_id, slot))
+    redis_client.hset(scoped.rdzv_members, "a", "a-member-1")
+    res = subprocess.run(
+        [*AGENT, "leave", f"--redis={redis_server.endpoint}", f"--run-id={run_id}", "--node-id=a"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert res.returncode == 0, res.stderr
+    assert redis_client.hget(scoped.rdzv_gone, "a-member-1") == b"left"
+    assert not redis_client.exists(keys.rdzv_gone)
