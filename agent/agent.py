@@ -401,8 +401,6 @@ class Agent:
             proc = self.proc
         if proc is None:
             return
-        if self.replica is not None:
-            self.replica.leave_rendezvous()
         tree = self._tree()
         workers = [proc.pid, *(p for p in child_pids().get(proc.pid, []))]
         for pid in workers:
@@ -419,6 +417,10 @@ class Agent:
             self.record.event("workers-killed", pids=left, of=len(tree))
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+        if self.replica is not None:
+            # Only once the workers are down: torchrun would tear them down on its own
+            # member's leave, cutting short the workers' own leave from the quorum.
+            self.replica.leave_rendezvous()
 
     def _tree(self) -> list[int]:
         assert self.proc is not None

@@ -81,9 +81,10 @@ class ReplicaNode:
         return {"replica": r.slot, "lighthouse": r.lighthouse, "manager_port": r.manager_port}
 
     def leave_rendezvous(self) -> None:
-        """Leave the replica's own rendezvous before its workers stop, so the replica's
-        other nodes re-form at once; other replicas never see it (their keys differ). The
-        notice handler's leave names the run's rendezvous, which replica mode leaves unused."""
+        """Leave the replica's own rendezvous once its workers have stopped, so the
+        replica's other nodes re-form at once instead of at its heartbeat's expiry; other
+        replicas never see it (their keys differ). The notice handler's leave names the run's
+        rendezvous, which replica mode leaves unused."""
         if self._launch is None:
             return
         from .rendezvous.membership import leave_node
