@@ -22,6 +22,7 @@ from spottrain.protocol.env import (
     ENV_FAULT_TOLERANCE,
     ENV_INSTANCE_TYPE,
     ENV_LIGHTHOUSE,
+    ENV_MANAGER_PORT,
     ENV_MAX_RESTARTS,
     ENV_METADATA_ENDPOINT,
     ENV_MIN_REPLICAS,
@@ -238,7 +239,7 @@ def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--manager-port",
-        default=str(DEFAULT_MANAGER_PORT),
+        default=env(ENV_MANAGER_PORT, str(DEFAULT_MANAGER_PORT)),
         help="the workers' torchft manager port (0, and on the local cloud always: a free port)",
     )
 

@@ -248,8 +248,6 @@ def test_the_agent_reads_the_replica_settings(
     mods: dict[str, Module], cloud: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agent_cli.build_parser()  # fills RUN_ENV_VARS
-    if ENV_FAULT_TOLERANCE not in agent_cli.RUN_ENV_VARS:
-        pytest.skip("this tree's agent has no replica mode yet (issue 15's agent part)")
     _, env, address = _replica_env(mods, cloud, tmp_path, **REPLICA)
     unread = set(env) - agent_cli.RUN_ENV_VARS
     assert unread == set(), f"the agent never reads {sorted(unread)}"
