@@ -325,7 +325,9 @@ def _node_count(args: argparse.Namespace, spec: JobSpec | None, gpn: int) -> tup
     nodes = gpus // gpn
     if nodes > MAX_NODES:
         raise BadInput(f"--gpus {gpus:,} is {nodes:,} nodes; at most {MAX_NODES:,} are simulated")
-    replica_nodes = args.replica_nodes or 1
+    replica_nodes = args.replica_nodes or (
+        spec.train.replica.nodes_per_replica if spec is not None else 1
+    )
     if nodes % replica_nodes:
         raise BadInput(
             f"{nodes:,} nodes do not split into replicas of {replica_nodes}: make "

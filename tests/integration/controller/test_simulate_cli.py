@@ -212,3 +212,19 @@ def test_local_spec_without_gpus_says_how_to_count_them(
 ) -> None:
     assert _run("--spec", str(REPO / "examples/local_job.yaml"), "--hours", "1") == 2
     assert "--gpus-per-node" in capsys.readouterr().err
+
+
+def test_a_replica_specs_nodes_per_replica_sizes_the_replicas(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    spec = yaml.safe_load((REPO / "examples/aws_job.yaml").read_text())
+    spec["train"]["fault_tolerance"] = "replica"
+    spec["train"]["replica"] = {"nodes_per_replica": 2, "min_replicas": 1}
+    path = tmp_path / "replica_job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    data = _json(capsys, "--spec", str(path), "--hours", "24")
+    settings = data["settings"]
+    assert isinstance(settings, dict) and settings["replica_nodes"] == 2
+    # The command line still wins.
+    data = _json(capsys, "--spec", str(path), "--hours", "24", "--replica-nodes", "4")
+    assert data["settings"]["replica_nodes"] == 4
