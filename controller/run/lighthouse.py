@@ -25,14 +25,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from spottrain.controller.run.records import RunError
 from spottrain.ports import free_port
-from spottrain.spec import JobSpec
+from spottrain.protocol.env import ENV_LIGHTHOUSE
+from spottrain.spec import FaultTolerance, JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +63,11 @@ LOG_ROLL_BYTES = 64 << 20
 
 # -- the spec ---------------------------------------------------------------------------------
 def replica_mode(spec: JobSpec) -> bool:
-    # getattr: read defensively until the spec's train.fault_tolerance has landed.
-    return getattr(spec.train, "fault_tolerance", "elastic") == "replica"
+    return spec.train.fault_tolerance is FaultTolerance.REPLICA
 
 
 def min_replicas(spec: JobSpec) -> int:
-    replica = getattr(spec.train, "replica", None)
-    return max(1, int(getattr(replica, "min_replicas", 1)))
+    return spec.train.replica.min_replicas
 
 
 # -- where it listens ---------------------------------------------------------------------------
@@ -114,9 +113,27 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def place_lighthouse(redis_url: str) -> Placement:
-    """Where a new run's lighthouse listens: see :func:`choose_hosts`; a free port on
-    loopback, the fixed :data:`REMOTE_PORT` (when free) where VMs dial in over a network."""
+def placement_from_env(value: str) -> Placement:
+    """The address Terraform gives the controller's unit (ENV_LIGHTHOUSE: this VM's private
+    address and the port its firewall opens to the fleet, the one the agents are given)."""
+    host, sep, port = value.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RunError(
+            f"{ENV_LIGHTHOUSE}={value!r}: give the lighthouse's address as host:port "
+            "(Terraform sets it on the controller VM), or unset it"
+        )
+    bind_host = host if _can_bind(host) else "0.0.0.0"
+    return Placement(_host_port(bind_host, int(port)), _host_port(host, int(port)))
+
+
+def place_lighthouse(redis_url: str, environ: Mapping[str, str] = os.environ) -> Placement:
+    """Where a new run's lighthouse listens: ENV_LIGHTHOUSE when the controller's environment
+    names it (a Terraform controller VM), else beside the run's Redis (:func:`choose_hosts`):
+    a free port on loopback, the fixed :data:`REMOTE_PORT` (when free) where VMs dial in
+    over a network."""
+    if environ.get(ENV_LIGHTHOUSE):
+        return placement_from_env(environ[ENV_LIGHTHOUSE])
     host = urlsplit(redis_url if "://" in redis_url else f"redis://{redis_url}").hostname or ""
     bind_host, adv_host = choose_hosts(host, _can_bind(host), socket.getfqdn())
     port = free_port(bind_host) if bind_host == "127.0.0.1" else REMOTE_PORT

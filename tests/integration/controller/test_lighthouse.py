@@ -253,3 +253,45 @@ def test_status_of_an_elastic_run_has_no_replica_lines(
     assert cli.main(["status", run_info.run_id, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert "replicas" not in doc and "lighthouse" not in doc
+
+
+def _replica_job(tmp_path: Path) -> Path:
+    job = {**LOCAL, "train": {**LOCAL["train"], "fault_tolerance": "replica"}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_up_of_a_replica_job_without_the_extra_says_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from spottrain.controller.cli import main as cli
+
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
+    assert cli.main(["up", str(_replica_job(tmp_path))]) == 1
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and INSTALL_HINT in errors[0]
+    assert not (tmp_path / "home" / "runs").exists() or not any(
+        (tmp_path / "home" / "runs").iterdir()
+    )  # nothing started: no Redis, no run
+
+
+def test_a_new_replica_run_records_where_its_lighthouse_listens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from spottrain.controller.run.create import create_run
+    from spottrain.controller.run.run_redis import stop_embedded_redis
+    from spottrain.spec import load_spec
+
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SPOTTRAIN_LIGHTHOUSE", raising=False)
+    info = create_run(load_spec(_replica_job(tmp_path)))
+    try:
+        saved = RunInfo.load(info.run_id)
+        host, _, port = saved.lighthouse.rpartition(":")
+        assert host == "127.0.0.1" and saved.lighthouse_bind == saved.lighthouse
+        assert 0 < int(port) < 65536
+    finally:
+        stop_embedded_redis(info)

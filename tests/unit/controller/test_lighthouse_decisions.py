@@ -15,9 +15,11 @@ from spottrain.controller.run.lighthouse import (
     choose_hosts,
     lighthouse_command,
     min_replicas,
+    place_lighthouse,
+    placement_from_env,
     replica_mode,
 )
-from spottrain.controller.run.records import RunInfo
+from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.replica_view import ReplicaRow, format_replicas, replica_rows
 from spottrain.spec import parse_spec
 
@@ -114,3 +116,19 @@ def test_format_replicas_says_where_the_lighthouse_is_and_each_replicas_figures(
         "replica-1 joining nodes n2 step - quorum - (- taking part) discarded -"
     )
     assert format_replicas([], "", False, now=0.0)[0] == "lighthouse - DOWN"
+
+
+def test_terraforms_address_for_the_controller_wins() -> None:
+    env = {"SPOTTRAIN_LIGHTHOUSE": "127.0.0.1:29510"}
+    placed = place_lighthouse("redis://10.0.0.9:6379/0", env)
+    assert placed.address == placed.bind == "127.0.0.1:29510"
+    # An address of another machine is still advertised; it is bound on every interface.
+    placed = placement_from_env("192.0.2.7:29510")
+    assert placed.address == "192.0.2.7:29510" and placed.bind == "0.0.0.0:29510"
+
+
+@pytest.mark.parametrize("value", ["10.0.0.5", "10.0.0.5:http", ":29510", "10.0.0.5:0"])
+def test_a_bad_lighthouse_address_is_refused_in_one_line(value: str) -> None:
+    with pytest.raises(RunError, match=r"SPOTTRAIN_LIGHTHOUSE=.*host:port") as e:
+        placement_from_env(value)
+    assert "\n" not in str(e.value)
