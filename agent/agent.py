@@ -52,6 +52,7 @@ from .processes import (
     running,
     torchrun_command,
 )
+from .replica_node import ReplicaNode
 
 log = logging.getLogger("spottrain.agent")
 
@@ -107,6 +108,10 @@ class Agent:
         self.orphan_reason = ""
         self._wake = threading.Event()
         self.signals = SignalMonitor(self.handler.submit, cfg.sigterm_grace, self._wake.set)
+        # Replica mode: this node's slot and its replica's launch settings.
+        self.replica = (
+            ReplicaNode(self.client, self.keys, cfg, self.record) if cfg.replica_mode else None
+        )
 
     # -- lifecycle --------------------------------------------------------------------------
     def _advance(self, state: NodeState, reason: str = "") -> None:
@@ -131,6 +136,8 @@ class Agent:
                 self.stop_workers(5.0)
             if self.orphan_reason:
                 self.record.event("self-terminate", reason=self.orphan_reason)
+            if self.replica is not None:
+                self.replica.release()
             self.record.stop(remove_heartbeat=True)
             shutil.rmtree(self._progress_dir, ignore_errors=True)
             if self.orphan_reason:
@@ -228,6 +235,13 @@ class Agent:
         if self.handler.draining:
             self.handler.done.wait(self.cfg.sigterm_grace)
             return EXIT_OK
+        if self.replica and (problem := self.replica.plan(lambda: self.handler.draining)):
+            if self.handler.draining:
+                self.handler.done.wait(self.cfg.sigterm_grace)
+                return EXIT_OK
+            self._advance(NodeState.FAILED, problem)
+            log.error("%s", problem)
+            return EXIT_CONFIG
         self._launch()
         if self.proc is None:  # a notice came during the launch
             self.handler.done.wait(self.cfg.sigterm_grace)
@@ -243,8 +257,8 @@ class Agent:
             script=self.cfg.train_cmd[0],
             script_args=self.cfg.train_cmd[1:],
             rdzv_endpoint=f"{self.settings.host}:{self.settings.port}",
-            run_id=self.cfg.run_id,
-            nnodes=self.cfg.nnodes,
+            run_id=self.replica.launch.rdzv_id if self.replica else self.cfg.run_id,
+            nnodes=self.replica.launch.nnodes if self.replica else self.cfg.nnodes,
             nproc_per_node=self.cfg.nproc_per_node,
             rdzv_conf=conf,
             local_addr=self.cfg.address or "127.0.0.1",
@@ -265,6 +279,8 @@ class Agent:
         if self.cfg.ckpt_dir:
             env[ENV_CKPT_DIR] = self.cfg.ckpt_dir
         env[ENV_PROGRESS_FILE] = self.progress_path
+        if self.replica is not None:
+            env.update(self.replica.launch.worker_env())
         if self.cfg.password_file:
             env[ENV_REDIS_PASSWORD] = self.settings.password or ""
         with self._launch_lock:
@@ -273,7 +289,12 @@ class Agent:
             drop = self.worker.popen_kwargs() if self.worker else {}
             env = self.worker.env(env) if self.worker else env
             self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, **drop)
-        self.record.event("torchrun-started", pid=self.proc.pid, command=cmd)
+        self.record.event(
+            "torchrun-started",
+            pid=self.proc.pid,
+            command=cmd,
+            **(self.replica.event_fields() if self.replica else {}),
+        )
 
     def _supervise(self) -> int:
         assert self.proc is not None
@@ -358,7 +379,8 @@ class Agent:
 
     def _joined(self) -> bool:
         try:
-            return bool(self.client.hexists(self.keys.rdzv_members, self.cfg.node_id))
+            keys = self.replica.rdzv_keys if self.replica else self.keys
+            return bool(self.client.hexists(keys.rdzv_members, self.cfg.node_id))
         except redis.RedisError:
             return False
 
@@ -395,6 +417,10 @@ class Agent:
             self.record.event("workers-killed", pids=left, of=len(tree))
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+        if self.replica is not None:
+            # Only once the workers are down: torchrun would tear them down on its own
+            # member's leave, cutting short the workers' own leave from the quorum.
+            self.replica.leave_rendezvous()
 
     def _tree(self) -> list[int]:
         assert self.proc is not None

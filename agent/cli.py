@@ -19,11 +19,16 @@ from spottrain.protocol.env import (
     ENV_CLOUD,
     ENV_COPY_TO,
     ENV_EXPECT_GPUS,
+    ENV_FAULT_TOLERANCE,
     ENV_INSTANCE_TYPE,
+    ENV_LIGHTHOUSE,
+    ENV_MANAGER_PORT,
     ENV_MAX_RESTARTS,
     ENV_METADATA_ENDPOINT,
+    ENV_MIN_REPLICAS,
     ENV_NNODES,
     ENV_NODE,
+    ENV_NODES_PER_REPLICA,
     ENV_NPROC_PER_NODE,
     ENV_ORPHAN_TIMEOUT,
     ENV_REDIS,
@@ -110,6 +115,7 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_run_node_args(run)
     _add_run_checkpoint_args(run)
     _add_run_fleet_args(run)
+    _add_run_replica_args(run)
 
 
 def _add_run_node_args(run: argparse.ArgumentParser) -> None:
@@ -207,6 +213,48 @@ def _add_run_fleet_args(run: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
+    """Replica mode: each replica of --nodes-per-replica nodes runs its own torchrun and
+    takes part in a fault-tolerant quorum across replicas."""
+    from .replica_launch import DEFAULT_MANAGER_PORT
+
+    env = _env
+    run.add_argument(
+        "--fault-tolerance",
+        default=env(ENV_FAULT_TOLERANCE, "elastic"),
+        help="elastic (one torchrun over every node, re-formed on each change) or replica",
+    )
+    # Read as text and converted in _run: a bad environment value gets a one-line error.
+    run.add_argument("--nodes-per-replica", default=env(ENV_NODES_PER_REPLICA, "1"))
+    run.add_argument("--min-replicas", default=env(ENV_MIN_REPLICAS, "1"))
+    run.add_argument(
+        "--lighthouse",
+        default=env(ENV_LIGHTHOUSE, ""),
+        help="HOST:PORT of the run's lighthouse (default: what the controller wrote in Redis)",
+    )
+    run.add_argument(
+        "--lighthouse-wait",
+        default="300",
+        help="seconds a launch waits for the controller to publish the lighthouse address",
+    )
+    run.add_argument(
+        "--manager-port",
+        default=env(ENV_MANAGER_PORT, str(DEFAULT_MANAGER_PORT)),
+        help="the workers' torchft manager port (0, and on the local cloud always: a free port)",
+    )
+
+
+def _number(args: argparse.Namespace, name: str, kind: type[int] | type[float]) -> int | float:
+    """Flag ``name`` as a number, or a one-line ValueError naming the flag."""
+    raw = getattr(args, name)
+    try:
+        return kind(raw)
+    except ValueError:
+        flag = "--" + name.replace("_", "-")
+        what = "a whole number" if kind is int else "a number"
+        raise ValueError(f"{flag} {raw!r} (or its SPOTTRAIN_* variable) must be {what}") from None
+
+
 def _add_notify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     notify = sub.add_parser(
         "notify", help="inject a preemption notice for a node through Redis (local cloud)"
@@ -281,6 +329,12 @@ def _run(args: argparse.Namespace) -> int:
         self_terminate_cmd=args.self_terminate_cmd,
         rdzv_conf=conf,
         worker_user=args.worker_user,
+        fault_tolerance=args.fault_tolerance,
+        nodes_per_replica=int(_number(args, "nodes_per_replica", int)),
+        min_replicas=int(_number(args, "min_replicas", int)),
+        lighthouse=args.lighthouse,
+        lighthouse_wait=_number(args, "lighthouse_wait", float),
+        manager_port=int(_number(args, "manager_port", int)),
     )
     logging.basicConfig(
         level=logging.INFO,
@@ -313,7 +367,19 @@ def _leave(args: argparse.Namespace) -> int:
     settings = _settings(args)
     client = connect(settings)
     ping(client, settings)
-    member = leave_node(client, RunKeys(args.run_id, args.key_prefix), args.node_id)
+    keys = RunKeys(args.run_id, args.key_prefix)
+    try:
+        member = leave_node(client, keys, args.node_id)
+    except LookupError:
+        # Replica mode: the node joined its replica's own rendezvous, not the run's.
+        from .replica_launch import replica_rdzv_id
+        from .replica_slots import read_slots
+
+        slots = [s for s, nodes in read_slots(client, keys).items() if args.node_id in nodes]
+        if not slots:
+            raise
+        scoped = RunKeys(replica_rdzv_id(args.run_id, slots[0]), args.key_prefix)
+        member = leave_node(client, scoped, args.node_id)
     print(f"node {args.node_id} ({member}) left run {args.run_id}")
     return 0
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from spottrain.protocol.keys import DEFAULT_PREFIX
 
+from .replica_launch import DEFAULT_MANAGER_PORT, check_lighthouse
+
 EXIT_OK, EXIT_TORCHRUN_FAILED, EXIT_CONFIG, EXIT_UNHEALTHY = 0, 1, 2, 3
 
 # --rdzv-conf keys that would carry a secret; password_env and password_file only say where
@@ -54,6 +56,22 @@ class AgentConfig:
     # without a local training step after which the VM ends itself; 0: never.
     orphan_timeout: float = 0.0
     self_terminate_cmd: str = ""
+    # Replica mode (train.fault_tolerance: replica): each replica of nodes_per_replica nodes
+    # runs its own torchrun; elastic runs one torchrun over every node, as before.
+    fault_tolerance: str = "elastic"
+    nodes_per_replica: int = 1
+    min_replicas: int = 1
+    # HOST:PORT of the run's lighthouse; empty: read from Redis at each launch (the
+    # controller writes it), waiting up to lighthouse_wait seconds.
+    lighthouse: str = ""
+    lighthouse_wait: float = 300.0
+    # The workers' manager port; 0: a free port at each launch (the local cloud, whose
+    # "VMs" share one host, uses that whatever is set here).
+    manager_port: int = DEFAULT_MANAGER_PORT
+
+    @property
+    def replica_mode(self) -> bool:
+        return self.fault_tolerance == "replica"
 
     def validate(self) -> None:
         if self.cloud not in ("local", "aws", "gcp"):
@@ -83,9 +101,35 @@ class AgentConfig:
             raise AgentConfigError(
                 f"orphan timeout {self.orphan_timeout:g} s must be >= 0 (0 turns it off)"
             )
+        self._validate_replica()
         lo, sep, hi = self.nnodes.partition(":")
         hi = hi if sep else lo
         if not (lo.isdigit() and hi.isdigit()) or not 1 <= int(lo) <= int(hi):
             raise AgentConfigError(
                 f"nnodes {self.nnodes!r} must be N or MIN:MAX with 1 <= MIN <= MAX (e.g. 1:4)"
             )
+
+    def _validate_replica(self) -> None:
+        if self.fault_tolerance not in ("elastic", "replica"):
+            raise AgentConfigError(
+                f"fault tolerance {self.fault_tolerance!r} (--fault-tolerance, "
+                "SPOTTRAIN_FAULT_TOLERANCE) must be elastic or replica"
+            )
+        for name, value in (
+            ("nodes-per-replica", self.nodes_per_replica),
+            ("min-replicas", self.min_replicas),
+        ):
+            if value < 1:
+                env = "SPOTTRAIN_" + name.replace("-", "_").upper()
+                raise AgentConfigError(f"{name} {value} ({env}) must be at least 1")
+        if not 0 <= self.manager_port < 65536:
+            raise AgentConfigError(
+                f"manager port {self.manager_port} must be in 0..65535 (0: a free port)"
+            )
+        if self.lighthouse_wait < 0:
+            raise AgentConfigError(f"lighthouse wait {self.lighthouse_wait:g} s must be >= 0")
+        if self.lighthouse:
+            try:
+                check_lighthouse(self.lighthouse, "lighthouse (--lighthouse, SPOTTRAIN_LIGHTHOUSE)")
+            except ValueError as exc:
+                raise AgentConfigError(str(exc)) from None

@@ -5,7 +5,7 @@ planner index, measured in the same run.
 The scenario: 12,500 p5.48xlarge VMs (8 GPUs each) for 168 h, preempted at 0.012 per VM-hour
 (about 25,000 preemptions, every one with AWS's 120 s notice) plus one zone-wide reclaim a
 day (5% of the VMs at once, then 30 minutes without spot capacity), every other setting at
-its default; the three policies watch the same fleet. Target: under 120 s on 2 cores.
+its default; the four policies watch the same fleet. Target: under 120 s on 2 cores.
 
 The anchor: one plain ``plan()`` over the simulation's final 12,500 nodes given as a list
 (the planner's own pass, no index; median of ``--reps``), times the passes the simulation
@@ -35,7 +35,7 @@ from spottrain.controller.sim.config import config_from_args
 from spottrain.controller.sim.engine import simulate
 from spottrain.controller.sim.model import SimConfig
 from spottrain.controller.sim.plan_timing import plain_plan_seconds
-from spottrain.controller.sim.report import figures
+from spottrain.controller.sim.report import figures, replica_lines
 
 TARGET_S = 120.0
 
@@ -106,7 +106,7 @@ def main() -> None:
     )
     print()
     print(f"{'':<44} {'seconds':>10}")
-    print(f"{'simulation, wall (3 policies, 1 fleet)':<44} {res.wall_s:>10.1f}")
+    print(f"{'simulation, wall (4 policies, 1 fleet)':<44} {res.wall_s:>10.1f}")
     print(
         f"{'  of which planning (' + format(res.passes, ',') + ' passes)':<44} {res.plan_s:>10.2f}"
     )
@@ -126,10 +126,13 @@ def main() -> None:
     for name, p in fig["policies"].items():
         usd = p["usd_per_useful_gpu_h"]
         print(
-            f"{name:<8} effective {p['effective'] * 100:5.1f}%  "
+            f"{name:<13} effective {p['effective'] * 100:5.1f}%  "
             f"${'-' if usd is None else format(usd, ',.2f')}/useful GPU-h  "
             f"lost {p['lost_gpu_h_per_preemption']:,.2f} GPU-h/preemption"
         )
+    if fig["replica_parameters"] is not None:
+        print()
+        print("\n".join(replica_lines(fig["replica_parameters"])))
     out = {
         "gpus": fig["gpus"],
         "hours": cfg.hours,
@@ -153,6 +156,7 @@ def main() -> None:
         "lost_gpu_h_per_preemption": {
             k: v["lost_gpu_h_per_preemption"] for k, v in fig["policies"].items()
         },
+        "replica_at_replicas": (fig["replica_parameters"] or {}).get("at_replicas"),
     }
     print_figures(out)
 

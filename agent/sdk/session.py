@@ -315,17 +315,13 @@ class TrainSession:
         self._release_groups()
 
     def _release_groups(self) -> None:
-        """Destroy the SDK's own process groups while the interpreter is whole. Left to the
-        interpreter's exit, gloo's C++ teardown could abort a rank whose work was all done,
-        and torchrun would count the finished run as failed."""
-        if not (self._dist and dist.is_initialized()):
-            return
-        # No rank may tear down a group another rank still reads from.
-        dist.barrier(group=self._group)
-        for group in (self._async_group, self._group):
-            dist.destroy_process_group(group)
-        self._group = self._async_group = None
-        self._agreement.group = None
+        """Destroy the SDK's groups while the interpreter is whole: left to its exit, gloo's
+        teardown could abort a finished rank, and torchrun would count the run as failed."""
+        if self._dist and dist.is_initialized():
+            dist.barrier(group=self._group)  # no rank tears down a group another still reads
+            for group in (self._async_group, self._group):
+                dist.destroy_process_group(group)
+            self._group = self._async_group = self._agreement.group = None
 
     def close(self) -> None:
         self._wait_async()

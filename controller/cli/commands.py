@@ -26,6 +26,7 @@ from spottrain.controller.run.create import create_run
 from spottrain.controller.run.drive import drive_run, format_summary
 from spottrain.controller.run.env_lock import clouds_to_lock, env_lock_lines, parse_lock_args
 from spottrain.controller.run.records import RunError, RunInfo, find_run
+from spottrain.controller.run.replica_view import ReplicaStatus, format_replicas, replica_status
 from spottrain.controller.run.run_redis import restart_embedded_redis
 from spottrain.controller.run.wiring import spawn_controller
 from spottrain.protocol import events as stream
@@ -129,9 +130,11 @@ def status(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     state = run_state(info)
     refused: dict[str, str] = {}
+    replicas: ReplicaStatus | None = None
     if state is not None:
         summary: dict[str, Any] = asdict(summarize(state, time.time()))
         refused = state.ckpt_refused()
+        replicas = replica_status(info, state.client)
     elif (info.dir / "summary.json").exists():
         summary = json.loads((info.dir / "summary.json").read_text())
     else:
@@ -139,11 +142,21 @@ def status(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     if args.json:
         locks = {"env_locks": info.env_locks} if info.env_locks else {}
-        print(json.dumps({"run_id": info.run_id, **summary, "ckpt_refused": refused, **locks}))
+        extra = replicas.to_json() if replicas else {}
+        print(
+            json.dumps(
+                {"run_id": info.run_id, **summary, "ckpt_refused": refused, **locks, **extra}
+            )
+        )
         return EXIT_OK
     say(f"run {info.run_id}")
     for line in format_summary(Summary(**summary)):
         say(f"  {line}")
+    if replicas:
+        for line in format_replicas(
+            replicas.replicas, replicas.lighthouse, replicas.lighthouse_up, time.time()
+        ):
+            say(f"  {line}")
     if refused:
         say(f"  {_refused_line(refused)}")
     for line in env_lock_lines(info.env_locks):

@@ -28,6 +28,7 @@ from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.archive import archive_run
 from spottrain.controller.run.providers import build_providers
 from spottrain.controller.run.records import RunError, RunInfo, find_run
+from spottrain.controller.run.run_lighthouse import end_lighthouse
 from spottrain.controller.run.run_redis import stop_embedded_redis
 from spottrain.controller.run.wiring import build_controller
 from spottrain.protocol.states import TERMINAL, RunPhase
@@ -71,6 +72,7 @@ def down(args: argparse.Namespace) -> int:
             state.set_ctl(stopped="down", phase=RunPhase.DOWN)
             state.event("down", left=len(left), drained=int(not now))
             archive_run(info, state.client, asdict(summarize(state, time.time())))
+    end_lighthouse(info)
     if info.embedded_redis:
         stop_embedded_redis(info)
     if left:
@@ -176,6 +178,7 @@ def _down_fleet(info: RunInfo, timeout: float, *, now: bool = False) -> int:
         ctl.state.set_ctl(stopped="down", phase=RunPhase.DOWN)
         ctl.state.event("down", left=len(left))
         archive_run(info, ctl.state.client, asdict(summarize(ctl.state, time.time())))
+    end_lighthouse(info)
     if left:
         err(f"run {info.run_id}: still leaving after {timeout:.0f} s: {', '.join(left)}")
         return EXIT_FAILED

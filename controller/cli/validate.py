@@ -1,4 +1,4 @@
-"""``spottrain validate``: a spec's keys, catalog and notice windows; with
+"""``spottrain validate``: a spec's keys, catalog, notice windows and replica mode; with
 ``--check-clouds``, each allowed cloud's offers (or a Terraform fleet's group)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from spottrain.spec import JobSpec
 
 
 def validate(args: argparse.Namespace) -> int:
-    from spottrain.spec import SpecError, check_notice_windows, load_spec
+    from spottrain.spec import SpecError, check_notice_windows, describe_replica, load_spec
     from spottrain.spec.exposure import exposure_warnings
 
     try:
@@ -36,6 +36,8 @@ def validate(args: argparse.Namespace) -> int:
                 {
                     "valid": True,
                     "name": spec.name,
+                    "fault_tolerance": spec.train.fault_tolerance.value,
+                    "replica": _replica_json(spec),
                     "checkpoint_gb": size,
                     "windows": [
                         {
@@ -57,6 +59,9 @@ def validate(args: argparse.Namespace) -> int:
             f"clouds {', '.join(spec.resources.clouds)}, spot policy {spec.spot.policy.value}, "
             f"budget ${spec.budget.max_usd:,.2f}"
         )
+        replica = describe_replica(spec)
+        if replica:
+            print(f"  {replica}")
         if spec.fleet is not None:
             f = spec.fleet
             where = f.region if f.cloud == "aws" else f"{f.project}/{f.zone}"
@@ -77,6 +82,20 @@ def validate(args: argparse.Namespace) -> int:
     if args.check_clouds and not _check_clouds(spec, quiet=args.json):
         return EXIT_FAILED
     return EXIT_OK if fits else EXIT_WINDOW
+
+
+def _replica_json(spec: JobSpec) -> dict[str, int] | None:
+    """``--json``'s ``replica``: the replica's size, the range of replicas and the quorum's
+    floor; null for an elastic job."""
+    if spec.train.fault_tolerance.value != "replica":
+        return None
+    k = spec.train.replica.nodes_per_replica
+    return {
+        "nodes_per_replica": k,
+        "min_replicas": spec.train.replica.min_replicas,
+        "replicas_min": spec.nodes.min // k,
+        "replicas_max": spec.nodes.max // k,
+    }
 
 
 def _check_clouds(spec: JobSpec, *, quiet: bool) -> bool:

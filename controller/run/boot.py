@@ -29,9 +29,10 @@ from pathlib import Path
 from spottrain import __version__
 from spottrain.cloud.aws import secrets as aws_secrets
 from spottrain.cloud.gcp import secrets as gcp_secrets
+from spottrain.controller.run.env_lock import spec_agent_requirement
 from spottrain.envlock import lock_sha256, parse_lock
 from spottrain.protocol import env as env_names
-from spottrain.spec import ArchiveCode, GitCode, ImageCode, JobSpec
+from spottrain.spec import ArchiveCode, GitCode, ImageCode, JobSpec, replica_agent_env
 from spottrain.tracking import trainer_env
 
 AGENT_ENV_PATH = "/etc/spottrain/agent.env"
@@ -96,7 +97,9 @@ def agent_env(
     ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_MODE`` (when the spec sets it) and
     ``WANDB_RUN_GROUP=<run id>`` for the workers' rank 0; ``train.env`` overrides them. No
     API key travels here: give the VMs one through the image or ``~/.netrc``, or use
-    ``mode: offline`` and ``wandb sync`` afterwards."""
+    ``mode: offline`` and ``wandb sync`` afterwards. A replica-mode job adds the mode, the
+    replica's size and the quorum's floor; an elastic job's settings are what they were
+    before replica mode existed."""
     env = {
         env_names.ENV_REDIS: redis_url,
         env_names.ENV_RUN_ID: node.run_id,
@@ -116,6 +119,7 @@ def agent_env(
         env[env_names.ENV_REDIS_PASSWORD_FILE] = password_file
     if copy_to or spec.checkpoint.copy_to:
         env[env_names.ENV_COPY_TO] = copy_to or spec.checkpoint.copy_to or ""
+    env.update(replica_agent_env(spec))
     return {**trainer_env(spec.wandb, node.run_id), **spec.train.env, **env}
 
 
@@ -377,7 +381,8 @@ def render_boot_script(
         code: the uploaded archive, for ``code.archive``.
         password_secret: the secret holding the Redis password (AWS Secrets Manager id or
             GCP Secret Manager name); None when Redis has no password.
-        spottrain_requirement: what pip installs (default: this version of spottrain),
+        spottrain_requirement: what pip installs (default: this version of spottrain with
+            the ``agent`` and the cloud's extras, and ``replica`` for a replica-mode job),
             without ``env_lock``.
         env_lock: the text of the run's lock for this cloud (:mod:`spottrain.envlock`): the
             venv is built from it (hashes required) and verified at every boot.
@@ -388,8 +393,7 @@ def render_boot_script(
     """
     if node.cloud not in ("aws", "gcp"):
         raise ValueError(f"boot scripts are for aws and gcp VMs, not {node.cloud!r}")
-    extra = "aws" if node.cloud == "aws" else "gcp"
-    requirement = spottrain_requirement or f"spottrain[agent,{extra}]=={__version__}"
+    requirement = spottrain_requirement or spec_agent_requirement(spec, node.cloud)
     env = agent_env(spec, node, redis_url, password_file=PASSWORD_PATH if password_secret else None)
     parts = [
         "#!/bin/bash\n",

@@ -8,6 +8,11 @@ from pathlib import Path
 from spottrain.controller.run.boot import CodeRef
 from spottrain.controller.run.code import local_secret_files, prepare_code
 from spottrain.controller.run.env_lock import ResolveError, capture_locks
+from spottrain.controller.run.lighthouse import (
+    find_lighthouse_binary,
+    place_lighthouse,
+    replica_mode,
+)
 from spottrain.controller.run.records import RunError, RunInfo, home_dir
 from spottrain.controller.run.run_redis import (
     open_redis,
@@ -43,6 +48,8 @@ def create_run(
         rid = make_run_id(spec.name)
     if "local" in spec.resources.clouds:
         local_secret_files(spec)  # fail now, before anything starts
+    if replica_mode(spec):
+        find_lighthouse_binary()  # fail now: the replica extra is not installed
     info = RunInfo.from_loaded(
         loaded,
         rid,
@@ -60,6 +67,10 @@ def create_run(
     else:
         info.redis_url = spec.redis.url
         open_redis(info, spec)  # fail now, before anything is launched
+    if replica_mode(spec):
+        # The controller starts it (drive.py) beside the Redis the VMs reach.
+        placed = place_lighthouse(info.redis_url)
+        info.lighthouse, info.lighthouse_bind = placed.address, placed.bind
     if "local" in spec.resources.clouds:
         info.local_state_dir = str(home_dir() / "local")
     try:

@@ -9,10 +9,14 @@ from typing import Any
 
 import redis
 
+from spottrain.controller.groups.controller import GroupController
+from spottrain.controller.reconcile.controller import Controller
 from spottrain.controller.reconcile.drive import ControllerError, drive_passes
 from spottrain.controller.reconcile.summary import Summary
 from spottrain.controller.run.archive import archive_run
+from spottrain.controller.run.lighthouse import LighthouseSupervisor
 from spottrain.controller.run.records import RunError, RunInfo
+from spottrain.controller.run.run_lighthouse import end_lighthouse, supervise_lighthouse
 from spottrain.controller.run.run_redis import stop_embedded_redis
 from spottrain.controller.run.wiring import build_controller
 from spottrain.controller.tracking import FleetTracker
@@ -65,9 +69,25 @@ def drive_run(
     """
     try:
         ctl = build_controller(info, interval_s=interval_s, policy=policy)
+        lighthouse = supervise_lighthouse(info, ctl.state)
     except RunError as e:
         view(f"spottrain: {e}")
         return EXIT_FAILED
+    try:
+        return _drive(info, ctl, view, lighthouse)
+    finally:
+        # The keeper only: like the Redis, the lighthouse outlives a controller that stops
+        # while VMs still train; _drive stops it when nothing of the run runs any more.
+        if lighthouse is not None:
+            lighthouse.stop()
+
+
+def _drive(
+    info: RunInfo,
+    ctl: Controller | GroupController,
+    view: Callable[[str], Any],
+    lighthouse: LighthouseSupervisor | None,
+) -> int:
     last: list[Any] = []
     last_at = 0.0
     fleet = FleetTracker.start(info.run_id, ctl.spec, ctl.state)
@@ -115,6 +135,9 @@ def drive_run(
     if ctl.done() or not ctl.live_vms():
         # Nothing of the run runs any more: keep its record on disk, free its Redis.
         archive_run(info, ctl.state.client, asdict(summary))
+        if lighthouse is not None:
+            lighthouse.stop()  # or it would start the lighthouse again
+        end_lighthouse(info)
         if info.embedded_redis:
             stop_embedded_redis(info)
     return code

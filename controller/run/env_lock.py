@@ -15,7 +15,9 @@ differs is refused there.
 
 What the lock covers:
 
-- the agent requirement, ``spottrain[agent,<cloud>]==<this version>`` for the cloud;
+- the agent requirement, ``spottrain[agent,<cloud>]==<this version>`` for the cloud, with
+  the ``replica`` extra (torchft) for a replica-mode job
+  (``train.fault_tolerance: replica``);
 - ``code.archive``: the job's ``requirements.txt`` beside it, resolved together with the
   agent, so a job requirement can never move torch: the VM installs the lock instead of the
   file;
@@ -42,7 +44,7 @@ from urllib.parse import urlparse
 
 from spottrain import __version__
 from spottrain.envlock import EnvLock, LockedPackage, LockError, lock_sha256, make_lock, parse_lock
-from spottrain.spec import ArchiveCode, ImageCode, JobSpec
+from spottrain.spec import ArchiveCode, FaultTolerance, ImageCode, JobSpec
 
 LOCKED_CLOUDS = ("aws", "gcp")
 
@@ -59,9 +61,22 @@ class LockTarget:
         return f"python {self.python_version} {self.implementation} {self.platform}"
 
 
-def agent_requirement(cloud: str) -> str:
-    """What a VM of ``cloud`` installs: the agent at this controller's version."""
-    return f"spottrain[agent,{cloud}]=={__version__}"
+def agent_requirement(cloud: str, *, replica: bool = False) -> str:
+    """What a VM of ``cloud`` installs: the agent at this controller's version; with
+    ``replica``, also torchft (the ``replica`` extra), which only replica mode imports."""
+    extras = f"agent,{cloud},replica" if replica else f"agent,{cloud}"
+    return f"spottrain[{extras}]=={__version__}"
+
+
+def needs_replica_extra(spec: JobSpec) -> bool:
+    """Whether the job's VMs need torchft: in replica mode only (an elastic job's lock, and
+    its boot script, stay as they were)."""
+    return spec.train.fault_tolerance is FaultTolerance.REPLICA
+
+
+def spec_agent_requirement(spec: JobSpec, cloud: str) -> str:
+    """:func:`agent_requirement` for ``spec``'s VMs on ``cloud``."""
+    return agent_requirement(cloud, replica=needs_replica_extra(spec))
 
 
 def pip_command(
@@ -179,15 +194,19 @@ def clouds_to_lock(spec: JobSpec) -> list[str]:
 def lock_for_cloud(spec: JobSpec, base_dir: Path, cloud: str, **kw: Any) -> EnvLock:
     """Resolve the lock a VM of ``cloud`` installs for ``spec``."""
     return resolve_lock(
-        [agent_requirement(cloud)], requirement_files=job_requirement_files(spec, base_dir), **kw
+        [spec_agent_requirement(spec, cloud)],
+        requirement_files=job_requirement_files(spec, base_dir),
+        **kw,
     )
 
 
-def read_lock_file(path: Path, cloud: str) -> EnvLock:
-    """A lock the user made (``spottrain lock``), checked to hold this spottrain.
+def read_lock_file(path: Path, cloud: str, *, replica: bool = False) -> EnvLock:
+    """A lock the user made (``spottrain lock``), checked to hold this spottrain (and, for
+    a ``replica`` job, torchft).
 
     Raises:
-        ResolveError: unreadable, malformed, or for another spottrain.
+        ResolveError: unreadable, malformed, for another spottrain, or a replica job's lock
+            without torchft.
     """
     try:
         lock = parse_lock(path.read_text(), str(path))
@@ -199,6 +218,13 @@ def read_lock_file(path: Path, cloud: str) -> EnvLock:
             f"--env-lock {cloud}={path}: the lock holds spottrain {have or '(none)'}, this "
             f"controller is {__version__}: every node must run the controller's agent "
             f"(make it again: spottrain lock JOB.yaml --cloud {cloud} -o {path})"
+        )
+    if replica and "torchft" not in lock.versions():
+        # Without it every worker of the run would fail at its first import of torchft.
+        raise ResolveError(
+            f"--env-lock {cloud}={path}: the lock holds no torchft, which replica mode "
+            "(train.fault_tolerance: replica) needs on every VM: make it again from the "
+            f"replica job's spec: spottrain lock JOB.yaml --cloud {cloud} -o {path}"
         )
     return lock
 
@@ -220,7 +246,11 @@ def capture_locks(
     out: dict[str, dict[str, Any]] = {}
     for cloud in clouds_to_lock(spec):
         path = (given or {}).get(cloud)
-        lock = read_lock_file(path, cloud) if path else lock_for_cloud(spec, base_dir, cloud, **kw)
+        lock = (
+            read_lock_file(path, cloud, replica=needs_replica_extra(spec))
+            if path
+            else lock_for_cloud(spec, base_dir, cloud, **kw)
+        )
         text = lock.text()
         name = f"env-{cloud}.lock"
         (run_dir / name).write_text(text)

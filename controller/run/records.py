@@ -2,7 +2,8 @@
 
 ``$SPOTTRAIN_HOME/runs/<run id>/`` holds ``run.json`` (the spec, where Redis is, where the
 code archive went), the embedded Redis's data (append-only file) and its password
-(``redis/password``, mode 0600), the controller's log, and,
+(``redis/password``, mode 0600), a replica run's lighthouse (``lighthouse/``: its pidfile and
+log), the controller's log, and,
 after the run, ``summary.json`` and ``events.jsonl`` so ``status`` and ``logs`` still answer
 once its Redis is gone. ``$SPOTTRAIN_HOME/jobs/<name>`` names the newest run of a job.
 """
@@ -47,6 +48,10 @@ class RunInfo:
     # The hashed lock of the agent's environment per cloud (controller/run/env_lock.py):
     # {cloud: {"file": "env-aws.lock", "sha256": ..., "packages": n}}, files in the run dir.
     env_locks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Replica mode: where the run's torchft lighthouse is dialled ("host:port") and what it
+    # binds (controller/run/lighthouse.py); "" for an elastic run.
+    lighthouse: str = ""
+    lighthouse_bind: str = ""
 
     @property
     def dir(self) -> Path:

@@ -1,19 +1,23 @@
 """``spottrain simulate``: a job of up to 100,000 GPUs on spot VMs, simulated for days in
-seconds, under three ways of training through preemptions, side by side on one fleet.
+seconds, under four ways of training through preemptions, side by side on one fleet.
 
 A discrete-event simulation (:mod:`spottrain.controller.sim.engine`): VMs are preempted (at
 a per-node rate, by zone-wide reclaims, or from a trace), with or without the notice window;
 the controller's **real planner** (:func:`spottrain.controller.reconcile.planner.plan`)
 decides every backfill, pass by pass, as ``spottrain up`` would; launches take time and can
-be refused for capacity. Three training policies (:mod:`spottrain.controller.sim.policies`)
+be refused for capacity. Four training policies (:mod:`spottrain.controller.sim.policies`)
 watch the same fleet, so they are compared on the same preemptions:
 
 - ``sync``: fully synchronous, restart everything from the last periodic checkpoint once
   the fleet is whole again (what most teams run);
 - ``elastic``: spottrain today: emergency checkpoints on notice, survivors re-form at the
   smaller size, a backfill joins with another re-form;
-- ``replica``: replicas as the unit of fault tolerance (modelled; spottrain's later goal):
-  survivors keep stepping, a rejoining replica copies its state from a live peer.
+- ``replica``: replicas as the unit of fault tolerance on torchft 0.2.0 (``train.fault_tolerance:
+  replica``), with its measured costs: survivors keep stepping, but every step waits for a
+  quorum round of the stock lighthouse (quadratic in the replica count) and every quorum
+  change rebuilds the cross-replica process group on every survivor;
+- ``replica-ideal``: the same with a quorum and process group that cost nothing (the first
+  model, kept as the bound a quorum that scales would approach).
 
 Reported per policy: effective training time (the share of wall time spent on steps that
 count, at the full fleet's rate), dollars per useful GPU-hour and against on-demand, and the
@@ -52,6 +56,16 @@ Defaults, and where each comes from
 - ``--replica-nodes 1``, ``--scaling 1.0``: a node per data-parallel replica, throughput in
   proportion to the replicas (the global batch is kept by gradient accumulation).
 - ``--pass-s 1``: ``spottrain up --interval``.
+- The ``replica`` policy's costs (:mod:`spottrain.controller.sim.replica_params`, where each
+  source is given; the text output and ``--json`` print them beside the result, marked
+  measured or modelled): ``--step-s 6`` (modelled: Llama 3 405B's 16M-token step on H100 at
+  about 40% MFU); ``--heartbeat-s 1.0`` (the lighthouse timeout; a noticed loss stalls the
+  survivors for it plus a step until the explicit leave lands); ``--kill-stall-s 1.1``
+  (measured with torchft, plus the step redone); ``--join-start-s 4.9`` (measured: a
+  joiner's start to its first full step); ``--quorum-a-s``/``--quorum-b-s`` (a quorum round
+  of N replicas is a N + b N^2, fitted by ``bench/quorum_scale.py`` on the stock lighthouse
+  up to 1,000 replicas); ``--pg-base-s``/``--pg-per-replica-s`` (a process-group rebuild at
+  every quorum change, c0 + c1 n, fitted on gloo at 2..16 ranks).
 
 ``--spec job.yaml`` takes the fleet size, instance type and region, checkpoint size, volume
 bandwidth and cadence, the notice window, the spot policy, and (for the local cloud) the
@@ -87,7 +101,8 @@ from spottrain.controller.sim.config import (
 )
 from spottrain.controller.sim.engine import simulate
 from spottrain.controller.sim.model import SimConfig, SimResult
-from spottrain.controller.sim.policies import POLICIES
+from spottrain.controller.sim.replica_params import ReplicaParams
+from spottrain.controller.sim.replica_policy import POLICIES
 from spottrain.controller.sim.report import figures, plot, table
 from spottrain.spec import SpotPolicy
 
@@ -103,9 +118,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description=(
             "Simulate a job of up to 100,000 GPUs on spot VMs: preemptions (a per-node rate, "
             "zone-wide reclaims or a trace), the controller's real planner backfilling, and "
-            "three policies on the same fleet: sync (restart everything from the last "
-            "periodic checkpoint), elastic (spottrain today: emergency checkpoints, re-form "
-            "smaller) and replica (survivors keep stepping; modelled). Prints effective "
+            "four policies on the same fleet: sync (restart everything from the last "
+            "periodic checkpoint), elastic (emergency checkpoints, re-form smaller), replica "
+            "(survivors keep stepping, torchft's measured costs) and replica-ideal (the same "
+            "with a free quorum). Prints effective "
             "training time, $ per useful GPU-hour against on-demand, and work lost per "
             "preemption. Defaults and their sources: `pydoc spottrain.controller.sim.command`."
         ),
@@ -115,6 +131,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _time_options(p)
     _preemption_options(p)
     _recovery_options(p)
+    _replica_options(p)
     _output_options(p)
 
 
@@ -196,6 +213,32 @@ def _recovery_options(p: argparse.ArgumentParser) -> None:
     rec.add_argument("--pass-s", type=float, help="seconds between controller passes (1)")
 
 
+def _replica_options(p: argparse.ArgumentParser) -> None:
+    """The replica policy's measured costs (defaults: replica_params)."""
+    d = ReplicaParams()
+    rep = p.add_argument_group("the replica policy (torchft 0.2.0, measured)")
+    rep.add_argument("--step-s", type=float, help=f"one training step ({d.step_s:g} s)")
+    rep.add_argument(
+        "--heartbeat-s", type=float, help=f"lighthouse heartbeat timeout ({d.heartbeat_s:g})"
+    )
+    rep.add_argument(
+        "--kill-stall-s", type=float, help=f"survivors' stall at a SIGKILL ({d.kill_stall_s:g})"
+    )
+    rep.add_argument(
+        "--join-start-s", type=float, help=f"joiner start to first step ({d.join_start_s:g})"
+    )
+    rep.add_argument(
+        "--quorum-a-s", type=float, help=f"quorum round a N + b N^2: a ({d.quorum_a_s:.3g})"
+    )
+    rep.add_argument("--quorum-b-s", type=float, help=f"quorum round: b ({d.quorum_b_s:.3g})")
+    rep.add_argument(
+        "--pg-base-s", type=float, help=f"process-group rebuild c0 + c1 n: c0 ({d.pg_c0_s:.3g})"
+    )
+    rep.add_argument(
+        "--pg-per-replica-s", type=float, help=f"process-group rebuild: c1 ({d.pg_c1_s:.3g})"
+    )
+
+
 def _output_options(p: argparse.ArgumentParser) -> None:
     """Which policies, and the PNG and JSON output."""
     out = p.add_argument_group("output")
@@ -230,6 +273,7 @@ def settings(cfg: SimConfig) -> dict[str, Any]:
         "scaling": cfg.scaling,
         "pass_s": cfg.pass_s,
         "spot_policy": cfg.spot_policy.value,
+        "step_s": cfg.replica.step_s,
     }
 
 

@@ -13,7 +13,8 @@ from spottrain.catalog import Catalog, UnknownInstanceType, UnknownRegion, bundl
 from spottrain.cloud.base import Market, Offer, region_of_zone
 from spottrain.controller.reconcile.pricing import HOURS_PER_MONTH
 from spottrain.controller.sim.model import SimConfig
-from spottrain.controller.sim.policies import POLICIES
+from spottrain.controller.sim.replica_params import ReplicaParams
+from spottrain.controller.sim.replica_policy import POLICIES
 from spottrain.spec import (
     NOTICE_WINDOW_S,
     JobSpec,
@@ -146,6 +147,7 @@ _POSITIVE = (
     "peer_gbps",
     "scaling",
     "notice_s",
+    "step_s",
 )
 
 _NOT_NEGATIVE = (
@@ -160,7 +162,36 @@ _NOT_NEGATIVE = (
     "rendezvous_s",
     "detect_s",
     "pass_s",
+    "heartbeat_s",
+    "kill_stall_s",
+    "join_start_s",
+    "quorum_a_s",
+    "quorum_b_s",
+    "pg_base_s",
+    "pg_per_replica_s",
 )
+
+# option -> ReplicaParams field
+_REPLICA_OPTIONS = {
+    "step_s": "step_s",
+    "heartbeat_s": "heartbeat_s",
+    "kill_stall_s": "kill_stall_s",
+    "join_start_s": "join_start_s",
+    "quorum_a_s": "quorum_a_s",
+    "quorum_b_s": "quorum_b_s",
+    "pg_base_s": "pg_c0_s",
+    "pg_per_replica_s": "pg_c1_s",
+}
+
+
+def replica_params(args: argparse.Namespace) -> ReplicaParams:
+    """The measured replica costs, with the options given in their place."""
+    given = {
+        field: getattr(args, opt)
+        for opt, field in _REPLICA_OPTIONS.items()
+        if getattr(args, opt, None) is not None
+    }
+    return replace(ReplicaParams(), **given)
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -233,6 +264,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         replica_nodes=replica_nodes,
         scaling=args.scaling if args.scaling is not None else 1.0,
         pass_s=args.pass_s if args.pass_s is not None else 1.0,
+        replica=replica_params(args),
         spot_policy=rec.spot_policy,
         fallback_after_s=rec.fallback_s,
         policies=policies,
@@ -293,7 +325,9 @@ def _node_count(args: argparse.Namespace, spec: JobSpec | None, gpn: int) -> tup
     nodes = gpus // gpn
     if nodes > MAX_NODES:
         raise BadInput(f"--gpus {gpus:,} is {nodes:,} nodes; at most {MAX_NODES:,} are simulated")
-    replica_nodes = args.replica_nodes or 1
+    replica_nodes = args.replica_nodes or (
+        spec.train.replica.nodes_per_replica if spec is not None else 1
+    )
     if nodes % replica_nodes:
         raise BadInput(
             f"{nodes:,} nodes do not split into replicas of {replica_nodes}: make "

@@ -58,7 +58,8 @@ from spottrain.controller.reconcile.types import (
     ZoneHistory,
 )
 from spottrain.controller.sim.model import PolicyResult, SimConfig, SimResult
-from spottrain.controller.sim.policies import POLICIES, Trainer
+from spottrain.controller.sim.policies import Trainer
+from spottrain.controller.sim.replica_policy import POLICIES
 from spottrain.protocol.states import NodeState
 from spottrain.spec import SpotPolicy
 from spottrain.trace import TracedPreemption

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from spottrain.cloud.base import Offer
 from spottrain.controller.reconcile.types import NodeObs
 from spottrain.controller.sim.policies import Costs
+from spottrain.controller.sim.replica_params import ReplicaParams
 from spottrain.spec import SpotPolicy
 from spottrain.trace import TracedPreemption
 
@@ -40,6 +41,8 @@ class SimConfig:
         replica_nodes: nodes per data-parallel replica.
         scaling: throughput at a share x of the replicas is x ** scaling.
         pass_s: seconds between controller passes (0: a pass at the instant of a change).
+        replica: the ``replica`` policy's measured costs (step time, stalls, quorum,
+            process-group rebuild, join).
         spot_policy, fallback_after_s: the planner's market policy.
         policies: which training policies watch the fleet.
         seed: everything random comes from it.
@@ -69,9 +72,10 @@ class SimConfig:
     replica_nodes: int = 1
     scaling: float = 1.0
     pass_s: float = 1.0
+    replica: ReplicaParams = field(default_factory=ReplicaParams)
     spot_policy: SpotPolicy = SpotPolicy.SPOT
     fallback_after_s: float = 1800.0
-    policies: tuple[str, ...] = ("sync", "elastic", "replica")
+    policies: tuple[str, ...] = ("sync", "elastic", "replica", "replica-ideal")
     seed: int = 0
     samples: int = 168
 
@@ -88,6 +92,7 @@ class SimConfig:
             catch_up_s=self.ckpt_gb / self.replica_nodes / self.peer_gbps,
             ckpt_every_s=self.ckpt_every_s,
             scaling=self.scaling,
+            replica=self.replica,
         )
 
 

@@ -1,4 +1,4 @@
-"""What the training does with a fleet that changes: the three policies ``spottrain simulate``
+"""What the training does with a fleet that changes: the policies ``spottrain simulate``
 compares, each a small state machine driven by the simulated fleet.
 
 The fleet (:mod:`spottrain.controller.sim.engine`) has one *slot* per node of the full-size
@@ -27,23 +27,27 @@ that happened before it completed).
   without notice costs the detection timeout, a re-form and the work since the last
   checkpoint; a joiner makes everyone save (within torch's 30 s) and re-form again. Every
   re-form restarts every worker and loads the checkpoint.
-- :class:`Replica`: replicas as the unit of fault tolerance (modelled, not implemented by
-  spottrain yet). The survivors keep stepping: a replica that loses a VM stops counting, an
-  unannounced loss costs everyone the detection timeout of the step in flight, and a
-  complete replica rejoins after copying the state from a live peer (a rendezvous plus the
-  shard over the network). Only if every replica is down does the job fall back to the
-  checkpoint.
+- :class:`Replica` (``replica-ideal``): replicas as the unit of fault tolerance as first
+  modelled, before torchft was measured: the survivors keep stepping, a replica that loses
+  a VM stops counting, an unannounced loss costs everyone the detection timeout of the step
+  in flight, and a complete replica rejoins after copying the state from a live peer (a
+  rendezvous plus the shard over the network); the quorum and the process group cost
+  nothing. Only if every replica is down does the job fall back to the checkpoint. Kept as
+  the bound a quorum that scales would approach.
+- ``replica`` (:mod:`spottrain.controller.sim.replica_policy`): the same, with torchft
+  0.2.0's measured costs (:mod:`spottrain.controller.sim.replica_params`).
 
-All three write the same periodic checkpoints (stopping training for the write).
+All write the same periodic checkpoints (stopping training for the write).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from spottrain.controller.sim.replica_params import ReplicaParams
 from spottrain.spec import DRAIN_OVERHEAD_S
 
 INF = math.inf
@@ -70,6 +74,7 @@ class Costs:
         catch_up_s: a replica copying its state from a live peer.
         ckpt_every_s: periodic checkpoint interval (``inf``: none).
         scaling: throughput at a share ``x`` of the replicas is ``x ** scaling``.
+        replica: the ``replica`` policy's measured costs.
     """
 
     slots: int
@@ -82,6 +87,7 @@ class Costs:
     catch_up_s: float
     ckpt_every_s: float
     scaling: float
+    replica: ReplicaParams = field(default_factory=ReplicaParams)
 
     @property
     def replicas(self) -> int:
@@ -333,9 +339,10 @@ class Elastic(_Slots):
 
 
 class Replica(_Slots):
-    """Survivors keep stepping; a replica that lost a VM rejoins from a live peer."""
+    """Survivors keep stepping; a replica that lost a VM rejoins from a live peer; the
+    quorum and the process group cost nothing (the bound, not torchft as measured)."""
 
-    name = "replica"
+    name = "replica-ideal"
 
     def __init__(self, costs: Costs, schedule: Schedule) -> None:
         super().__init__(costs, schedule)
@@ -344,11 +351,14 @@ class Replica(_Slots):
         self._rgen = [0] * costs.replicas
         self.catch_ups = 0
 
+    def _rate(self) -> float:
+        return self.c.throughput(self.up_count)
+
     def on_resume(self, now: float) -> None:
         if self.up_count == 0:
             self.wait(now)
             return
-        self.rate = self.c.throughput(self.up_count)
+        self.rate = self._rate()
 
     def start(self, now: float) -> None:
         super().start(now)
@@ -368,7 +378,7 @@ class Replica(_Slots):
     def _rerate(self, now: float) -> None:
         if self.training:
             self.advance(now)
-            self.rate = self.c.throughput(self.up_count)
+            self.rate = self._rate()
 
     def on_notice(self, slot: int, now: float) -> None:
         pass  # the replica steps on until its VM dies, then leaves between steps
@@ -387,9 +397,13 @@ class Replica(_Slots):
             self.rollback(now)
             self.wait(now)
             return
+        self._survivors_stall(now, had_notice)
+        self._rerate(now)
+
+    def _survivors_stall(self, now: float, had_notice: bool) -> None:
+        """What a replica's loss costs the replicas that go on."""
         if not had_notice:
             self.hold(now, now + self.c.detect_s)  # the step in flight times out
-        self._rerate(now)
 
     def on_filled(self, slot: int, now: float) -> None:
         if not self._in(slot):
@@ -414,6 +428,3 @@ class Replica(_Slots):
             self.restart_periodic(now)
         else:
             self._rerate(now)
-
-
-POLICIES: dict[str, type[Trainer]] = {"sync": Sync, "elastic": Elastic, "replica": Replica}

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from spottrain.controller.sim.model import PolicyResult, SimResult
+from spottrain.controller.sim.replica_params import describe
 
 
 def policy_figures(res: SimResult, p: PolicyResult) -> dict[str, Any]:
@@ -60,6 +61,11 @@ def figures(res: SimResult) -> dict[str, Any]:
         "on_demand_usd_per_gpu_h": round(cfg.on_demand.price_per_hour / g, 4),
         "stop_reason": res.stop_reason,
         "policies": {p.name: policy_figures(res, p) for p in res.policies},
+        "replica_parameters": (
+            describe(cfg.replica, cfg.costs().replicas, cfg.costs().catch_up_s)
+            if "replica" in cfg.policies
+            else None
+        ),
     }
 
 
@@ -91,14 +97,14 @@ def table(res: SimResult) -> str:
     if res.stop_reason:
         lines.append(f"the planner stopped the job: {res.stop_reason}")
     header = (
-        f"{'policy':<9} {'effective':>9} {'useful GPU-h':>14} {'$/useful GPU-h':>15} "
+        f"{'policy':<13} {'effective':>9} {'useful GPU-h':>14} {'$/useful GPU-h':>15} "
         f"{'x on-demand':>12} {'lost GPU-h/preempt':>19} {'short GPU-h/preempt':>20}"
     )
     lines += ["", header, "-" * len(header)]
     for name, p in f["policies"].items():
         vs = p["vs_on_demand"]
         lines.append(
-            f"{name:<9} {p['effective'] * 100:>8.1f}% {p['useful_gpu_h']:>14,.0f} "
+            f"{name:<13} {p['effective'] * 100:>8.1f}% {p['useful_gpu_h']:>14,.0f} "
             f"{_money(p['usd_per_useful_gpu_h']):>15} "
             f"{'-' if vs is None else f'{vs:.2f}x':>12} "
             f"{p['lost_gpu_h_per_preemption']:>19,.2f} "
@@ -110,7 +116,30 @@ def table(res: SimResult) -> str:
         "lost: work rolled back to a checkpoint; short: every GPU-hour the full fleet "
         "did not train (lost, stalls, missing nodes, checkpoint writes)",
     ]
+    if f["replica_parameters"] is not None:
+        lines += ["", *replica_lines(f["replica_parameters"])]
     return "\n".join(lines)
+
+
+def replica_lines(params: dict[str, Any]) -> list[str]:
+    """The replica policy's parameters, each with its source, and what they cost at the
+    simulated replica count."""
+    at = params["at_replicas"]
+    n = at["replicas"]
+    lines = ["replica policy (torchft 0.2.0): parameters and sources"]
+    for name, p in params.items():
+        if name != "at_replicas":
+            lines.append(f"  {name:<13} {p['value']:<10.4g} [{p['kind']}] {p['source']}")
+    lines += [
+        f"  at {n:,} replicas: a quorum round {at['quorum_s_per_step']:,.3f} s per step "
+        f"({at['quorum_kind']}), so steps train {at['step_share'] * 100:.1f}% of the time; "
+        f"a process-group rebuild {at['pg_rebuild_s']:,.2f} s per quorum change "
+        f"({at['pg_kind']}); a loss stalls the survivors {at['notice_stall_s']:g} s with "
+        f"notice, {at['kill_stall_s']:g} s without, plus the rebuild; a joiner is ready "
+        f"{at['join_s']:g} s after its start plus the rebuild "
+        f"(catch-up {at['catch_up_s']:g} s: modelled, checkpoint / nodes / --peer-gbps)",
+    ]
+    return lines
 
 
 def plot(res: SimResult, path: str | Path) -> None:
@@ -123,7 +152,12 @@ def plot(res: SimResult, path: str | Path) -> None:
 
     f = figures(res)
     names = list(f["policies"])
-    colors = {"sync": "#c0504d", "elastic": "#4f81bd", "replica": "#9bbb59"}
+    colors = {
+        "sync": "#c0504d",
+        "elastic": "#4f81bd",
+        "replica": "#9bbb59",
+        "replica-ideal": "#8064a2",
+    }
     fig, (ax1, ax2) = plt.subplots(
         1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1, 2]}, layout="constrained"
     )

@@ -129,8 +129,8 @@ class RunKeys:
     # -- replica mode -------------------------------------------------------------------------
     @property
     def replica_slots(self) -> str:
-        """Hash slot ("replica-<j>") -> JSON list of the node ids holding it, claimed
-        atomically by each node's agent in replica mode (replica j holds nodes j*k..j*k+k-1)."""
+        """Hash slot ("replica-<j>") -> JSON {"nodes": [node ids], "at": unix s}, claimed
+        atomically by each node's agent in replica mode (a slot holds nodes_per_replica)."""
         return f"{self.base}:replica:slots"
 
     @property
@@ -141,8 +141,9 @@ class RunKeys:
 
     @property
     def replica_holders(self) -> str:
-        """Hash replica id -> JSON {state: "live" | "leaving", step, at}: which replicas hold
-        the training state, so a leaver learns atomically whether it is the last."""
+        """Hash replica id -> JSON {state: "live" | "leaving", step, quorum_id, participants,
+        discarded, at}, written by each replica's rank 0: which replicas hold the training
+        state, so a leaver learns atomically whether it is the last."""
         return f"{self.base}:replica:holders"
 
     # -- checkpoints --------------------------------------------------------------------------

@@ -16,7 +16,8 @@ The package, by responsibility:
   YAML parse, :func:`parse_spec`, :func:`load_spec`) and :mod:`~spottrain.spec.errors`
   (:class:`SpecError` and the words of each bad key);
 - checks: :mod:`~spottrain.spec.checks` (the catalog, the files a spec names, the stores each
-  cloud can read, the notice window) and :mod:`~spottrain.spec.exposure` (what a spec leaves
+  cloud can read, the notice window), :mod:`~spottrain.spec.replica` (what replica mode
+  needs of the rest of the spec) and :mod:`~spottrain.spec.exposure` (what a spec leaves
   open to the internet, as ``validate`` warnings).
 
 Importers use the names below from ``spottrain.spec``.
@@ -62,13 +63,16 @@ from .loading import (
     load_spec,
     parse_spec,
 )
+from .replica import describe_replica, replica_agent_env
 from .sections import (
     BudgetSpec,
     CheckpointSpec,
     ControllerSpec,
+    FaultTolerance,
     NodesSpec,
     Placement,
     RedisSpec,
+    ReplicaSpec,
     ResourcesSpec,
     SpotPolicy,
     SpotSpec,
@@ -98,6 +102,7 @@ __all__ = [
     "CodeSpec",
     "ControllerSpec",
     "EnvName",
+    "FaultTolerance",
     "FleetSpec",
     "GcpCloudSpec",
     "GitCode",
@@ -112,6 +117,7 @@ __all__ = [
     "Placement",
     "PreemptionTraceRow",
     "RedisSpec",
+    "ReplicaSpec",
     "ResourcesSpec",
     "SpecError",
     "SpotPolicy",
@@ -123,8 +129,10 @@ __all__ = [
     "agreement_lag_s",
     "check_notice_windows",
     "check_secret_name",
+    "describe_replica",
     "load_spec",
     "parse_count",
     "parse_spec",
+    "replica_agent_env",
     "within",
 ]

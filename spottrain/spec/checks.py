@@ -15,6 +15,7 @@ from spottrain.trace import load_trace
 
 from .clouds import LocalCloudSpec
 from .code import ArchiveCode
+from .replica import replica_gpu_types_problem
 
 if TYPE_CHECKING:
     from .job import JobSpec
@@ -68,7 +69,8 @@ def stores_readable(spec: JobSpec, clouds: Collection[str]) -> None:
 
 
 def check_catalog(spec: JobSpec, catalog: Catalog) -> list[str]:
-    """Problems the catalog can see: unknown instance types, regions and zones."""
+    """Problems the catalog can see: unknown instance types, regions and zones, and GPU
+    types that replica mode's spread placement would mix."""
     problems = []
     clouds = [c for c in spec.resources.clouds]
     for name in spec.resources.instance_types:
@@ -113,6 +115,9 @@ def check_catalog(spec: JobSpec, catalog: Catalog) -> list[str]:
                     catalog.region_multiplier(cloud, region)
         except UnknownRegion as e:
             problems.append(f"resources.regions: {e}")
+    gpu_types = replica_gpu_types_problem(spec, catalog)
+    if gpu_types:
+        problems.append(gpu_types)
     return problems
 
 

@@ -14,6 +14,7 @@ from .checks import NOTICE_WINDOW_S, stores_readable
 from .clouds import AwsCloudSpec, FleetSpec, GcpCloudSpec, LocalCloudSpec
 from .code import ArchiveCode, CodeSpec
 from .fields import _Model
+from .replica import replica_problem
 from .sections import (
     BudgetSpec,
     CheckpointSpec,
@@ -123,6 +124,13 @@ class JobSpec(_Model):
             for region in self.aws_regions():
                 if region not in self.aws.images:
                     raise ValueError(f"aws.images: no AMI for region {region}")
+        return self
+
+    @model_validator(mode="after")
+    def _replica_mode(self) -> Self:
+        problem = replica_problem(self)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def aws_regions(self) -> list[str]:

@@ -1,5 +1,5 @@
-"""The spec's sections about the work: ``train``, ``nodes``, ``resources``, ``spot``,
-``budget``, ``checkpoint``, ``redis``, ``wandb`` and ``controller``."""
+"""The spec's sections about the work: ``train`` (with its ``replica`` block), ``nodes``,
+``resources``, ``spot``, ``budget``, ``checkpoint``, ``redis``, ``wandb`` and ``controller``."""
 
 from __future__ import annotations
 
@@ -31,10 +31,42 @@ from .fields import (
 )
 
 
+class FaultTolerance(StrEnum):
+    ELASTIC = "elastic"
+    REPLICA = "replica"
+
+
+class ReplicaSpec(_Model):
+    """How replica mode groups the nodes: each replica is ``nodes_per_replica`` nodes that
+    hold a whole copy of the training state; replicas come and go without stopping the
+    others."""
+
+    nodes_per_replica: int = Field(
+        1,
+        ge=1,
+        le=10_000,
+        description="nodes in one replica (it shards the model inside, replicates across)",
+    )
+    min_replicas: int = Field(
+        1,
+        ge=1,
+        le=10_000,
+        description="fewest whole replicas a step may commit with (the quorum's floor)",
+    )
+
+
 class TrainSpec(_Model):
     """What each worker runs (torchrun starts it once per worker)."""
 
     command: tuple[str, ...] = Field(description="script and arguments (a list, or a string)")
+    fault_tolerance: FaultTolerance = Field(
+        FaultTolerance.ELASTIC,
+        description="elastic: every membership change restarts every worker from the last "
+        "checkpoint; replica: replicas leave and join while the others keep training",
+    )
+    replica: ReplicaSpec = Field(
+        default_factory=ReplicaSpec, description="replica mode's grouping (replica mode only)"
+    )
     env: dict[EnvName, str] = Field(default_factory=dict)
     secret_env: dict[str, str] = Field(
         default_factory=dict,
@@ -88,6 +120,19 @@ class TrainSpec(_Model):
         both = sorted(set(self.env) & set(self.secret_env))
         if both:
             raise ValueError(f"{', '.join(both)}: set in both env and secret_env; keep one")
+        return self
+
+    @model_validator(mode="after")
+    def _replica_only_in_replica_mode(self) -> Self:
+        # A replica block that would change nothing is a spec that says one thing and runs
+        # another: the job would train elastic while its author expects replicas.
+        if self.fault_tolerance is FaultTolerance.ELASTIC and self.replica != ReplicaSpec():
+            r = self.replica
+            raise ValueError(
+                f"replica (nodes_per_replica {r.nodes_per_replica}, min_replicas "
+                f"{r.min_replicas}) applies only in replica mode: set fault_tolerance: replica, "
+                "or drop the replica block"
+            )
         return self
 
 

@@ -27,6 +27,24 @@ locals {
   ))
   controller_job_spec_b64 = local.controller_job_spec == "" ? "" : base64encode(local.controller_job_spec)
 
+  # Replica mode: the controller starts and supervises the run's torchft lighthouse (this
+  # venv's torchft_lighthouse), listening on lighthouse_port at this VM's private address,
+  # which the fleet's agents are given as SPOTTRAIN_LIGHTHOUSE; the controller's unit and
+  # operators' shells get the same address. Empty in elastic mode, so an elastic controller's
+  # user data is what it was before replica mode existed (a change would stop and start it).
+  controller_replica_setup = local.replica ? local.controller_replica_script : ""
+  controller_replica_script = <<-EOT
+    if [ ! -x /opt/spottrain/venv/bin/torchft_lighthouse ]; then
+      /opt/spottrain/venv/bin/pip install -q 'spottrain[aws]==${var.spottrain_version}'${local.replica_requirement}
+    fi
+    imds_token=$(curl -sSf -m 5 -X PUT http://169.254.169.254/latest/api/token -H 'X-aws-ec2-metadata-token-ttl-seconds: 300')
+    private_ip=$(curl -sSf -m 5 -H "X-aws-ec2-metadata-token: $imds_token" http://169.254.169.254/latest/meta-data/local-ipv4)
+    [[ "$private_ip" =~ ^[0-9]+[.][0-9]+[.][0-9]+[.][0-9]+$ ]] || { echo "spottrain: instance metadata gave the address '$private_ip'" >&2; exit 1; }
+    echo "export SPOTTRAIN_LIGHTHOUSE=$private_ip:${var.lighthouse_port}" >>/etc/profile.d/spottrain.sh
+    install -d -m 0755 /etc/systemd/system/spottrain-controller.service.d
+    printf '[Service]\nEnvironment=SPOTTRAIN_LIGHTHOUSE=%s:${var.lighthouse_port}\n' "$private_ip" >/etc/systemd/system/spottrain-controller.service.d/lighthouse.conf
+  EOT
+
   # `spottrain up` starts a new run each time it runs, so the unit runs it until it has
   # succeeded once on this VM (the marker file); after a reboot an operator restarts the
   # controller with `spottrain resume --detach`. Type=oneshot + RemainAfterExit keeps the detached
@@ -52,7 +70,7 @@ locals {
     export SPOTTRAIN_HOME=/var/lib/spottrain
     export AWS_DEFAULT_REGION=${local.region}
     PROFILE
-    JOB_SPEC_B64='${local.controller_job_spec_b64}'
+    ${local.controller_replica_setup}JOB_SPEC_B64='${local.controller_job_spec_b64}'
     if [ -n "$JOB_SPEC_B64" ]; then
       umask 077
       echo "$JOB_SPEC_B64" | base64 -d > /etc/spottrain/job.yaml
@@ -113,5 +131,16 @@ resource "aws_instance" "controller" {
   lifecycle {
     # A newer Amazon Linux release must not replace a controller in the middle of a run.
     ignore_changes = [ami]
+
+    # The controller runs the spec while the fleet boots from these variables: a spec in
+    # another mode would drive VMs that train differently from what it plans for.
+    precondition {
+      condition = var.controller_job_spec_yaml == "" || (
+        try(yamldecode(var.controller_job_spec_yaml).train.fault_tolerance, "elastic") == var.fault_tolerance &&
+        try(yamldecode(var.controller_job_spec_yaml).train.replica.nodes_per_replica, 1) == var.nodes_per_replica &&
+        try(yamldecode(var.controller_job_spec_yaml).train.replica.min_replicas, 1) == var.min_replicas
+      )
+      error_message = "controller_job_spec_yaml: its train.fault_tolerance and train.replica must match fault_tolerance (${var.fault_tolerance}), nodes_per_replica (${var.nodes_per_replica}) and min_replicas (${var.min_replicas}); change whichever is wrong."
+    }
   }
 }

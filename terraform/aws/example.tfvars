@@ -33,6 +33,13 @@ create_elasticache        = true
 redis_password_secret_arn = "arn:aws:secretsmanager:us-east-1:123456789012:secret:spottrain/redis-AbCdEf"
 
 create_controller = true
+
+# Replica mode: replicas of nodes_per_replica nodes leave and join while the others keep
+# training; the controller VM hosts the lighthouse. The job spec must say the same
+# (train.fault_tolerance: replica, train.replica).
+# fault_tolerance   = "replica"
+# nodes_per_replica = 1
+# min_replicas      = 2
 enable_ssm        = true
 # Where engineers run `spottrain status` / `logs` from (the VPN), never 0.0.0.0/0.
 controller_cidrs = ["10.100.0.0/16"]

@@ -92,6 +92,22 @@ resource "aws_launch_template" "fleet" {
       error_message = "create_elasticache needs redis_password_secret_arn: the replication group's AUTH token is that secret's value."
     }
     precondition {
+      condition     = !local.replica || var.create_controller
+      error_message = "fault_tolerance = \"replica\" needs create_controller = true: the torchft lighthouse, which every replica asks for each step's quorum, runs on the controller VM inside the fleet's VPC."
+    }
+    precondition {
+      condition     = local.replica || (var.nodes_per_replica == 1 && var.min_replicas == 1)
+      error_message = "nodes_per_replica (${var.nodes_per_replica}) and min_replicas (${var.min_replicas}) apply only with fault_tolerance = \"replica\": set it, or leave both at 1."
+    }
+    precondition {
+      condition     = var.nodes_min >= var.min_replicas * var.nodes_per_replica
+      error_message = "nodes_min (${var.nodes_min}) is below min_replicas x nodes_per_replica (${var.min_replicas} x ${var.nodes_per_replica}): the quorum could never form; raise nodes_min or lower min_replicas."
+    }
+    precondition {
+      condition     = var.nodes_min % var.nodes_per_replica == 0 && var.nodes_max % var.nodes_per_replica == 0
+      error_message = "nodes_min (${var.nodes_min}) and nodes_max (${var.nodes_max}) must be multiples of nodes_per_replica (${var.nodes_per_replica}): a partial replica never trains."
+    }
+    precondition {
       condition     = var.gpus_per_node == 0 || var.nproc_per_node <= var.gpus_per_node
       error_message = "nproc_per_node must not exceed gpus_per_node (one training process per GPU at most)."
     }

@@ -98,6 +98,26 @@ locals {
   train_command_shell = join(" ", [for a in var.train_command : "'${replace(a, "'", "'\\''")}'"])
   train_command_env   = replace(replace(local.train_command_shell, "\\", "\\\\"), "\"", "\\\"")
 
+  # --- replica mode ---------------------------------------------------------------------------
+  replica = var.fault_tolerance == "replica"
+  # The fleet reaches the lighthouse on the controller VM's private address (replica mode
+  # without that VM is refused: the launch template's preconditions).
+  lighthouse_address = local.replica && var.create_controller ? "${aws_instance.controller[0].private_ip}:${var.lighthouse_port}" : ""
+  # The agent's replica-mode settings (the names of spottrain/protocol/env.py), each line
+  # ending in a newline; empty in elastic mode, so an elastic boot script is byte for byte
+  # what it was before replica mode existed (no new launch template version on upgrade).
+  # tests/unit/terraform/replica_values.py reads these lines; change both together.
+  replica_env_lines = local.replica ? join("", [for line in [
+    "SPOTTRAIN_FAULT_TOLERANCE=\"replica\"",
+    "SPOTTRAIN_NODES_PER_REPLICA=\"${var.nodes_per_replica}\"",
+    "SPOTTRAIN_MIN_REPLICAS=\"${var.min_replicas}\"",
+    "SPOTTRAIN_LIGHTHOUSE=\"${local.lighthouse_address}\"",
+    "SPOTTRAIN_MANAGER_PORT=\"${var.manager_port}\"",
+  ] : "${line}\n"]) : ""
+  # torchft, for the workers' managers: a second requirement of the same pinned release,
+  # whose extras pip merges with the first's.
+  replica_requirement = local.replica ? " 'spottrain[replica]==${var.spottrain_version}'" : ""
+
   # Every placeholder of boot.sh.tftpl. Values in single quotes in the script are
   # validated to hold no quote; the template chooses between code sources and mounts with
   # plain bash, so it needs no template directives.
@@ -124,6 +144,8 @@ locals {
     train_command         = local.train_command_env
     asg_name              = local.asg_name
     lifecycle_hook_name   = local.lifecycle_hook_name
+    replica_env_lines     = local.replica_env_lines
+    replica_requirement   = local.replica_requirement
   }
 
   # The fleet: section of a job spec that adopts this fleet instead of launching VMs.

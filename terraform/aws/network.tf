@@ -1,9 +1,13 @@
 # Three groups, each open only to who needs it:
 #   fleet:      the training VMs. All traffic among themselves (NCCL over EFA and TCP,
-#               torchrun, the health check's collective); nothing from anywhere else.
+#               torchrun, the health check's collective, and in replica mode torchft's
+#               managers, cross-replica process groups and live state transfers, whose
+#               HTTP server takes a random port); nothing from anywhere else.
 #   redis:      the job's Redis (the ElastiCache group, or attach it to your own Redis):
 #               its port from the fleet and the controller only, never from the internet.
 #   checkpoint: the shared file system's interfaces: the Lustre or NFS ports from the fleet.
+# The optional controller VM has a group of its own: in replica mode the fleet may reach its
+# lighthouse port, and nothing else reaches it.
 # Rules are separate resources (not inline blocks), so adding one never rewrites the others.
 
 resource "aws_security_group" "fleet" {
@@ -173,8 +177,8 @@ resource "aws_vpc_security_group_egress_rule" "checkpoint_to_itself" {
 
 # --- the controller VM -----------------------------------------------------------------------
 
-# No inbound rule at all: operators come in through Session Manager (enable_ssm), or add
-# an SSH rule of their own for key_name.
+# No inbound rule but the lighthouse's in replica mode: operators come in through Session
+# Manager (enable_ssm), or add an SSH rule of their own for key_name.
 resource "aws_security_group" "controller" {
   count = var.create_controller ? 1 : 0
 
@@ -192,4 +196,18 @@ resource "aws_vpc_security_group_egress_rule" "controller_out" {
   ip_protocol       = "-1"
   cidr_ipv4         = "0.0.0.0/0"
   tags              = local.tags
+}
+
+# Replica mode: every replica's manager asks the lighthouse for each step's quorum and
+# heartbeats to it. From the fleet's group only; the lighthouse has no authentication.
+resource "aws_vpc_security_group_ingress_rule" "controller_lighthouse_from_fleet" {
+  count = local.replica && var.create_controller ? 1 : 0
+
+  security_group_id            = aws_security_group.controller[0].id
+  description                  = "the torchft lighthouse from the training VMs"
+  ip_protocol                  = "tcp"
+  from_port                    = var.lighthouse_port
+  to_port                      = var.lighthouse_port
+  referenced_security_group_id = aws_security_group.fleet.id
+  tags                         = local.tags
 }

@@ -82,3 +82,8 @@ output "controller_instance_id" {
   description = "The controller VM (null without create_controller), for `aws ssm start-session --target`."
   value       = var.create_controller ? aws_instance.controller[0].id : null
 }
+
+output "lighthouse_address" {
+  description = "Replica mode: where the fleet reaches the torchft lighthouse, the controller VM's private address and lighthouse_port (the agents' SPOTTRAIN_LIGHTHOUSE); null in elastic mode."
+  value       = local.lighthouse_address == "" ? null : local.lighthouse_address
+}

@@ -26,6 +26,8 @@ resource "google_compute_instance" "controller" {
     network            = var.network
     subnetwork         = var.subnetwork
     subnetwork_project = var.project
+    # Replica mode: the reserved address the fleet's agents reach the lighthouse at.
+    network_ip = local.replica ? google_compute_address.controller[0].address : null
 
     dynamic "access_config" {
       for_each = var.external_ip ? [1] : []
@@ -72,4 +74,30 @@ resource "google_compute_instance" "controller" {
     google_secret_manager_secret_iam_member.controller_redis_password,
     google_storage_bucket_iam_member.controller_ckpt_copy,
   ]
+
+  lifecycle {
+    # The controller runs the spec while the nodes boot from these variables: a spec in
+    # another mode would drive a fleet that trains differently from what it plans for.
+    precondition {
+      condition = var.controller_job_spec == "" || (
+        try(yamldecode(var.controller_job_spec).train.fault_tolerance, "elastic") == var.fault_tolerance &&
+        try(yamldecode(var.controller_job_spec).train.replica.nodes_per_replica, 1) == var.nodes_per_replica &&
+        try(yamldecode(var.controller_job_spec).train.replica.min_replicas, 1) == var.min_replicas
+      )
+      error_message = "controller_job_spec: its train.fault_tolerance and train.replica must match fault_tolerance (${var.fault_tolerance}), nodes_per_replica (${var.nodes_per_replica}) and min_replicas (${var.min_replicas}); change whichever is wrong."
+    }
+  }
+}
+
+# Replica mode: the controller VM's internal address, reserved so that the lighthouse stays
+# where the nodes' environment files say it is when the VM is recreated (a new image).
+resource "google_compute_address" "controller" {
+  count = local.replica && var.create_controller ? 1 : 0
+
+  project      = var.project
+  region       = local.region
+  name         = "${local.name}-controller"
+  description  = "spottrain run ${var.run_id}: the controller VM, where the fleet reaches the lighthouse"
+  address_type = "INTERNAL"
+  subnetwork   = data.google_compute_subnetwork.fleet.self_link
 }

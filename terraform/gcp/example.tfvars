@@ -36,3 +36,10 @@ controller_cidrs      = ["10.8.0.0/24"] # the office VPN
 # values only (no file()), so pass the spec on the command line:
 #   terraform apply -var-file=my.tfvars -var "controller_job_spec=$(cat gpt-1b3.yaml)"
 create_controller = true
+
+# Replica mode: replicas of nodes_per_replica nodes leave and join while the others keep
+# training; the controller VM hosts the lighthouse. The job spec must say the same
+# (train.fault_tolerance: replica, train.replica).
+# fault_tolerance   = "replica"
+# nodes_per_replica = 1
+# min_replicas      = 2

@@ -1,5 +1,7 @@
 # Between fleet members, everything: torchrun's workers, NCCL and gloo pick their ports at
-# run time (and NCCL opens many), so no fixed port list would do. Tag to tag, never a range:
+# run time (and NCCL opens many), and in replica mode torchft's managers, cross-replica
+# process groups and live state transfers (an HTTP server on a random port) add more, so no
+# fixed port list would do. Tag to tag, never a range:
 # nothing outside the fleet gains access through this rule.
 resource "google_compute_firewall" "fleet_internal" {
   project     = var.project
@@ -43,5 +45,27 @@ resource "google_compute_firewall" "redis" {
       condition     = tonumber(regex("^rediss?://[^/]+:([0-9]+)", var.redis_url)[0]) == var.redis_port
       error_message = "redis_port (${var.redis_port}) is not the port in redis_url (${var.redis_url})."
     }
+  }
+}
+
+# Replica mode: every replica's manager asks the lighthouse on the controller VM for each
+# step's quorum and heartbeats to it. From fleet members only (the lighthouse has no
+# authentication); nothing else on the controller VM is opened.
+resource "google_compute_firewall" "lighthouse" {
+  count = local.replica && var.create_controller ? 1 : 0
+
+  project     = var.project
+  name        = "${local.name}-lighthouse"
+  network     = var.network
+  description = "spottrain run ${var.run_id}: the torchft lighthouse from the fleet"
+  direction   = "INGRESS"
+  priority    = 1000
+
+  source_tags = [local.fleet_tag]
+  target_tags = [local.controller_tag]
+
+  allow {
+    protocol = "tcp"
+    ports    = [tostring(var.lighthouse_port)]
   }
 }

@@ -84,6 +84,22 @@ resource "google_compute_instance_template" "fleet" {
       error_message = "nnodes_min (${var.nnodes_min}) is above nnodes_max (${var.nnodes_max})."
     }
     precondition {
+      condition     = !local.replica || var.create_controller
+      error_message = "fault_tolerance = \"replica\" needs create_controller = true: the torchft lighthouse, which every replica asks for each step's quorum, runs on the controller VM inside the fleet's network."
+    }
+    precondition {
+      condition     = local.replica || (var.nodes_per_replica == 1 && var.min_replicas == 1)
+      error_message = "nodes_per_replica (${var.nodes_per_replica}) and min_replicas (${var.min_replicas}) apply only with fault_tolerance = \"replica\": set it, or leave both at 1."
+    }
+    precondition {
+      condition     = var.nnodes_min >= var.min_replicas * var.nodes_per_replica
+      error_message = "nnodes_min (${var.nnodes_min}) is below min_replicas x nodes_per_replica (${var.min_replicas} x ${var.nodes_per_replica}): the quorum could never form; raise nnodes_min or lower min_replicas."
+    }
+    precondition {
+      condition     = var.nnodes_min % var.nodes_per_replica == 0 && var.nnodes_max % var.nodes_per_replica == 0
+      error_message = "nnodes_min (${var.nnodes_min}) and nnodes_max (${var.nnodes_max}) must be multiples of nodes_per_replica (${var.nodes_per_replica}): a partial replica never trains."
+    }
+    precondition {
       condition     = var.initial_size <= var.nnodes_max
       error_message = "initial_size (${var.initial_size}) is above nnodes_max (${var.nnodes_max}): the extra nodes could never join the training."
     }

@@ -89,6 +89,26 @@ locals {
     git_workdir = var.git_subdir == "" ? "/opt/job" : "/opt/job/${var.git_subdir}"
   }
 
+  # --- replica mode ---------------------------------------------------------------------------
+  replica = var.fault_tolerance == "replica"
+  # The fleet reaches the lighthouse on the controller VM's reserved internal address, which
+  # outlives the VM (replica mode without that VM is refused: the template's preconditions).
+  lighthouse_address = local.replica && var.create_controller ? "${google_compute_address.controller[0].address}:${var.lighthouse_port}" : ""
+  # The agent's replica-mode settings (the names of spottrain/protocol/env.py), each line
+  # ending in a newline; empty in elastic mode, so an elastic startup script is byte for byte
+  # what it was before replica mode existed (no new instance template on upgrade).
+  # tests/unit/terraform/replica_values.py reads these lines; change both together.
+  replica_env_lines = local.replica ? join("", [for line in [
+    "SPOTTRAIN_FAULT_TOLERANCE=\"replica\"",
+    "SPOTTRAIN_NODES_PER_REPLICA=\"${var.nodes_per_replica}\"",
+    "SPOTTRAIN_MIN_REPLICAS=\"${var.min_replicas}\"",
+    "SPOTTRAIN_LIGHTHOUSE=\"${local.lighthouse_address}\"",
+    "SPOTTRAIN_MANAGER_PORT=\"${var.manager_port}\"",
+  ] : "${line}\n"]) : ""
+  # torchft, for the workers' managers: a second requirement of the same pinned release,
+  # whose extras pip merges with the first's.
+  replica_requirement = local.replica ? " 'spottrain[replica]==${var.spottrain_version}'" : ""
+
   startup_vars = {
     spottrain_version     = var.spottrain_version
     spottrain_requirement = "spottrain[agent,gcp]==${var.spottrain_version}"
@@ -104,6 +124,8 @@ locals {
     expect_gpus           = local.expect_gpus
     ckpt_copy_to          = var.checkpoint_copy_to
     train_cmd_env         = local.train_cmd_env
+    replica_env_lines     = local.replica_env_lines
+    replica_requirement   = local.replica_requirement
   }
 
   controller_vars = {
@@ -111,6 +133,8 @@ locals {
     spottrain_requirement = "spottrain[gcp]==${var.spottrain_version}"
     run_id                = var.run_id
     redis_password_secret = var.redis_password_secret
+    fault_tolerance       = var.fault_tolerance
+    lighthouse_port       = var.lighthouse_port
     # base64, so that no line of the YAML can end the script's heredoc or be read by bash.
     job_spec_b64 = base64encode(var.controller_job_spec)
   }

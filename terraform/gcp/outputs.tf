@@ -39,8 +39,8 @@ output "checkpoint_dir" {
 }
 
 output "firewall_names" {
-  description = "Firewall rules of the fleet: all traffic between members, and Redis from the fleet and its controllers."
-  value       = [google_compute_firewall.fleet_internal.name, google_compute_firewall.redis.name]
+  description = "Firewall rules of the fleet: all traffic between members, Redis from the fleet and its controllers, and in replica mode the lighthouse from the fleet."
+  value       = concat([google_compute_firewall.fleet_internal.name, google_compute_firewall.redis.name], google_compute_firewall.lighthouse[*].name)
 }
 
 output "fleet_service_account" {
@@ -65,4 +65,9 @@ output "spottrain_fleet" {
     group      = google_compute_instance_group_manager.fleet.name
     run_id     = var.run_id
   }
+}
+
+output "lighthouse_address" {
+  description = "Replica mode: where the nodes reach the torchft lighthouse, the controller VM's reserved internal address and lighthouse_port (the agents' SPOTTRAIN_LIGHTHOUSE); null in elastic mode."
+  value       = local.lighthouse_address == "" ? null : local.lighthouse_address
 }

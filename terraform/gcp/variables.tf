@@ -192,6 +192,70 @@ variable "nproc_per_node" {
 }
 
 # ---------------------------------------------------------------------------------------------
+# Replica mode (issue 15)
+# ---------------------------------------------------------------------------------------------
+
+variable "fault_tolerance" {
+  type        = string
+  description = "The job's fault tolerance, as its spec's train.fault_tolerance: elastic (every membership change restarts every worker from the last checkpoint) or replica (replicas of nodes_per_replica nodes leave and join while the others keep training, coordinated by a torchft lighthouse on the controller VM; needs create_controller)."
+  default     = "elastic"
+  nullable    = false
+
+  validation {
+    condition     = contains(["elastic", "replica"], var.fault_tolerance)
+    error_message = "fault_tolerance must be \"elastic\" or \"replica\"."
+  }
+}
+
+variable "nodes_per_replica" {
+  type        = number
+  description = "Replica mode: nodes in one replica (the spec's train.replica.nodes_per_replica); the replica shards the model inside and replicates across. Leave at 1 in elastic mode."
+  default     = 1
+  nullable    = false
+
+  validation {
+    condition     = var.nodes_per_replica >= 1 && var.nodes_per_replica <= 1000 && floor(var.nodes_per_replica) == var.nodes_per_replica
+    error_message = "nodes_per_replica must be a whole number from 1 to 1000."
+  }
+}
+
+variable "min_replicas" {
+  type        = number
+  description = "Replica mode: the fewest whole replicas a step may commit with (the spec's train.replica.min_replicas, the quorum's floor). Leave at 1 in elastic mode."
+  default     = 1
+  nullable    = false
+
+  validation {
+    condition     = var.min_replicas >= 1 && var.min_replicas <= 1000 && floor(var.min_replicas) == var.min_replicas
+    error_message = "min_replicas must be a whole number from 1 to 1000."
+  }
+}
+
+variable "lighthouse_port" {
+  type        = number
+  description = "Replica mode: the TCP port of the torchft lighthouse on the controller VM; the fleet, and only the fleet, may reach it there."
+  default     = 29510
+  nullable    = false
+
+  validation {
+    condition     = var.lighthouse_port >= 1024 && var.lighthouse_port <= 65535 && floor(var.lighthouse_port) == var.lighthouse_port
+    error_message = "lighthouse_port must be a TCP port from 1024 to 65535."
+  }
+}
+
+variable "manager_port" {
+  type        = number
+  description = "Replica mode: the fixed TCP port of each replica's torchft manager on its first node (the agents' SPOTTRAIN_MANAGER_PORT); fleet members reach each other on every port already."
+  default     = 29512
+  nullable    = false
+
+  validation {
+    condition     = var.manager_port >= 1024 && var.manager_port <= 65535 && floor(var.manager_port) == var.manager_port
+    error_message = "manager_port must be a TCP port from 1024 to 65535."
+  }
+}
+
+# ---------------------------------------------------------------------------------------------
 # What every node runs
 # ---------------------------------------------------------------------------------------------
 

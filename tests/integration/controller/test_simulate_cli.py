@@ -69,6 +69,38 @@ def test_json_figures(capsys: pytest.CaptureFixture[str]) -> None:
     assert settings["rendezvous_s"] == 4.4 and settings["save_s"] == 21.0
 
 
+def test_replica_parameters_and_their_sources(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, "--gpus", "800", "--hours", "24", "--rate-per-node-hour", "0.01")
+    params = data["replica_parameters"]
+    assert isinstance(params, dict)
+    for name in ("step_s", "heartbeat_s", "kill_stall_s", "join_start_s", "quorum_b_s"):
+        assert params[name]["kind"] in {"measured", "modelled", "setting"}
+        assert params[name]["source"]
+    assert params["kill_stall_s"] == {**params["kill_stall_s"], "value": 1.1, "kind": "measured"}
+    at = params["at_replicas"]
+    assert at["replicas"] == 100 and at["quorum_kind"] == "measured"
+    assert 0 < at["step_share"] < 1
+    assert set(data["policies"]) == {"sync", "elastic", "replica", "replica-ideal"}
+    # Options replace the measured values: a free quorum and process group, and the
+    # measured policy comes close to the ideal one.
+    free = _json(
+        capsys,
+        *("--gpus", "800", "--hours", "24", "--rate-per-node-hour", "0.01"),
+        *("--quorum-a-s", "0", "--quorum-b-s", "0", "--pg-base-s", "0"),
+        *("--pg-per-replica-s", "0", "--step-s", "2"),
+    )
+    assert free["replica_parameters"]["at_replicas"]["step_share"] == 1.0
+    assert free["replica_parameters"]["step_s"]["value"] == 2.0
+    assert free["policies"]["replica"]["effective"] > data["policies"]["replica"]["effective"]
+    # At thousands of replicas the stock lighthouse's quorum is extrapolated, and says so.
+    big = _json(capsys, "--gpus", "40000", "--hours", "2", "--policies", "replica")
+    assert "extrapolated" in big["replica_parameters"]["at_replicas"]["quorum_kind"]
+    assert _run("--gpus", "800", "--hours", "2") == 0
+    text = capsys.readouterr().out
+    assert "replica policy (torchft 0.2.0): parameters and sources" in text
+    assert "[measured] bench/quorum_scale.py" in text
+
+
 def test_default_rate_comes_from_the_catalog_band(capsys: pytest.CaptureFixture[str]) -> None:
     data = _json(capsys, "--gpus", "8000", "--hours", "12")
     settings = data["settings"]
@@ -143,7 +175,10 @@ def test_local_spec_uses_its_injected_preemptions(capsys: pytest.CaptureFixture[
         (["--gpus", "0"], "--gpus must be at least 1"),
         (["--gpus", "12"], "not a whole number of 8-GPU nodes"),
         (["--gpus", "80", "--replica-nodes", "3"], "do not split into replicas of 3"),
-        (["--policies", "sync,bogus"], "bogus; choose from sync, elastic, replica"),
+        (["--policies", "sync,bogus"], "bogus; choose from sync, elastic, replica, replica-ideal"),
+        (["--step-s", "0"], "--step-s must be a number > 0"),
+        (["--quorum-b-s", "-1"], "--quorum-b-s must be a number >= 0"),
+        (["--pg-per-replica-s", "nan"], "--pg-per-replica-s must be a number >= 0"),
         (["--policies", "sync,sync"], "name each policy once"),
         (["--rate-per-node-hour", "-1"], "--rate-per-node-hour must be a number >= 0"),
         (["--write-gbps", "0"], "--write-gbps must be a number > 0"),
@@ -177,3 +212,19 @@ def test_local_spec_without_gpus_says_how_to_count_them(
 ) -> None:
     assert _run("--spec", str(REPO / "examples/local_job.yaml"), "--hours", "1") == 2
     assert "--gpus-per-node" in capsys.readouterr().err
+
+
+def test_a_replica_specs_nodes_per_replica_sizes_the_replicas(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    spec = yaml.safe_load((REPO / "examples/aws_job.yaml").read_text())
+    spec["train"]["fault_tolerance"] = "replica"
+    spec["train"]["replica"] = {"nodes_per_replica": 2, "min_replicas": 1}
+    path = tmp_path / "replica_job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    data = _json(capsys, "--spec", str(path), "--hours", "24")
+    settings = data["settings"]
+    assert isinstance(settings, dict) and settings["replica_nodes"] == 2
+    # The command line still wins.
+    data = _json(capsys, "--spec", str(path), "--hours", "24", "--replica-nodes", "4")
+    assert data["settings"]["replica_nodes"] == 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -16,6 +17,7 @@ from spottrain.controller.reconcile.planner import plan
 from spottrain.controller.reconcile.types import NodeObs, Observed, Policy, ZoneHistory
 from spottrain.controller.sim.engine import simulate
 from spottrain.controller.sim.model import SimConfig, SimResult
+from spottrain.controller.sim.replica_params import ReplicaParams
 from spottrain.controller.sim.report import figures, table
 from spottrain.spec import SpotPolicy
 from spottrain.trace import TracedPreemption
@@ -139,8 +141,8 @@ def test_elastic_with_notice_and_an_instant_save_loses_nothing() -> None:
     assert abs(got - expected) < 4 * se + 2e-4, (got, expected, se)
 
 
-def test_replica_loses_only_the_missing_replicas_share() -> None:
-    """Replica policy, notices always, a backfill ready before the VM dies: a replica is out
+def test_ideal_replica_loses_only_the_missing_replicas_share() -> None:
+    """Ideal replica policy, notices always, a backfill ready before the VM dies: a replica is out
     from its VM's death until it has copied the state from a peer (rendezvous + size / peer
     bandwidth). By Little's law the mean number out is L x that time, so
     f = 1 - L T / N; nothing is rolled back and nobody else stops."""
@@ -158,16 +160,147 @@ def test_replica_loses_only_the_missing_replicas_share() -> None:
         ckpt_every_s=math.inf,
         rendezvous_s=rdzv,
         pass_s=0.0,
-        policies=("replica",),
+        policies=("replica-ideal",),
         seed=11,
     )
     res = simulate(cfg)
-    got, lost = _policy(res, "replica")
+    got, lost = _policy(res, "replica-ideal")
     t_out = (rdzv + ckpt_gb / peer) / 3600.0  # hours
     expected = 1 - lam_h * t_out / nodes
     se = t_out * math.sqrt(lam_h / hours) / nodes  # M/D/infinity's time average
     assert lost == 0.0
     assert abs(got - expected) < 4 * se, (got, expected, se)
+
+
+def _poisson_mean(mean: float, f: Callable[[int], float], kmax: int = 60) -> float:
+    """E[f(K)] for K ~ Poisson(mean)."""
+    return sum(math.exp(-mean) * mean**k / math.factorial(k) * f(k) for k in range(kmax))
+
+
+def test_replica_pays_the_measured_stalls_rebuilds_and_quorum() -> None:
+    """The ``replica`` policy (torchft's measured costs), notices always, a backfill ready
+    before the VM dies. Three things cost:
+
+    - every step waits for a quorum round q(n) = a n + b n^2 of the n live replicas, so
+      training runs at (n / R) x step / (step + q(n)) of the full fleet;
+    - each preemption stops everyone for S = heartbeat + step + pg(n - 1) at the loss and
+      pg(n) when the joiner enters the quorum, with pg(n) = c0 + c1 n (stops queue, so
+      they add up);
+    - the lost replica is out for T = join_start + pg + catch-up.
+
+    By Little's law the replicas out K are Poisson with mean m = L T (M/D/infinity), so to
+    first order in L S
+
+        f = E[(R - K) / R x share(R - K)] x (1 - L E[S]),
+
+    with E[S] = heartbeat + step + pg(R - m - 1) + pg(R - m) (pg is linear). Nothing is
+    rolled back."""
+    nodes, lam_h, hours = 100, 4.0, 500.0
+    params = ReplicaParams(
+        step_s=1.0,
+        heartbeat_s=1.0,
+        kill_stall_s=1.1,
+        join_start_s=4.9,
+        quorum_a_s=0.001,
+        quorum_b_s=1e-5,
+        pg_c0_s=2.0,
+        pg_c1_s=0.05,
+    )
+    ckpt_gb, peer = 100.0, 0.1  # a 1,000 s catch-up: a few replicas out at once
+    cfg = _cfg(
+        nodes=nodes,
+        hours=hours,
+        rate_per_node_hour=lam_h / nodes,
+        notice_fraction=1.0,
+        notice_s=120.0,
+        launch_latency_s=60.0,
+        ckpt_gb=ckpt_gb,
+        peer_gbps=peer,
+        ckpt_every_s=math.inf,
+        pass_s=0.0,
+        replica=params,
+        policies=("replica",),
+        seed=11,
+    )
+    res = simulate(cfg)
+    got, lost = _policy(res, "replica")
+    lam = lam_h / 3600.0
+    t_out = params.join_start_s + params.pg_rebuild_s(nodes) + ckpt_gb / peer
+    m = lam * t_out
+    running = _poisson_mean(
+        m, lambda k: (nodes - k) / nodes * params.step_share(nodes - k) if k < nodes else 0.0
+    )
+    stall = (
+        params.heartbeat_s
+        + params.step_s
+        + params.pg_rebuild_s(round(nodes - m - 1))
+        + params.pg_rebuild_s(round(nodes - m))
+    )
+    expected = running * (1 - lam * stall)
+    # Two Poisson sources of spread: the count of stalls, and the replicas out over time.
+    se_stall = running * stall * math.sqrt(lam_h * hours) / (hours * 3600.0)
+    se_out = (t_out / 3600.0) * math.sqrt(lam_h / hours) / nodes
+    se = math.hypot(se_stall, se_out)
+    assert lost == 0.0
+    assert 0.05 < 1 - expected < 0.3  # each of the three costs is a visible share
+    print(f"replica: simulated {got:.5f}, formula {expected:.5f}, standard error {se:.5f}")
+    assert abs(got - expected) < 4 * se + 5e-4, (got, expected, se)
+
+
+def test_replica_quorum_per_step_costs_its_share_without_preemptions() -> None:
+    """No preemptions, no checkpoints: replica trains step / (step + q(R)) of the time,
+    replica-ideal all of it. Here q(100) = 0.01 x 100 + 3e-4 x 100^2 = 4 s = the step."""
+    params = ReplicaParams(step_s=4.0, quorum_a_s=0.01, quorum_b_s=3e-4)
+    res = simulate(
+        _cfg(
+            rate_per_node_hour=0.0,
+            ckpt_gb=0.0,
+            ckpt_every_s=math.inf,
+            replica=params,
+            policies=("replica", "replica-ideal"),
+        )
+    )
+    assert params.quorum_s(100) == pytest.approx(4.0)
+    assert _policy(res, "replica")[0] == pytest.approx(0.5, abs=1e-9)
+    assert _policy(res, "replica-ideal")[0] == pytest.approx(1.0, abs=1e-9)
+
+
+def test_each_quorum_change_costs_every_survivor_one_rebuild() -> None:
+    """One noticed preemption of 10 one-node replicas. Against the same run with free
+    process groups, the survivors lose one rebuild at the leave (at 9 replicas, training at
+    0.9 x share(9)) and one at the join (which delays the rest of the run by pg(10) at
+    share(10)): 0.9 share(9) pg(9) + share(10) pg(10) full-fleet seconds. A longer heartbeat
+    timeout costs 0.9 share(9) per second of it."""
+    base = ReplicaParams(step_s=1.0, quorum_a_s=0.0, quorum_b_s=0.01, pg_c0_s=0.0, pg_c1_s=0.0)
+    costly = replace(base, pg_c0_s=5.0, pg_c1_s=0.5)
+    slow_beat = replace(base, heartbeat_s=11.0)
+    trace = (TracedPreemption(1800.0, "n3", True),)
+
+    def progress(params: ReplicaParams) -> float:
+        res = simulate(
+            _cfg(
+                nodes=10,
+                hours=3.0,
+                trace=trace,
+                rate_per_node_hour=0.0,
+                notice_s=120.0,
+                launch_latency_s=300.0,
+                ckpt_gb=10.0,
+                peer_gbps=1.0,
+                ckpt_every_s=math.inf,
+                pass_s=0.0,
+                replica=params,
+                policies=("replica",),
+            )
+        )
+        assert res.preemptions == 1 and res.launches == 1
+        return next(p for p in res.policies if p.name == "replica").progress_s
+
+    free = progress(base)
+    share9, share10 = base.step_share(9), base.step_share(10)
+    rebuilds = 0.9 * share9 * costly.pg_rebuild_s(9) + share10 * costly.pg_rebuild_s(10)
+    assert free - progress(costly) == pytest.approx(rebuilds, rel=1e-9)
+    assert free - progress(slow_beat) == pytest.approx(0.9 * share9 * 10.0, rel=1e-9)
 
 
 # --- the policies' behaviour -------------------------------------------------------------
@@ -206,10 +339,12 @@ def test_policies_see_the_same_fleet_whatever_else_runs() -> None:
 def test_a_fleet_without_preemptions_only_pays_for_checkpoints() -> None:
     res = simulate(_cfg(rate_per_node_hour=0.0, ckpt_gb=84, write_gbps=4))
     assert res.preemptions == 0 and res.launches == 0
-    # One 21 s write per 20 minutes of training.
+    # One 21 s write per 20 minutes of training; replica also waits for a quorum a step.
     expected = 1200 / (1200 + 21)
+    quorum_share = res.config.replica.step_share(100)
     for p in res.policies:
-        assert p.progress_s / (24 * 3600) == pytest.approx(expected, abs=2e-3)
+        share = quorum_share if p.name == "replica" else 1.0
+        assert p.progress_s / (24 * 3600) == pytest.approx(expected * share, abs=2e-3)
         assert p.lost_s == 0.0
     assert res.cost_usd == pytest.approx(100 * 24 * SPOT.price_per_hour)
 
@@ -219,7 +354,10 @@ def test_replicas_of_several_nodes_go_down_together() -> None:
     four = simulate(_cfg(nodes=96, rate_per_node_hour=0.02, replica_nodes=4, seed=1))
     assert one.preemptions == four.preemptions
     # A lost node idles its three replica peers too: more capacity out per preemption.
-    assert _policy(four, "replica")[0] < _policy(one, "replica")[0]
+    assert _policy(four, "replica-ideal")[0] < _policy(one, "replica-ideal")[0]
+    # With torchft's measured costs a quarter of the replicas also pays a sixteenth of the
+    # stock lighthouse's quadratic quorum, which here outweighs it.
+    assert _policy(four, "replica")[0] > _policy(one, "replica")[0]
     assert _policy(four, "elastic")[0] < _policy(one, "elastic")[0]
 
 
@@ -272,8 +410,11 @@ def test_passes_coalesce_and_only_run_on_change() -> None:
 def test_table_names_every_policy() -> None:
     res = simulate(_cfg(rate_per_node_hour=0.01))
     text = table(res)
-    for name in ("sync", "elastic", "replica", "$/useful GPU-h", "x on-demand"):
+    for name in ("sync", "elastic", "replica", "replica-ideal", "$/useful GPU-h", "x on-demand"):
         assert name in text
+    # The replica policy's parameters, each marked measured or modelled, with its source.
+    assert "quorum_b_s" in text and "[measured] bench/quorum_scale.py" in text
+    assert "step_s" in text and "[modelled]" in text
 
 
 # --- FleetIndex: the same plans as a plain list ------------------------------------------

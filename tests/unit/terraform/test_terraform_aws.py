@@ -21,6 +21,7 @@ from typing import Any
 
 import hcl2
 import pytest
+from replica_values import replica_values
 from terraform_hcl import (
     TERRAFORM,
     Module,
@@ -79,7 +80,16 @@ VARIABLES = {
     "redis_password_secret_arn": (
         "arn:aws:secretsmanager:us-east-1:123456789012:secret:spottrain/redis-AbCdEf"
     ),
+    # Replica mode's variables at their defaults: these tests render elastic mode
+    # (test_terraform_replica.py renders replica mode).
+    "fault_tolerance": "elastic",
+    "nodes_per_replica": "1",
+    "min_replicas": "1",
+    "lighthouse_port": "29510",
+    "manager_port": "29512",
 }
+# The controller VM's private address, as AWS would give it.
+CONTROLLER_IP = "10.0.3.21"
 SECRET_PASSWORD_FILE = "/etc/spottrain/redis-password"
 
 
@@ -182,6 +192,7 @@ def _boot_values(mod: Module, **overrides: Any) -> dict[str, str]:
         "checkpoint_fs_options": "defaults,relatime,flock,_netdev",
         "checkpoint_copy_to": "s3://acme-spottrain/ckpt",
         "train_command": _train_command_env(overrides.get("command", HOSTILE_COMMAND)),
+        **replica_values(locals_, variables, f"{CONTROLLER_IP}:{variables['lighthouse_port']}"),
     }
     computed.update({k: v for k, v in overrides.items() if k in computed})
     values = {}

@@ -16,6 +16,7 @@ from typing import Any
 import hcl2
 import pytest
 import yaml
+from replica_values import replica_values
 from spec_samples import COMMIT, VALID, _with
 from terraform_hcl import (
     TERRAFORM,
@@ -54,6 +55,7 @@ HOSTILE_CMD = [
 ]
 # Where a test stands in for what only a real apply knows.
 FILESTORE_IP = "10.20.0.2"
+CONTROLLER_ADDRESS = "10.128.0.2"  # the controller VM's reserved internal address
 NODE = {  # what the metadata server tells a node about itself
     "NODE_NAME": "spottrain-gpt-1b3-2025-07-x7k2",
     "ZONE": "us-central1-a",
@@ -172,6 +174,7 @@ def _render_startup(mod: Module, **overrides: Any) -> tuple[str, dict[str, Any]]
         "expect_gpus": gpus,
         "nproc_per_node": inputs["nproc_per_node"] or gpus,
         "train_cmd_env": _env_value(mod, _shell_join(mod, inputs["train_command"])),
+        **replica_values(local, inputs, f"{CONTROLLER_ADDRESS}:{inputs['lighthouse_port']}"),
     }
     values = {k: _resolve(mod, v, inputs, known) for k, v in local["startup_vars"].items()}
     return render_template(mod.texts["startup.sh.tftpl"], values), inputs

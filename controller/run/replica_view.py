@@ -1,0 +1,137 @@
+"""What ``status`` shows of a replica run: each replica's slot (its nodes, claimed by the
+agents in ``replica_slots``) beside what its rank 0 last said (``replica_holders``: state,
+step, quorum id, discarded steps), and the lighthouse."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+
+from spottrain.controller.run.lighthouse import serving
+from spottrain.controller.run.records import RunInfo
+from spottrain.protocol.keys import RunKeys
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    """One replica. ``state``: its holder's ("live", "leaving"); "joining" while its slot is
+    claimed and its workers have not reported yet."""
+
+    replica_id: str
+    nodes: tuple[str, ...]
+    state: str
+    step: int | None = None
+    quorum_id: int | None = None
+    participants: int | None = None
+    discarded: int | None = None
+    at: float | None = None
+
+
+def _text(v: str | bytes) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _json(v: str | bytes | None) -> Any:
+    try:
+        return json.loads(_text(v)) if v is not None else None
+    except ValueError:
+        return None  # a half-written or foreign row must not break `status`
+
+
+def _slot_nodes(raw: Any) -> tuple[str, ...]:
+    # {"nodes": [...], "at": ...}; a bare list is read too.
+    nodes = raw.get("nodes") if isinstance(raw, dict) else raw
+    return tuple(str(n) for n in nodes) if isinstance(nodes, list) else ()
+
+
+def _int(v: Any) -> int | None:
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _order(replica_id: str) -> tuple[int, str]:
+    """replica-2 before replica-10."""
+    m = re.search(r"(\d+)$", replica_id)
+    return (int(m.group(1)) if m else -1, replica_id)
+
+
+def replica_rows(
+    slots: Mapping[str | bytes, str | bytes], holders: Mapping[str | bytes, str | bytes]
+) -> list[ReplicaRow]:
+    """Every replica with a slot or a holder row, in replica order."""
+    slot_of = {_text(k): _slot_nodes(_json(v)) for k, v in slots.items()}
+    holder_of = {_text(k): _json(v) for k, v in holders.items()}
+    rows = []
+    for rid in sorted(set(slot_of) | set(holder_of), key=_order):
+        h = holder_of.get(rid)
+        if not isinstance(h, dict):
+            rows.append(ReplicaRow(rid, slot_of.get(rid, ()), "joining"))
+            continue
+        rows.append(
+            ReplicaRow(
+                replica_id=rid,
+                nodes=slot_of.get(rid, ()),
+                state=str(h.get("state") or "?"),
+                step=_int(h.get("step")),
+                quorum_id=_int(h.get("quorum_id")),
+                participants=_int(h.get("participants")),
+                discarded=_int(h.get("discarded")),
+                at=float(h["at"]) if isinstance(h.get("at"), int | float) else None,
+            )
+        )
+    return rows
+
+
+def _dash(v: int | None) -> str:
+    return "-" if v is None else str(v)
+
+
+def format_replicas(
+    rows: list[ReplicaRow], lighthouse: str, lighthouse_up: bool, now: float
+) -> list[str]:
+    """``status``'s lines for a replica run."""
+    live = sum(r.state == "live" for r in rows)
+    lines = [
+        f"lighthouse {lighthouse or '-'} {'up' if lighthouse_up else 'DOWN'}",
+        f"replicas: {len(rows)} ({live} live)",
+    ]
+    for r in rows:
+        seen = f"  seen {max(0.0, now - r.at):.0f}s ago" if r.at is not None else ""
+        lines.append(
+            f"  {r.replica_id:<11} {r.state:<8} nodes {','.join(r.nodes) or '-'}  "
+            f"step {_dash(r.step)}  quorum {_dash(r.quorum_id)} "
+            f"({_dash(r.participants)} taking part)  discarded {_dash(r.discarded)}{seen}"
+        )
+    return lines
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    lighthouse: str
+    lighthouse_up: bool
+    replicas: list[ReplicaRow]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "lighthouse": {"address": self.lighthouse, "up": self.lighthouse_up},
+            "replicas": [asdict(r) for r in self.replicas],
+        }
+
+
+def replica_status(info: RunInfo, client: redis.Redis) -> ReplicaStatus | None:
+    """A replica run's replicas and lighthouse; None for an elastic run (no lighthouse and
+    no replica rows)."""
+    keys = RunKeys(info.run_id)
+    rows = replica_rows(client.hgetall(keys.replica_slots), client.hgetall(keys.replica_holders))
+    published = client.get(keys.replica_lighthouse)
+    address = _text(published) if published else info.lighthouse
+    if not address and not rows:
+        return None
+    # Probed where the controller binds it: the advertised host may be a name only the VMs
+    # resolve.
+    probe = info.lighthouse_bind or address
+    return ReplicaStatus(address, bool(probe) and serving(probe), rows)

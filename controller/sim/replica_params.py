@@ -1,0 +1,140 @@
+"""What the ``replica`` policy's events cost, from measurements of torchft 0.2.0 (issue 15,
+``bench/quorum_scale.py``), each with its source and whether it was measured or modelled.
+
+- A replica lost **with notice**: torchft 0.2.0's lighthouse has no leave, so the survivors
+  wait for the leaver's heartbeats to expire (``heartbeat_s``, the timeout the controller
+  gives its lighthouse) plus the step in flight, until the explicit leave lands.
+- A replica lost **without notice** (SIGKILL): the survivors' step gap measured with torchft
+  on 2 cores at a 1,000 ms heartbeat timeout (``kill_stall_s``), plus the step in flight,
+  discarded and redone.
+- **Every quorum change** (a leave or a join) makes every survivor rebuild the cross-replica
+  process group: ``pg_c0_s + pg_c1_s * n`` for a group of ``n`` replicas, fitted on torchft's
+  ``ProcessGroupGloo.configure`` at 2..16 ranks (``bench/quorum_scale.py``) and extrapolated
+  linearly. The survivors stop for all of it (a synchronous quorum; torchft's asynchronous
+  one could hide up to a forward pass of it).
+- **Every step** waits for a quorum round of the live replicas: ``quorum_a_s * n +
+  quorum_b_s * n^2`` (the stock lighthouse answers every member with every member),
+  fitted by ``bench/quorum_scale.py`` on 10..1,000 fake replicas; beyond that it is
+  extrapolated. A step then takes ``step_s + quorum``, so the fleet trains at
+  ``step_s / (step_s + quorum)`` of its rate.
+- A **joiner** takes ``join_start_s`` from its start to its first full step (measured 3.6-4.9
+  s, mostly Python and torch imports), then one process-group rebuild, then the state
+  from a live peer: the checkpoint's size / nodes per replica / ``--peer-gbps``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# bench/quorum_scale.py, 2 cores, torchft 0.2.0: 0.0017, 0.025, 0.16 and 1.58 s a round at
+# 10, 100, 300 and 1,000 replicas (the README's quorum table). The clients shared the
+# lighthouse's 2 cores (and other jobs ran), so this is the high estimate for a fleet; the
+# lighthouse's own CPU seconds fit 3.6e-5 N + 7.6e-7 N^2, the low one (--quorum-b-s).
+QUORUM_A_S = 8.24e-5
+QUORUM_B_S = 1.494e-6
+# The same run: 0.020, 0.041, 0.091 and 0.20 s at 2, 4, 8 and 16 ranks (one process each).
+PG_C0_S = 0.0
+PG_C1_S = 0.01217
+
+
+@dataclass(frozen=True)
+class ReplicaParams:
+    """The measured replica costs; see the module's docstring for each."""
+
+    step_s: float = 6.0
+    heartbeat_s: float = 1.0
+    kill_stall_s: float = 1.1
+    join_start_s: float = 4.9
+    quorum_a_s: float = QUORUM_A_S
+    quorum_b_s: float = QUORUM_B_S
+    pg_c0_s: float = PG_C0_S
+    pg_c1_s: float = PG_C1_S
+
+    def quorum_s(self, replicas: int) -> float:
+        """One quorum round of ``replicas`` live replicas."""
+        return self.quorum_a_s * replicas + self.quorum_b_s * replicas * replicas
+
+    def step_share(self, replicas: int) -> float:
+        """The share of a step's time spent training, the rest waiting for the quorum."""
+        return self.step_s / (self.step_s + self.quorum_s(replicas))
+
+    def pg_rebuild_s(self, replicas: int) -> float:
+        """One cross-replica process-group rebuild for a group of ``replicas``."""
+        return self.pg_c0_s + self.pg_c1_s * replicas
+
+    def notice_stall_s(self) -> float:
+        return self.heartbeat_s + self.step_s
+
+    def kill_stall_total_s(self) -> float:
+        return self.kill_stall_s + self.step_s
+
+
+SOURCES: dict[str, tuple[str, str]] = {
+    "step_s": (
+        "modelled",
+        "Llama 3 405B (Llama 3 paper, 2024): 16M-token steps on 16,384 H100 at 38-43% MFU, "
+        "6 x 405e9 x 16e6 / (16,384 x 989 TFLOP/s x 0.4) = 6.0 s; the batch grows with the "
+        "GPUs to keep it",
+    ),
+    "heartbeat_s": (
+        "setting",
+        "the heartbeat timeout the controller gives its lighthouse (issue 15); a noticed loss "
+        "stalls the survivors for it plus a step until the explicit leave lands (modelled on "
+        "issue 15's target (a); bench/replica.py measures it)",
+    ),
+    "kill_stall_s": (
+        "measured",
+        "survivor's stall after a SIGKILL at a 1,000 ms heartbeat timeout, torchft 0.2.0, "
+        "2 cores (issue 15); plus the step in flight, redone (modelled)",
+    ),
+    "join_start_s": (
+        "measured",
+        "a restarted replica's start to its first full step: 3.6-4.9 s, the top taken "
+        "(issue 15, torchft 0.2.0, mostly imports)",
+    ),
+    "quorum_a_s": (
+        "measured",
+        "bench/quorum_scale.py: stock lighthouse round = a N + b N^2, fitted on 10..1,000 "
+        "fake replicas (1.58 s at 1,000; clients on the same 2 cores: the high estimate)",
+    ),
+    "quorum_b_s": (
+        "measured",
+        "bench/quorum_scale.py, the same fit (the lighthouse's own CPU fits b = 7.6e-7, "
+        "the low estimate)",
+    ),
+    "pg_c0_s": (
+        "measured",
+        "bench/quorum_scale.py: torchft ProcessGroupGloo.configure + an all-reduce = c0 + "
+        "c1 n, fitted on 2..16 ranks (0.20 s at 16)",
+    ),
+    "pg_c1_s": (
+        "measured",
+        "bench/quorum_scale.py, the same fit; linear beyond 16 ranks is a model (gloo's "
+        "full mesh looks up every peer in one store)",
+    ),
+}
+
+
+def describe(params: ReplicaParams, replicas: int, catch_up_s: float) -> dict[str, Any]:
+    """Every parameter with its source, and what they cost at ``replicas`` replicas (which
+    of those figures are extrapolated beyond what was measured is said)."""
+    out: dict[str, Any] = {
+        name: {"value": value, "kind": SOURCES[name][0], "source": SOURCES[name][1]}
+        for name, value in asdict(params).items()
+    }
+    quorum_note = "measured" if replicas <= 1000 else "extrapolated beyond 1,000"
+    pg_note = "measured" if replicas <= 16 else "extrapolated beyond 16 ranks"
+    out["at_replicas"] = {
+        "replicas": replicas,
+        "quorum_s_per_step": round(params.quorum_s(replicas), 4),
+        "quorum_kind": quorum_note,
+        "step_share": round(params.step_share(replicas), 5),
+        "pg_rebuild_s": round(params.pg_rebuild_s(replicas), 3),
+        "pg_kind": pg_note,
+        "notice_stall_s": params.notice_stall_s(),
+        "kill_stall_s": params.kill_stall_total_s(),
+        "join_s": round(params.join_start_s + catch_up_s, 3),
+        "catch_up_s": round(catch_up_s, 3),
+    }
+    return out

@@ -1,0 +1,128 @@
+"""What replica mode (``train.fault_tolerance: replica``) needs of the rest of a spec: whole
+replicas of nodes, a quorum that can form at ``nodes.min``, one GPU type across replicas, and
+VMs the controller boots itself (pure decisions: each returns the problem's one line, or
+nothing); and the agent settings that select the mode."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from spottrain.catalog import Catalog
+from spottrain.protocol import env as env_names
+
+from .code import ImageCode
+from .sections import FaultTolerance, Placement
+
+if TYPE_CHECKING:
+    from .job import JobSpec
+
+
+def replica_problem(spec: JobSpec) -> str | None:
+    """The first thing in ``spec`` that replica mode cannot run, or None (also for an elastic
+    job). The catalog's part is :func:`replica_gpu_types_problem`."""
+    if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
+        return None
+    k, least = spec.train.replica.nodes_per_replica, spec.train.replica.min_replicas
+    floor = least * k
+    lo, hi = spec.nodes.min, spec.nodes.max
+    if lo < floor:
+        lower = ", or lower train.replica.min_replicas" if least > 1 else ""
+        return (
+            f"nodes.min: {lo} is below train.replica.min_replicas x nodes_per_replica "
+            f"({least} x {k} = {floor}), so the job could run with too few nodes for a "
+            f"quorum and train nothing: raise nodes.min to {floor}{lower}"
+        )
+    bad = [f"{key} ({n})" for key, n in (("nodes.min", lo), ("nodes.max", hi)) if n % k]
+    if bad:
+        # A node left over from whole replicas would be paid for and never train.
+        return (
+            f"{' and '.join(bad)}: not a multiple of train.replica.nodes_per_replica ({k}); "
+            "a partial replica cannot train: use whole replicas, e.g. nodes.min "
+            f"{_round_up(lo, k)} and nodes.max {max(_round_up(lo, k), hi - hi % k)}"
+        )
+    return None
+
+
+def replica_agent_env(spec: JobSpec) -> dict[str, str]:
+    """The agent's replica-mode settings (``SPOTTRAIN_*``, for the boot script and the local
+    cloud's boot); empty for an elastic job, whose settings stay as they were. The
+    lighthouse's address is not among them: it moves whenever the controller restarts the
+    lighthouse, so the agent reads it from the run's Redis at each launch."""
+    if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
+        return {}
+    return {
+        env_names.ENV_FAULT_TOLERANCE: spec.train.fault_tolerance.value,
+        env_names.ENV_NODES_PER_REPLICA: str(spec.train.replica.nodes_per_replica),
+        env_names.ENV_MIN_REPLICAS: str(spec.train.replica.min_replicas),
+    }
+
+
+def describe_replica(spec: JobSpec) -> str | None:
+    """``validate``'s line for a replica-mode job (None for an elastic one): the replica's
+    size, how many replicas the node range gives, the quorum's floor, and where torchft
+    comes from."""
+    if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
+        return None
+    r = spec.train.replica
+    k = r.nodes_per_replica
+    if isinstance(spec.code, ImageCode):
+        source = (
+            "the image must hold torchft (pip install 'spottrain[agent,replica]'): nothing "
+            "installs it at boot"
+        )
+    elif set(spec.resources.clouds) == {"local"}:
+        source = "the local VMs run in this venv, which needs spottrain[replica] (torchft)"
+    else:
+        source = "each VM installs spottrain[replica] (torchft)"
+    return (
+        f"fault tolerance replica: {k} node(s) per replica, {spec.nodes.min // k}-"
+        f"{spec.nodes.max // k} replicas, a step commits with at least {r.min_replicas} "
+        f"replica(s); {source}"
+    )
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def allowed_gpu_types(spec: JobSpec, catalog: Catalog) -> dict[str, list[str]]:
+    """The GPU types the planner may launch for ``spec``: ``{gpu type: [cloud type names]}``
+    over the allowed clouds, from ``resources.instance_types`` or, when it is empty, every
+    type in the catalog with at least ``nodes.gpus`` GPUs (what the offers are filtered by).
+    Names the catalog does not know are left out (:func:`check_catalog` reports them)."""
+    out: dict[str, list[str]] = {}
+    for cloud in spec.resources.clouds:
+        known = catalog.types(cloud)
+        if spec.resources.instance_types:
+            types = [known[n] for n in spec.resources.instance_types if n in known]
+        else:
+            types = [t for t in known.values() if t.gpus >= spec.nodes.gpus]
+        for t in types:
+            out.setdefault(t.gpu_type, []).append(t.name)
+    return out
+
+
+def replica_gpu_types_problem(spec: JobSpec, catalog: Catalog) -> str | None:
+    """Spread placement in replica mode with more than one GPU type allowed, or None.
+
+    Spread placement picks each node's offer on its own (the cheapest in the emptiest
+    zone), so replicas, and the nodes inside one, would land on different GPU types: every
+    step waits for the slowest replica, a joiner heals from a peer that computes in other
+    kernels (the replicas no longer agree bitwise), and a replica sharded over mixed
+    memory sizes may not fit. Same-zone placement keeps every node on one type."""
+    if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
+        return None
+    if spec.resources.placement is not Placement.SPREAD:
+        return None
+    gpu_types = allowed_gpu_types(spec, catalog)
+    if len(gpu_types) <= 1:
+        return None
+    if spec.resources.instance_types:
+        listed = "; ".join(f"{g}: {', '.join(names)}" for g, names in sorted(gpu_types.items()))
+    else:
+        listed = f"{', '.join(sorted(gpu_types))}: resources.instance_types is empty, so all"
+    return (
+        f"resources.placement: spread in replica mode would mix GPU types across replicas "
+        f"({listed}): list instance types of one GPU type in resources.instance_types, or "
+        "use placement: same-zone"
+    )

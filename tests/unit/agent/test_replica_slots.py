@@ -1,0 +1,97 @@
+"""Replica mode's pure decisions: which slot a node takes, what its workers get, and which
+settings the agent refuses."""
+
+from __future__ import annotations
+
+import pytest
+from replica_slot_cases import CASES
+
+from spottrain.agent.config import AgentConfig, AgentConfigError
+from spottrain.agent.replica_launch import ReplicaLaunch, check_lighthouse, replica_rdzv_id
+from spottrain.agent.replica_slots import SlotClaim, choose_slot, slot_index, slot_name
+from spottrain.protocol.env import (
+    ENV_FAULT_TOLERANCE,
+    ENV_LIGHTHOUSE,
+    ENV_MANAGER_PORT,
+    ENV_MIN_REPLICAS,
+    ENV_NODES_PER_REPLICA,
+    ENV_REPLICA_ID,
+)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))
+def test_choose_slot(case: tuple) -> None:
+    slots, live, node, k, (slot, members) = case
+    assert choose_slot(slots, live, node, k) == SlotClaim(slot, members)
+
+
+def test_a_live_node_is_never_double_booked() -> None:
+    slots: dict[str, list[str]] = {}
+    for i in range(7):
+        node = f"n{i}"
+        claim = choose_slot(slots, set(slots_nodes(slots)), node, 3)
+        slots[claim.slot] = list(claim.members)
+    assert {s: len(n) for s, n in slots.items()} == {"replica-0": 3, "replica-1": 3, "replica-2": 1}
+    assert sorted(slots_nodes(slots)) == sorted(f"n{i}" for i in range(7))
+
+
+def slots_nodes(slots: dict[str, list[str]]) -> list[str]:
+    return [n for nodes in slots.values() for n in nodes]
+
+
+def test_slot_names_round_trip() -> None:
+    assert slot_index(slot_name(12)) == 12
+    assert slot_index("replica-") is None and slot_index("replica-1x") is None
+
+
+def test_each_replica_has_its_own_rendezvous_id() -> None:
+    assert replica_rdzv_id("job-1700000000", "replica-3") == "job-1700000000.replica-3"
+    assert replica_rdzv_id("job-1", "replica-0") != replica_rdzv_id("job-1", "replica-1")
+
+
+def test_the_workers_get_the_replica_variables_and_torchfts_own() -> None:
+    launch = ReplicaLaunch("job-1", "replica-2", 2, 3, "10.0.0.5:29510", 29512)
+    assert launch.nnodes == "2:2"
+    assert launch.worker_env() == {
+        ENV_FAULT_TOLERANCE: "replica",
+        ENV_REPLICA_ID: "replica-2",
+        ENV_NODES_PER_REPLICA: "2",
+        ENV_MIN_REPLICAS: "3",
+        ENV_LIGHTHOUSE: "10.0.0.5:29510",
+        ENV_MANAGER_PORT: "29512",
+        "TORCHFT_LIGHTHOUSE": "http://10.0.0.5:29510",
+        "TORCHFT_MANAGER_PORT": "29512",
+    }
+
+
+def test_a_lighthouse_address_is_host_and_port() -> None:
+    assert check_lighthouse("http://h:1", "x") == "h:1"
+    for bad in ("h", "h:", ":1", "h:99999", "h:port"):
+        with pytest.raises(ValueError, match=r"^where .* is not HOST:PORT"):
+            check_lighthouse(bad, "where")
+
+
+def _cfg(**kw: object) -> AgentConfig:
+    return AgentConfig(redis_url="127.0.0.1:1", run_id="r-1", node_id="n", train_cmd=["t"], **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kw", "names"),
+    [
+        ({"fault_tolerance": "replicas"}, "--fault-tolerance, SPOTTRAIN_FAULT_TOLERANCE"),
+        ({"nodes_per_replica": 0}, "nodes-per-replica 0 (SPOTTRAIN_NODES_PER_REPLICA)"),
+        ({"min_replicas": 0}, "min-replicas 0 (SPOTTRAIN_MIN_REPLICAS)"),
+        ({"lighthouse": "nohost"}, "--lighthouse, SPOTTRAIN_LIGHTHOUSE"),
+        ({"manager_port": 70000}, "manager port 70000"),
+    ],
+)
+def test_bad_replica_settings_are_refused_in_one_line(kw: dict, names: str) -> None:
+    with pytest.raises(AgentConfigError) as err:
+        _cfg(**kw).validate()
+    assert names in str(err.value) and "\n" not in str(err.value)
+
+
+def test_elastic_is_the_default() -> None:
+    cfg = _cfg()
+    cfg.validate()
+    assert cfg.fault_tolerance == "elastic" and not cfg.replica_mode

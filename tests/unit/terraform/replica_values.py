@@ -1,0 +1,59 @@
+"""What the Terraform modules' replica-mode locals evaluate to, for the tests that render the
+boot templates without a Terraform binary.
+
+The values come from the modules' own expressions as python-hcl2 keeps them (text): each
+local has one fixed shape, checked here, so a changed expression fails its test instead of
+being guessed at. Only the lighthouse address is Terraform's to compute (the controller VM's
+private address on AWS, its reserved internal address on GCP); the caller gives it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+REPLICA = '${var.fault_tolerance == "replica"}'
+REQUIREMENT = '${local.replica ? " \'spottrain[replica]==${var.spottrain_version}\'" : ""}'
+_ENV_LINES = re.compile(
+    r'^\$\{local\.replica \? join\("", \[for line in \[(?P<items>.*)\] : "\$\{line\}\\n"\]\)'
+    r' : ""\}$',
+    re.S,
+)
+_STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
+_REF = re.compile(r"\$\{(var|local)\.([A-Za-z_][A-Za-z0-9_]*)\}")
+# Where each module's lighthouse address comes from.
+LIGHTHOUSE_ADDRESS = {
+    "aws": "aws_instance.controller[0].private_ip",
+    "gcp": "google_compute_address.controller[0].address",
+}
+
+
+def env_line_templates(locals_: dict[str, Any]) -> list[str]:
+    """The lines of ``local.replica_env_lines``, unescaped, with their references in place."""
+    m = _ENV_LINES.match(str(locals_["replica_env_lines"]))
+    assert m, f"local.replica_env_lines changed shape: {locals_['replica_env_lines']}"
+    return [s.replace('\\"', '"') for s in _STRING.findall(m["items"])]
+
+
+def replica_values(
+    locals_: dict[str, Any], inputs: dict[str, Any], lighthouse: str
+) -> dict[str, str]:
+    """``replica_env_lines`` and ``replica_requirement`` as Terraform would evaluate them for
+    ``inputs`` (variable values), with ``lighthouse`` as ``local.lighthouse_address``."""
+    assert locals_["replica"] == REPLICA, locals_["replica"]
+    assert locals_["replica_requirement"] == REQUIREMENT, locals_["replica_requirement"]
+    if inputs["fault_tolerance"] != "replica":
+        return {"replica_env_lines": "", "replica_requirement": ""}
+
+    def ref(m: re.Match[str]) -> str:
+        kind, name = m.groups()
+        if kind == "local":
+            assert name == "lighthouse_address", f"cannot evaluate local.{name}"
+            return lighthouse
+        return str(inputs[name])
+
+    lines = [_REF.sub(ref, t) + "\n" for t in env_line_templates(locals_)]
+    return {
+        "replica_env_lines": "".join(lines),
+        "replica_requirement": f" 'spottrain[replica]=={inputs['spottrain_version']}'",
+    }

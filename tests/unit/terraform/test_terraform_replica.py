@@ -1,0 +1,407 @@
+"""Replica mode (``fault_tolerance = "replica"``) in both Terraform modules, without a
+Terraform binary: the variables and their checks (evaluated here from the modules' own
+conditions), the agent's environment file a replica-mode VM writes (rendered and run for
+real, then read back as systemd would, and by the agent's own parser once this tree's agent
+reads replica mode), the replica extra on the fleet and the
+controller VM, and the one new opening: the lighthouse port, from the fleet to the
+controller VM only."""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_terraform_aws as aws_t
+import test_terraform_gcp as gcp_t
+from packaging.requirements import Requirement
+from replica_values import LIGHTHOUSE_ADDRESS, env_line_templates
+from terraform_hcl import TERRAFORM, Module, load_module, render_template
+
+from spottrain.agent import cli as agent_cli
+from spottrain.controller.run.boot import parse_env_file
+from spottrain.protocol.env import (
+    ENV_FAULT_TOLERANCE,
+    ENV_LIGHTHOUSE,
+    ENV_MANAGER_PORT,
+    ENV_MIN_REPLICAS,
+    ENV_NODES_PER_REPLICA,
+)
+
+CLOUDS = ["aws", "gcp"]
+REPLICA_VARIABLES = {
+    "fault_tolerance": "elastic",
+    "nodes_per_replica": 1,
+    "min_replicas": 1,
+    "lighthouse_port": 29510,
+    "manager_port": 29512,
+}
+# A replica-mode fleet: 3 replicas of 2 nodes at most, a quorum of at least 2.
+REPLICA = {
+    "fault_tolerance": "replica",
+    "nodes_per_replica": 2,
+    "min_replicas": 2,
+    "lighthouse_port": 29610,
+    "manager_port": 29612,
+}
+# Each module names the fleet's size its own way.
+NODES = {"aws": ("nodes_min", "nodes_max"), "gcp": ("nnodes_min", "nnodes_max")}
+FLEET_RESOURCE = {
+    "aws": ("aws_launch_template", "fleet"),
+    "gcp": ("google_compute_instance_template", "fleet"),
+}
+CONTROLLER_RESOURCE = {
+    "aws": ("aws_instance", "controller"),
+    "gcp": ("google_compute_instance", "controller"),
+}
+SPEC_VARIABLE = {"aws": "controller_job_spec_yaml", "gcp": "controller_job_spec"}
+
+
+@pytest.fixture(scope="module", params=CLOUDS)
+def cloud(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def mods() -> dict[str, Module]:
+    return {c: load_module(TERRAFORM / c) for c in CLOUDS}
+
+
+# --- the modules' own conditions, evaluated ----------------------------------------------
+
+
+def _hcl_condition(condition: str, variables: dict[str, Any]) -> bool:
+    """A validation or precondition of the kind these modules write for replica mode
+    (comparisons, arithmetic, &&, ||, !, floor, contains over var.X and local.replica),
+    evaluated in Python. Anything else in it fails the translation."""
+    expr = condition.strip()
+    assert expr.startswith("${") and expr.endswith("}"), condition
+    expr = expr[2:-1]
+    allowed = re.sub(r'"[^"]*"|var\.\w+|local\.replica|floor|contains|true|false', "", expr)
+    assert re.fullmatch(r"[\s\d()\[\],<>=!&|%*+-]*", allowed), f"cannot evaluate: {condition}"
+    expr = re.sub(r"var\.(\w+)", r'V["\1"]', expr)
+    expr = expr.replace("local.replica", '(V["fault_tolerance"] == "replica")')
+    expr = expr.replace("&&", " and ").replace("||", " or ")
+    expr = re.sub(r"!(?!=)", " not ", expr)
+    expr = expr.replace("true", "True").replace("false", "False")
+    names = {"V": variables, "floor": math.floor, "contains": lambda xs, x: x in xs}
+    return bool(eval(expr, {"__builtins__": {}}, names))
+
+
+def _validation_accepts(mod: Module, name: str, value: Any) -> bool:
+    return all(
+        _hcl_condition(v["condition"], {name: value}) for v in mod.variables[name]["validation"]
+    )
+
+
+def _replica_preconditions(mod: Module, cloud: str) -> list[dict[str, str]]:
+    rtype, rname = FLEET_RESOURCE[cloud]
+    (lifecycle,) = mod.resources(rtype)[rname]["lifecycle"]
+    return [
+        p
+        for p in lifecycle["precondition"]
+        if re.search(r"replica|nodes_per_replica|min_replicas", p["condition"])
+    ]
+
+
+def _fleet_accepts(mod: Module, cloud: str, **inputs: Any) -> list[str]:
+    """The error messages of the replica preconditions that ``inputs`` fail."""
+    names = dict(zip(("lo", "hi"), NODES[cloud], strict=True))
+    variables = {**REPLICA_VARIABLES, "create_controller": True, "lo": 2, "hi": 6, **inputs}
+    variables = {names.get(k, k): v for k, v in variables.items()}
+    return [
+        p["error_message"]
+        for p in _replica_preconditions(mod, cloud)
+        if not _hcl_condition(p["condition"], variables)
+    ]
+
+
+def test_replica_variables_are_declared_with_their_defaults(
+    mods: dict[str, Module], cloud: str
+) -> None:
+    mod = mods[cloud]
+    for name, default in REPLICA_VARIABLES.items():
+        var = mod.variables[name]
+        assert var["default"] == default, name
+        assert var["type"] == ("string" if isinstance(default, str) else "number"), name
+        assert var.get("validation"), f"{name} is not validated"
+        assert all(name in v["error_message"] for v in var["validation"]), name
+        assert name in mod.used_variables(), name
+
+
+@pytest.mark.parametrize(
+    ("name", "good", "bad"),
+    [
+        ("fault_tolerance", ["elastic", "replica"], ["Replica", "hsdp", ""]),
+        ("nodes_per_replica", [1, 2, 8], [0, -1, 1.5]),
+        ("min_replicas", [1, 3], [0, 2.5]),
+        ("lighthouse_port", [29510, 1024, 65535], [80, 0, 65536, 29510.5]),
+        ("manager_port", [29512], [22, 70000]),
+    ],
+)
+def test_replica_variables_refuse_what_cannot_work(
+    mods: dict[str, Module], cloud: str, name: str, good: list[Any], bad: list[Any]
+) -> None:
+    for value in good:
+        assert _validation_accepts(mods[cloud], name, value), (name, value)
+    for value in bad:
+        assert not _validation_accepts(mods[cloud], name, value), (name, value)
+
+
+def test_fleet_refuses_a_replica_mode_that_cannot_form_a_quorum(
+    mods: dict[str, Module], cloud: str
+) -> None:
+    mod = mods[cloud]
+    assert len(_replica_preconditions(mod, cloud)) == 4
+    assert _fleet_accepts(mod, cloud) == [], "elastic mode at the defaults"
+    assert _fleet_accepts(mod, cloud, **REPLICA, lo=4, hi=6) == []
+    (no_vm,) = _fleet_accepts(mod, cloud, **REPLICA, lo=4, hi=6, create_controller=False)
+    assert "needs create_controller = true" in no_vm and "lighthouse" in no_vm
+    (too_few,) = _fleet_accepts(mod, cloud, **REPLICA, lo=2, hi=6)
+    assert "is below min_replicas x nodes_per_replica" in too_few
+    (partial,) = _fleet_accepts(mod, cloud, **REPLICA, lo=4, hi=7)
+    assert "multiples of nodes_per_replica" in partial
+    (stray,) = _fleet_accepts(mod, cloud, nodes_per_replica=2, lo=2, hi=6)
+    assert "apply only with fault_tolerance" in stray
+
+
+def test_controller_refuses_a_job_spec_in_another_mode(mods: dict[str, Module], cloud: str) -> None:
+    rtype, rname = CONTROLLER_RESOURCE[cloud]
+    (lifecycle,) = mods[cloud].resources(rtype)[rname]["lifecycle"]
+    spec = SPEC_VARIABLE[cloud]
+    (check,) = [p for p in lifecycle["precondition"] if "fault_tolerance" in p["condition"]]
+    condition = " ".join(check["condition"].split())
+    for key, default, variable in [
+        ("train.fault_tolerance", '"elastic"', "fault_tolerance"),
+        ("train.replica.nodes_per_replica", "1", "nodes_per_replica"),
+        ("train.replica.min_replicas", "1", "min_replicas"),
+    ]:
+        # The spec's defaults are the job spec's own (spottrain/spec/sections.py).
+        assert f"try(yamldecode(var.{spec}).{key}, {default}) == var.{variable}" in condition
+    assert check["error_message"].startswith(f"{spec}: ")
+
+
+# --- the agent's environment and packages -------------------------------------------------
+
+
+def _replica_env(
+    mods: dict[str, Module], cloud: str, tmp_path: Path, **variables: Any
+) -> tuple[str, dict[str, str], str]:
+    """The rendered boot script, the environment file it writes and the lighthouse address
+    the test gave for the controller VM."""
+    mod = mods[cloud]
+    if cloud == "aws":
+        script = aws_t._render(mod, **{k: str(v) for k, v in variables.items()})
+        env = parse_env_file(aws_t._write_agent_env(script, tmp_path).read_text())
+        address = aws_t.CONTROLLER_IP
+    else:
+        script, _ = gcp_t._render_startup(mod, **variables)
+        env = gcp_t._written_env(script, tmp_path, "")
+        address = gcp_t.CONTROLLER_ADDRESS
+    return script, env, address
+
+
+REPLICA_NAMES = {
+    ENV_FAULT_TOLERANCE,
+    ENV_NODES_PER_REPLICA,
+    ENV_MIN_REPLICAS,
+    ENV_LIGHTHOUSE,
+    ENV_MANAGER_PORT,
+}
+
+
+def test_replica_mode_gives_the_agent_its_replica_settings(
+    mods: dict[str, Module], cloud: str, tmp_path: Path
+) -> None:
+    script, env, address = _replica_env(mods, cloud, tmp_path, **REPLICA)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    assert {k: env[k] for k in REPLICA_NAMES} == {
+        ENV_FAULT_TOLERANCE: "replica",
+        ENV_NODES_PER_REPLICA: "2",
+        ENV_MIN_REPLICAS: "2",
+        ENV_LIGHTHOUSE: f"{address}:29610",
+        ENV_MANAGER_PORT: "29612",
+    }
+    # The lines the module writes use exactly the protocol's names, nothing more.
+    locals_ = aws_t._locals(mods[cloud])
+    written = {t.split("=", 1)[0] for t in env_line_templates(locals_)}
+    assert written == REPLICA_NAMES
+    # The lighthouse is reached at the controller VM's own private address.
+    lighthouse = str(locals_["lighthouse_address"])
+    assert f"{LIGHTHOUSE_ADDRESS[cloud]}}}:${{var.lighthouse_port}}" in lighthouse
+    assert lighthouse.startswith("${local.replica && var.create_controller ? ")
+
+
+def test_elastic_mode_gives_the_agent_no_replica_setting(
+    mods: dict[str, Module], cloud: str, tmp_path: Path
+) -> None:
+    script, env, _ = _replica_env(mods, cloud, tmp_path)
+    assert not REPLICA_NAMES & set(env)
+    assert "replica" not in script.lower().replace("replicas", "")
+
+
+def test_the_agent_reads_the_replica_settings(
+    mods: dict[str, Module], cloud: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent_cli.build_parser()  # fills RUN_ENV_VARS
+    _, env, address = _replica_env(mods, cloud, tmp_path, **REPLICA)
+    unread = set(env) - agent_cli.RUN_ENV_VARS
+    assert unread == set(), f"the agent never reads {sorted(unread)}"
+    for name in agent_cli.RUN_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = agent_cli.build_parser().parse_args(["run"])
+    assert args.fault_tolerance == "replica"
+    assert (int(args.nodes_per_replica), int(args.min_replicas)) == (2, 2)
+    assert args.lighthouse == f"{address}:29610"
+    assert int(args.manager_port) == 29612
+
+
+def _pip_requirements(script: str) -> list[Requirement]:
+    """The requirements of the script's one `pip install` of spottrain from the index."""
+    (line,) = [
+        ln for ln in script.splitlines() if re.search(r"pip\"? install -q '(spottrain\[)", ln)
+    ]
+    return [Requirement(a) for a in shlex.split(line.split("install -q", 1)[1])]
+
+
+def test_replica_mode_installs_the_replica_extra(
+    mods: dict[str, Module], cloud: str, tmp_path: Path
+) -> None:
+    version = (
+        aws_t.VARIABLES["spottrain_version"]
+        if cloud == "aws"
+        else gcp_t._inputs(mods[cloud])["spottrain_version"]
+    )
+    script, _, _ = _replica_env(mods, cloud, tmp_path, **REPLICA)
+    requirements = _pip_requirements(script)
+    assert {r.name for r in requirements} == {"spottrain"}
+    assert {str(r.specifier) for r in requirements} == {f"=={version}"}
+    assert set().union(*(r.extras for r in requirements)) == {"agent", cloud, "replica"}
+    (tmp_path / "elastic").mkdir()
+    elastic, _, _ = _replica_env(mods, cloud, tmp_path / "elastic")
+    assert set().union(*(r.extras for r in _pip_requirements(elastic))) == {"agent", cloud}
+    # With an env_lock the venv is the lock's, whichever the mode (`spottrain lock` of a
+    # replica job locks torchft with the rest).
+    assert "--require-hashes --no-deps --only-binary=:all: -r /etc/spottrain/env.lock" in script
+
+
+# --- the controller VM ----------------------------------------------------------------------
+
+
+def test_aws_controller_installs_the_extra_and_learns_its_lighthouse_address(
+    mods: dict[str, Module],
+) -> None:
+    locals_ = aws_t._locals(mods["aws"])
+    assert (
+        locals_["controller_replica_setup"]
+        == '${local.replica ? local.controller_replica_script : ""}'
+    )
+    user_data = str(locals_["controller_user_data"])
+    assert "${local.controller_replica_setup}JOB_SPEC_B64=" in user_data
+    setup = str(locals_["controller_replica_script"])
+    pip = "/opt/spottrain/venv/bin/pip install -q 'spottrain[aws]==${var.spottrain_version}'"
+    assert pip + "${local.replica_requirement}\n" in setup
+    assert "[ ! -x /opt/spottrain/venv/bin/torchft_lighthouse ]" in setup
+    rendered = setup.replace("${var.spottrain_version}", "1.2.3").replace(
+        "${var.lighthouse_port}", "29610"
+    )
+    rendered = rendered.replace("${local.replica_requirement}", " 'spottrain[replica]==1.2.3'")
+    assert "${" not in rendered
+    subprocess.run(["bash", "-n"], input=rendered, text=True, check=True)
+    assert "Environment=SPOTTRAIN_LIGHTHOUSE=%s:29610" in rendered
+    assert "export SPOTTRAIN_LIGHTHOUSE=$private_ip:29610" in rendered
+    assert "X-aws-ec2-metadata-token: $imds_token" in rendered  # IMDSv2, as the VM requires
+
+
+def test_gcp_controller_installs_the_extra_and_learns_its_lighthouse_address(
+    mods: dict[str, Module],
+) -> None:
+    mod = mods["gcp"]
+    inputs = gcp_t._inputs(mod, fault_tolerance="replica", lighthouse_port=29610)
+    controller_vars = gcp_t._locals(mod)["controller_vars"]
+    known = {"job_spec_b64": ""}
+    values = {
+        k: known[k] if k in known else gcp_t._resolve(mod, v, inputs, {})
+        for k, v in controller_vars.items()
+    }
+    script = render_template(mod.texts["controller.sh.tftpl"], values)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    assert "FAULT_TOLERANCE='replica'\nLIGHTHOUSE_PORT='29610'\n" in script
+    version = inputs["spottrain_version"]
+    assert f"install -q 'spottrain[gcp]=={version}' 'spottrain[replica]=={version}'\n" in script
+    assert "Environment=SPOTTRAIN_LIGHTHOUSE=%s:%s" in script
+    # Set up before the script can stop for want of a job spec (an operator may start it).
+    assert script.index("lighthouse.conf") < script.index('if [ -z "$JOB_SPEC_B64" ]')
+    # The address the nodes are given is reserved, and the VM takes it.
+    (nic,) = mod.resources("google_compute_instance")["controller"]["network_interface"]
+    assert (
+        nic["network_ip"]
+        == "${local.replica ? google_compute_address.controller[0].address : null}"
+    )
+    address = mod.resources("google_compute_address")["controller"]
+    assert address["address_type"] == "INTERNAL"
+    assert address["count"] == "${local.replica && var.create_controller ? 1 : 0}"
+
+
+# --- the network ------------------------------------------------------------------------------
+
+
+def test_aws_lighthouse_port_opens_from_the_fleet_to_the_controller_only(
+    mods: dict[str, Module],
+) -> None:
+    mod = mods["aws"]
+    rules = mod.resources("aws_vpc_security_group_ingress_rule")
+    lighthouse = {n: r for n, r in rules.items() if "lighthouse_port" in str(r)}
+    assert set(lighthouse) == {"controller_lighthouse_from_fleet"}
+    rule = lighthouse["controller_lighthouse_from_fleet"]
+    assert rule["count"] == "${local.replica && var.create_controller ? 1 : 0}"
+    assert (rule["ip_protocol"], rule["from_port"], rule["to_port"]) == (
+        "tcp",
+        "${var.lighthouse_port}",
+        "${var.lighthouse_port}",
+    )
+    assert rule["referenced_security_group_id"] == "${aws_security_group.fleet.id}"
+    assert not {"cidr_ipv4", "cidr_ipv6", "prefix_list_id"} & set(rule)
+    # It is the controller VM's only inbound rule.
+    to_controller = [
+        n
+        for n, r in rules.items()
+        if "aws_security_group.controller" in str(r["security_group_id"])
+    ]
+    assert to_controller == ["controller_lighthouse_from_fleet"]
+    assert not mod.resources("aws_security_group")["controller"].get("ingress")
+    # The managers, cross-replica process groups and state transfers (torchft's HTTP
+    # transport serves on a random port) ride the fleet's all-traffic rule.
+    assert rules["fleet_from_fleet"]["ip_protocol"] == "-1"
+
+
+def test_gcp_lighthouse_port_opens_from_the_fleet_to_the_controller_only(
+    mods: dict[str, Module],
+) -> None:
+    mod = mods["gcp"]
+    rules = mod.resources("google_compute_firewall")
+    rule = rules["lighthouse"]
+    assert rule["count"] == "${local.replica && var.create_controller ? 1 : 0}"
+    assert rule["direction"] == "INGRESS"
+    assert rule["source_tags"] == ["${local.fleet_tag}"] and "source_ranges" not in rule
+    assert rule["target_tags"] == ["${local.controller_tag}"]
+    assert rule["allow"] == [{"protocol": "tcp", "ports": ["${tostring(var.lighthouse_port)}"]}]
+    # No other rule targets the controller VM's tag.
+    targeting = [
+        n for n, r in rules.items() if "${local.controller_tag}" in r.get("target_tags", [])
+    ]
+    assert targeting == ["lighthouse"]
+    assert rules["fleet_internal"]["allow"] == [{"protocol": "all"}]
+
+
+def test_readmes_document_replica_mode(cloud: str) -> None:
+    readme = (TERRAFORM / cloud / "README.md").read_text()
+    for name in REPLICA_VARIABLES:
+        assert f"`{name}`" in readme, name
+    assert "## Replica mode" in readme
