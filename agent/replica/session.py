@@ -100,7 +100,7 @@ class ReplicaSession:
         # it; every replica's rank 0 writes it, the newest step wins.
         self._channel = RequestChannel(
             redis_url if redis_url is not None else os.environ.get(ENV_REDIS),
-            run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(ENV_RUN_ID),
+            _run_id(run_id),
             1.0,
             active=self.rank == 0,
         )
@@ -224,7 +224,7 @@ class ReplicaSession:
 
 def _redis(url: str | None, run_id: str | None, *, active: bool) -> tuple[Any, RunKeys | None]:
     url = url if url is not None else os.environ.get(ENV_REDIS)
-    run_id = run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(ENV_RUN_ID)
+    run_id = _run_id(run_id)
     if not (active and url and run_id):
         return None, None
     from spottrain.redis_conn import connect, settings_from_url
@@ -234,6 +234,17 @@ def _redis(url: str | None, run_id: str | None, *, active: bool) -> tuple[Any, R
     except Exception as exc:
         log.warning("replica mode without Redis (%s): no holder row, no drain requests", exc)
         return None, None
+
+
+def _run_id(given: str | None) -> str | None:
+    """The run's id: torchrun's ``--rdzv-id`` in replica mode is the run id plus the slot
+    (``<run>.replica-<j>``), so the agent's ``$SPOTTRAIN_RUN_ID`` comes first."""
+    if given:
+        return given
+    if os.environ.get(ENV_RUN_ID):
+        return os.environ[ENV_RUN_ID]
+    rdzv = os.environ.get("TORCHELASTIC_RUN_ID")
+    return rdzv.rsplit(".replica-", 1)[0] if rdzv else None
 
 
 def _exit(code: int) -> None:
