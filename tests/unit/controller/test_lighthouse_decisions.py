@@ -49,7 +49,7 @@ def test_the_lighthouse_expires_a_silent_replica_after_a_second() -> None:
         "--bind": "127.0.0.1:5000",
         "--min_replicas": "3",
         "--heartbeat_timeout_ms": str(HEARTBEAT_TIMEOUT_MS),
-        "--join_timeout_ms": "1000",
+        "--join_timeout_ms": "250",
         "--quorum_tick_ms": "100",
     }
     assert HEARTBEAT_TIMEOUT_MS == 1000
