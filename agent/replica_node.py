@@ -6,9 +6,13 @@ ended without a signal closed its generation of the replica's rendezvous, so a n
 lingers (waiting for its VM to be ended) must not keep a backfilled VM in that generation;
 with the slot empty the backfill starts a new one. With ``nodes_per_replica`` > 1 a notice on
 one node makes the whole replica leave (its ranks agree on the leave), so every member's
-torchrun exits 0: the noticed node drains, each other member records "training finished"
-and gives its slot back too, and the slot's next claim starts a new generation that waits
-for ``nodes_per_replica`` fresh nodes. A member is never relaunched in place.
+torchrun exits 0 and closes the generation: the noticed node drains, each other member's
+agent records "training finished" (state ``left``) and gives its slot back too, and the
+controller ends those VMs as it ends any whose agent left, and backfills. The slot's next
+claim then starts a new generation that waits for ``nodes_per_replica`` fresh nodes. A
+member is never relaunched in place. A backfill that claims the slot in the instant between
+the replica's leave and its members' torchruns ending joins the closed generation, fails,
+and is replaced like any failed node; the claim after it starts a new generation.
 """
 
 from __future__ import annotations

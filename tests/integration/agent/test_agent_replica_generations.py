@@ -25,9 +25,9 @@ from spottrain.agent.replica_slots import generations_key, read_slots
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.protocol.keys import RunKeys
 
-# Node "a" trains until its agent's drain request appears in Redis, then leaves and exits 0
-# as the replica engine does (no signal, so torchrun closes its rendezvous); any other node
-# dumps its environment and finishes at once.
+# The nodes in $LEAVERS (default "a") train until a drain request appears in Redis, then
+# leave and exit 0 as the replica engine's ranks do together (no signal, so torchrun closes
+# its rendezvous); any other node dumps its environment and finishes at once.
 LEAVE_ON_DRAIN = """
 import json, os, pathlib, sys, time
 from spottrain.protocol.keys import RunKeys
@@ -35,11 +35,11 @@ from spottrain.redis_conn import connect, settings_from_url
 node = os.environ["SPOTTRAIN_NODE_ID"]
 out = pathlib.Path(os.environ["DUMP_DIR"])
 (out / f"{node}-{os.environ['RANK']}.json").write_text(json.dumps(dict(os.environ)))
-if node != "a":
+if node not in os.environ.get("LEAVERS", "a").split(","):
     sys.exit(0)
 client = connect(settings_from_url(os.environ["SPOTTRAIN_REDIS"]))
 requests = RunKeys(os.environ["SPOTTRAIN_RUN_ID"]).ckpt_requests
-while not client.hget(requests, node):
+while not client.hlen(requests):
     time.sleep(0.05)
 sys.exit(0)
 """
@@ -121,6 +121,53 @@ def test_a_backfill_of_a_slot_whose_replica_left_starts_a_new_rendezvous(
     # The closed generation's keys do not pile up: each expires with the rendezvous' TTL.
     old = list(redis_client.scan_iter(match=f"{RunKeys(first).base}:*"))
     assert old and all(redis_client.pttl(k) > 0 for k in old), old
+
+
+@pytest.mark.slow
+def test_a_two_node_replica_left_on_one_nodes_notice_is_refilled_in_a_new_generation(
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    run_id: str,
+    script: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One notice, and the whole replica leaves (its ranks agree on the leave): the noticed
+    node drains, its peer's torchrun ends too (exit 0, "training finished"); both give the
+    slot back, and two backfills start generation 2 and rendezvous as a pair."""
+    monkeypatch.setenv("LEAVERS", "a,b")
+    keys = RunKeys(run_id)
+    redis_client.set(keys.replica_lighthouse, "127.0.0.1:29510")
+    flags = (
+        "--fault-tolerance=replica",
+        "--nodes-per-replica=2",
+        "--poll-interval=0.2",
+        "--sigterm-grace=60",
+    )
+    pair = start_agents(redis_server, run_id, script, ["a", "b"], *flags)
+    try:
+        wait_for(
+            "a and b to join",
+            lambda: all(redis_client.hget(keys.node(n), "state") == b"joined" for n in "ab"),
+        )
+        notify(redis_server, run_id, "a")
+        results = finish(pair)
+    finally:
+        for proc in pair:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert [code for code, _ in results] == [0, 0], results
+    assert of(redis_client, run_id, "drained", "a")["left_rendezvous"] == "true"
+    assert redis_client.hget(keys.node("b"), "state") == b"left"
+    assert read_slots(redis_client, keys) == {}
+
+    backfill = finish(start_agents(redis_server, run_id, script, ["c", "d"], *flags))
+    assert [code for code, _ in backfill] == [0, 0], backfill
+    envs = dumps(script)
+    second = replica_rdzv_id(run_id, "replica-0", 2)
+    new = [env for name, env in envs.items() if name[0] in "cd"]
+    assert len(new) == 2
+    assert {(e["TORCHELASTIC_RUN_ID"], e["WORLD_SIZE"]) for e in new} == {(second, "2")}
+    assert sorted(e["RANK"] for e in new) == ["0", "1"]
 
 
 def of_member(client: redis.Redis, rdzv_id: str, node: str) -> str:
