@@ -13,8 +13,8 @@ cannot reuse one rendezvous for its whole life. A claim of a slot with no other 
 starts a new generation ``gen`` (the replica's rendezvous id is then
 :func:`~spottrain.agent.replica_launch.replica_rdzv_id` of the slot and ``gen``); a node
 joining members that are live takes their ``gen``. The highest generation each slot was given
-is kept in :func:`generations_key`, which a released slot leaves in place, so numbers never
-repeat. A record without ``gen`` (written before generations) counts as generation 1.
+is kept in ``RunKeys.replica_generations``, which a released slot leaves in place, so numbers
+never repeat. A record without ``gen`` (written before generations) counts as generation 1.
 
 :func:`choose_slot` is the decision, pure; :data:`CLAIM_LUA` does the same inside Redis, so
 concurrent claims of many booting nodes cannot both see a slot free.
@@ -43,12 +43,6 @@ def slot_index(name: str) -> int | None:
     """The j of ``replica-<j>``, or None for any other field (ignored by the claim)."""
     m = SLOT_RE.match(name)
     return int(m.group(1)) if m else None
-
-
-def generations_key(keys: RunKeys) -> str:
-    """Hash slot -> the highest generation the slot was given (outlives the slot's record)."""
-    # Beside the slots hash, under the run's hash tag, so one script may touch both.
-    return f"{keys.replica_slots}:generations"
 
 
 # What a slot's record without "gen" counts as: the rendezvous id it used had no suffix.
@@ -240,7 +234,7 @@ def claim_slot(
             CLAIM_LUA,
             2 + len(listed),
             keys.replica_slots,
-            generations_key(keys),
+            keys.replica_generations,
             *(keys.heartbeat(n) for n in listed),
             node_id,
             nodes_per_replica,

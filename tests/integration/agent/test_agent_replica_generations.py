@@ -21,7 +21,7 @@ import redis
 from test_agent_replica_launch import AGENT, dumps, events, finish, start_agents, wait_for
 
 from spottrain.agent.replica_launch import replica_rdzv_id
-from spottrain.agent.replica_slots import generations_key, read_slots
+from spottrain.agent.replica_slots import read_slots
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.protocol.keys import RunKeys
 
@@ -117,7 +117,7 @@ def test_a_backfill_of_a_slot_whose_replica_left_starts_a_new_rendezvous(
     started = of(redis_client, run_id, "torchrun-started", "b")
     assert (started["gen"], started["rdzv_id"]) == ("2", second)
     assert f"--rdzv-id={second}" in json.loads(started["command"])
-    assert redis_client.hget(generations_key(keys), "replica-0") == b"2"
+    assert redis_client.hget(keys.replica_generations, "replica-0") == b"2"
     # The closed generation's keys do not pile up: each expires with the rendezvous' TTL.
     old = list(redis_client.scan_iter(match=f"{RunKeys(first).base}:*"))
     assert old and all(redis_client.pttl(k) > 0 for k in old), old

@@ -17,7 +17,6 @@ from spottrain.agent.replica_slots import (
     SlotClaim,
     claim_slot,
     find_claim,
-    generations_key,
     read_claims,
     read_slots,
     release_slot,
@@ -91,7 +90,7 @@ def test_concurrent_backfills_of_one_vacated_slot_share_one_new_generation(
     client.hset(
         run_keys.replica_slots, "replica-0", json.dumps({"nodes": ["x", "y", "z"], "gen": 1})
     )
-    client.hset(generations_key(run_keys), "replica-0", 1)
+    client.hset(run_keys.replica_generations, "replica-0", 1)
     claims: dict[str, SlotClaim] = {}
     start = threading.Barrier(3)
 
@@ -113,7 +112,7 @@ def test_concurrent_backfills_of_one_vacated_slot_share_one_new_generation(
     assert {(c.slot, c.gen) for c in claims.values()} == {("replica-0", 2)}
     [record] = read_claims(client, run_keys).values()
     assert sorted(record.members) == ["a", "b", "c"] and record.gen == 2
-    assert client.hget(generations_key(run_keys), "replica-0") == b"2"
+    assert client.hget(run_keys.replica_generations, "replica-0") == b"2"
     client.close()
 
 
@@ -140,7 +139,7 @@ def test_a_vacated_slot_starts_a_new_generation_each_time(
     # d's agent restarts on the same VM: nobody else is live, so a new generation too.
     assert claim_slot(redis_client, run_keys, "d", 2).gen == 4
     # Lost counter (or a record from before generations): still above the record.
-    redis_client.delete(generations_key(run_keys))
+    redis_client.delete(run_keys.replica_generations)
     redis_client.delete(run_keys.heartbeat("d"))
     _beat(redis_client, run_keys, "e")
     assert claim_slot(redis_client, run_keys, "e", 2).gen == 5
@@ -173,7 +172,7 @@ def test_a_claim_naming_a_node_it_was_not_told_of_writes_nothing(
     makes it answer retry (claim_slot then reads again)."""
     redis_client.hset(run_keys.replica_slots, "replica-0", json.dumps({"nodes": ["x"], "at": 1}))
     reply = redis_client.eval(
-        CLAIM_LUA, 2, run_keys.replica_slots, generations_key(run_keys), "b", 1, "2"
+        CLAIM_LUA, 2, run_keys.replica_slots, run_keys.replica_generations, "b", 1, "2"
     )
     assert reply == [b"retry", b"x"]
     assert read_slots(redis_client, run_keys) == {"replica-0": ["x"]}
