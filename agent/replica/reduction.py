@@ -78,3 +78,19 @@ def refuse_shards_as_replicated(tensors: list[torch.Tensor]) -> None:
             "with reduce_shard_grads / reduce(..., replicated=False), which sums each shard "
             "only with the same rank of the other replicas"
         )
+
+
+def sum_fsdp_gradients(model: torch.nn.Module) -> int:
+    """Make an FSDP2 model's reduce-scatter a SUM, as the cross-replica reduction is (each
+    sample's loss weighs ``1 / global batch``): FSDP2 averages by default. The factor is per
+    FSDP module (set on the root it leaves the inner modules averaging), and gloo has no
+    pre-multiplied sum, hence the plain-sum switch. Returns the modules changed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+            changed += 1
+    return changed

@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 
 from spottrain.agent.replica.engine import ReplicaEngine
+from spottrain.agent.replica.reduction import sum_fsdp_gradients
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,11 +78,7 @@ def build(args: argparse.Namespace, world: int) -> tuple[nn.Module, nn.Module]:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            # A SUM inside the replica too (gloo has no pre-multiplied sum).
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
+    assert sum_fsdp_gradients(model) == 3  # a SUM inside the replica too
     return model, reference
 
 

@@ -23,6 +23,7 @@ from spottrain.agent.replica.reduction import (
     reduce_in_stages,
     reduction_stages,
     refuse_shards_as_replicated,
+    sum_fsdp_gradients,
 )
 
 INTRA_GROUP = object()  # stands for the replica's own group; never a real collective here
@@ -121,3 +122,16 @@ def test_a_dtensor_shard_is_reduced_in_its_own_storage(
     with pytest.raises(ValueError, match="FSDP2 shards"):
         refuse_shards_as_replicated([plain, shard])
     assert calls.log == [(CROSS, None)]
+
+
+def test_every_fsdp_module_of_a_model_is_made_to_sum(one_rank_mesh: Any) -> None:
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    assert sum_fsdp_gradients(model) == 0  # not sharded: nothing to change
+    fully_shard(model[0], mesh=one_rank_mesh)
+    fully_shard(model, mesh=one_rank_mesh)
+    assert sum_fsdp_gradients(model) == 2  # the root AND the inner module
+    model(torch.ones(5, 3)).sum().backward()
+    assert all(is_sharded(p.grad) for p in model.parameters())
