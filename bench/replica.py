@@ -42,8 +42,8 @@ from replica_parts.figures import EVENTS, MAX_SHARE_OF_ELASTIC, figures_of, verd
 from spottrain.controller.run.embedded_redis import RedisServer
 
 
-def _fmt(v: float | None) -> str:
-    return "never" if v is None else f"{v:7.3f}"
+def _fmt(v: float | None, missing: str = "never") -> str:
+    return missing if v is None else f"{v:7.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +92,7 @@ def report(
     args: argparse.Namespace,
 ) -> dict[str, object]:
     """Print the medians side by side with the targets; return the JSON line's figures."""
+    el_missing = "never" if els else "skipped"
     step_s = median(r.step_s for r in reps) or 0.0
     el_step = median(e.step_s for e in els)
     stalls = {e: median(r.stalls.get(e) for r in reps) for e in EVENTS}
@@ -99,16 +100,17 @@ def report(
     results = verdicts(stalls, elastic, step_s)
     print(
         f"\nmedians of {args.reps} repetition(s); step: replica {_fmt(step_s)} s, "
-        f"elastic {_fmt(el_step)} s"
+        f"elastic {_fmt(el_step, el_missing)} s"
     )
     print(
         f"{'survivors pause, s':22s} {'replica':>8s} {'elastic':>8s} {'ratio':>6s} "
         f"{'target':>7s} met  (share <= {MAX_SHARE_OF_ELASTIC})"
     )
     for v in results:
+        share = "-" if v.vs_elastic is None else v.vs_elastic
         print(
             f"{'(' + 'abc'[EVENTS.index(v.event)] + ') ' + v.event:22s} {_fmt(v.stall_s):>8s} "
-            f"{_fmt(v.elastic_s):>8s} {v.vs_elastic if v.vs_elastic is not None else '-':>6} "
+            f"{_fmt(v.elastic_s, el_missing):>8s} {share:>6} "
             f"{v.target_s:7.3f} {'yes' if v.meets_absolute else 'NO':>3s}  "
             f"{'yes' if v.meets_share else 'NO'}"
         )
@@ -118,7 +120,7 @@ def report(
     load = median(r.load_s for r in reps)
     print(
         f"join (start -> first full-size step): replica {_fmt(join)} s, elastic "
-        f"(start -> first step at world 3) {_fmt(el_join)} s"
+        f"(start -> first step at world 3) {_fmt(el_join, el_missing)} s"
     )
     print(
         f"state of {reps[-1].state_bytes} bytes: live fetch {_fmt(fetch)} s, "
