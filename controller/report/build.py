@@ -17,6 +17,7 @@ from spottrain.controller.report.model import (
     StepPoint,
     WorldPoint,
 )
+from spottrain.controller.report.replica import replica_report
 from spottrain.controller.report.timelines import (
     _at,
     _cost,
@@ -66,7 +67,9 @@ def build_report(
             "the on-demand equivalent is unknown"
         )
     cost = _cost(vms, start, end)
-    if not any(r.get("type") == "restored" for _, r in rows):
+    replica = replica_report(rows, summary, steps, preemptions)
+    if replica is None and not any(r.get("type") == "restored" for _, r in rows):
+        # (A replica run's world is the replicas taking part, from its progress events.)
         notes.append("no restore event: the world size in ranks is unknown")
     if not steps:
         notes.append("no checkpoint or restore event: the step rate is unknown")
@@ -90,6 +93,7 @@ def build_report(
         cost_source=cost_source,
         figures=_figures(summary, phase, nodes, world, steps, rate, preemptions, cost),
         notes=notes,
+        replica=replica,
     )
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from spottrain.controller.reconcile.records import LaunchRecord
+    from spottrain.controller.report.replica import ReplicaReport
 
 # Controller events that end a node's VM (``node_name`` names the node).
 VM_END_EVENTS = frozenset({"preempted", "vm-ended", "terminate"})
@@ -134,6 +135,7 @@ class ReportData:
     cost_source: str
     figures: Figures
     notes: list[str] = field(default_factory=list)
+    replica: ReplicaReport | None = None  # a replica run's replicas and membership events
 
     def nodes_at(self, t: float) -> int:
         """Nodes training at time ``t``."""
