@@ -7,7 +7,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from spottrain.protocol.states import LEAVING, LIVE_LAUNCHES, RunPhase
@@ -60,7 +60,6 @@ class Summary:
     checkpoints: int = 0
     final_step: int | None = None
     at_risk: list[str] = field(default_factory=list)
-    replica: ReplicaFigures | None = None
 
 
 def finished(state: RunState) -> bool:
@@ -127,8 +126,23 @@ def summarize(state: RunState, now: float) -> Summary:
         reason=ctl.get("error") or ctl.get("reason", ""),
         final_step=final,
         at_risk=_at_risk_lines(ledger, agents),
-        replica=replica_figures(state.client.hgetall(state.keys.replica_holders)),
     )
+
+
+def replica_summary(state: RunState) -> ReplicaFigures | None:
+    """A replica run's figures from Redis; None for an elastic run. Kept apart from
+    :class:`Summary`, whose fields are the elastic run's record (``status --json``, the
+    archive's ``summary.json``) and stay as they were."""
+    return replica_figures(state.client.hgetall(state.keys.replica_holders))
+
+
+def summary_record(s: Summary, replica: ReplicaFigures | None) -> dict[str, Any]:
+    """The summary as a record (``summary.json``, ``status --json``): a replica run's adds
+    ``replica``, an elastic run's is exactly ``asdict(s)``."""
+    out = asdict(s)
+    if replica is not None:
+        out["replica"] = {**asdict(replica), "discarded_total": replica.discarded_total}
+    return out
 
 
 def _order(replica_id: str) -> tuple[int, str]:

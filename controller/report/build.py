@@ -12,6 +12,7 @@ from spottrain.controller.report.model import (
     NodesPoint,
     Preemption,
     RateSegment,
+    ReplicaReportData,
     ReportData,
     ReportInputs,
     StepPoint,
@@ -78,7 +79,7 @@ def build_report(
             f"the event stream is at its cap ({EVENTS_MAXLEN:,} entries): its oldest events "
             "were trimmed, so the timelines start late (cost and preemptions use the ledger)"
         )
-    return ReportData(
+    data = ReportData(
         run_id=run_id,
         source=source,
         start=start,
@@ -93,8 +94,10 @@ def build_report(
         cost_source=cost_source,
         figures=_figures(summary, phase, nodes, world, steps, rate, preemptions, cost),
         notes=notes,
-        replica=replica,
     )
+    # A replica run's data is the elastic one's plus its replicas (an elastic run's JSON
+    # stays as it was).
+    return data if replica is None else ReplicaReportData(**vars(data), replica=replica)
 
 
 def _span(

@@ -135,7 +135,6 @@ class ReportData:
     cost_source: str
     figures: Figures
     notes: list[str] = field(default_factory=list)
-    replica: ReplicaReport | None = None  # a replica run's replicas and membership events
 
     def nodes_at(self, t: float) -> int:
         """Nodes training at time ``t``."""
@@ -173,6 +172,14 @@ class ReportData:
     def to_json(self) -> dict[str, Any]:
         """The panel data as plain JSON values (``--json``)."""
         return asdict(self)
+
+
+@dataclass
+class ReplicaReportData(ReportData):
+    """A replica run's report: the elastic one's panels, and its replicas and membership
+    events (a subclass, so that an elastic run's report data stays as it was)."""
+
+    replica: ReplicaReport | None = None
 
 
 @dataclass

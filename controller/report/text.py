@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from spottrain.controller.report.model import ReportData
+from spottrain.controller.report.model import ReplicaReportData, ReportData
 from spottrain.controller.report.replica import replica_text
 
 
@@ -42,7 +42,7 @@ def text_summary(data: ReportData) -> str:
             f"{p.node} in {p.zone or '?'} at +{_dur(p.at - data.start)}" for p in data.preemptions
         )
     lines.append(pre)
-    if data.replica is not None:
+    if isinstance(data, ReplicaReportData) and data.replica is not None:
         lines += replica_text(data.replica, data.start, _dur)
     cost = f"  cost          ${f.spent_usd:,.2f} spent"
     if f.on_demand_usd is not None and f.saved_usd is not None:
