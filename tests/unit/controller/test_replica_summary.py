@@ -4,8 +4,14 @@ pure functions, no Redis."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
-from spottrain.controller.reconcile.summary import replica_figures, replica_lines
+from spottrain.controller.reconcile.summary import (
+    Summary,
+    replica_figures,
+    replica_lines,
+    summary_record,
+)
 from spottrain.controller.report.model import Preemption, StepPoint
 from spottrain.controller.report.replica import replica_report, replica_text
 from spottrain.controller.run.replica_view import format_replicas, replica_rows
@@ -133,3 +139,13 @@ def test_status_ends_with_the_newest_quorum_the_discarded_attempts_and_the_longe
         "lighthouse h:1 up",
         "replicas: 0 (0 live)",
     ]
+
+
+def test_the_record_of_an_elastic_run_is_its_summary_as_it_was() -> None:
+    s = Summary("running", 5, 0.5, 2, {"n0": "joined"}, 0, 0, 1.0, 2.0, "ok")
+    assert summary_record(s, None) == asdict(s)
+    f = replica_figures({"replica-0": _row(state="live", discarded=2, longest_gap_s=0.5, at=1.0)})
+    record = summary_record(s, f)
+    assert record["replica"]["discarded_total"] == 2
+    assert record["replica"]["longest_pause_s"] == 0.5
+    assert {k: v for k, v in record.items() if k != "replica"} == asdict(s)
