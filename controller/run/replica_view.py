@@ -16,6 +16,10 @@ from spottrain.controller.run.lighthouse import serving
 from spottrain.controller.run.records import RunInfo
 from spottrain.protocol.keys import RunKeys
 
+# A holder row older than this is a replica that stopped without leaving (the engine's rule,
+# agent/replica/holders.py, which the controller may not import).
+STALE_S = 10.0
+
 
 @dataclass(frozen=True)
 class ReplicaRow:
@@ -104,7 +108,8 @@ def format_replicas(
     rows: list[ReplicaRow], lighthouse: str, lighthouse_up: bool, now: float
 ) -> list[str]:
     """``status``'s lines for a replica run."""
-    live = sum(r.state == "live" for r in rows)
+    # A replica killed without leaving keeps its "live" row; it stops moving.
+    live = sum(r.state == "live" and (r.at is None or now - r.at <= STALE_S) for r in rows)
     discarded = sum(r.discarded or 0 for r in rows)
     gaps = [r.longest_gap_s for r in rows if r.longest_gap_s is not None]
     pause = f"; longest pause {max(gaps):.2f} s" if gaps else ""

@@ -149,3 +149,14 @@ def test_the_record_of_an_elastic_run_is_its_summary_as_it_was() -> None:
     assert record["replica"]["discarded_total"] == 2
     assert record["replica"]["longest_pause_s"] == 0.5
     assert {k: v for k, v in record.items() if k != "replica"} == asdict(s)
+
+
+def test_status_does_not_count_a_replica_killed_without_leaving_as_live() -> None:
+    rows = replica_rows(
+        {},
+        {
+            "replica-0": _row(state="live", step=268, quorum_id=7, at=100.0),
+            "replica-2": _row(state="live", step=184, quorum_id=5, at=74.0),
+        },
+    )
+    assert format_replicas(rows, "h:1", True, now=100.5)[1] == "replicas: 2 (1 live)"
