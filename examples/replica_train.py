@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -62,13 +63,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@functools.lru_cache(maxsize=4)
+def teacher(seed: int, dim: int) -> torch.Tensor:
+    """The map the targets come from (made once: it is the same for every sample)."""
+    w = torch.Generator().manual_seed(seed)
+    return torch.randn(dim, dim, generator=w) / dim**0.5
+
+
 def sample(seed: int, index: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``index``: an input and its target, from ``(seed, index)`` alone."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
     x = torch.randn(dim, generator=g)
-    w = torch.Generator().manual_seed(seed)
-    teacher = torch.randn(dim, dim, generator=w) / dim**0.5
-    return x, torch.tanh(teacher @ x)
+    return x, torch.tanh(teacher(seed, dim) @ x)
 
 
 def batch(seed: int, ids: range, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
