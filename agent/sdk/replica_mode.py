@@ -26,8 +26,8 @@ position is the step) is what a joiner fetches from a live peer and what a check
 ``session.world`` and ``session.rank`` are the replica's own ranks: the step's global batch
 is split over the replicas taking part, and each replica's share over its ranks.
 
-Gradients cross replicas through :meth:`ReplicaTrainSession.commit` (a model without DDP)
-or a model wrapped by :meth:`ReplicaTrainSession.wrap_ddp` (after :meth:`restore`; then
+Gradients cross replicas through :meth:`ReplicaMode.commit` (a model without DDP)
+or a model wrapped by :meth:`ReplicaMode.wrap_ddp` (after :meth:`restore`; then
 ``commit()`` without parameters). An FSDP2 model sharded over a replica of one rank passes
 its local gradient shards; a replica of several ranks must not (the engine sums them over
 the replica's ranks first, which only suits replicated gradients).
@@ -57,7 +57,6 @@ from spottrain.protocol.env import ENV_REDIS
 from ..replica.session import ReplicaSession, run_id_from_env
 from .channel import RequestChannel
 from .modes import REPLICA, StepWork
-from .session import TrainSession
 from .timing import StepTimer
 
 if TYPE_CHECKING:
@@ -66,9 +65,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("spottrain.sdk")
 
 
-class ReplicaTrainSession(TrainSession):
-    """What ``TrainSession(...)`` is in replica mode (see the module docstring); made by
-    :class:`TrainSession` itself, with its arguments."""
+class ReplicaMode:
+    """What ``TrainSession(...)`` is in replica mode (see the module docstring): the
+    session's methods for it, placed before :class:`~.session.TrainSession`'s by the class
+    ``TrainSession`` makes for the mode (this module does not import that one)."""
+
+    rank: int
+    world: int
+    _timer: StepTimer
 
     def __init__(
         self,
@@ -101,8 +105,7 @@ class ReplicaTrainSession(TrainSession):
         self._last_progress = time.monotonic()
         self._replica: ReplicaSession | None = None
         self._next_step = 0
-        self.saves: list[Any] = []
-        self.last_restored = None
+        self.saves: list[Any] = []  # this mode's saves are the engine's (replica.disk)
         if elastic_only:
             log.info("replica mode ignores the elastic options %s", sorted(elastic_only))
 
@@ -114,7 +117,7 @@ class ReplicaTrainSession(TrainSession):
         return self._replica
 
     @property
-    def discarded(self) -> int:  # type: ignore[override]
+    def discarded(self) -> int:
         """Steps discarded so far (a peer lost mid-step); each was redone."""
         return self._replica.engine.discarded if self._replica is not None else 0
 
@@ -189,7 +192,15 @@ class ReplicaTrainSession(TrainSession):
         self._next_step = self.replica.step
         return self._next_step
 
-    def step(self, step: int, state: dict[str, Any], **metrics: Any) -> None:
+    def step(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        tokens: float | None = None,
+        compute_s: float | None = None,
+        **metrics: float,
+    ) -> None:
         raise RuntimeError(
             "replica mode: session.step() cannot tell a discarded step; use "
             "begin_step/commit/end_step (see spottrain.agent.sdk.replica_mode)"

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from spottrain.protocol.env import ENV_RUN_ID
 
 from ..checkpoint import dcp_io
+from .signals import EXIT_TRACKING_S, exit_clean
 from .tracking import track_commit
 
 if TYPE_CHECKING:
@@ -106,3 +107,33 @@ def average(params: list[torch.nn.Parameter], extra: list[torch.Tensor], world: 
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
     return True
+
+
+def after_drain_save(session: TrainSession, step: int, committed: bool) -> None:
+    """After an emergency save for a drain (``_after_drain_save`` of :class:`TrainSession`):
+    exit if this rank got SIGTERM, else hold until torchrun restarts it (or give up)."""
+    if session._sigterm:
+        if committed:
+            exit_clean(f"stopping after the emergency checkpoint at step {step}", session._tracker)
+        log.error(
+            "the emergency checkpoint at step %d did not commit: stopping anyway; the "
+            "steps since the newest committed checkpoint are lost",
+            step,
+        )
+        exit_clean("stopping without an emergency checkpoint", session._tracker, code=1)
+    session._holding.set()
+    session._tracker.flush(EXIT_TRACKING_S)  # its artifact, before a SIGTERM ends us
+    log.warning(
+        "holding after the emergency checkpoint at step %d until torchrun restarts this "
+        "worker (at most %.0f s)",
+        step,
+        session.hold_timeout,
+    )
+    deadline = time.monotonic() + session.hold_timeout
+    while time.monotonic() < deadline:
+        if session._sigterm:
+            exit_clean(f"stopped while holding at step {step}", session._tracker)
+        time.sleep(0.05)
+    session._holding.clear()
+    log.warning("no restart came within %.0f s: training on", session.hold_timeout)
+    session._served_request = max(session._served_request, session._requests.newest_id())

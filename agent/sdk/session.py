@@ -5,6 +5,7 @@ themselves, and the hold or exit after an emergency save (see the package docstr
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -30,7 +31,7 @@ from . import saving
 from .agreement import _DRAIN, _EARLY, _PERIODIC, _REQUEST, _SIGTERM, _ZEROS, Agreement, local_flags
 from .channel import RequestChannel
 from .modes import REPLICA, StepWork, resolve_mode
-from .signals import EXIT_TRACKING_S, SignalWatch, exit_clean
+from .signals import SignalWatch
 from .state import stage
 from .timing import StepTimer
 from .tracking import start_tracker
@@ -72,8 +73,8 @@ class TrainSession:
             tracked); explicit :class:`~spottrain.tracking.WandbSettings`; False: off.
         report_interval: Seconds between two reports of this rank's compute time (and, from
             local rank 0, the node's step time) to its node record in Redis.
-        fault_tolerance: ``"elastic"`` (this class) or ``"replica"`` (a
-            :class:`~.replica_mode.ReplicaTrainSession`); default
+        fault_tolerance: ``"elastic"`` (this class) or ``"replica"`` (this class with
+            the methods of :class:`~.replica_mode.ReplicaMode` first); default
             ``$SPOTTRAIN_FAULT_TOLERANCE``, else elastic.
     """
 
@@ -81,9 +82,7 @@ class TrainSession:
         # The job's spec picks the mode through the workers' environment: the same script
         # gets the replica session without a change.
         if cls is TrainSession and resolve_mode(fault_tolerance) == REPLICA:
-            from .replica_mode import ReplicaTrainSession
-
-            return super().__new__(ReplicaTrainSession)
+            return super().__new__(_replica_session())
         return super().__new__(cls)
 
     def __init__(
@@ -193,7 +192,6 @@ class TrainSession:
         self.saves: list[dcp_io.SaveResult] = []
         self.last_restored: Manifest | None = None
         self._next_step = 0
-        self.discarded = 0  # steps redone (replica mode); an elastic step is never discarded
 
     def _start_step_reporter(self, report_interval: float) -> None:
         self._step_reporter: threading.Thread | None = None
@@ -368,6 +366,11 @@ class TrainSession:
         return self._timer.compute_time
 
     @property
+    def discarded(self) -> int:
+        """Steps discarded and redone (replica mode); an elastic step never is."""
+        return 0
+
+    @property
     def last_step_time(self) -> float:
         """Median seconds per step over the recent steps."""
         return self._timer.last_step_time
@@ -403,6 +406,7 @@ class TrainSession:
 
     # -- internals --------------------------------------------------------------------------
     _write = saving.write
+    _after_drain_save = saving.after_drain_save
 
     def _mark(self) -> None:
         self._last_progress = time.monotonic()
@@ -458,36 +462,21 @@ class TrainSession:
                 self._inflight = None
                 self._mark()
 
-    def _after_drain_save(self, step: int, committed: bool) -> None:
-        if self._sigterm:
-            if committed:
-                exit_clean(f"stopping after the emergency checkpoint at step {step}", self._tracker)
-            log.error(
-                "the emergency checkpoint at step %d did not commit: stopping anyway; the "
-                "steps since the newest committed checkpoint are lost",
-                step,
-            )
-            exit_clean("stopping without an emergency checkpoint", self._tracker, code=1)
-        self._holding.set()
-        self._tracker.flush(EXIT_TRACKING_S)  # its artifact, before a SIGTERM ends us
-        log.warning(
-            "holding after the emergency checkpoint at step %d until torchrun restarts this "
-            "worker (at most %.0f s)",
-            step,
-            self.hold_timeout,
-        )
-        deadline = time.monotonic() + self.hold_timeout
-        while time.monotonic() < deadline:
-            if self._sigterm:
-                exit_clean(f"stopped while holding at step {step}", self._tracker)
-            time.sleep(0.05)
-        self._holding.clear()
-        log.warning("no restart came within %.0f s: training on", self.hold_timeout)
-        self._served_request = max(self._served_request, self._requests.newest_id())
-
     def _stuck(self) -> bool:
         """Whether the training loop looks stuck (SIGTERM is pending, no save running)."""
         if self._phase in ("saving", "staging", "restoring", "closed"):
             return False
         limit = max(self.stuck_grace, 3 * self.last_step_time)
         return time.monotonic() - self._last_progress > limit
+
+
+@functools.cache
+def _replica_session() -> type[TrainSession]:
+    """TrainSession with replica mode's methods first (made on first use: replica mode
+    imports torchft, which elastic jobs never load)."""
+    from .replica_mode import ReplicaMode
+
+    class ReplicaTrainSession(ReplicaMode, TrainSession):
+        __doc__ = ReplicaMode.__doc__
+
+    return ReplicaTrainSession

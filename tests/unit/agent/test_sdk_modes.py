@@ -37,11 +37,11 @@ def test_a_bad_mode_is_refused_before_the_session_starts(monkeypatch: pytest.Mon
 def test_replica_mode_makes_the_replica_session(monkeypatch: pytest.MonkeyPatch) -> None:
     """The job's environment switches the same call to the replica session, which is still
     a TrainSession (scripts' type hints hold); nothing is started here."""
-    from spottrain.agent.sdk.replica_mode import ReplicaTrainSession
+    from spottrain.agent.sdk.replica_mode import ReplicaMode
 
     monkeypatch.setenv(ENV_FAULT_TOLERANCE, "replica")
     made = TrainSession.__new__(TrainSession)
-    assert type(made) is ReplicaTrainSession and isinstance(made, TrainSession)
+    assert isinstance(made, ReplicaMode) and isinstance(made, TrainSession)
     assert type(TrainSession.__new__(TrainSession, fault_tolerance="elastic")) is TrainSession
     monkeypatch.delenv(ENV_FAULT_TOLERANCE)
     assert type(TrainSession.__new__(TrainSession)) is TrainSession

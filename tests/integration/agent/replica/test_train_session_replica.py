@@ -210,7 +210,7 @@ def test_the_sdk_calls_in_replica_mode_in_one_process(
     import torch.distributed as dist
 
     from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession
-    from spottrain.agent.sdk.replica_mode import ReplicaTrainSession
+    from spottrain.agent.sdk.replica_mode import ReplicaMode
     from spottrain.protocol.env import (
         ENV_FAULT_TOLERANCE,
         ENV_LIGHTHOUSE,
@@ -246,7 +246,7 @@ def test_the_sdk_calls_in_replica_mode_in_one_process(
 
     session, state, model = start()
     try:
-        assert isinstance(session, ReplicaTrainSession)
+        assert isinstance(session, ReplicaMode)
         step = session.restore(state)
         assert step == 0
         with pytest.raises(RuntimeError, match="begin_step/commit/end_step"):
