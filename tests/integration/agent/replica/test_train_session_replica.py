@@ -36,6 +36,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import redis
 import torch
 from replica_cluster import (
     HEARTBEAT_MS,
@@ -50,7 +51,9 @@ from replica_cluster import (
 )
 
 from spottrain.agent.replica.plan import micro_batches
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.ports import free_port
+from spottrain.protocol.keys import RunKeys
 
 pytestmark = pytest.mark.slow
 
@@ -165,9 +168,14 @@ def unbroken_cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 
 def test_a_preempted_run_ends_with_the_loss_curve_of_an_unbroken_one(
-    cluster: Cluster, unbroken_cluster: Cluster
+    cluster: Cluster,
+    unbroken_cluster: Cluster,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    run_keys: RunKeys,
 ) -> None:
     unbroken, _ = run(unbroken_cluster, preempt=False)
+    cluster.redis_url, cluster.run_id = redis_server.endpoint, run_keys.run_id
     preempted, stall = run(cluster, preempt=True)
     ref, ref_members = curve(unbroken)
     got, members = curve(preempted)
@@ -176,6 +184,10 @@ def test_a_preempted_run_ends_with_the_loss_curve_of_an_unbroken_one(
     # The survivor's discarded attempts: a noticed leave costs none.
     survivor = preempted[0].steps()
     assert survivor[-1]["discarded"] == 0, [r for r in survivor if not r["committed"]]
+    # The controller's view, as the elastic SDK reports it, with the discarded count.
+    progress = {k.decode(): v.decode() for k, v in redis_client.hgetall(run_keys.progress).items()}
+    assert progress["finished"] == "1" and progress["final_step"] == str(STEPS), progress
+    assert float(progress["discarded"]) == 0 and "loss" in progress, progress
 
     # Bitwise: each live run is the replay of its own membership history ...
     assert got == replay([len(m) for m in members])
