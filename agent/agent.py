@@ -79,6 +79,10 @@ class Agent:
                 address=cfg.address or socket.gethostname(),
             ),
         )
+        # Replica mode: this node's slot and its replica's launch settings.
+        self.replica = (
+            ReplicaNode(self.client, self.keys, cfg, self.record) if cfg.replica_mode else None
+        )
         self.handler = NoticeHandler(
             self.client,
             self.keys,
@@ -90,6 +94,9 @@ class Agent:
             ckpt_dir=cfg.ckpt_dir,
             workers_done=self._torchrun_finished,
             on_drained=self._after_drain,
+            # Replica mode: the node leaves its replica's own rendezvous, and only once its
+            # workers are down (see stop_workers).
+            scoped_leave=self.replica.leave_rendezvous if self.replica else None,
         )
         self.proc: subprocess.Popen[bytes] | None = None
         # Held while torchrun is launched and while workers are stopped, so a notice that
@@ -108,10 +115,6 @@ class Agent:
         self.orphan_reason = ""
         self._wake = threading.Event()
         self.signals = SignalMonitor(self.handler.submit, cfg.sigterm_grace, self._wake.set)
-        # Replica mode: this node's slot and its replica's launch settings.
-        self.replica = (
-            ReplicaNode(self.client, self.keys, cfg, self.record) if cfg.replica_mode else None
-        )
 
     # -- lifecycle --------------------------------------------------------------------------
     def _advance(self, state: NodeState, reason: str = "") -> None:
@@ -306,6 +309,10 @@ class Agent:
                 self._advance(NodeState.JOINED, "workers joined a rendezvous round")
             time.sleep(0.2)
         self.record.event("torchrun-exited", code=code)
+        if self.replica is not None:
+            # Its generation of the replica's rendezvous may be closed now: a backfill must
+            # start a new one rather than join it (see replica_node).
+            self.replica.release()
         if self.handler.draining:
             self.handler.done.wait(self.cfg.sigterm_grace + self.cfg.worker_stop_timeout)
             self._finish_copy()

@@ -373,12 +373,12 @@ def _leave(args: argparse.Namespace) -> int:
     except LookupError:
         # Replica mode: the node joined its replica's own rendezvous, not the run's.
         from .replica_launch import replica_rdzv_id
-        from .replica_slots import read_slots
+        from .replica_slots import find_claim
 
-        slots = [s for s, nodes in read_slots(client, keys).items() if args.node_id in nodes]
-        if not slots:
+        claim = find_claim(client, keys, args.node_id)
+        if claim is None:
             raise
-        scoped = RunKeys(replica_rdzv_id(args.run_id, slots[0]), args.key_prefix)
+        scoped = RunKeys(replica_rdzv_id(args.run_id, claim.slot, claim.gen), args.key_prefix)
         member = leave_node(client, scoped, args.node_id)
     print(f"node {args.node_id} ({member}) left run {args.run_id}")
     return 0

@@ -1,9 +1,12 @@
 """What torchrun gets in replica mode: a rendezvous of the replica's own nodes, and the
 workers' replica variables (slot, manager port, lighthouse, quorum floor).
 
-Each replica runs its own torchrun; its Redis rendezvous id is the run id plus the slot, so
-every rendezvous key (round, presence, members, torch's store) is the replica's own and a
-node that leaves or dies re-forms only its replica's group, never another replica's.
+Each replica runs its own torchrun; its Redis rendezvous id is the run id plus the slot (and
+the slot's generation from the second on, see :mod:`.replica_slots`), so every rendezvous key
+(round, presence, members, torch's store) is the replica's own and a node that leaves or dies
+re-forms only its replica's group, never another replica's. A new generation gets fresh keys:
+its predecessor's, closed once its torchrun ended, expire with the rendezvous' own TTL (every
+rendezvous write sets it; 24 h by default).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from spottrain.protocol.env import (
 )
 from spottrain.protocol.keys import RunKeys
 
+from .replica_slots import LEGACY_GEN
+
 log = logging.getLogger("spottrain.agent")
 
 # torchft's own names for the same two settings: its Manager reads them when it is built
@@ -38,9 +43,12 @@ DEFAULT_MANAGER_PORT = 29512
 _LIGHTHOUSE_POLL_S = 0.5
 
 
-def replica_rdzv_id(run_id: str, slot: str) -> str:
-    """torchrun's ``--rdzv-id`` for the replica in ``slot``: every rendezvous key under it."""
-    return RunKeys(f"{run_id}.{slot}").run_id
+def replica_rdzv_id(run_id: str, slot: str, gen: int = LEGACY_GEN) -> str:
+    """torchrun's ``--rdzv-id`` for generation ``gen`` of the replica in ``slot``: every
+    rendezvous key under it. The first generation keeps the plain ``<run>.<slot>`` (what
+    readers that predate generations look up)."""
+    suffix = f".g{gen}" if gen > LEGACY_GEN else ""
+    return RunKeys(f"{run_id}.{slot}{suffix}").run_id
 
 
 def check_lighthouse(address: str, source: str) -> str:
@@ -65,10 +73,11 @@ class ReplicaLaunch:
     min_replicas: int
     lighthouse: str
     manager_port: int
+    gen: int = LEGACY_GEN
 
     @property
     def rdzv_id(self) -> str:
-        return replica_rdzv_id(self.run_id, self.slot)
+        return replica_rdzv_id(self.run_id, self.slot, self.gen)
 
     @property
     def nnodes(self) -> str:
@@ -132,6 +141,7 @@ def plan_launch(
     keys: RunKeys,
     *,
     slot: str,
+    gen: int = LEGACY_GEN,
     nodes_per_replica: int,
     min_replicas: int,
     lighthouse: str,
@@ -169,4 +179,5 @@ def plan_launch(
         min_replicas=min_replicas,
         lighthouse=check_lighthouse(lighthouse, "lighthouse"),
         manager_port=manager_port,
+        gen=gen,
     )

@@ -1,9 +1,22 @@
 """One node of one replica, as the agent sees it: its slot, its replica's launch settings,
-its rendezvous, and the slot given back when the agent ends."""
+its rendezvous, and the slot given back once its torchrun has ended.
+
+The slot is given back as soon as torchrun ends, not when the agent does: a torchrun that
+ended without a signal closed its generation of the replica's rendezvous, so a node that
+lingers (waiting for its VM to be ended) must not keep a backfilled VM in that generation;
+with the slot empty the backfill starts a new one. With ``nodes_per_replica`` > 1 a notice on
+one node makes the whole replica leave (its ranks agree on the leave), so every member's
+torchrun exits 0 and closes the generation: the noticed node drains, each other member's
+agent records "training finished" (state ``left``) and gives its slot back too, and the
+controller ends those VMs as it ends any whose agent left, and backfills. The slot's next
+claim then starts a new generation that waits for ``nodes_per_replica`` fresh nodes. A
+member is never relaunched in place. A backfill that claims the slot in the instant between
+the replica's leave and its members' torchruns ending joins the closed generation, fails,
+and is replaced like any failed node; the claim after it starts a new generation.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +43,7 @@ class ReplicaNode:
         self.record = record
         self.slot: SlotClaim | None = None
         self._launch: ReplicaLaunch | None = None
+        self._left = False
 
     @property
     def launch(self) -> ReplicaLaunch:
@@ -57,11 +71,17 @@ class ReplicaNode:
                 return f"cannot claim a replica slot: {exc}"
             # Each heartbeat writes it again: `status` shows which replica a node is in.
             self.record.mark(replica=self.slot.slot)
-            self.record.event("replica-slot", slot=self.slot.slot, members=list(self.slot.members))
+            self.record.event(
+                "replica-slot",
+                slot=self.slot.slot,
+                members=list(self.slot.members),
+                gen=self.slot.gen,
+            )
         plan = plan_launch(
             self.client,
             self.keys,
             slot=self.slot.slot,
+            gen=self.slot.gen,
             nodes_per_replica=self.cfg.nodes_per_replica,
             min_replicas=self.cfg.min_replicas,
             lighthouse=self.cfg.lighthouse,
@@ -78,26 +98,43 @@ class ReplicaNode:
     def event_fields(self) -> dict[str, Any]:
         """What the torchrun-started event adds in replica mode."""
         r = self.launch
-        return {"replica": r.slot, "lighthouse": r.lighthouse, "manager_port": r.manager_port}
+        return {
+            "replica": r.slot,
+            "gen": r.gen,
+            "rdzv_id": r.rdzv_id,
+            "lighthouse": r.lighthouse,
+            "manager_port": r.manager_port,
+        }
 
-    def leave_rendezvous(self) -> None:
+    def leave_rendezvous(self) -> bool:
         """Leave the replica's own rendezvous once its workers have stopped, so the
         replica's other nodes re-form at once instead of at its heartbeat's expiry; other
-        replicas never see it (their keys differ). The notice handler's leave names the run's
-        rendezvous, which replica mode leaves unused."""
-        if self._launch is None:
-            return
+        replicas never see it (their keys differ). The notice handler's own leave names the
+        run's rendezvous, which replica mode leaves unused, so the handler reports this one.
+
+        Returns whether this node is out of it (now or by an earlier call); False when it
+        never joined it or Redis did not answer."""
+        if self._launch is None or self._left:
+            return self._left
         from .rendezvous.membership import leave_node
 
-        with contextlib.suppress(LookupError, redis.RedisError):
+        try:
             leave_node(self.client, self.rdzv_keys, self.cfg.node_id)
+        except LookupError:
+            return False
+        except redis.RedisError as exc:
+            log.warning("could not leave %s (its heartbeat expires): %s", self.launch.rdzv_id, exc)
+            return False
+        self._left = True
+        return True
 
     def release(self) -> None:
-        """Give the slot back (a clean exit); a node that dies is dropped by the next claim
-        once its heartbeat key expires."""
+        """Give the slot back (torchrun ended, or the agent exits); a node that dies is
+        dropped by the next claim once its heartbeat key expires. Once only."""
         if self.slot is None:
             return
+        slot, self.slot = self.slot, None
         try:
-            release_slot(self.client, self.keys, self.slot, self.cfg.node_id)
+            release_slot(self.client, self.keys, slot, self.cfg.node_id)
         except redis.RedisError as exc:
-            log.warning("could not release %s (its heartbeat expires): %s", self.slot.slot, exc)
+            log.warning("could not release %s (its heartbeat expires): %s", slot.slot, exc)

@@ -69,6 +69,10 @@ class NoticeHandler:
         margin: Seconds before the deadline at which waiting for the checkpoint stops.
         ckpt_dir: The checkpoint directory, read when Redis cannot say what committed.
         clock: Unix time source.
+        scoped_leave: Replica mode: leaves the node's replica's own rendezvous and says
+            whether it is out; called after the workers stop instead of leaving the run's
+            rendezvous before (a replica's workers leave their quorum themselves, and an
+            earlier leave would make torchrun cut that short).
     """
 
     def __init__(
@@ -85,8 +89,10 @@ class NoticeHandler:
         clock: Callable[[], float] = time.time,
         workers_done: Callable[[], bool] = lambda: False,
         on_drained: Callable[[DrainOutcome, list[Notice]], None] | None = None,
+        scoped_leave: Callable[[], bool] | None = None,
     ) -> None:
         self.client = client
+        self.scoped_leave = scoped_leave
         self.on_drained = on_drained
         self.workers_done = workers_done
         self.keys = keys
@@ -180,9 +186,11 @@ class NoticeHandler:
         waited = self.clock() - t0
         # Withdrawn before leaving: the round that forms next must not read it again.
         self._clear_request()
-        left = self._leave()
+        left = self._leave() if self.scoped_leave is None else False
         remaining = max(1.0, (self._deadline or self.clock()) - self.clock())
         self.stop_workers(remaining)
+        if self.scoped_leave is not None:
+            left = self.scoped_leave()
         self.outcome = DrainOutcome(notice, step, waited, left, self._refused)
         self.record.event(
             "drained",

@@ -12,10 +12,12 @@ excludes healers because their forward runs on stale weights, which cannot happe
 excluding them would also need every member to know who heals, which an init-sync heal at
 step 0 does not tell the primary).
 
-Gradients cross replicas through one function, :meth:`ReplicaEngine.reduce` (a plain list
-of gradient tensors: a model without DDP, or the local shards of an FSDP2 model whose
-replicas are the outer dimension of HSDP), or :meth:`ReplicaEngine.ddp_hook` (a DDP comm
-hook over the same path). The reduction is a SUM (each sample's loss weighs
+Gradients cross replicas through one function, :meth:`ReplicaEngine.reduce`, on one of two
+paths (:mod:`.reduction`): replicated tensors (a model without DDP, and
+:meth:`ReplicaEngine.ddp_hook`, a DDP comm hook) are summed over the replica's own ranks and
+then across replicas; the gradient shards of an FSDP2 model (``replicated=False``,
+:meth:`ReplicaEngine.reduce_shard_grads`: HSDP, shard inside the replica, replicate across)
+only across replicas, rank ``i`` with rank ``i``. The reduction is a SUM (each sample's loss weighs
 ``1 / global batch``). A collective that fails (a peer died or froze and the watchdog aborted
 the group) marks the step DISCARDED: :meth:`ReplicaEngine.commit` returns False, the
 optimizer step must be skipped, and the next :meth:`begin_step` returns the same step, so
@@ -50,6 +52,7 @@ from spottrain.protocol.env import (
 from .groups import make_group
 from .plan import StepPlan, make_plan
 from .quorum import RecordingClient
+from .reduction import local_part, reduce_in_stages, refuse_shards_as_replicated
 from .watchdog import Watchdog
 
 log = logging.getLogger("spottrain.replica")
@@ -198,32 +201,61 @@ class ReplicaEngine:
         self.watchdog.watch(view)
         return self.plan
 
-    def reduce(self, tensors: list[torch.Tensor]) -> bool:
-        """SUM ``tensors`` (gradients, or an FSDP2 model's local gradient shards) across the
-        step's replicas, in place; False when the step is discarded (the tensors are then
-        garbage and must not be stepped on). A non-participant contributes zeros."""
+    def reduce(self, tensors: list[torch.Tensor], *, replicated: bool = True) -> bool:
+        """SUM ``tensors`` across the step's replicas, in place; False when this rank's
+        reduce failed (the tensors are then garbage). Whether to step is :meth:`commit`'s
+        decision, which every rank of the replica shares. A non-participant contributes
+        zeros.
+
+        ``replicated=True``: every rank of the replica holds a partial sum of the same full
+        tensors (a model without DDP): summed over the replica's ranks, then across
+        replicas. ``replicated=False``: each rank holds its own shard, already summed inside
+        the replica (an FSDP2 model's gradients after its reduce-scatter; DTensors are
+        reduced through their local shards): summed only with the same rank of every other
+        replica (HSDP). See :mod:`.reduction`."""
+        if replicated:
+            refuse_shards_as_replicated(tensors)
+        else:
+            tensors = [local_part(t) for t in tensors]
         if not tensors:
             return self.manager.errored() is None
         flat = tensors[0] if len(tensors) == 1 else _flatten_dense_tensors(tensors)  # type: ignore[no-untyped-call]
-        ok = self._allreduce(flat)
+        ok = self._allreduce(flat, replicated=replicated)
         if ok and len(tensors) > 1:
             parts = _unflatten_dense_tensors(flat, tensors)  # type: ignore[no-untyped-call]
             for t, reduced in zip(tensors, parts, strict=True):
                 t.copy_(reduced)
         return ok
 
-    def reduce_grads(self, params: list[torch.nn.Parameter]) -> bool:
+    def reduce_shards(self, tensors: list[torch.Tensor]) -> bool:
+        """:meth:`reduce` of per-rank shards (HSDP): never over the replica's own group."""
+        return self.reduce(tensors, replicated=False)
+
+    def reduce_grads(self, params: list[torch.nn.Parameter], *, replicated: bool = True) -> bool:
         """:meth:`reduce` over the parameters' gradients (missing ones become zeros)."""
         grads = []
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        return self.reduce(grads)
+        return self.reduce(grads, replicated=replicated)
 
-    def _allreduce(self, buf: torch.Tensor) -> bool:
-        if self.intra_group is not None:
-            dist.all_reduce(buf, group=self.intra_group)
+    def reduce_shard_grads(self, params: list[torch.nn.Parameter]) -> bool:
+        """:meth:`reduce_grads` of an FSDP2 model (after its backward's reduce-scatter):
+        each rank's gradient shards cross replicas with the same rank of each other one."""
+        return self.reduce_grads(params, replicated=False)
+
+    def _allreduce(self, buf: torch.Tensor, *, replicated: bool = True) -> bool:
+        return reduce_in_stages(
+            buf,
+            replicated=replicated,
+            replica_world=self.world,
+            intra_group=self.intra_group,
+            cross=self._cross_replica,
+        )
+
+    def _cross_replica(self, buf: torch.Tensor) -> bool:
+        """The fault-tolerant sum with the same group rank of every replica of the quorum."""
         if self.manager.errored() is not None:
             return False
         from torch.distributed import ReduceOp
@@ -251,7 +283,8 @@ class ReplicaEngine:
 
     @property
     def intra_group(self) -> Any:
-        """The replica's own group, for replicas of several ranks (None for one)."""
+        """The replica's own group, for replicas of several ranks (None for one): only
+        replicated tensors are summed over it, never shards."""
         return None if self.world == 1 else dist.group.WORLD
 
     def ddp_hook(self, _state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
@@ -285,8 +318,10 @@ class ReplicaEngine:
         return ddp
 
     def commit(self) -> bool:
-        """Whether to step the optimizer (every rank of the replica agrees). False: the step
-        is discarded and will be redone on the same samples."""
+        """Whether to step the optimizer. False: the step is discarded and will be redone on
+        the same samples. Every rank of the replica gets the same answer (torchft's
+        ``should_commit`` is a vote of all the replica's ranks), so a replica whose shard
+        reduce failed on one rank and succeeded on another steps none of its shards."""
         ok = bool(self.manager.should_commit())
         if not ok:
             self.discarded += 1

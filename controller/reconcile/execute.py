@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from spottrain.agent.replica_slots import find_claim, release_slot
 from spottrain.cloud.base import (
     BadRequestError,
     CapacityError,
@@ -28,7 +29,7 @@ from spottrain.cloud.base import (
 )
 from spottrain.protocol.env import ENV_CRASH_AT
 from spottrain.protocol.states import LedgerStatus
-from spottrain.spec import JobSpec
+from spottrain.spec import FaultTolerance, JobSpec
 
 from .ledger import (
     CountPreemption,
@@ -109,6 +110,8 @@ class Executor:
         for s in steps:
             if isinstance(s, PutRecord):
                 self.state.put_launch(s.record)
+                if s.record.status == LedgerStatus.ENDED:
+                    self._free_replica_slot(s.record.node)
             elif isinstance(s, Note):
                 self.state.event(s.type, **s.fields)
             elif isinstance(s, CountPreemption):
@@ -119,6 +122,17 @@ class Executor:
                 self.state.set_ctl(**s.fields)
             elif isinstance(s, DelCtl):
                 self.state.client.hdel(self.state.keys.ctl, *s.fields)
+
+    def _free_replica_slot(self, node: str) -> None:
+        """A replica node whose VM is gone leaves its slot now, so the backfill launched for
+        it takes that slot (a new member of it) instead of waiting out the dead agent's
+        heartbeat or opening a slot of its own."""
+        if self.spec.train.fault_tolerance is not FaultTolerance.REPLICA:
+            return
+        claim = find_claim(self.state.client, self.state.keys, node)
+        if claim is not None:
+            release_slot(self.state.client, self.state.keys, claim, node)
+            self.state.event("replica-slot-freed", node_name=node, slot=claim.slot)
 
     def redrive(self, actions: Iterable[Resend | GiveUp]) -> None:
         for a in actions:

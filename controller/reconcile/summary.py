@@ -3,14 +3,44 @@ of ``spottrain up``."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from spottrain.protocol.states import LEAVING, LIVE_LAUNCHES, RunPhase
 
 from .records import Ledger
 from .state import RunState
+
+# A holder row this much older than the newest is a replica that stopped without leaving
+# (the engine's own rule, agent/replica/holders.py, which the controller may not import).
+STALE_S = 10.0
+
+
+@dataclass
+class ReplicaFigures:
+    """A replica run's figures, from the rows each replica's rank 0 writes
+    (``RunKeys.replica_holders``; a replica that died without leaving keeps its last row).
+
+    ``discarded``: step attempts each replica threw away (a peer lost mid-step; the step is
+    redone on the same samples, so no committed step is lost). ``longest_pause_s``: the
+    longest gap between two consecutive steps a replica committed (``s - 1`` then ``s``), over
+    every replica that reports it; None while none does. A joiner's wait before its first
+    step is not a pause (it committed no step before), nor a gap across a restart."""
+
+    replicas: int
+    live: int
+    quorum_id: int | None
+    discarded: dict[str, int]
+    longest_pause_s: float | None = None
+    longest_pause_step: int | None = None
+
+    @property
+    def discarded_total(self) -> int:
+        return sum(self.discarded.values())
 
 
 @dataclass
@@ -97,6 +127,91 @@ def summarize(state: RunState, now: float) -> Summary:
         final_step=final,
         at_risk=_at_risk_lines(ledger, agents),
     )
+
+
+def replica_summary(state: RunState) -> ReplicaFigures | None:
+    """A replica run's figures from Redis; None for an elastic run. Kept apart from
+    :class:`Summary`, whose fields are the elastic run's record (``status --json``, the
+    archive's ``summary.json``) and stay as they were."""
+    return replica_figures(state.client.hgetall(state.keys.replica_holders))
+
+
+def summary_record(s: Summary, replica: ReplicaFigures | None) -> dict[str, Any]:
+    """The summary as a record (``summary.json``, ``status --json``): a replica run's adds
+    ``replica``, an elastic run's is exactly ``asdict(s)``."""
+    out = asdict(s)
+    if replica is not None:
+        out["replica"] = {**asdict(replica), "discarded_total": replica.discarded_total}
+    return out
+
+
+def _order(replica_id: str) -> tuple[int, str]:
+    """replica-2 before replica-10."""
+    m = re.search(r"(\d+)$", replica_id)
+    return (int(m.group(1)) if m else -1, replica_id)
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def replica_figures(rows: Mapping[str | bytes, str | bytes]) -> ReplicaFigures | None:
+    """The replica figures from the holder rows; None for an elastic run (no rows). A row
+    that does not parse is left out (``status`` must never break on one)."""
+    parsed: dict[str, dict[str, Any]] = {}
+    for k, v in rows.items():
+        try:
+            body = json.loads(v)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(body, dict):
+            parsed[k.decode() if isinstance(k, bytes) else k] = body
+    if not parsed:
+        return None
+    discarded: dict[str, int] = {}
+    quorum: int | None = None
+    pause: tuple[float, int | None] | None = None
+    for rid in sorted(parsed, key=_order):
+        body = parsed[rid]
+        discarded[rid] = int(_number(body.get("discarded")) or 0)
+        q = _number(body.get("quorum_id"))
+        if q is not None and q >= 0:
+            quorum = max(quorum or 0, int(q))
+        gap = _number(body.get("longest_gap_s"))
+        if gap is not None and (pause is None or gap > pause[0]):
+            at_step = _number(body.get("longest_gap_step"))
+            pause = (gap, int(at_step) if at_step is not None else None)
+    # Live: a live row written within STALE_S of the newest row (a replica killed without
+    # leaving keeps its "live" row, which stops moving).
+    newest = max((_number(b.get("at")) or 0.0 for b in parsed.values()), default=0.0)
+    return ReplicaFigures(
+        replicas=len(parsed),
+        live=sum(
+            1
+            for b in parsed.values()
+            if b.get("state") == "live" and (_number(b.get("at")) or 0.0) >= newest - STALE_S
+        ),
+        quorum_id=quorum,
+        discarded=discarded,
+        longest_pause_s=pause[0] if pause else None,
+        longest_pause_step=pause[1] if pause else None,
+    )
+
+
+def replica_lines(r: ReplicaFigures) -> list[str]:
+    """The end-of-run lines of a replica run (after ``steps lost``), aligned with them."""
+    per = ", ".join(f"{k} {v}" for k, v in r.discarded.items() if v)
+    pause = "not reported by the replicas"
+    if r.longest_pause_s is not None:
+        where = f" (at step {r.longest_pause_step})" if r.longest_pause_step else ""
+        pause = f"{r.longest_pause_s:.2f} s{where}"
+    return [
+        f"  discarded attempts     {r.discarded_total}" + (f" ({per})" if per else ""),
+        f"  longest pause          {pause}",
+        f"  replicas               {r.replicas} ({r.live} live), quorum id {r.quorum_id}",
+    ]
 
 
 def _at_risk_lines(ledger: Ledger, agents: Mapping[str, Mapping[str, str]]) -> list[str]:

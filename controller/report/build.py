@@ -12,11 +12,13 @@ from spottrain.controller.report.model import (
     NodesPoint,
     Preemption,
     RateSegment,
+    ReplicaReportData,
     ReportData,
     ReportInputs,
     StepPoint,
     WorldPoint,
 )
+from spottrain.controller.report.replica import replica_report
 from spottrain.controller.report.timelines import (
     _at,
     _cost,
@@ -66,7 +68,9 @@ def build_report(
             "the on-demand equivalent is unknown"
         )
     cost = _cost(vms, start, end)
-    if not any(r.get("type") == "restored" for _, r in rows):
+    replica = replica_report(rows, summary, steps, preemptions)
+    if replica is None and not any(r.get("type") == "restored" for _, r in rows):
+        # (A replica run's world is the replicas taking part, from its progress events.)
         notes.append("no restore event: the world size in ranks is unknown")
     if not steps:
         notes.append("no checkpoint or restore event: the step rate is unknown")
@@ -75,7 +79,7 @@ def build_report(
             f"the event stream is at its cap ({EVENTS_MAXLEN:,} entries): its oldest events "
             "were trimmed, so the timelines start late (cost and preemptions use the ledger)"
         )
-    return ReportData(
+    data = ReportData(
         run_id=run_id,
         source=source,
         start=start,
@@ -91,6 +95,9 @@ def build_report(
         figures=_figures(summary, phase, nodes, world, steps, rate, preemptions, cost),
         notes=notes,
     )
+    # A replica run's data is the elastic one's plus its replicas (an elastic run's JSON
+    # stays as it was).
+    return data if replica is None else ReplicaReportData(**vars(data), replica=replica)
 
 
 def _span(

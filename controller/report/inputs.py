@@ -4,7 +4,6 @@ written at archive time (the launch ledger and the progress hash)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +21,7 @@ if TYPE_CHECKING:
 def read_redis_inputs(client: redis.Redis, keys: RunKeys, now: float) -> ReportInputs:
     """The report's inputs from the run's Redis."""
     from spottrain.controller.reconcile.state import RunState
-    from spottrain.controller.reconcile.summary import summarize
+    from spottrain.controller.reconcile.summary import replica_summary, summarize, summary_record
 
     state = RunState(client, keys)
     events = state.events()
@@ -31,7 +30,7 @@ def read_redis_inputs(client: redis.Redis, keys: RunKeys, now: float) -> ReportI
     progress = state.progress()
     summary = None
     if events or launches or progress or state.ctl():
-        summary = asdict(summarize(state, now))
+        summary = summary_record(summarize(state, now), replica_summary(state))
     return ReportInputs(events, launches, progress, summary)
 
 

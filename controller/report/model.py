@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from spottrain.controller.reconcile.records import LaunchRecord
+    from spottrain.controller.report.replica import ReplicaReport
 
 # Controller events that end a node's VM (``node_name`` names the node).
 VM_END_EVENTS = frozenset({"preempted", "vm-ended", "terminate"})
@@ -171,6 +172,14 @@ class ReportData:
     def to_json(self) -> dict[str, Any]:
         """The panel data as plain JSON values (``--json``)."""
         return asdict(self)
+
+
+@dataclass
+class ReplicaReportData(ReportData):
+    """A replica run's report: the elastic one's panels, and its replicas and membership
+    events (a subclass, so that an elastic run's report data stays as it was)."""
+
+    replica: ReplicaReport | None = None
 
 
 @dataclass

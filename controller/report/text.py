@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from spottrain.controller.report.model import ReportData
+from spottrain.controller.report.model import ReplicaReportData, ReportData
+from spottrain.controller.report.replica import replica_text
 
 
 def _dur(seconds: float) -> str:
@@ -41,6 +42,8 @@ def text_summary(data: ReportData) -> str:
             f"{p.node} in {p.zone or '?'} at +{_dur(p.at - data.start)}" for p in data.preemptions
         )
     lines.append(pre)
+    if isinstance(data, ReplicaReportData) and data.replica is not None:
+        lines += replica_text(data.replica, data.start, _dur)
     cost = f"  cost          ${f.spent_usd:,.2f} spent"
     if f.on_demand_usd is not None and f.saved_usd is not None:
         share = f" ({f.saved_usd / f.on_demand_usd:.0%})" if f.on_demand_usd > 0 else ""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 import redis
@@ -12,7 +11,13 @@ import redis
 from spottrain.controller.groups.controller import GroupController
 from spottrain.controller.reconcile.controller import Controller
 from spottrain.controller.reconcile.drive import ControllerError, drive_passes
-from spottrain.controller.reconcile.summary import Summary
+from spottrain.controller.reconcile.summary import (
+    ReplicaFigures,
+    Summary,
+    replica_lines,
+    replica_summary,
+    summary_record,
+)
 from spottrain.controller.run.archive import archive_run
 from spottrain.controller.run.lighthouse import LighthouseSupervisor
 from spottrain.controller.run.records import RunError, RunInfo
@@ -39,13 +44,14 @@ def format_summary(s: Summary) -> list[str]:
     ]
 
 
-def final_report(s: Summary) -> list[str]:
+def final_report(s: Summary, replica: ReplicaFigures | None = None) -> list[str]:
     head = "training finished" if s.final_step is not None else f"run ended ({s.phase})"
     return [
         f"{head}: {s.reason}" if s.final_step is None else head,
         f"  steps trained          {s.final_step if s.final_step is not None else s.step}",
         f"  preemptions survived   {s.preemptions}",
         f"  steps lost             {s.steps_lost}",
+        *(replica_lines(replica) if replica is not None else []),
         f"  cost                   ${s.spent_usd:,.2f} at the bundled prices "
         f"(${s.saved_usd:,.2f} saved against on-demand)",
     ]
@@ -130,11 +136,15 @@ def _drive(
     fleet.finish(summary)
     if summary.final_step is None:
         code = EXIT_FAILED
-    for line in final_report(summary):
+    try:
+        replica = replica_summary(ctl.state)
+    except redis.RedisError:
+        replica = None
+    for line in final_report(summary, replica):
         view(line)
     if ctl.done() or not ctl.live_vms():
         # Nothing of the run runs any more: keep its record on disk, free its Redis.
-        archive_run(info, ctl.state.client, asdict(summary))
+        archive_run(info, ctl.state.client, summary_record(summary, replica))
         if lighthouse is not None:
             lighthouse.stop()  # or it would start the lighthouse again
         end_lighthouse(info)

@@ -16,6 +16,10 @@ from spottrain.controller.run.lighthouse import serving
 from spottrain.controller.run.records import RunInfo
 from spottrain.protocol.keys import RunKeys
 
+# A holder row older than this is a replica that stopped without leaving (the engine's rule,
+# agent/replica/holders.py, which the controller may not import).
+STALE_S = 10.0
+
 
 @dataclass(frozen=True)
 class ReplicaRow:
@@ -30,6 +34,7 @@ class ReplicaRow:
     participants: int | None = None
     discarded: int | None = None
     at: float | None = None
+    longest_gap_s: float | None = None
 
 
 def _text(v: str | bytes) -> str:
@@ -51,6 +56,10 @@ def _slot_nodes(raw: Any) -> tuple[str, ...]:
 
 def _int(v: Any) -> int | None:
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _seconds(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
 def _order(replica_id: str) -> tuple[int, str]:
@@ -81,6 +90,7 @@ def replica_rows(
                 participants=_int(h.get("participants")),
                 discarded=_int(h.get("discarded")),
                 at=float(h["at"]) if isinstance(h.get("at"), int | float) else None,
+                longest_gap_s=_seconds(h.get("longest_gap_s")),
             )
         )
     return rows
@@ -90,11 +100,19 @@ def _dash(v: int | None) -> str:
     return "-" if v is None else str(v)
 
 
+def _newest_quorum(rows: list[ReplicaRow]) -> int | None:
+    return max((r.quorum_id for r in rows if r.quorum_id is not None), default=None)
+
+
 def format_replicas(
     rows: list[ReplicaRow], lighthouse: str, lighthouse_up: bool, now: float
 ) -> list[str]:
     """``status``'s lines for a replica run."""
-    live = sum(r.state == "live" for r in rows)
+    # A replica killed without leaving keeps its "live" row; it stops moving.
+    live = sum(r.state == "live" and (r.at is None or now - r.at <= STALE_S) for r in rows)
+    discarded = sum(r.discarded or 0 for r in rows)
+    gaps = [r.longest_gap_s for r in rows if r.longest_gap_s is not None]
+    pause = f"; longest pause {max(gaps):.2f} s" if gaps else ""
     lines = [
         f"lighthouse {lighthouse or '-'} {'up' if lighthouse_up else 'DOWN'}",
         f"replicas: {len(rows)} ({live} live)",
@@ -105,6 +123,10 @@ def format_replicas(
             f"  {r.replica_id:<11} {r.state:<8} nodes {','.join(r.nodes) or '-'}  "
             f"step {_dash(r.step)}  quorum {_dash(r.quorum_id)} "
             f"({_dash(r.participants)} taking part)  discarded {_dash(r.discarded)}{seen}"
+        )
+    if rows:
+        lines.append(
+            f"newest quorum {_dash(_newest_quorum(rows))}; discarded attempts {discarded}{pause}"
         )
     return lines
 

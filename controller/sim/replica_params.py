@@ -80,13 +80,16 @@ SOURCES: dict[str, tuple[str, str]] = {
     "heartbeat_s": (
         "setting",
         "the heartbeat timeout the controller gives its lighthouse (issue 15); a noticed loss "
-        "stalls the survivors for it plus a step until the explicit leave lands (modelled on "
-        "issue 15's target (a); bench/replica.py measures it)",
+        "is modelled as it plus a step, the high bound: bench/replica.py measured the leave "
+        "of one of three replicas at one step + 0.2-0.3 s (0.43-0.59 s at 0.21-0.38 s steps, "
+        "2 cores), the lighthouse's join timeout, not its heartbeat",
     ),
     "kill_stall_s": (
         "measured",
         "survivor's stall after a SIGKILL at a 1,000 ms heartbeat timeout, torchft 0.2.0, "
-        "2 cores (issue 15); plus the step in flight, redone (modelled)",
+        "2 cores, two replicas (issue 15); plus the step in flight, redone (modelled). "
+        "bench/replica.py, three replicas: 0.58-1.37 s in all with the redone step (the "
+        "majority goes on after the join timeout); SIGSTOP 1.25-1.58 s",
     ),
     "join_start_s": (
         "measured",

@@ -129,9 +129,16 @@ class RunKeys:
     # -- replica mode -------------------------------------------------------------------------
     @property
     def replica_slots(self) -> str:
-        """Hash slot ("replica-<j>") -> JSON {"nodes": [node ids], "at": unix s}, claimed
-        atomically by each node's agent in replica mode (a slot holds nodes_per_replica)."""
+        """Hash slot ("replica-<j>") -> JSON {"nodes": [node ids], "at": unix s, "gen": n},
+        claimed atomically by each node's agent in replica mode (a slot holds
+        nodes_per_replica nodes; a claim of an empty slot starts rendezvous generation n)."""
         return f"{self.base}:replica:slots"
+
+    @property
+    def replica_generations(self) -> str:
+        """Hash slot -> the highest rendezvous generation it was given; it outlives the slot's
+        record, so a generation number never repeats."""
+        return f"{self.base}:replica:slots:generations"
 
     @property
     def replica_lighthouse(self) -> str:

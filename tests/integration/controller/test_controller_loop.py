@@ -20,6 +20,7 @@ from spottrain.agent.lifecycle import Lifecycle
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.agent.notices import Notice, NoticeKind
 from spottrain.agent.notices.handler import NoticeHandler
+from spottrain.agent.replica_slots import claim_slot, read_slots
 from spottrain.agent.sdk import ENV_NODE, TrainSession
 from spottrain.cloud.base import InstanceState, LaunchRequest, Offer, OfferQuery
 from spottrain.cloud.local.compute import LocalProvider
@@ -49,9 +50,15 @@ def cloud(tmp_path: Path) -> Iterator[LocalProvider]:
 
 
 def _controller(
-    cloud: LocalProvider, client: redis.Redis, keys: RunKeys, max_nodes: int = 4
+    cloud: LocalProvider,
+    client: redis.Redis,
+    keys: RunKeys,
+    max_nodes: int = 4,
+    **train: object,
 ) -> Controller:
     data = _with(LOCAL, "nodes", {"min": 1, "max": max_nodes, "gpus": 0})
+    for key, value in train.items():
+        data = _with(data, f"train.{key}", value)
     data = _with(data, "budget", {"max_usd": 1000})
     spec = parse_spec(yaml.safe_dump(data)).spec
     return Controller(
@@ -176,6 +183,40 @@ def test_a_preemption_is_counted_against_its_zone_and_backfilled(
     records = ctl.state.ledger().records
     assert records["n0"].status == "ended" and records["n0"].interrupted
     assert records["n2"].status == LedgerStatus.LAUNCHED
+
+
+def test_a_replica_vm_gone_frees_its_slot_for_the_backfill(
+    cloud: LocalProvider, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    ctl = _controller(cloud, redis_client, run_keys, max_nodes=2, fault_tolerance="replica")
+    ctl.step()
+    # The agents' claims, through the agent's own Lua; their heartbeats still live (a dead
+    # agent's key outlives its VM by up to its TTL).
+    for node in ("n0", "n1"):
+        _join(redis_client, run_keys, node)
+        claim_slot(redis_client, run_keys, node, nodes_per_replica=1)
+    assert read_slots(redis_client, run_keys) == {"replica-0": ["n0"], "replica-1": ["n1"]}
+    cloud.preempt(ctl.state.ledger().records["n1"].instance_id, notice=False)
+    ctl.step()
+    (ev,) = _events(redis_client, run_keys, "replica-slot-freed")
+    assert (ev["node_name"], ev["slot"]) == ("n1", "replica-1")
+    assert ctl.state.ledger().records["n2"].status == LedgerStatus.LAUNCHED
+    # The backfill becomes a new member of the dead node's slot, not a slot of its own.
+    _join(redis_client, run_keys, "n2")
+    claim = claim_slot(redis_client, run_keys, "n2", nodes_per_replica=1)
+    assert claim.slot == "replica-1" and claim.gen == 2
+
+
+def test_an_elastic_vm_gone_touches_no_replica_slot(
+    cloud: LocalProvider, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    ctl = _controller(cloud, redis_client, run_keys, max_nodes=2)
+    ctl.step()
+    redis_client.hset(run_keys.replica_slots, "replica-0", json.dumps({"nodes": ["n0"]}))
+    cloud.preempt(ctl.state.ledger().records["n0"].instance_id, notice=False)
+    ctl.step()
+    assert not _events(redis_client, run_keys, "replica-slot-freed")
+    assert read_slots(redis_client, run_keys) == {"replica-0": ["n0"]}
 
 
 def test_a_capacity_error_blocks_the_offer_and_fails_the_launch(

@@ -42,7 +42,8 @@ def _write(tmp_path: Path, data: dict[str, object], name: str = "job.yaml") -> P
 
 
 @pytest.mark.parametrize(
-    "example", ["local_job.yaml", "aws_job.yaml", "gcp_job.yaml", "fsdp_job.yaml"]
+    "example",
+    ["local_job.yaml", "local_replica_job.yaml", "aws_job.yaml", "gcp_job.yaml", "fsdp_job.yaml"],
 )
 def test_every_example_spec_is_valid(example: str) -> None:
     out = _run(f"examples/{example}")

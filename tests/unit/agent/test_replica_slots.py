@@ -3,12 +3,20 @@ settings the agent refuses."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from replica_slot_cases import CASES
 
 from spottrain.agent.config import AgentConfig, AgentConfigError
 from spottrain.agent.replica_launch import ReplicaLaunch, check_lighthouse, replica_rdzv_id
-from spottrain.agent.replica_slots import SlotClaim, choose_slot, slot_index, slot_name
+from spottrain.agent.replica_slots import (
+    SlotClaim,
+    choose_slot,
+    claim_gen,
+    slot_index,
+    slot_name,
+)
 from spottrain.protocol.env import (
     ENV_FAULT_TOLERANCE,
     ENV_LIGHTHOUSE,
@@ -21,8 +29,41 @@ from spottrain.protocol.env import (
 
 @pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))
 def test_choose_slot(case: tuple) -> None:
-    slots, live, node, k, (slot, members) = case
-    assert choose_slot(slots, live, node, k) == SlotClaim(slot, members)
+    slots, live, node, k, expected = case
+    assert choose_slot(slots, live, node, k) == SlotClaim(*expected)
+
+
+@pytest.mark.parametrize(
+    ("members", "record", "issued", "gen"),
+    [
+        (("me",), 0, 0, 1),  # a slot never claimed: the first generation
+        (("me",), 3, 3, 4),  # a vacated slot: its rendezvous may be closed, start afresh
+        (("me",), 3, 5, 6),  # never a number given before, even if the record lags
+        (("me",), 7, 2, 8),  # nor one the record already used (the counter was lost)
+        (("peer", "me"), 3, 5, 3),  # a live member: rendezvous with it
+    ],
+)
+def test_a_claim_starts_a_new_generation_only_without_a_live_peer(
+    members: tuple[str, ...], record: int, issued: int, gen: int
+) -> None:
+    assert claim_gen(members, "me", record, issued) == gen
+
+
+def test_the_generation_of_a_slot_follows_its_record() -> None:
+    slots = {"replica-0": ["a"], "replica-1": ["b"]}
+    gens = {"replica-0": 4, "replica-1": 9}
+    # b is lost: c starts replica-1's tenth generation; d joins c's and a's as they are.
+    c = choose_slot(slots, {"a"}, "c", 2, gens)
+    assert c == SlotClaim("replica-0", ("a", "c"), 4)
+    assert choose_slot(slots, {"a"}, "c", 1, gens) == SlotClaim("replica-1", ("c",), 10)
+
+
+def test_the_status_view_reads_a_record_with_a_generation() -> None:
+    from spottrain.controller.run.replica_view import replica_rows
+
+    record = json.dumps({"nodes": ["a", "b"], "at": 1.0, "gen": 3})
+    [row] = replica_rows({b"replica-0": record.encode()}, {})
+    assert (row.replica_id, row.nodes, row.state) == ("replica-0", ("a", "b"), "joining")
 
 
 def test_a_live_node_is_never_double_booked() -> None:
@@ -47,6 +88,12 @@ def test_slot_names_round_trip() -> None:
 def test_each_replica_has_its_own_rendezvous_id() -> None:
     assert replica_rdzv_id("job-1700000000", "replica-3") == "job-1700000000.replica-3"
     assert replica_rdzv_id("job-1", "replica-0") != replica_rdzv_id("job-1", "replica-1")
+    # Each generation its own too; the first keeps the plain id.
+    assert replica_rdzv_id("job-1", "replica-3", 1) == "job-1.replica-3"
+    assert replica_rdzv_id("job-1", "replica-3", 2) == "job-1.replica-3.g2"
+    assert ReplicaLaunch("job-1", "replica-3", 1, 1, "h:1", 1, gen=7).rdzv_id == (
+        "job-1.replica-3.g7"
+    )
 
 
 def test_the_workers_get_the_replica_variables_and_torchfts_own() -> None:
