@@ -28,9 +28,10 @@ is split over the replicas taking part, and each replica's share over its ranks.
 
 Gradients cross replicas through :meth:`ReplicaMode.commit` (a model without DDP)
 or a model wrapped by :meth:`ReplicaMode.wrap_ddp` (after :meth:`restore`; then
-``commit()`` without parameters). An FSDP2 model sharded over a replica of one rank passes
-its local gradient shards; a replica of several ranks must not (the engine sums them over
-the replica's ranks first, which only suits replicated gradients).
+``commit()`` without parameters). An FSDP2 model sharded over the replica's ranks (HSDP:
+replicas are the outer dimension) passes its parameters: their gradient shards cross the
+replicas rank by rank, never the replica's own group; call :meth:`ReplicaMode.use_fsdp`
+once after ``fully_shard`` (its reduce-scatter must sum).
 
 The elastic-only knobs (``every_seconds``, ``async_periodic``, ``hold_timeout``,
 ``agree_interval``, ``stuck_grace``, ``thread_count``, ``poll_interval``, ``tracking``,
@@ -54,6 +55,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from spottrain.protocol.env import ENV_REDIS
 
+from ..replica.reduction import is_sharded, sum_fsdp_gradients
 from ..replica.session import ReplicaSession, run_id_from_env
 from .channel import RequestChannel
 from .modes import REPLICA, StepWork
@@ -167,18 +169,27 @@ class ReplicaMode:
     def commit(
         self, params: Iterable[torch.nn.Parameter] = (), *, extra: Sequence[torch.Tensor] = ()
     ) -> bool:
-        """Sum ``params``' gradients (none: a DDP model's hook did) and ``extra`` tensors
-        over the step's replicas, in place, in one collective; whether to step the optimizer.
+        """Sum ``params``' gradients (none: a DDP model's hook did; an FSDP2 model's shards
+        with the same rank of each other replica) and ``extra`` tensors over the step's
+        replicas, in place; whether to step the optimizer.
         False: the step is discarded (the tensors are garbage); skip the optimizer step, and
         the next :meth:`begin_step` gives the same step and samples again."""
-        tensors = list(extra)
+        tensors, shards = list(extra), list[torch.Tensor]()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            tensors.append(p.grad)
+            (shards if is_sharded(p.grad) else tensors).append(p.grad)
         if tensors:
-            self.replica.reduce(tensors)
+            self.replica.engine.reduce(tensors)
+        if shards:  # FSDP2's: summed inside the replica already, each rank its own (HSDP)
+            self.replica.engine.reduce(shards, replicated=False)
         return self.replica.commit()
+
+    def use_fsdp(self, model: torch.nn.Module) -> torch.nn.Module:
+        """After ``fully_shard`` over the replica's ranks: FSDP2's reduce-scatter becomes a
+        sum, as the replicas' is (the step's weights are for summed gradients)."""
+        sum_fsdp_gradients(model)
+        return model
 
     def end_step(self, state: dict[str, Any], **metrics: float) -> int:
         """After the optimizer step (or its skip): progress reported (``metrics`` and the

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from spottrain.protocol.env import ENV_RUN_ID
 
@@ -90,13 +91,15 @@ def generation(round_: int, node: str) -> str:
 
 
 def average(params: list[torch.nn.Parameter], extra: list[torch.Tensor], world: int) -> bool:
-    """Average the gradients of ``params`` (a missing one counts as zeros) and ``extra``
-    over the default group's ``world`` ranks, in place, in one all-reduce; True."""
+    """Average the gradients of ``params`` (a missing one counts as zeros; DTensors, an
+    FSDP2 model's, are left alone) and ``extra`` over the default group's ``world`` ranks,
+    in place, in one all-reduce; True."""
     tensors = list(extra)
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        tensors.append(p.grad)
+        if not isinstance(p.grad, DTensor):  # FSDP2's reduce-scatter averaged it already
+            tensors.append(p.grad)
     if world <= 1 or not tensors:
         return True
     flat = torch.cat([t.reshape(-1) for t in tensors])

@@ -390,12 +390,17 @@ class TrainSession:
 
         return DistributedDataParallel(module)
 
+    def use_fsdp(self, model: torch.nn.Module) -> torch.nn.Module:
+        """After ``fully_shard``: nothing here (replica mode makes its reduce a sum)."""
+        return model
+
     def commit(
         self, params: Iterable[torch.nn.Parameter] = (), *, extra: Sequence[torch.Tensor] = ()
     ) -> bool:
-        """Average ``params``' gradients (none: DDP did) and ``extra`` tensors (such as the
-        step's weighted loss) over the ranks, in place; whether to step the optimizer (always,
-        elastic; replica mode: False when the step is discarded and must be redone)."""
+        """Average ``params``' gradients (none: DDP did; FSDP2's shards are skipped, their
+        reduce-scatter did) and ``extra`` tensors (such as the step's weighted loss) over the
+        ranks, in place; whether to step the optimizer (always, elastic; replica mode: False
+        when the step is discarded and must be redone)."""
         return saving.average(list(params), list(extra), self.world if self._dist else 1)
 
     def end_step(self, state: dict[str, Any], **metrics: float) -> int:
