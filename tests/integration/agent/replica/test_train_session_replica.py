@@ -212,14 +212,17 @@ def test_a_preempted_run_ends_with_the_loss_curve_of_an_unbroken_one(
     figure("solo_steps", sum(1 for m in members if len(m) == 1))
 
 
+@pytest.mark.parametrize("layout", ["plain", "fsdp"])
 def test_the_sdk_calls_in_replica_mode_in_one_process(
-    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
 ) -> None:
     """One replica in this process, the SDK's own calls: the mode from the environment,
     the step from the manager, periodic and final checkpoints of ModelState and RngState
     from the replica, and a restart that restores them bitwise; ``session.step`` (which
-    cannot tell a discarded step) is refused with the fix."""
+    cannot tell a discarded step) is refused with the fix. ``fsdp``: the model is FSDP2
+    (a one-rank mesh), so its gradients take the sharded path across replicas."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession
     from spottrain.agent.sdk.replica_mode import ReplicaMode
@@ -252,8 +255,13 @@ def test_the_sdk_calls_in_replica_mode_in_one_process(
         dist.init_process_group("gloo", init_method="env://")
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 2)
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
         session = TrainSession(ckpt, every_steps=3, install_signal_handlers=False, redis_url="")
+        if layout == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)
+            session.use_fsdp(model)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
         return session, {"model": ModelState(model, opt), "rng": RngState()}, model
 
     session, state, model = start()
@@ -277,7 +285,9 @@ def test_the_sdk_calls_in_replica_mode_in_one_process(
             opt.step()
             step = session.end_step(state, loss=1.0)
         assert step == 4 and session.discarded == 0
-        final = {k: v.clone() for k, v in model.state_dict().items()}
+        if layout == "fsdp":
+            assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+        final = full(model)
         rng = torch.get_rng_state()
         session.finish(step, state, exit_process=False)
     finally:
@@ -289,8 +299,17 @@ def test_the_sdk_calls_in_replica_mode_in_one_process(
     session, state, model = start()
     try:
         assert session.restore(state) == 4
-        assert all(torch.equal(final[k], v) for k, v in model.state_dict().items())
+        assert all(torch.equal(final[k], v) for k, v in full(model).items())
         assert torch.equal(torch.get_rng_state(), rng)
         session.finish(4, state, exit_process=False)
     finally:
         dist.destroy_process_group()
+
+
+def full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }
