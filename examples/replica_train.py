@@ -1,7 +1,9 @@
 """A tiny deterministic model trained in replica mode (``train.fault_tolerance: replica``).
 
 Each replica (its own torchrun; one process here) trains a full copy; replicas sum their
-gradients through spottrain's fault-tolerant all-reduce (:mod:`spottrain.agent.replica`).
+gradients through spottrain's fault-tolerant all-reduce, driven by the trainer SDK's
+``TrainSession(fault_tolerance="replica")`` (:mod:`spottrain.agent.sdk.replica_mode`): the
+loop is the SDK's mode-neutral one (``begin_step``, ``commit``, ``end_step``).
 Sample ``i`` is made from ``(seed, i)`` alone, and step ``s`` consumes samples
 ``[s * G, (s + 1) * G)`` split over the replicas taking part, so a step that is discarded
 (a peer lost mid-step) and redone re-consumes the same samples, and the loss curve does not
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -28,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spottrain.agent.replica import ReplicaSession
+from spottrain.agent.sdk import GlobalBatch, ModelState, RngState, TrainSession
+from spottrain.protocol.env import ENV_REPLICA_ID
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,13 +63,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@functools.lru_cache(maxsize=4)
+def teacher(seed: int, dim: int) -> torch.Tensor:
+    """The map the targets come from (made once: it is the same for every sample)."""
+    w = torch.Generator().manual_seed(seed)
+    return torch.randn(dim, dim, generator=w) / dim**0.5
+
+
 def sample(seed: int, index: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``index``: an input and its target, from ``(seed, index)`` alone."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
     x = torch.randn(dim, generator=g)
-    w = torch.Generator().manual_seed(seed)
-    teacher = torch.randn(dim, dim, generator=w) / dim**0.5
-    return x, torch.tanh(teacher @ x)
+    return x, torch.tanh(teacher(seed, dim) @ x)
 
 
 def batch(seed: int, ids: range, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,10 +111,9 @@ class Progress:
             f.write(json.dumps(row) + "\n")
 
 
-def main() -> None:
-    args = parse_args()
-    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
-    torch.manual_seed(args.seed)  # the same initial weights on every replica
+def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """The model, optimizer and LR schedule; the same initial weights on every replica."""
+    torch.manual_seed(args.seed)
     model = nn.Sequential(
         nn.Linear(args.dim, args.hidden), nn.Tanh(), nn.Linear(args.hidden, args.dim)
     )
@@ -114,29 +122,22 @@ def main() -> None:
     # Momentum buffers exist from the start, so a checkpoint's template has them.
     for p in model.parameters():
         opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return model, opt, sched
 
-    def state_dict() -> dict[str, Any]:
-        return {
-            "model": model.state_dict(),
-            "optim": opt.state_dict(),
-            "sched": sched.state_dict(),
-            "rng": torch.get_rng_state(),
-        }
 
-    def load_state_dict(sd: dict[str, Any]) -> None:
-        model.load_state_dict(sd["model"])
-        opt.load_state_dict(sd["optim"])
-        sched.load_state_dict(sd["sched"])
-        torch.set_rng_state(sd["rng"])
-
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    model, opt, sched = build(args)
     t_start = time.monotonic()
-    session = ReplicaSession(
-        state_dict, load_state_dict, ckpt_dir=args.ckpt_dir, every_steps=args.every_steps
-    )
-    replica = session.engine.config.replica_id
+    # The mode comes from the job (train.fault_tolerance, $SPOTTRAIN_FAULT_TOLERANCE); this
+    # example is replica mode's, so it asks for it.
+    session = TrainSession(args.ckpt_dir, every_steps=args.every_steps, fault_tolerance="replica")
+    state = {"model": ModelState(model, opt, sched), "rng": RngState()}
+    replica = os.environ.get(ENV_REPLICA_ID, "replica")
     progress = Progress(args.progress if session.rank == 0 else None, replica)
     t0 = time.monotonic()
-    step = session.restore()
+    step = session.restore(state)
     progress.write(
         event="start",
         step=step,
@@ -145,62 +146,62 @@ def main() -> None:
         restore_s=time.monotonic() - t0,  # 0 unless it loaded a disk checkpoint
         state_bytes=sum(p.numel() * p.element_size() for p in model.parameters()) * 2,
     )
-    net = session.engine.wrap_ddp(model) if args.ddp else model
+    net = session.wrap_ddp(model) if args.ddp else model
+    batch = GlobalBatch(args.global_batch, args.micro_batch, world=session.world, rank=session.rank)
     first_full = False
     taken_part = 0
-    while session.step < args.steps:
-        plan = session.begin_step(args.global_batch, args.micro_batch)
-        if plan.healed:
+    while step < args.steps:
+        work = session.begin_step(batch)
+        if work.healed:
             # The quorum's wait includes fetching and loading the live peer's state.
             progress.write(
                 event="healed",
-                step=plan.step,
+                step=work.step,
                 since_start_s=time.monotonic() - t_start,
-                heal_s=session.engine.quorum_wait_s[-1],
+                heal_s=work.wait_s,
             )
         opt.zero_grad(set_to_none=False)
         loss_sum = 0.0
-        micro = list(plan.local(session.rank, session.world)) or [range(0)]
+        micro = list(work) or [range(0)]
         for k, ids in enumerate(micro):
             # Under DDP only the last micro-batch's backward may reduce: every replica must
             # run the same collectives, however many micro-batches its share has.
             last = k == len(micro) - 1
             sync = contextlib.nullcontext() if last or not args.ddp else net.no_sync()
-            with sync:
+            with sync, session.compute():
                 loss_sum += backward(net, args, ids)
-        taken_part += int(plan.participating)
-        if plan.participating and args.freeze_after_steps == taken_part:
-            progress.write(event="freezing", step=plan.step, pid=os.getpid())
+        taken_part += int(work.participating)
+        if work.participating and args.freeze_after_steps == taken_part:
+            progress.write(event="freezing", step=work.step, pid=os.getpid())
             os.kill(os.getpid(), signal.SIGSTOP)
-        ok = True if args.ddp else session.reduce_grads(list(model.parameters()))
+        # The loss crosses replicas with the gradients (under DDP: alone, after them).
         loss_t = torch.tensor([loss_sum])
-        ok = session.reduce([loss_t]) and ok
-        committed = session.commit()
+        committed = session.commit([] if args.ddp else model.parameters(), extra=[loss_t])
         if committed:
             opt.step()
             sched.step()
         if args.step_time:
             time.sleep(args.step_time)
-        if committed and not first_full and plan.participating:
+        if committed and not first_full and work.participating:
             first_full = True
             progress.write(
-                event="first-step", step=plan.step, since_start_s=time.monotonic() - t_start
+                event="first-step", step=work.step, since_start_s=time.monotonic() - t_start
             )
         progress.write(
-            step=plan.step,
+            step=work.step,
             committed=committed,
-            participants=plan.participants,
-            participant_rank=plan.participant_rank,
-            quorum_id=plan.quorum_id,
-            samples=[i for r in plan.local(session.rank, session.world) for i in r],
+            participants=work.participants,
+            participant_rank=work.participant_rank,
+            quorum_id=work.quorum_id,
+            samples=work.samples,
             loss=float(loss_t[0]),
-            discarded=session.engine.discarded,
-            quorum_wait_s=session.engine.quorum_wait_s[-1],
+            discarded=session.discarded,
+            quorum_wait_s=work.wait_s,
             digest=param_digest(model),
         )
-        session.end_step(loss=float(loss_t[0]), participants=plan.participants)
-    progress.write(event="finished", step=session.step, digest=param_digest(model))
-    session.finish()  # exits 0
+        step = session.end_step(state, loss=float(loss_t[0]), participants=work.participants)
+    progress.write(event="finished", step=step, digest=param_digest(model))
+    session.finish(step, state)  # exits 0
 
 
 if __name__ == "__main__":

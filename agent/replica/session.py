@@ -33,7 +33,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,13 +43,40 @@ from spottrain.protocol.keys import RunKeys
 
 from ..checkpoint import dcp_io
 from ..local_progress import ProgressFile
-from ..sdk.channel import RequestChannel
 from .disk import ReplicaCheckpoints
 from .engine import EngineConfig, ReplicaEngine
 from .holders import LIVE, HolderBoard, must_save_on_leave
 from .plan import StepPlan
 
 log = logging.getLogger("spottrain.replica")
+
+
+class Reporter(Protocol):
+    """Where rank 0 tells the controller how training goes (the SDK's Redis channel; this
+    package does not import the SDK, which builds on it)."""
+
+    def report_progress(
+        self, step: int, world: int, round_: int, metrics: dict[str, float]
+    ) -> None: ...
+    def report_restore(self, step: int, world: int, round_: int) -> None: ...
+    def report_finished(self, step: int) -> None: ...
+    def stop(self) -> None: ...
+
+
+class _Silent:
+    def report_progress(
+        self, step: int, world: int, round_: int, metrics: dict[str, float]
+    ) -> None:
+        pass
+
+    def report_restore(self, step: int, world: int, round_: int) -> None:
+        pass
+
+    def report_finished(self, step: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
 
 
 class ReplicaSession:
@@ -64,6 +91,8 @@ class ReplicaSession:
         redis_url / run_id: The job's Redis (default ``$SPOTTRAIN_REDIS``,
             ``$SPOTTRAIN_RUN_ID``); without it no holder row and no drain request.
         config: The engine's (default from the environment).
+        reporter: Rank 0's progress, restores and end of training go there (the SDK passes
+            its Redis channel; default: reported nowhere).
     """
 
     def __init__(
@@ -78,6 +107,7 @@ class ReplicaSession:
         run_id: str | None = None,
         config: EngineConfig | None = None,
         install_signal_handlers: bool = True,
+        reporter: Reporter | None = None,
     ) -> None:
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
         self.engine = ReplicaEngine(state_dict, load_state_dict, config)
@@ -98,12 +128,7 @@ class ReplicaSession:
         self._progress = ProgressFile.from_env()
         # The controller's view (step, loss, finished, restores), as the elastic SDK reports
         # it; every replica's rank 0 writes it, the newest step wins.
-        self._channel = RequestChannel(
-            redis_url if redis_url is not None else os.environ.get(ENV_REDIS),
-            _run_id(run_id),
-            1.0,
-            active=self.rank == 0,
-        )
+        self._channel: Reporter = reporter if reporter is not None else _Silent()
         self._sigterm = False
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -154,7 +179,8 @@ class ReplicaSession:
         step = self.step
         self._progress.report(step)
         if self.rank == 0 and plan is not None and step > plan.step:
-            self._channel.report_progress(step, plan.participants, plan.quorum_id, metrics)
+            row = {**metrics, "discarded": float(self.engine.discarded)}
+            self._channel.report_progress(step, plan.participants, plan.quorum_id, row)
         if plan is not None and (self.board.row is not None or plan.step < step):
             self.board.update(
                 state=LIVE,
@@ -224,7 +250,7 @@ class ReplicaSession:
 
 def _redis(url: str | None, run_id: str | None, *, active: bool) -> tuple[Any, RunKeys | None]:
     url = url if url is not None else os.environ.get(ENV_REDIS)
-    run_id = _run_id(run_id)
+    run_id = run_id_from_env(run_id)
     if not (active and url and run_id):
         return None, None
     from spottrain.redis_conn import connect, settings_from_url
@@ -236,7 +262,7 @@ def _redis(url: str | None, run_id: str | None, *, active: bool) -> tuple[Any, R
         return None, None
 
 
-def _run_id(given: str | None) -> str | None:
+def run_id_from_env(given: str | None) -> str | None:
     """The run's id: torchrun's ``--rdzv-id`` in replica mode is the run id plus the slot
     (``<run>.replica-<j>``), so the agent's ``$SPOTTRAIN_RUN_ID`` comes first."""
     if given:

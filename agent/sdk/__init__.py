@@ -62,7 +62,16 @@ generation with a higher epoch and commit as usual. A refused commit is an error
 a ``checkpoint-refused`` event in the run's stream and a count in ``ckpt:refused``, which
 ``spottrain status`` and a draining agent report.
 
-**Modules.** :mod:`.session` (:class:`TrainSession`: restore, step, save, hold), :mod:`.agreement`
+**Two modes, one loop.** ``TrainSession(fault_tolerance="replica")`` (or
+``$SPOTTRAIN_FAULT_TOLERANCE=replica``, which the agent sets from the job's
+``train.fault_tolerance``) trains each replica on its own through torchft instead (see
+:mod:`.replica_mode`). A script that steps with ``work = session.begin_step(batch)``, ``if
+session.commit(params): opt.step()`` and ``step = session.end_step(state, loss=...)`` runs
+unchanged in both modes; ``session.step`` stays the elastic loop's call.
+
+**Modules.** :mod:`.session` (:class:`TrainSession`: restore, step, save, hold), :mod:`.saving`
+(a checkpoint write, the hold after a drain), :mod:`.modes` (the mode, a step's work),
+:mod:`.replica_mode` (replica mode's methods), :mod:`.agreement`
 (the all-reduced flags), :mod:`.channel` (rank 0's Redis link: requests in, reports out, the
 fence), :mod:`.signals` (SIGTERM), :mod:`.state` (:class:`ModelState`, :class:`RngState`, the
 staging copy of an asynchronous save), :mod:`.batch` (:class:`GlobalBatch`), :mod:`.timing`

@@ -1,19 +1,21 @@
 """A worker's checkpointing session: restore, the per-step agreement on saving, the saves
-themselves, and the hold or exit after an emergency save (see the package docstring)."""
+themselves, and the hold or exit after an emergency save (see the package docstring).
+``TrainSession(fault_tolerance="replica")`` is :mod:`.replica_mode`'s session instead."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
 import threading
 import time
-import uuid
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,12 +27,17 @@ from ..checkpoint import dcp_io
 from ..checkpoint.directory import CheckpointDir
 from ..checkpoint.manifest import Manifest
 from ..local_progress import ProgressFile
+from . import saving
 from .agreement import _DRAIN, _EARLY, _PERIODIC, _REQUEST, _SIGTERM, _ZEROS, Agreement, local_flags
 from .channel import RequestChannel
-from .signals import EXIT_TRACKING_S, SignalWatch, exit_clean
+from .modes import REPLICA, StepWork, resolve_mode
+from .signals import SignalWatch
 from .state import stage
 from .timing import StepTimer
-from .tracking import start_tracker, track_commit
+from .tracking import start_tracker
+
+if TYPE_CHECKING:
+    from .batch import GlobalBatch
 
 log = logging.getLogger("spottrain.sdk")
 
@@ -66,7 +73,17 @@ class TrainSession:
             tracked); explicit :class:`~spottrain.tracking.WandbSettings`; False: off.
         report_interval: Seconds between two reports of this rank's compute time (and, from
             local rank 0, the node's step time) to its node record in Redis.
+        fault_tolerance: ``"elastic"`` (this class) or ``"replica"`` (this class with
+            the methods of :class:`~.replica_mode.ReplicaMode` first); default
+            ``$SPOTTRAIN_FAULT_TOLERANCE``, else elastic.
     """
+
+    def __new__(cls, *args: Any, fault_tolerance: str | None = None, **kwargs: Any) -> TrainSession:
+        # The job's spec picks the mode through the workers' environment: the same script
+        # gets the replica session without a change.
+        if cls is TrainSession and resolve_mode(fault_tolerance) == REPLICA:
+            return super().__new__(_replica_session())
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -86,7 +103,9 @@ class TrainSession:
         install_signal_handlers: bool = True,
         tracking: WandbSettings | bool = True,
         report_interval: float = 5.0,
+        fault_tolerance: str | None = None,
     ) -> None:
+        self.fault_tolerance = resolve_mode(fault_tolerance)
         root = ckpt_dir if ckpt_dir is not None else os.environ.get(ENV_CKPT_DIR)
         if not root:
             raise ValueError(
@@ -143,14 +162,14 @@ class TrainSession:
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="spottrain-save",
-            initializer=_use_cuda_device,
+            initializer=saving.use_cuda_device,
             initargs=(device,),
         )
         self._inflight: Future[bool] | None = None
         self.epoch = -1
         if self.rank == 0:
             self.ckdir.check_writable()  # fail before any training, not at the first save
-            self.epoch = self.ckdir.claim_epoch(_generation(self.round, self.node))
+            self.epoch = self.ckdir.claim_epoch(saving.generation(self.round, self.node))
         self.epoch = dcp_io.broadcast_from_first(self.epoch, self._group)
 
     def _start_loop_state(self) -> None:
@@ -172,6 +191,7 @@ class TrainSession:
         self._served_at = 0.0  # requests made before a drain checkpoint are answered by it
         self.saves: list[dcp_io.SaveResult] = []
         self.last_restored: Manifest | None = None
+        self._next_step = 0
 
     def _start_step_reporter(self, report_interval: float) -> None:
         self._step_reporter: threading.Thread | None = None
@@ -234,6 +254,7 @@ class TrainSession:
             )
         if self.rank == 0:
             self._requests.report_restore(step, self.world, self.round)
+        self._next_step = step
         self._phase = "training"
         self._mark()
         return step
@@ -262,6 +283,7 @@ class TrainSession:
         :meth:`compute`.
         """
         self._timer.close_compute(compute_s)  # first: a bad compute_s changes nothing
+        self._next_step = step
         now = time.monotonic()
         step_s = now - self._last_progress
         self._timer.step_times.append(step_s)
@@ -344,11 +366,53 @@ class TrainSession:
         return self._timer.compute_time
 
     @property
+    def discarded(self) -> int:
+        """Steps discarded and redone (replica mode); an elastic step never is."""
+        return 0
+
+    @property
     def last_step_time(self) -> float:
         """Median seconds per step over the recent steps."""
         return self._timer.last_step_time
 
+    # -- the mode-neutral step: the same loop runs in replica mode --------------------------
+    def begin_step(self, batch: GlobalBatch) -> StepWork:
+        """The next step's number and this rank's micro-batches of it (elastic: ``batch``'s
+        own, weighted for gradients averaged over the ranks)."""
+        step = self._next_step
+        return StepWork(step, tuple(batch.micro_ranges(step)), batch.world / batch.global_size)
+
+    def wrap_ddp(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` in DDP over the world (replica mode: across the replicas)."""
+        if not self._dist:
+            return module
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module)
+
+    def use_fsdp(self, model: torch.nn.Module) -> torch.nn.Module:
+        """After ``fully_shard``: nothing here (replica mode makes its reduce a sum)."""
+        return model
+
+    def commit(
+        self, params: Iterable[torch.nn.Parameter] = (), *, extra: Sequence[torch.Tensor] = ()
+    ) -> bool:
+        """Average ``params``' gradients (none: DDP did; FSDP2's shards are skipped, their
+        reduce-scatter did) and ``extra`` tensors (such as the step's weighted loss) over the
+        ranks, in place; whether to step the optimizer (always, elastic; replica mode: False
+        when the step is discarded and must be redone)."""
+        return saving.average(list(params), list(extra), self.world if self._dist else 1)
+
+    def end_step(self, state: dict[str, Any], **metrics: float) -> int:
+        """:meth:`step` for the step :meth:`begin_step` gave; returns the next step's
+        number."""
+        self.step(self._next_step + 1, state, **metrics)
+        return self._next_step
+
     # -- internals --------------------------------------------------------------------------
+    _write = saving.write
+    _after_drain_save = saving.after_drain_save
+
     def _mark(self) -> None:
         self._last_progress = time.monotonic()
 
@@ -393,54 +457,6 @@ class TrainSession:
         self._agreement.restart(pending)
         return committed
 
-    def _write(
-        self,
-        state: dict[str, Any],
-        step: int,
-        kind: str,
-        request_id: int,
-        drain: bool,
-        group: Any,
-        t0: float,
-    ) -> bool:
-        try:
-            result = dcp_io.save(
-                state,
-                self.ckdir,
-                step=step,
-                round_=self.round,
-                kind=kind,
-                request_id=request_id,
-                extra={"node": self.node, "drain": drain},
-                group=group,
-                fence=self._requests.fence,
-                thread_count=self.thread_count,
-                keep=self.keep,
-                epoch=self.epoch,
-            )
-        except dcp_io.CheckpointWriteError as exc:
-            log.error("%s checkpoint at step %d failed: %s", kind, step, exc)
-            if self._last_save_step == step:
-                self._last_save_step = -1  # so that finish() tries this step again
-            return False
-        self.saves.append(result)
-        self._served_request = max(self._served_request, request_id)
-        if drain and result.manifest is not None:
-            self._served_at = result.manifest.created_at
-        if result.refused is not None and self.rank == 0:
-            self._requests.report_refused(result, kind, drain, request_id, self.round, self.epoch)
-        if result.committed and self.rank == 0:
-            log.warning(
-                "%s checkpoint step %d committed in %.2f s (%s)",
-                kind,
-                step,
-                time.monotonic() - t0,
-                result.path,
-            )
-            self._requests.report_commit(result, kind, drain, request_id)
-            track_commit(self._tracker, result, kind, drain, self.run_id, self.node)
-        return result.committed
-
     def _wait_async(self) -> None:
         if self._inflight is not None:
             phase, self._phase = self._phase, "saving"
@@ -451,33 +467,6 @@ class TrainSession:
                 self._inflight = None
                 self._mark()
 
-    def _after_drain_save(self, step: int, committed: bool) -> None:
-        if self._sigterm:
-            if committed:
-                exit_clean(f"stopping after the emergency checkpoint at step {step}", self._tracker)
-            log.error(
-                "the emergency checkpoint at step %d did not commit: stopping anyway; the "
-                "steps since the newest committed checkpoint are lost",
-                step,
-            )
-            exit_clean("stopping without an emergency checkpoint", self._tracker, code=1)
-        self._holding.set()
-        self._tracker.flush(EXIT_TRACKING_S)  # its artifact, before a SIGTERM ends us
-        log.warning(
-            "holding after the emergency checkpoint at step %d until torchrun restarts this "
-            "worker (at most %.0f s)",
-            step,
-            self.hold_timeout,
-        )
-        deadline = time.monotonic() + self.hold_timeout
-        while time.monotonic() < deadline:
-            if self._sigterm:
-                exit_clean(f"stopped while holding at step {step}", self._tracker)
-            time.sleep(0.05)
-        self._holding.clear()
-        log.warning("no restart came within %.0f s: training on", self.hold_timeout)
-        self._served_request = max(self._served_request, self._requests.newest_id())
-
     def _stuck(self) -> bool:
         """Whether the training loop looks stuck (SIGTERM is pending, no save running)."""
         if self._phase in ("saving", "staging", "restoring", "closed"):
@@ -486,13 +475,13 @@ class TrainSession:
         return time.monotonic() - self._last_progress > limit
 
 
-def _use_cuda_device(device: int | None) -> None:
-    if device is not None:
-        torch.cuda.set_device(device)
+@functools.cache
+def _replica_session() -> type[TrainSession]:
+    """TrainSession with replica mode's methods first (made on first use: replica mode
+    imports torchft, which elastic jobs never load)."""
+    from .replica_mode import ReplicaMode
 
+    class ReplicaTrainSession(ReplicaMode, TrainSession):
+        __doc__ = ReplicaMode.__doc__
 
-def _generation(round_: int, node: str) -> str:
-    """A name for this session's generation of writers, unique to it: a rendezvous round
-    may repeat (a new rendezvous state starts again at 0), so the round only describes it."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(ENV_RUN_ID) or "-"
-    return f"run {run} round {round_} node {node} pid {os.getpid()} {uuid.uuid4().hex[:12]}"
+    return ReplicaTrainSession
