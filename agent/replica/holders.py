@@ -58,6 +58,8 @@ class HolderRow:
     participants: int = 0
     discarded: int = 0
     at: float = 0.0
+    longest_gap_s: float = 0.0
+    longest_gap_step: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any, Protocol
@@ -130,6 +131,10 @@ class ReplicaSession:
         # it; every replica's rank 0 writes it, the newest step wins.
         self._channel: Reporter = reporter if reporter is not None else _Silent()
         self._sigterm = False
+        # (step, unix time) of this replica's newest commit, and its longest gap between
+        # two consecutive commits (s - 1 then s): the survivors' pause, for the summary.
+        self._last_commit: tuple[int, float] | None = None
+        self._longest_gap: tuple[float, int] = (0.0, 0)
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self.last_plan: StepPlan | None = None
@@ -181,8 +186,16 @@ class ReplicaSession:
         if self.rank == 0 and plan is not None and step > plan.step:
             row = {**metrics, "discarded": float(self.engine.discarded)}
             self._channel.report_progress(step, plan.participants, plan.quorum_id, row)
+        if plan is not None and plan.step < step:
+            now = time.time()
+            last = self._last_commit
+            if last is not None and last[0] == step - 1 and now - last[1] > self._longest_gap[0]:
+                self._longest_gap = (now - last[1], step)
+            self._last_commit = (step, now)
         if plan is not None and (self.board.row is not None or plan.step < step):
             self.board.update(
+                longest_gap_s=round(self._longest_gap[0], 4),
+                longest_gap_step=self._longest_gap[1],
                 state=LIVE,
                 step=step,
                 quorum_id=plan.quorum_id,
