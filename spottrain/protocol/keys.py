@@ -149,8 +149,9 @@ class RunKeys:
     @property
     def replica_holders(self) -> str:
         """Hash replica id -> JSON {state: "live" | "leaving", step, quorum_id, participants,
-        discarded, at}, written by each replica's rank 0: which replicas hold the training
-        state, so a leaver learns atomically whether it is the last."""
+        discarded, at, longest_gap_s, longest_gap_step}, written by each replica's rank 0:
+        which replicas hold the training state, so a leaver learns atomically whether it is
+        the last (and the longest gap between its consecutive commits, for the summary)."""
         return f"{self.base}:replica:holders"
 
     # -- checkpoints --------------------------------------------------------------------------

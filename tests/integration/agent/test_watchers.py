@@ -334,9 +334,11 @@ def test_aws_requests_bypass_an_http_proxy_from_the_environment(
     with MetadataServer() as proxy:
         monkeypatch.setenv("HTTP_PROXY", proxy.url)
         monkeypatch.setenv("http_proxy", proxy.url)
-        # Control: plain urllib obeys the variable, so the test below means something.
+        # Control: plain urllib obeys the variable, so the test below means something. A
+        # fresh opener: urlopen's global one read the variables when some earlier test in
+        # this process first called it.
         with pytest.raises(urllib.error.HTTPError):
-            urllib.request.urlopen(md.url + AWS_SPOT_PATH, timeout=TIMEOUT)
+            urllib.request.build_opener().open(md.url + AWS_SPOT_PATH, timeout=TIMEOUT)
         assert proxy.total_requests == 1
         md.set_spot_action("terminate", iso(time.time() + 120))
         [notice] = AwsImdsWatcher(md.url, timeout=TIMEOUT).poll()

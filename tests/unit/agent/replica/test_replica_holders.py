@@ -47,7 +47,16 @@ def test_two_leavers_at_once_leave_one_to_save() -> None:
 
 def test_a_row_round_trips_in_the_common_format() -> None:
     body = json.loads(HolderRow(step=3, quorum_id=2, participants=2, discarded=1, at=5).to_json())
-    assert set(body) == {"state", "step", "quorum_id", "participants", "discarded", "at"}
+    assert set(body) == {
+        "state",
+        "step",
+        "quorum_id",
+        "participants",
+        "discarded",
+        "at",
+        "longest_gap_s",
+        "longest_gap_step",
+    }
     assert parse_row(json.dumps(body)) == HolderRow("live", 3, 2, 2, 1, 5.0)
     assert parse_row("{}") is None
 
