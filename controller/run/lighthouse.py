@@ -102,11 +102,12 @@ def choose_hosts(redis_host: str, redis_host_is_local: bool, hostname: str) -> t
     return "0.0.0.0", redis_host if redis_host_is_local else hostname
 
 
-def _can_bind(host: str) -> bool:
+def _can_bind(host: str, port: int = 0) -> bool:
+    """Whether this machine can listen on ``host`` (at ``port``; 0: any port)."""
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family) as s:
-            s.bind((host, 0))
+            s.bind((host, port))
         return True
     except OSError:
         return False
@@ -140,18 +141,9 @@ def place_lighthouse(redis_url: str, environ: Mapping[str, str] = os.environ) ->
     host = urlsplit(redis_url if "://" in redis_url else f"redis://{redis_url}").hostname or ""
     bind_host, adv_host = choose_hosts(host, _can_bind(host), socket.getfqdn())
     port = free_port(bind_host) if bind_host == "127.0.0.1" else REMOTE_PORT
-    if port == REMOTE_PORT and not _can_bind_port(bind_host, port):
+    if port == REMOTE_PORT and not _can_bind(bind_host, port):
         port = free_port(bind_host)
     return Placement(_host_port(bind_host, port), _host_port(adv_host, port))
-
-
-def _can_bind_port(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
 
 
 # -- the process -------------------------------------------------------------------------------
