@@ -54,6 +54,9 @@ ENV_FAULT_TOLERANCE = "SPOTTRAIN_FAULT_TOLERANCE"
 ENV_NODES_PER_REPLICA = "SPOTTRAIN_NODES_PER_REPLICA"
 ENV_MIN_REPLICAS = "SPOTTRAIN_MIN_REPLICAS"
 ENV_LIGHTHOUSE = "SPOTTRAIN_LIGHTHOUSE"
+# Which quorum the replicas use: "redis" (spottrain.quorum, in the run's Redis; the default)
+# or "lighthouse" (torchft's own, run by the controller).
+ENV_QUORUM = "SPOTTRAIN_QUORUM"
 # The workers', set by the agent for one replica: its slot ("replica-<j>"), the manager's
 # fixed port on the replica's first node.
 ENV_REPLICA_ID = "SPOTTRAIN_REPLICA_ID"

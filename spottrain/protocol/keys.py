@@ -154,6 +154,17 @@ class RunKeys:
         the last (and the longest gap between its consecutive commits, for the summary)."""
         return f"{self.base}:replica:holders"
 
+    # -- the replica quorum in Redis (spottrain.quorum) ----------------------------------------
+    @property
+    def quorum_base(self) -> str:
+        """Prefix of the Redis quorum's keys (train.replica.quorum: redis); their layout and
+        formats are documented in spottrain/quorum/__init__.py, the one module that writes them."""
+        return f"{self.base}:quorum"
+
+    def quorum_key(self, part: str) -> str:
+        """One key of the Redis quorum, e.g. ``quorum_key("seq")``."""
+        return f"{self.quorum_base}:{part}"
+
     # -- checkpoints --------------------------------------------------------------------------
     @property
     def ckpt_requests(self) -> str:
