@@ -50,7 +50,8 @@ class QuorumClient:
 
     Args:
         redis: A client whose ``socket_timeout`` is None or longer than the BLPOP wait
-            (``max(join_timeout, heartbeat_timeout / 4)`` plus 20 %).
+            (``min(max(join_timeout, heartbeat_timeout / 4), heartbeat_timeout / 2)`` plus
+            20 %).
         keys: The run's keys.
         config: The quorum's settings, the same for every replica of the run.
         wait_replicas: After an answer, ``WAIT wait_replicas 1000`` so that many Redis
@@ -192,11 +193,14 @@ class QuorumClient:
 
     def _await_answer(self, replica_id: str, token: str, deadline: float) -> Answer:
         reply = scripts.reply_key(self._keys, replica_id)
-        slice_s = max(self._config.join_timeout_ms, self._config.heartbeat_timeout_ms / 4) / 1000
+        # Wake to TICK at the join timeout's scale, and at least twice per heartbeat timeout
+        # so a silent loss is swept within the timeout plus a round.
+        hb_ms = self._config.heartbeat_timeout_ms
+        slice_s = min(max(self._config.join_timeout_ms, hb_ms / 4), hb_ms / 2) / 1000
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise QuorumTimeout(self._timeout_message(replica_id))
+                return self._give_up(replica_id, token, reply)
             wait = min(remaining, slice_s) * random.uniform(0.8, 1.2)
             try:
                 got = self._redis.blpop([reply], timeout=max(wait, 0.01))
@@ -212,6 +216,17 @@ class QuorumClient:
                 return scripts.parse_answer(line)
             except ValueError as e:
                 raise self._corrupt(reply, f"{line!r}") from e
+
+    def _give_up(self, replica_id: str, token: str, reply: str) -> Answer:
+        # Withdraw the request, so no later round counts a replica that stopped waiting; if
+        # its round formed meanwhile the others count on this replica: take the answer.
+        if int(self._call("TICK", replica_id, token)) == 0:
+            for element in self._redis.lrange(reply, 0, -1):
+                their_token, line = scripts.split_reply(element)
+                if their_token == token:
+                    self._redis.lrem(reply, 1, element)
+                    return scripts.parse_answer(line)
+        raise QuorumTimeout(self._timeout_message(replica_id))
 
     def _back_off(self, failures: int, deadline: float, error: Exception) -> None:
         remaining = deadline - time.monotonic()

@@ -293,19 +293,32 @@ save()
 return round
 """
 
-# ARGV[6]: the waiting replica's id (a waiter that was dropped learns it here).
+# ARGV[6]: the waiting replica's id (a waiter that was dropped learns it here); ARGV[7],
+# optional: the token of a request the waiter gives up on, withdrawn unless its round formed.
 TICK_BODY = r"""
 load_state(true)
+local id, withdraw = ARGV[6], ARGV[7]
 local dropped = 0
 if not in_grace() then
   local expired = rc(K_HB, 'ZRANGEBYSCORE', '-inf', fmt(NOW - HB_TIMEOUT), 'LIMIT', 0, 64)
-  for _, id in ipairs(expired) do drop(id, 'dropped'); dropped = dropped + 1 end
+  for _, gone in ipairs(expired) do drop(gone, 'dropped'); dropped = dropped + 1 end
+end
+local result = dropped
+if withdraw then
+  result = 0
+  local v = rc(K_REQ, 'HGET', id)
+  if v and string.sub(v, -#withdraw - 1) == ' ' .. withdraw then
+    rc(K_REQ, 'HDEL', id)
+    if rc(K_PREV, 'SISMEMBER', id) == 1 then set('joined_prev', S.joined_prev - 1) end
+    if rc(K_REQ, 'HLEN') == 0 then set('opened', '') end
+    result = 1
+  end
 end
 try_form()
 save()
-local why = gone_why(ARGV[6])
-if why then return redis.error_reply('QGONE ' .. ARGV[6] .. ' ' .. why) end
-return dropped
+local why = gone_why(id)
+if why then return redis.error_reply('QGONE ' .. id .. ' ' .. why) end
+return result
 """
 
 # ARGV[6..]: replica ids. Returns the ids that are gone.
