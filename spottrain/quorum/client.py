@@ -26,6 +26,10 @@ from spottrain.quorum.model import Answer, Member, QuorumConfig, Roster
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
+class _RequestLost(Exception):
+    """Redis no longer holds the request (it restarted): send it again."""
+
+
 @dataclass(frozen=True)
 class QuorumStatus:
     """The quorum at a glance (for status pages and tests)."""
@@ -71,7 +75,7 @@ class QuorumClient:
         self._config = config
         self._wait_replicas = wait_replicas
         self._keys_list = scripts.script_keys(keys)
-        self._config_args = scripts.config_args(keys, config, secrets.token_hex(8))
+        self._config_args = scripts.config_args(keys, config, secrets.token_hex(4))
         self._scripts = {name: redis.register_script(src) for name, src in scripts.ALL.items()}
         self._lock = threading.Lock()
         self._members: dict[str, Member] = {}  # joined here: re-joined if Redis lost them
@@ -168,6 +172,8 @@ class QuorumClient:
             except _TRANSIENT as e:
                 failures += 1
                 self._back_off(failures, deadline, e)
+            except _RequestLost:
+                continue
         with self._lock:
             if answer.quorum_id > self._held.get(replica_id, 0):
                 self._held[replica_id] = answer.quorum_id
@@ -207,7 +213,8 @@ class QuorumClient:
             except redis.ResponseError as e:
                 raise self._corrupt(reply, str(e)) from e
             if got is None:
-                self._call("TICK", replica_id)
+                if self._tick(replica_id, token) == "lost":
+                    raise _RequestLost
                 continue
             their_token, line = scripts.split_reply(got[1])
             if their_token != token:
@@ -220,13 +227,17 @@ class QuorumClient:
     def _give_up(self, replica_id: str, token: str, reply: str) -> Answer:
         # Withdraw the request, so no later round counts a replica that stopped waiting; if
         # its round formed meanwhile the others count on this replica: take the answer.
-        if int(self._call("TICK", replica_id, token)) == 0:
+        if self._tick(replica_id, token, "withdraw") == "answered":
             for element in self._redis.lrange(reply, 0, -1):
                 their_token, line = scripts.split_reply(element)
                 if their_token == token:
                     self._redis.lrem(reply, 1, element)
                     return scripts.parse_answer(line)
         raise QuorumTimeout(self._timeout_message(replica_id))
+
+    def _tick(self, replica_id: str, token: str, *withdraw: str) -> str:
+        result = self._call("TICK", replica_id, token, *withdraw)
+        return result.decode() if isinstance(result, bytes) else str(result)
 
     def _back_off(self, failures: int, deadline: float, error: Exception) -> None:
         remaining = deadline - time.monotonic()

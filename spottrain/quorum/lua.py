@@ -65,7 +65,9 @@ local function load_state(lost)
   local v = rc(K_STATE, 'HMGET', unpack(FIELDS))
   if not v[1] then
     for _, f in ipairs(FIELDS) do set(f, 0) end
-    set('epoch', EPOCH_NEW); set('round', 1); set('opened', ''); set('active', NOW)
+    -- The epoch: the creation time and the creating client's random part, unique per state.
+    set('epoch', string.format('%x', NOW) .. EPOCH_NEW)
+    set('round', 1); set('opened', ''); set('active', NOW)
     if lost then set('grace_until', NOW + HB_TIMEOUT) end
     return
   end
@@ -127,6 +129,15 @@ local function drop(id, why)
     for i = 1, #old, 2 do ids[#ids + 1] = old[i] end
     chunked(K_GONE, 'HDEL', ids, add_one)
   end
+end
+
+-- Drop up to 64 replicas whose heartbeat expired (none during a grace): run by every call
+-- that can see a replica, so a frozen one is gone before it can ask again.
+local function sweep()
+  if in_grace() then return 0 end
+  local expired = rc(K_HB, 'ZRANGEBYSCORE', '-inf', fmt(NOW - HB_TIMEOUT), 'LIMIT', 0, 64)
+  for _, id in ipairs(expired) do drop(id, 'dropped') end
+  return #expired
 end
 
 local function gone_why(id)
@@ -270,6 +281,7 @@ REQUEST_BODY = r"""
 load_state(true)
 local id, step, held = ARGV[6], ARGV[7], tonumber(ARGV[8])
 local cf, shrink, tok = ARGV[9], ARGV[10], ARGV[11]
+sweep()
 local why = gone_why(id)
 if why then save(); return redis.error_reply('QGONE ' .. id .. ' ' .. why) end
 if rc(K_INFO, 'HEXISTS', id) == 0 then save(); return redis.error_reply('QJOIN ' .. id) end
@@ -293,28 +305,30 @@ save()
 return round
 """
 
-# ARGV[6]: the waiting replica's id (a waiter that was dropped learns it here); ARGV[7],
-# optional: the token of a request the waiter gives up on, withdrawn unless its round formed.
+# ARGV[6]: the waiting replica's id (a waiter that was dropped learns it here); ARGV[7]: the
+# token of its request; ARGV[8]: "withdraw" when the waiter gives up. Returns where the request
+# stands: "pending", "answered" (its answer waits in the list), "lost" (Redis lost it: send
+# it again) or "withdrawn".
 TICK_BODY = r"""
 load_state(true)
-local id, withdraw = ARGV[6], ARGV[7]
-local dropped = 0
-if not in_grace() then
-  local expired = rc(K_HB, 'ZRANGEBYSCORE', '-inf', fmt(NOW - HB_TIMEOUT), 'LIMIT', 0, 64)
-  for _, gone in ipairs(expired) do drop(gone, 'dropped'); dropped = dropped + 1 end
-end
-local result = dropped
-if withdraw then
-  result = 0
+local id, tok, withdraw = ARGV[6], ARGV[7], ARGV[8] == 'withdraw'
+sweep()
+local function standing()
   local v = rc(K_REQ, 'HGET', id)
-  if v and string.sub(v, -#withdraw - 1) == ' ' .. withdraw then
-    rc(K_REQ, 'HDEL', id)
-    if rc(K_PREV, 'SISMEMBER', id) == 1 then set('joined_prev', S.joined_prev - 1) end
-    if rc(K_REQ, 'HLEN') == 0 then set('opened', '') end
-    result = 1
+  if v and string.sub(v, -#tok - 1) == ' ' .. tok then return 'pending' end
+  for _, line in ipairs(rc(REPLY .. id, 'LRANGE', 0, -1)) do
+    if string.sub(line, 1, #tok + 1) == tok .. ' ' then return 'answered' end
   end
+  return 'lost'
 end
-try_form()
+local result = standing()
+if result == 'pending' and withdraw then
+  rc(K_REQ, 'HDEL', id)
+  if rc(K_PREV, 'SISMEMBER', id) == 1 then set('joined_prev', S.joined_prev - 1) end
+  if rc(K_REQ, 'HLEN') == 0 then set('opened', '') end
+  result = 'withdrawn'
+end
+if try_form() and result == 'pending' then result = standing() end
 save()
 local why = gone_why(id)
 if why then return redis.error_reply('QGONE ' .. id .. ' ' .. why) end
@@ -324,11 +338,13 @@ return result
 # ARGV[6..]: replica ids. Returns the ids that are gone.
 HEARTBEAT_BODY = r"""
 load_state(true)
+local dropped = sweep()
 local live, gone = {}, {}
 for i = 6, #ARGV do
   if gone_why(ARGV[i]) then gone[#gone + 1] = ARGV[i] else live[#live + 1] = ARGV[i] end
 end
 chunked(K_HB, 'ZADD', live, function(args, id) args[#args + 1] = NOW; args[#args + 1] = id end)
+if dropped > 0 then try_form() end
 save()
 return gone
 """

@@ -10,9 +10,9 @@ min_replicas, an epoch candidate (used only if the state is created), the reply 
 - ``REQUEST``: replica id, step, held quorum id, commit failures, shrink_only (0/1), a token
   (unique per logical request, the same across its retries). -> the round number; the answer
   arrives on ``reply:<id>`` as ``"<token> <answer line>"`` (``split_reply``).
-- ``TICK``: the waiting replica's id -> how many expired replicas it dropped; with a second
-  argument, the token of a request given up on: withdraws it -> 1, or 0 when its round
-  formed already (the answer waits in the list).
+- ``TICK``: the waiting replica's id, its request's token, and ``withdraw`` when it gives
+  up -> ``pending``, ``answered`` (the answer waits in the list), ``lost`` (Redis lost the
+  request, e.g. restarted: send it again) or ``withdrawn``.
 - ``HEARTBEAT``: replica ids. -> the ids among them that are gone.
 - ``LEAVE``: replica id. -> 1 if it left now, 0 if it was gone already.
 

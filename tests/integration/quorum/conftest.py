@@ -6,8 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from quorum_harness import FAST, Fleet
+from quorum_harness import FAST, Fleet, connect_to
 
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.protocol.keys import RunKeys
 from spottrain.quorum.client import QuorumClient
 from spottrain.quorum.model import QuorumConfig
@@ -18,7 +19,7 @@ def make_fleet(redis_server: object, run_keys: RunKeys) -> Iterator[object]:
     made: list[Fleet] = []
 
     def make(config: QuorumConfig = FAST, client: redis.Redis | None = None) -> Fleet:
-        r = client or redis_server.client()  # type: ignore[attr-defined]
+        r = client or connect_to(redis_server.port)  # type: ignore[attr-defined]
         fleet = Fleet(QuorumClient(r, run_keys, config), config)
         made.append(fleet)
         return fleet
@@ -26,3 +27,10 @@ def make_fleet(redis_server: object, run_keys: RunKeys) -> Iterator[object]:
     yield make
     for fleet in made:
         fleet.close()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A Redis of this test's own (AOF on), which it may restart, wipe or stall."""
+    with RedisServer(extra_args=["--enable-debug-command", "yes"]) as server:
+        yield server

@@ -3,6 +3,8 @@ agent's shim does, sharing one client (one VM)."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -10,11 +12,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import redis
 
+from spottrain.ports import free_port
 from spottrain.quorum.client import QuorumClient
 from spottrain.quorum.model import Answer, Member, QuorumConfig
+from spottrain.redis_conn import RedisSettings, connect
 
 # Small timeouts keep the tests fast; deadlines stay generous for a loaded machine.
 FAST = QuorumConfig(heartbeat_timeout_ms=600, join_timeout_ms=150, min_replicas=1)
+
+
+def connect_to(port: int) -> redis.Redis:
+    """A client as the agent makes one (spottrain.redis_conn: short retries, 5 s timeout)."""
+    return connect(RedisSettings(host="127.0.0.1", port=port))
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "") -> None:
@@ -80,3 +89,66 @@ class Fleet:
     def close(self) -> None:
         self.hb.stop()
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class CutProxy:
+    """A TCP forwarder to Redis whose ``cut()`` closes every connection and refuses new ones
+    until ``heal()``: the replicas behind it are partitioned from Redis."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._cut = False
+        self.heal()
+
+    def heal(self) -> None:
+        self._cut = False
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            if self._cut:
+                client.close()
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._socks += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        self._cut = True
+        if self._listener is not None:
+            with contextlib.suppress(OSError):  # wakes the blocked accept()
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+            self._listener = None
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
