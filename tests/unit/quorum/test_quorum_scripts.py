@@ -36,8 +36,7 @@ def test_member_roster_and_ids() -> None:
         with pytest.raises(ValueError, match="whitespace"):
             scripts.check_replica_id(bad)
     keys = RunKeys("run-1")
-    assert scripts.script_keys(keys)[0] == keys.quorum_key("seq")
-    assert len(scripts.script_keys(keys)) == len(scripts.KEY_PARTS) == 10
-    args = scripts.config_args(keys, QuorumConfig(), "ep")
-    assert args == ["1000", "250", "1", "ep", keys.quorum_key("reply:")]
+    assert scripts.script_keys(keys) == [keys.quorum_key("")]
+    assert scripts.reply_key(keys, "r:1") == keys.quorum_key("reply:r:1")
+    assert scripts.config_args(keys, QuorumConfig(), "ep") == ["1000", "250", "1", "ep"]
     assert scripts.request_args("r", 5, -1, 2, True, "t") == ["r", "5", "0", "2", "1", "t"]
