@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import redis
@@ -80,6 +81,7 @@ class QuorumClient:
         self._lock = threading.Lock()
         self._members: dict[str, Member] = {}  # joined here: re-joined if Redis lost them
         self._held: dict[str, int] = {}  # the last quorum id each replica was answered
+        self._roster: tuple[str, Roster] | None = None  # (epoch, roster) last read
 
     # -- scripts ------------------------------------------------------------------------------
     def _call(self, name: str, *args: str) -> Any:
@@ -257,17 +259,54 @@ class QuorumClient:
 
     # -- reading ------------------------------------------------------------------------------
     def roster(self) -> Roster:
-        """The membership of the last quorum whose membership changed (O(N): call it only
-        when an answer's ``roster_version`` differs from the cached one)."""
-        key = self._keys.quorum_key("roster")
-        doc = self._read(lambda: self._redis.get(key), key)
+        """The membership of the last quorum whose membership changed. The first call reads
+        it whole (O(N)); later ones read O(1) when nothing changed and only the changes
+        otherwise (the ``rlog`` deltas), falling back to the whole roster when the log does
+        not reach back to the cached version (or Redis lost its state)."""
+        state, rlog = self._keys.quorum_key("state"), self._keys.quorum_key("rlog")
+        epoch, target = self._read(lambda: self._redis.hmget(state, "epoch", "version"), state)
+        with self._lock:
+            cached = self._roster
+        if cached is not None and epoch is not None and cached[0] == epoch.decode():
+            members = {m.replica_id: m for m in cached[1].members}
+            version = cached[1].version
+            while version < int(target or 0):
+                doc = self._read(partial(self._redis.hget, rlog, str(version)), rlog)
+                if doc is None:
+                    break
+                try:
+                    version = scripts.apply_delta(members, doc)
+                except (ValueError, TypeError, KeyError, IndexError) as e:
+                    raise self._corrupt(rlog, f"{bytes(doc)[:80]!r}") from e
+            if version == int(target or 0):
+                return self._cache(epoch.decode(), version, members)
+        return self._full_roster()
+
+    def _full_roster(self) -> Roster:
+        key, state = self._keys.quorum_key("roster"), self._keys.quorum_key("state")
+
+        def read() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=True)  # the roster and its epoch together
+            pipe.get(key)
+            pipe.hget(state, "epoch")
+            return list(pipe.execute())
+
+        doc, epoch = self._read(read, key)
         if doc is None:
             return Roster(version=0, members=())
         try:
             version, members = scripts.parse_roster(doc)
         except (ValueError, TypeError, KeyError, IndexError) as e:
             raise self._corrupt(key, f"{bytes(doc)[:80]!r}") from e
-        return Roster(version=version, members=tuple(members))
+        return self._cache(
+            (epoch or b"").decode(), version, {m.replica_id: m for m in members}
+        )  # fmt: skip
+
+    def _cache(self, epoch: str, version: int, members: dict[str, Member]) -> Roster:
+        roster = Roster(version=version, members=tuple(members[k] for k in sorted(members)))
+        with self._lock:
+            self._roster = (epoch, roster)
+        return roster
 
     def heartbeat_ages(self, replica_ids: Sequence[str]) -> dict[str, float | None]:
         """Seconds since each replica's last heartbeat (Redis clock); None: none, or gone."""

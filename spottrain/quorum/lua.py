@@ -15,6 +15,8 @@ local P = KEYS[1]
 local K_SEQ, K_STATE, K_PREV, K_REQ = P .. 'seq', P .. 'state', P .. 'prev', P .. 'req'
 local K_HB, K_INFO, K_ROSTER, K_GONE = P .. 'hb', P .. 'info', P .. 'roster', P .. 'gone'
 local K_GONE_AT, K_SORT, REPLY = P .. 'gone_at', P .. 'sort', P .. 'reply:'
+local K_RLOG, K_RLOG_VS, K_PDROP = P .. 'rlog', P .. 'rlog_vs', P .. 'pdrop'
+local RLOG_KEEP = 64
 local HB_TIMEOUT = tonumber(ARGV[1])
 local JOIN_TIMEOUT = tonumber(ARGV[2])
 local MIN_REPLICAS = tonumber(ARGV[3])
@@ -117,6 +119,7 @@ local function drop(id, why)
   local had_req = rc(K_REQ, 'HDEL', id) == 1
   if rc(K_PREV, 'SREM', id) == 1 then
     set('dirty', 1)
+    rc(K_PDROP, 'SADD', id)  -- still in the roster: the next change's delta removes it
     if had_req then set('joined_prev', S.joined_prev - 1) end
   end
   if had_req and rc(K_REQ, 'HLEN') == 0 then set('opened', '') end
@@ -167,7 +170,9 @@ local function read_requests()
   return reqs, sorted(ids)
 end
 
-local function write_roster(ids, version)
+-- Roster entries [id, address, store_address, world_size, data] as JSON, built from the
+-- stored arrays without decoding them.
+local function member_entries(ids)
   local parts = {}
   for i = 1, #ids, CHUNK do
     local chunk = {}
@@ -181,8 +186,34 @@ local function write_roster(ids, version)
       parts[#parts + 1] = '[' .. cjson.encode(id) .. ',' .. string.sub(info, 2)
     end
   end
-  local doc = '{"version":' .. fmt(version) .. ',"members":[' .. table.concat(parts, ',') .. ']}'
+  return table.concat(parts, ',')
+end
+
+-- The membership changed: rewrite prev and the roster, and log the delta from the last
+-- roster (rlog: from-version -> {"version", "from", "add", "del"}) so a cached roster is
+-- brought up to date with O(change) bytes instead of the whole membership.
+local function change_membership(ids, version)
+  local new, old, added, removed = {}, {}, {}, {}
+  for _, id in ipairs(ids) do new[id] = true end
+  for _, id in ipairs(rc(K_PREV, 'SMEMBERS')) do
+    old[id] = true
+    if not new[id] then removed[#removed + 1] = id end
+  end
+  for _, id in ipairs(rc(K_PDROP, 'SMEMBERS')) do removed[#removed + 1] = id end
+  for _, id in ipairs(ids) do if not old[id] then added[#added + 1] = id end end
+  rc(K_PDROP, 'DEL')
+  rc(K_PREV, 'DEL')
+  chunked(K_PREV, 'SADD', ids, add_one)
+  local doc = '{"version":' .. fmt(version) .. ',"members":[' .. member_entries(ids) .. ']}'
   rc(K_ROSTER, 'SET', doc)
+  local del = #removed > 0 and cjson.encode(removed) or '[]'
+  local delta = '{"version":' .. fmt(version) .. ',"from":' .. fmt(S.version) ..
+    ',"add":[' .. member_entries(added) .. '],"del":' .. del .. '}'
+  rc(K_RLOG, 'HSET', fmt(S.version), delta)
+  if rc(K_RLOG_VS, 'RPUSH', fmt(S.version)) > RLOG_KEEP then
+    rc(K_RLOG, 'HDEL', rc(K_RLOG_VS, 'LPOP'))
+  end
+  set('version', version); set('dirty', 0)
 end
 
 local function membership_changed(ids)
@@ -225,12 +256,7 @@ local function form()
     if q.cf > cf_max then cf_max = q.cf end
   end
   next_qid(changed, cf_max)
-  if changed then
-    rc(K_PREV, 'DEL')
-    chunked(K_PREV, 'SADD', ids, add_one)
-    write_roster(ids, S.qid)
-    set('version', S.qid); set('dirty', 0)
-  end
+  if changed then change_membership(ids, S.qid) end
   local heal, behind = heal_sources(ids, reqs, max_step)
   local n = #ids
   local head = ' ' .. fmt(S.qid) .. ' '

@@ -22,8 +22,12 @@ e.g. after Redis lost its data), ``QCORRUPT <key> <what>``.
 
 Keys (parts of ``RunKeys.quorum_key``): ``seq``, ``state``, ``prev``, ``req``, ``hb``,
 ``info``, ``roster``, ``gone``, ``reply:<id>`` as in the design, plus ``gone_at`` (zset id ->
-ms, so the oldest tombstones can be trimmed at 100k) and ``sort`` (scratch, empty between
-calls; sorts replica ids by bytes only when Redis runs in a non-C collation locale). ``state``
+ms, so the oldest tombstones can be trimmed at 100k), ``sort`` (scratch, empty between
+calls; sorts replica ids by bytes only when Redis runs in a non-C collation locale),
+``rlog`` (hash: the roster version a membership change started from -> the JSON delta
+``{"version", "from", "add": [entries], "del": [ids]}``; the last 64, their order in the
+list ``rlog_vs``) and ``pdrop`` (set: members of the last quorum dropped or left since, which
+the next delta removes). ``state``
 also holds ``grace_until`` (the stall guard), ``dirty`` (a member of the last quorum was
 dropped or left) and ``held`` (the largest quorum id held by this round's requesters).
 ``info`` holds a member as the JSON array ``[address, store_address, world_size, data]`` so a
@@ -37,6 +41,7 @@ The answer line (ASCII, space separated):
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from spottrain.protocol.keys import RunKeys
 from spottrain.quorum import lua
@@ -144,6 +149,33 @@ def parse_answer(line: str | bytes) -> Answer:
     )
 
 
+def _member(m: list[Any]) -> Member:
+    return Member(
+        replica_id=str(m[0]),
+        address=str(m[1]),
+        store_address=str(m[2]),
+        world_size=int(m[3]),
+        data=str(m[4]),
+    )
+
+
+def apply_delta(members: dict[str, Member], doc: str | bytes) -> int:
+    """Apply one ``rlog`` entry to ``members`` (replica id -> Member); returns the version it
+    brings them to.
+
+    Raises:
+        ValueError: not a roster delta.
+    """
+    data = json.loads(doc)
+    if not isinstance(data, dict) or not isinstance(data.get("add"), list):
+        raise ValueError("not a roster delta")
+    for replica_id in data["del"]:
+        members.pop(str(replica_id), None)
+    for m in data["add"]:
+        members[str(m[0])] = _member(m)
+    return int(data["version"])
+
+
 def parse_roster(doc: str | bytes) -> tuple[int, list[Member]]:
     """The ``roster`` key's JSON -> (version, members sorted by replica id).
 
@@ -153,14 +185,4 @@ def parse_roster(doc: str | bytes) -> tuple[int, list[Member]]:
     data = json.loads(doc)
     if not isinstance(data, dict) or not isinstance(data.get("members"), list):
         raise ValueError("not a roster document")
-    members = [
-        Member(
-            replica_id=str(m[0]),
-            address=str(m[1]),
-            store_address=str(m[2]),
-            world_size=int(m[3]),
-            data=str(m[4]),
-        )
-        for m in data["members"]
-    ]
-    return int(data["version"]), members
+    return int(data["version"]), [_member(m) for m in data["members"]]
