@@ -319,8 +319,10 @@ for _, line in ipairs(waiting) do
   if string.sub(line, 1, #tok + 1) == tok .. ' ' then save(); return S.round - 1 end
 end
 -- The floor: no quorum id a live replica holds is ever handed out again.
-if held > num(K_SEQ, 'value', rc(K_SEQ, 'GET') or 0) then rc(K_SEQ, 'SET', fmt(held)) end
-if held > S.held then set('held', held) end
+if held > S.qid then  -- seq >= qid always: only an id above the state's can raise it
+  if held > num(K_SEQ, 'value', rc(K_SEQ, 'GET') or 0) then rc(K_SEQ, 'SET', fmt(held)) end
+  if held > S.held then set('held', held) end
+end
 rc(K_HB, 'ZADD', NOW, id)
 if rc(K_REQ, 'HSET', id, step .. ' ' .. cf .. ' ' .. shrink .. ' ' .. tok) == 1 then
   rc(REPLY .. id, 'DEL')  -- answers to requests this replica gave up on

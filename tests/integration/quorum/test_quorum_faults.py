@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import signal
 import threading
 
 import pytest
@@ -204,3 +205,17 @@ def test_redis_stall_past_the_heartbeat_timeout_drops_nobody(make_fleet, own_red
     after = _one_quorum(fleet.round(_steps(2)))
     assert (mid.quorum_id, after.quorum_id, after.replica_count) == (before.quorum_id,) * 2 + (3,)
     assert admin.hlen(RunKeys.quorum_key(fleet.client._keys, "gone")) == 0
+
+
+def test_wait_replicas_has_a_redis_replica_hold_the_quorum(own_redis, run_keys) -> None:
+    own_redis.client().config_set("repl-diskless-sync-delay", 0)  # no 5 s wait to sync
+    with RedisServer(extra_args=["--replicaof", "127.0.0.1", str(own_redis.port)]) as replica:
+        wait_until(lambda: replica.client().info("replication").get("master_link_status") == "up")
+        client = QuorumClient(connect_to(own_redis.port), run_keys, FAST, wait_replicas=1)
+        client.join(Member("a"))
+        client.heartbeat(["a"])
+        answer = client.request("a", 0, timeout=30)
+        # WAIT returned: the replica holds the state the answer came from.
+        state = replica.client().hgetall(run_keys.quorum_key("state"))
+        replica.stop(signal.SIGKILL)  # a replica's SIGTERM shutdown can take seconds
+        assert int(state[b"qid"]) == answer.quorum_id == 1

@@ -163,3 +163,18 @@ def test_request_retries_are_idempotent(make_fleet, run_keys, redis_client) -> N
     # A new request replaces answers to requests given up on.
     send("c", 2, "t4")
     assert redis_client.llen(scripts.reply_key(run_keys, "c")) == 0
+
+
+def test_shrink_only_leaves_newcomers_for_the_next_round(make_fleet, run_keys, redis_client):
+    fleet = make_fleet()
+    fleet.add("a", "b", "c")
+    first = fleet.round({"a": 0, "b": 0})
+    newcomer = fleet.ask("c", 0)
+    wait_until(lambda: _req_len(redis_client, run_keys) == 1, what="c's request")
+    shrunk = {r: fleet.ask(r, 1, shrink_only=r == "a") for r in "ab"}
+    answers = {r: f.result(30) for r, f in shrunk.items()}
+    assert {(x.quorum_id, x.replica_count) for x in answers.values()} == {(first["a"].quorum_id, 2)}
+    assert not newcomer.done() and _req_len(redis_client, run_keys) == 1  # c waits on
+    grown = fleet.round({"a": 2, "b": 2})
+    assert newcomer.result(30).replica_count == grown["a"].replica_count == 3
+    assert grown["a"].quorum_id == first["a"].quorum_id + 1
