@@ -33,7 +33,9 @@ def _one_quorum(answers: dict[str, Answer]) -> Answer:
 
 
 @pytest.mark.parametrize("keep_data", [True, False], ids=["aof", "empty"])
-def test_redis_restart_mid_round(make_fleet, own_redis: RedisServer, keep_data: bool) -> None:
+def test_redis_restart_mid_round(
+    make_fleet, own_redis: RedisServer, run_keys: RunKeys, keep_data: bool
+) -> None:
     # No join timeout in reach: the round waits for all three across the restart.
     config = dataclasses.replace(FAST, join_timeout_ms=60_000)
     fleet: Fleet = make_fleet(config, client=connect_to(own_redis.port))
@@ -41,7 +43,7 @@ def test_redis_restart_mid_round(make_fleet, own_redis: RedisServer, keep_data: 
     before = _one_quorum(fleet.round(_steps(0)))
     # Two of three are waiting on the next round when Redis goes away.
     waiting = {rid: fleet.ask(rid, 1) for rid in ("a", "b")}
-    wait_until(lambda: own_redis.client().hlen(RunKeys.quorum_key(fleet.client._keys, "req")) == 2)
+    wait_until(lambda: own_redis.client().hlen(run_keys.quorum_key("req")) == 2)
     own_redis.stop()
     if not keep_data:
         shutil.rmtree(own_redis.data_dir)  # the state is lost, as after a failover to nothing
@@ -190,7 +192,9 @@ def test_garbage_in_each_key_is_reported_not_waited_on(redis_server, redis_clien
         redis_client.delete(*[keys.quorum_key(p) for p in (*scripts.KEY_PARTS, "reply:a")])
 
 
-def test_redis_stall_past_the_heartbeat_timeout_drops_nobody(make_fleet, own_redis) -> None:
+def test_redis_stall_past_the_heartbeat_timeout_drops_nobody(
+    make_fleet, own_redis, run_keys
+) -> None:
     fleet: Fleet = make_fleet(client=connect_to(own_redis.port))
     fleet.add(*IDS)
     before = _one_quorum(fleet.round(_steps(0)))
@@ -204,7 +208,7 @@ def test_redis_stall_past_the_heartbeat_timeout_drops_nobody(make_fleet, own_red
     admin.execute_command("CLIENT", "PAUSE", int(stall_s * 1000), "ALL")
     after = _one_quorum(fleet.round(_steps(2)))
     assert (mid.quorum_id, after.quorum_id, after.replica_count) == (before.quorum_id,) * 2 + (3,)
-    assert admin.hlen(RunKeys.quorum_key(fleet.client._keys, "gone")) == 0
+    assert admin.hlen(run_keys.quorum_key("gone")) == 0
 
 
 def test_wait_replicas_has_a_redis_replica_hold_the_quorum(own_redis, run_keys) -> None:
