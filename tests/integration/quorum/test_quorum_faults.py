@@ -137,7 +137,7 @@ def test_partitioned_minority_cannot_form(make_fleet, redis_server, run_keys) ->
     first = _one_quorum({r: f.result(30) for r, f in futures.items()})
     assert first.replica_count == 5
     proxy.cut()
-    cut_off = {r: minority.ask(r, 1, timeout=3.0) for r in "de"}
+    cut_off = {r: minority.ask(r, 1, timeout=1.5) for r in "de"}
     on = _one_quorum(majority.round(_steps(1, ["a", "b", "c"])))
     assert on.replica_count == 3 and on.quorum_id > first.quorum_id
     for f in cut_off.values():
@@ -199,7 +199,7 @@ def test_redis_stall_past_the_heartbeat_timeout_drops_nobody(
     fleet.add(*IDS)
     before = _one_quorum(fleet.round(_steps(0)))
     admin = own_redis.client()
-    stall_s = 3 * FAST.heartbeat_timeout_ms / 1000
+    stall_s = 2 * FAST.heartbeat_timeout_ms / 1000
     # A stall with two replicas waiting on the round, then one between rounds.
     waiting = {rid: fleet.ask(rid, 1) for rid in ("a", "b")}
     admin.execute_command("DEBUG", "SLEEP", stall_s)
