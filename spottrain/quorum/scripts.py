@@ -47,7 +47,10 @@ from spottrain.protocol.keys import RunKeys
 from spottrain.quorum import lua
 from spottrain.quorum.model import Answer, Member, QuorumConfig
 
-KEY_PARTS = ("seq", "state", "prev", "req", "hb", "info", "roster", "gone", "gone_at", "sort")
+KEY_PARTS = (
+    "seq", "state", "prev", "req", "hb", "info", "roster", "gone", "gone_at", "sort", "rlog",
+    "rlog_vs", "pdrop",
+)  # fmt: skip
 REPLY_PART = "reply:"
 
 JOIN = lua.PRELUDE + lua.JOIN_BODY

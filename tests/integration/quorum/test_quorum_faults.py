@@ -165,13 +165,19 @@ GARBAGE = [  # (key part, how to spoil it, what shows it)
     ("gone", lambda r, k: r.set(k, "x"), "request"),
     ("gone_at", lambda r, k: r.set(k, "x"), "leave"),
     ("reply:a", lambda r, k: r.set(k, "x"), "request"),
+    ("rlog", lambda r, k: r.set(k, "x"), "request"),
+    ("rlog_vs", lambda r, k: r.set(k, "x"), "request"),
+    ("pdrop", lambda r, k: r.set(k, "x"), "request"),
 ]
+
+
+PARTS = scripts.KEY_PARTS
 
 
 def test_garbage_in_each_key_is_reported_not_waited_on(redis_server, redis_client) -> None:
     for n, (part, spoil, shown_by) in enumerate(GARBAGE):
         keys = RunKeys(f"garbage-{n}")
-        redis_client.delete(*[keys.quorum_key(p) for p in (*scripts.KEY_PARTS, "reply:a")])
+        redis_client.delete(*[keys.quorum_key(p) for p in (*PARTS, "reply:a")])
         client = QuorumClient(connect_to(redis_server.port), keys, FAST)
         key = keys.quorum_key(part)
         if shown_by == "roster":  # every membership change rewrites it: spoil it after
@@ -189,7 +195,7 @@ def test_garbage_in_each_key_is_reported_not_waited_on(redis_server, redis_clien
                 client.request("a", 0, timeout=30)
             client.leave("a")
         assert f"{keys.quorum_base}:*" in str(err.value), part
-        redis_client.delete(*[keys.quorum_key(p) for p in (*scripts.KEY_PARTS, "reply:a")])
+        redis_client.delete(*[keys.quorum_key(p) for p in (*PARTS, "reply:a")])
 
 
 def test_redis_stall_past_the_heartbeat_timeout_drops_nobody(
