@@ -38,7 +38,7 @@ Connection budget: per VM one connection blocked in ``BLPOP`` for the request, o
 its heartbeats, leave and roster reads (``QuorumClient`` takes them from its ``redis.Redis``
 pool), plus the agent's own. 12,500 replicas on 12,500 VMs need 25,000-40,000 client
 connections: Redis's ``maxclients`` (default 10,000) and its open-file limit must be raised
-accordingly (the embedded Redis does). The client must not retry for long inside redis-py
+accordingly (the embedded Redis must set them). The client must not retry long inside redis-py
 (``spottrain.redis_conn.connect``'s short backoff is right; redis-py's default of 1-10 s
 backoffs would delay heartbeats past the timeout) and its ``socket_timeout`` must exceed the
 BLPOP slice (``min(max(join_timeout, heartbeat_timeout / 4), heartbeat_timeout / 2)`` + 20 %).
