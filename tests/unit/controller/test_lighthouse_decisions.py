@@ -13,6 +13,7 @@ from spec_samples import LOCAL
 from spottrain.controller.run.lighthouse import (
     HEARTBEAT_TIMEOUT_MS,
     choose_hosts,
+    find_torchft,
     lighthouse_command,
     min_replicas,
     place_lighthouse,
@@ -73,6 +74,17 @@ def test_an_elastic_spec_has_no_lighthouse(tmp_path: Path) -> None:
     assert replica_mode(spec) and not uses_lighthouse(spec)
     replica["train"]["replica"] = {"quorum": "lighthouse"}
     assert uses_lighthouse(parse_spec(yaml.safe_dump(replica), "job.yaml", tmp_path).spec)
+
+
+def test_a_local_redis_quorum_run_without_torchft_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RunError) as e:
+        find_torchft()
+    assert "\n" not in str(e.value) and "pip install 'spottrain[replica]'" in str(e.value)
 
 
 def test_a_run_json_from_before_the_lighthouse_still_loads(
