@@ -26,6 +26,10 @@ from spottrain.quorum.model import Answer, Member, QuorumConfig, Roster
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 
 
+class _RequestLost(Exception):
+    """Redis no longer holds the request (it restarted): send it again."""
+
+
 @dataclass(frozen=True)
 class QuorumStatus:
     """The quorum at a glance (for status pages and tests)."""
@@ -50,7 +54,8 @@ class QuorumClient:
 
     Args:
         redis: A client whose ``socket_timeout`` is None or longer than the BLPOP wait
-            (``max(join_timeout, heartbeat_timeout / 4)`` plus 20 %).
+            (``min(max(join_timeout, heartbeat_timeout / 4), heartbeat_timeout / 2)`` plus
+            20 %).
         keys: The run's keys.
         config: The quorum's settings, the same for every replica of the run.
         wait_replicas: After an answer, ``WAIT wait_replicas 1000`` so that many Redis
@@ -70,7 +75,7 @@ class QuorumClient:
         self._config = config
         self._wait_replicas = wait_replicas
         self._keys_list = scripts.script_keys(keys)
-        self._config_args = scripts.config_args(keys, config, secrets.token_hex(8))
+        self._config_args = scripts.config_args(keys, config, secrets.token_hex(4))
         self._scripts = {name: redis.register_script(src) for name, src in scripts.ALL.items()}
         self._lock = threading.Lock()
         self._members: dict[str, Member] = {}  # joined here: re-joined if Redis lost them
@@ -167,6 +172,8 @@ class QuorumClient:
             except _TRANSIENT as e:
                 failures += 1
                 self._back_off(failures, deadline, e)
+            except _RequestLost:
+                continue
         with self._lock:
             if answer.quorum_id > self._held.get(replica_id, 0):
                 self._held[replica_id] = answer.quorum_id
@@ -192,18 +199,22 @@ class QuorumClient:
 
     def _await_answer(self, replica_id: str, token: str, deadline: float) -> Answer:
         reply = scripts.reply_key(self._keys, replica_id)
-        slice_s = max(self._config.join_timeout_ms, self._config.heartbeat_timeout_ms / 4) / 1000
+        # Wake to TICK at the join timeout's scale, and at least twice per heartbeat timeout
+        # so a silent loss is swept within the timeout plus a round.
+        hb_ms = self._config.heartbeat_timeout_ms
+        slice_s = min(max(self._config.join_timeout_ms, hb_ms / 4), hb_ms / 2) / 1000
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise QuorumTimeout(self._timeout_message(replica_id))
+                return self._give_up(replica_id, token, reply)
             wait = min(remaining, slice_s) * random.uniform(0.8, 1.2)
             try:
                 got = self._redis.blpop([reply], timeout=max(wait, 0.01))
             except redis.ResponseError as e:
                 raise self._corrupt(reply, str(e)) from e
             if got is None:
-                self._call("TICK", replica_id)
+                if self._tick(replica_id, token) == "lost":
+                    raise _RequestLost
                 continue
             their_token, line = scripts.split_reply(got[1])
             if their_token != token:
@@ -212,6 +223,21 @@ class QuorumClient:
                 return scripts.parse_answer(line)
             except ValueError as e:
                 raise self._corrupt(reply, f"{line!r}") from e
+
+    def _give_up(self, replica_id: str, token: str, reply: str) -> Answer:
+        # Withdraw the request, so no later round counts a replica that stopped waiting; if
+        # its round formed meanwhile the others count on this replica: take the answer.
+        if self._tick(replica_id, token, "withdraw") == "answered":
+            for element in self._redis.lrange(reply, 0, -1):
+                their_token, line = scripts.split_reply(element)
+                if their_token == token:
+                    self._redis.lrem(reply, 1, element)
+                    return scripts.parse_answer(line)
+        raise QuorumTimeout(self._timeout_message(replica_id))
+
+    def _tick(self, replica_id: str, token: str, *withdraw: str) -> str:
+        result = self._call("TICK", replica_id, token, *withdraw)
+        return result.decode() if isinstance(result, bytes) else str(result)
 
     def _back_off(self, failures: int, deadline: float, error: Exception) -> None:
         remaining = deadline - time.monotonic()

@@ -9,14 +9,16 @@ error reply ``QCORRUPT <key> <what>``: garbage in a key is reported, never waite
 from __future__ import annotations
 
 PRELUDE = r"""
-local K_SEQ, K_STATE, K_PREV, K_REQ = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_HB, K_INFO, K_ROSTER, K_GONE = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local K_GONE_AT, K_SORT = KEYS[9], KEYS[10]
+-- One declared key, the prefix of all: every quorum key shares the run's hash tag (one slot),
+-- and a request carries its name once instead of ten times.
+local P = KEYS[1]
+local K_SEQ, K_STATE, K_PREV, K_REQ = P .. 'seq', P .. 'state', P .. 'prev', P .. 'req'
+local K_HB, K_INFO, K_ROSTER, K_GONE = P .. 'hb', P .. 'info', P .. 'roster', P .. 'gone'
+local K_GONE_AT, K_SORT, REPLY = P .. 'gone_at', P .. 'sort', P .. 'reply:'
 local HB_TIMEOUT = tonumber(ARGV[1])
 local JOIN_TIMEOUT = tonumber(ARGV[2])
 local MIN_REPLICAS = tonumber(ARGV[3])
 local EPOCH_NEW = ARGV[4]
-local REPLY = ARGV[5]
 local GONE_CAP = 100000
 local CHUNK = 1000
 
@@ -65,7 +67,9 @@ local function load_state(lost)
   local v = rc(K_STATE, 'HMGET', unpack(FIELDS))
   if not v[1] then
     for _, f in ipairs(FIELDS) do set(f, 0) end
-    set('epoch', EPOCH_NEW); set('round', 1); set('opened', ''); set('active', NOW)
+    -- The epoch: the creation time and the creating client's random part, unique per state.
+    set('epoch', string.format('%x', NOW) .. EPOCH_NEW)
+    set('round', 1); set('opened', ''); set('active', NOW)
     if lost then set('grace_until', NOW + HB_TIMEOUT) end
     return
   end
@@ -127,6 +131,15 @@ local function drop(id, why)
     for i = 1, #old, 2 do ids[#ids + 1] = old[i] end
     chunked(K_GONE, 'HDEL', ids, add_one)
   end
+end
+
+-- Drop up to 64 replicas whose heartbeat expired (none during a grace): run by every call
+-- that can see a replica, so a frozen one is gone before it can ask again.
+local function sweep()
+  if in_grace() then return 0 end
+  local expired = rc(K_HB, 'ZRANGEBYSCORE', '-inf', fmt(NOW - HB_TIMEOUT), 'LIMIT', 0, 64)
+  for _, id in ipairs(expired) do drop(id, 'dropped') end
+  return #expired
 end
 
 local function gone_why(id)
@@ -254,22 +267,23 @@ local function try_form()
 end
 """
 
-# ARGV[6..]: replica id, Member as a JSON array [address, store_address, world_size, data].
+# ARGV[5..]: replica id, Member as a JSON array [address, store_address, world_size, data].
 JOIN_BODY = r"""
 load_state(false)
-local id = ARGV[6]
+local id = ARGV[5]
 local why = gone_why(id)
 if why then save(); return redis.error_reply('QGONE ' .. id .. ' ' .. why) end
-rc(K_INFO, 'HSET', id, ARGV[7])
+rc(K_INFO, 'HSET', id, ARGV[6])
 save()
 return 1
 """
 
-# ARGV[6..]: replica id, step, held quorum id, commit failures, shrink_only (0/1), token.
+# ARGV[5..]: replica id, step, held quorum id, commit failures, shrink_only (0/1), token.
 REQUEST_BODY = r"""
 load_state(true)
-local id, step, held = ARGV[6], ARGV[7], tonumber(ARGV[8])
-local cf, shrink, tok = ARGV[9], ARGV[10], ARGV[11]
+local id, step, held = ARGV[5], ARGV[6], tonumber(ARGV[7])
+local cf, shrink, tok = ARGV[8], ARGV[9], ARGV[10]
+sweep()
 local why = gone_why(id)
 if why then save(); return redis.error_reply('QGONE ' .. id .. ' ' .. why) end
 if rc(K_INFO, 'HEXISTS', id) == 0 then save(); return redis.error_reply('QJOIN ' .. id) end
@@ -293,37 +307,54 @@ save()
 return round
 """
 
-# ARGV[6]: the waiting replica's id (a waiter that was dropped learns it here).
+# ARGV[5]: the waiting replica's id (a waiter that was dropped learns it here); ARGV[6]: the
+# token of its request; ARGV[7]: "withdraw" when the waiter gives up. Returns where the request
+# stands: "pending", "answered" (its answer waits in the list), "lost" (Redis lost it: send
+# it again) or "withdrawn".
 TICK_BODY = r"""
 load_state(true)
-local dropped = 0
-if not in_grace() then
-  local expired = rc(K_HB, 'ZRANGEBYSCORE', '-inf', fmt(NOW - HB_TIMEOUT), 'LIMIT', 0, 64)
-  for _, id in ipairs(expired) do drop(id, 'dropped'); dropped = dropped + 1 end
+local id, tok, withdraw = ARGV[5], ARGV[6], ARGV[7] == 'withdraw'
+sweep()
+local function standing()
+  local v = rc(K_REQ, 'HGET', id)
+  if v and string.sub(v, -#tok - 1) == ' ' .. tok then return 'pending' end
+  for _, line in ipairs(rc(REPLY .. id, 'LRANGE', 0, -1)) do
+    if string.sub(line, 1, #tok + 1) == tok .. ' ' then return 'answered' end
+  end
+  return 'lost'
 end
-try_form()
+local result = tok and standing() or 'ticked'
+if result == 'pending' and withdraw then
+  rc(K_REQ, 'HDEL', id)
+  if rc(K_PREV, 'SISMEMBER', id) == 1 then set('joined_prev', S.joined_prev - 1) end
+  if rc(K_REQ, 'HLEN') == 0 then set('opened', '') end
+  result = 'withdrawn'
+end
+if try_form() and result == 'pending' then result = standing() end
 save()
-local why = gone_why(ARGV[6])
-if why then return redis.error_reply('QGONE ' .. ARGV[6] .. ' ' .. why) end
-return dropped
+local why = gone_why(id)
+if why then return redis.error_reply('QGONE ' .. id .. ' ' .. why) end
+return result
 """
 
-# ARGV[6..]: replica ids. Returns the ids that are gone.
+# ARGV[5..]: replica ids. Returns the ids that are gone.
 HEARTBEAT_BODY = r"""
 load_state(true)
+local dropped = sweep()
 local live, gone = {}, {}
-for i = 6, #ARGV do
+for i = 5, #ARGV do
   if gone_why(ARGV[i]) then gone[#gone + 1] = ARGV[i] else live[#live + 1] = ARGV[i] end
 end
 chunked(K_HB, 'ZADD', live, function(args, id) args[#args + 1] = NOW; args[#args + 1] = id end)
+if dropped > 0 then try_form() end
 save()
 return gone
 """
 
-# ARGV[6]: replica id.
+# ARGV[5]: replica id.
 LEAVE_BODY = r"""
 load_state(true)
-local id = ARGV[6]
+local id = ARGV[5]
 local left = 0
 if not gone_why(id) then drop(id, 'left'); left = 1 end
 try_form()

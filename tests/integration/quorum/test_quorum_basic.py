@@ -8,7 +8,6 @@ import json
 import redis
 
 from spottrain.protocol.keys import RunKeys
-from spottrain.quorum import scripts
 
 
 def test_three_replicas_form_then_fast_path(
@@ -39,13 +38,3 @@ def test_three_replicas_form_then_fast_path(
     status = fleet.client.status()
     assert (status.qid, status.members, status.heartbeating) == (qid, 3, 3)
     assert status.epoch == first["r-a"].epoch
-
-
-def test_answer_line_round_trip() -> None:
-    line = "12 1 4 100 0 9 2 deadbeef r:x=97 r-y=98"
-    a = scripts.parse_answer(line)
-    assert (a.quorum_id, a.replica_rank, a.replica_count, a.max_step) == (12, 1, 4, 100)
-    assert (a.heal_from, a.roster_version, a.commit_failures, a.epoch) == (0, 9, 2, "deadbeef")
-    assert a.behind == {"r:x": 97, "r-y": 98}
-    assert scripts.parse_answer("3 0 1 5 -1 3 0 ab").heal_from is None
-    assert scripts.split_reply(b"tok " + line.encode()) == ("tok", line)
