@@ -26,7 +26,7 @@ from spottrain.controller.run.create import create_run
 from spottrain.controller.run.drive import drive_run, format_summary
 from spottrain.controller.run.env_lock import clouds_to_lock, env_lock_lines, parse_lock_args
 from spottrain.controller.run.records import RunError, RunInfo, find_run
-from spottrain.controller.run.replica_view import ReplicaStatus, format_replicas, replica_status
+from spottrain.controller.run.replica_view import ReplicaStatus, replica_status
 from spottrain.controller.run.run_redis import restart_embedded_redis
 from spottrain.controller.run.wiring import spawn_controller
 from spottrain.protocol import events as stream
@@ -153,9 +153,7 @@ def status(args: argparse.Namespace) -> int:
     for line in format_summary(Summary(**summary)):
         say(f"  {line}")
     if replicas:
-        for line in format_replicas(
-            replicas.replicas, replicas.lighthouse, replicas.lighthouse_up, time.time()
-        ):
+        for line in replicas.lines(time.time()):
             say(f"  {line}")
     if refused:
         say(f"  {_refused_line(refused)}")

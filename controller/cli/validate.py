@@ -84,9 +84,9 @@ def validate(args: argparse.Namespace) -> int:
     return EXIT_OK if fits else EXIT_WINDOW
 
 
-def _replica_json(spec: JobSpec) -> dict[str, int] | None:
-    """``--json``'s ``replica``: the replica's size, the range of replicas and the quorum's
-    floor; null for an elastic job."""
+def _replica_json(spec: JobSpec) -> dict[str, int | str] | None:
+    """``--json``'s ``replica``: the replica's size, the range of replicas, the quorum's
+    floor and where it forms; null for an elastic job."""
     if spec.train.fault_tolerance.value != "replica":
         return None
     k = spec.train.replica.nodes_per_replica
@@ -95,6 +95,7 @@ def _replica_json(spec: JobSpec) -> dict[str, int] | None:
         "min_replicas": spec.train.replica.min_replicas,
         "replicas_min": spec.nodes.min // k,
         "replicas_max": spec.nodes.max // k,
+        "quorum": spec.train.replica.quorum.value,
     }
 
 

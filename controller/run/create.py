@@ -10,8 +10,10 @@ from spottrain.controller.run.code import local_secret_files, prepare_code
 from spottrain.controller.run.env_lock import ResolveError, capture_locks
 from spottrain.controller.run.lighthouse import (
     find_lighthouse_binary,
+    find_torchft,
     place_lighthouse,
     replica_mode,
+    uses_lighthouse,
 )
 from spottrain.controller.run.records import RunError, RunInfo, home_dir
 from spottrain.controller.run.run_redis import (
@@ -48,8 +50,12 @@ def create_run(
         rid = make_run_id(spec.name)
     if "local" in spec.resources.clouds:
         local_secret_files(spec)  # fail now, before anything starts
-    if replica_mode(spec):
-        find_lighthouse_binary()  # fail now: the replica extra is not installed
+    # Fail now, before anything starts, when the replica extra is missing: the lighthouse
+    # runs here, and the local cloud's VMs run torchft's manager from this venv.
+    if uses_lighthouse(spec):
+        find_lighthouse_binary()
+    elif replica_mode(spec) and "local" in spec.resources.clouds:
+        find_torchft()
     info = RunInfo.from_loaded(
         loaded,
         rid,
@@ -67,8 +73,9 @@ def create_run(
     else:
         info.redis_url = spec.redis.url
         open_redis(info, spec)  # fail now, before anything is launched
-    if replica_mode(spec):
-        # The controller starts it (drive.py) beside the Redis the VMs reach.
+    if uses_lighthouse(spec):
+        # The controller starts it (drive.py) beside the Redis the VMs reach. A Redis-quorum
+        # run records none: its quorum lives in the run's Redis, nothing to start or stop.
         placed = place_lighthouse(info.redis_url)
         info.lighthouse, info.lighthouse_bind = placed.address, placed.bind
     if "local" in spec.resources.clouds:

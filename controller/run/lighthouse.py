@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -33,7 +34,7 @@ from urllib.parse import urlsplit
 from spottrain.controller.run.records import RunError
 from spottrain.ports import free_port
 from spottrain.protocol.env import ENV_LIGHTHOUSE
-from spottrain.spec import FaultTolerance, JobSpec
+from spottrain.spec import FaultTolerance, JobSpec, QuorumKind
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,13 @@ LOG_ROLL_BYTES = 64 << 20
 # -- the spec ---------------------------------------------------------------------------------
 def replica_mode(spec: JobSpec) -> bool:
     return spec.train.fault_tolerance is FaultTolerance.REPLICA
+
+
+def uses_lighthouse(spec: JobSpec) -> bool:
+    """A replica run whose quorum is torchft's lighthouse (``train.replica.quorum:
+    lighthouse``): the controller runs it. The Redis quorum (the default) needs no process of
+    its own: it lives in the run's Redis."""
+    return replica_mode(spec) and spec.train.replica.quorum is QuorumKind.LIGHTHOUSE
 
 
 def min_replicas(spec: JobSpec) -> int:
@@ -160,6 +168,19 @@ def find_lighthouse_binary(python: str | None = None) -> str:
             f"install it with {INSTALL_HINT}"
         )
     return str(path)
+
+
+def find_torchft() -> None:
+    """Check that torchft is importable here (the local cloud's VMs run this venv).
+
+    Raises:
+        RunError: not installed, with how to install it.
+    """
+    if importlib.util.find_spec("torchft") is None:
+        raise RunError(
+            f"train.fault_tolerance: replica needs torchft in this venv ({sys.prefix}), where "
+            f"the local cloud's VMs run: install it with {INSTALL_HINT}"
+        )
 
 
 def lighthouse_command(binary: str, bind: str, replicas: int) -> list[str]:

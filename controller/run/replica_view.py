@@ -1,6 +1,8 @@
 """What ``status`` shows of a replica run: each replica's slot (its nodes, claimed by the
 agents in ``replica_slots``) beside what its rank 0 last said (``replica_holders``: state,
-step, quorum id, discarded steps), and the lighthouse."""
+step, quorum id, discarded steps), and the quorum: the Redis quorum's own figures (quorum id,
+members, heartbeating replicas, round, epoch, read through :class:`QuorumClient`), or where
+torchft's lighthouse listens and whether it answers."""
 
 from __future__ import annotations
 
@@ -15,6 +17,10 @@ import redis
 from spottrain.controller.run.lighthouse import serving
 from spottrain.controller.run.records import RunInfo
 from spottrain.protocol.keys import RunKeys
+from spottrain.quorum.client import QuorumClient, QuorumStatus
+from spottrain.quorum.errors import QuorumError
+from spottrain.quorum.model import QuorumConfig
+from spottrain.spec import FaultTolerance
 
 # A holder row older than this is a replica that stopped without leaving (the engine's rule,
 # agent/replica/holders.py, which the controller may not import).
@@ -104,17 +110,38 @@ def _newest_quorum(rows: list[ReplicaRow]) -> int | None:
     return max((r.quorum_id for r in rows if r.quorum_id is not None), default=None)
 
 
+def quorum_line(quorum: QuorumStatus | None, error: str = "") -> str:
+    """``status``'s line for the Redis quorum: its id (and the id at which its membership
+    last changed), members, heartbeating replicas, the open round and the state's epoch (a
+    new epoch means Redis lost the quorum's state)."""
+    if quorum is None:
+        return f"quorum redis: cannot read it: {error or 'no answer'}"
+    beats = f"{quorum.heartbeating} heartbeating, round {quorum.round}"
+    if not quorum.qid:
+        return f"quorum redis: none formed yet; {beats}"
+    return (
+        f"quorum redis: id {quorum.qid} (membership since {quorum.version}), "
+        f"{quorum.members} member(s), {beats}, epoch {quorum.epoch or '-'}"
+    )
+
+
 def format_replicas(
-    rows: list[ReplicaRow], lighthouse: str, lighthouse_up: bool, now: float
+    rows: list[ReplicaRow],
+    lighthouse: str,
+    lighthouse_up: bool,
+    now: float,
+    *,
+    head: str | None = None,
 ) -> list[str]:
-    """``status``'s lines for a replica run."""
+    """``status``'s lines for a replica run; ``head`` (the Redis quorum's line) stands
+    instead of the lighthouse's."""
     # A replica killed without leaving keeps its "live" row; it stops moving.
     live = sum(r.state == "live" and (r.at is None or now - r.at <= STALE_S) for r in rows)
     discarded = sum(r.discarded or 0 for r in rows)
     gaps = [r.longest_gap_s for r in rows if r.longest_gap_s is not None]
     pause = f"; longest pause {max(gaps):.2f} s" if gaps else ""
     lines = [
-        f"lighthouse {lighthouse or '-'} {'up' if lighthouse_up else 'DOWN'}",
+        head or f"lighthouse {lighthouse or '-'} {'up' if lighthouse_up else 'DOWN'}",
         f"replicas: {len(rows)} ({live} live)",
     ]
     for r in rows:
@@ -133,22 +160,65 @@ def format_replicas(
 
 @dataclass(frozen=True)
 class ReplicaStatus:
+    """``kind``: "redis" (``quorum`` holds its figures, or ``quorum_error`` why not) or
+    "lighthouse" (``lighthouse``, ``lighthouse_up``)."""
+
     lighthouse: str
     lighthouse_up: bool
     replicas: list[ReplicaRow]
+    kind: str = "lighthouse"
+    quorum: QuorumStatus | None = None
+    quorum_error: str = ""
+
+    def lines(self, now: float) -> list[str]:
+        head = quorum_line(self.quorum, self.quorum_error) if self.kind == "redis" else None
+        return format_replicas(self.replicas, self.lighthouse, self.lighthouse_up, now, head=head)
 
     def to_json(self) -> dict[str, Any]:
+        rows = {"replicas": [asdict(r) for r in self.replicas]}
+        if self.kind == "redis":
+            figures = asdict(self.quorum) if self.quorum else {"error": self.quorum_error}
+            return {"quorum": {"kind": "redis", **figures}, **rows}
         return {
+            "quorum": {"kind": "lighthouse"},
             "lighthouse": {"address": self.lighthouse, "up": self.lighthouse_up},
-            "replicas": [asdict(r) for r in self.replicas],
+            **rows,
         }
 
 
+def _replica_run(info: RunInfo) -> int | None:
+    """The quorum's floor (``min_replicas``) of a replica run, None for an elastic one (or a
+    record whose spec no longer parses)."""
+    try:
+        spec = info.spec()
+    except Exception:
+        return None
+    if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
+        return None
+    return spec.train.replica.min_replicas
+
+
+def read_quorum(
+    client: redis.Redis, keys: RunKeys, min_replicas: int = 1
+) -> tuple[QuorumStatus | None, str]:
+    """The Redis quorum's figures, or None and why they cannot be read (garbage in its keys,
+    Redis refusing): ``status`` shows the reason instead of failing."""
+    try:
+        quorum = QuorumClient(client, keys, QuorumConfig(min_replicas=min_replicas)).status()
+    except (QuorumError, redis.RedisError) as e:
+        return None, str(e)
+    return quorum, ""
+
+
 def replica_status(info: RunInfo, client: redis.Redis) -> ReplicaStatus | None:
-    """A replica run's replicas and lighthouse; None for an elastic run (no lighthouse and
-    no replica rows)."""
+    """A replica run's replicas and quorum; None for an elastic run (no quorum and no
+    replica rows). A run records a lighthouse only with ``quorum: lighthouse``; any other
+    replica run uses the Redis quorum."""
     keys = RunKeys(info.run_id)
     rows = replica_rows(client.hgetall(keys.replica_slots), client.hgetall(keys.replica_holders))
+    if not info.lighthouse and (floor := _replica_run(info)) is not None:
+        quorum, error = read_quorum(client, keys, floor)
+        return ReplicaStatus("", False, rows, kind="redis", quorum=quorum, quorum_error=error)
     published = client.get(keys.replica_lighthouse)
     address = _text(published) if published else info.lighthouse
     if not address and not rows:

@@ -1,5 +1,7 @@
 """A replica run's lighthouse tied to its record and its Redis: kept up while the controller
-drives the run, its address published for the agents, stopped when the run ends."""
+drives the run, its address published for the agents, stopped when the run ends. Only a run
+with ``train.replica.quorum: lighthouse`` has one (``RunInfo.lighthouse`` set at its
+creation); the Redis quorum, the default, runs no process of its own."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from spottrain.controller.run.records import RunInfo
 
 
 def supervise_lighthouse(info: RunInfo, state: RunState) -> LighthouseSupervisor | None:
-    """Start keeping the run's lighthouse up (None for an elastic run). Each (re)start writes
+    """Start keeping the run's lighthouse up (None for a run without one: elastic, or the
+    Redis quorum). Each (re)start writes
     its address to ``replica_lighthouse``, where the agents read it at each launch; each
     restart is an event (``lighthouse-restart``, with how long it was down).
 
@@ -41,6 +44,7 @@ def supervise_lighthouse(info: RunInfo, state: RunState) -> LighthouseSupervisor
 
 
 def end_lighthouse(info: RunInfo) -> None:
-    """Stop the run's lighthouse, whichever process started it; nothing for an elastic run."""
+    """Stop the run's lighthouse, whichever process started it; nothing for a run without
+    one."""
     if info.lighthouse_bind:
         stop_lighthouse(info.dir, info.lighthouse_bind)

@@ -4,7 +4,9 @@ its password in the run directory) and a checked client of whichever Redis the r
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -31,6 +33,37 @@ from spottrain.redis_conn import (
 )
 from spottrain.spec import JobSpec
 
+log = logging.getLogger(__name__)
+
+# The Redis quorum's connection budget at 12,500 replicas (100,000 GPUs, 8 per VM): per VM one
+# connection blocked on its quorum answer (BLPOP) and one shared for heartbeats, leaves and
+# the roster, plus the agent's own and its workers' (rendezvous, progress): about 4 per VM,
+# 50,000 in all. Redis's default (10,000) holds 2,500 such VMs.
+EMBEDDED_MAXCLIENTS = 50_000
+# File descriptors Redis keeps for itself beyond its clients (CONFIG_MIN_RESERVED_FDS).
+REDIS_RESERVED_FDS = 32
+
+
+def maxclients_within_fd_limit(wanted: int = EMBEDDED_MAXCLIENTS) -> int:
+    """The ``maxclients`` an unprivileged redis-server started from this process gets: Redis
+    raises its open-files limit up to the hard limit it inherits and, short of
+    ``wanted + 32``, lowers maxclients to fit."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, hard - REDIS_RESERVED_FDS))
+
+
+def maxclients_note(got: int, wanted: int = EMBEDDED_MAXCLIENTS) -> str | None:
+    """A line for a Redis that holds fewer clients than the quorum's budget, or None."""
+    if got >= wanted:
+        return None
+    return (
+        f"the run's Redis holds at most {got} clients, as this machine's open-files limit "
+        f"allows: about {got // 4} VMs of a replica run (12,500 need {wanted}); raise the "
+        f"hard limit (ulimit -Hn, systemd LimitNOFILE=) to {wanted + REDIS_RESERVED_FDS}"
+    )
+
 
 def embedded_password_file(run_dir: Path) -> Path:
     """Where a run's embedded Redis keeps its password (mode 0600): every local client (the
@@ -53,7 +86,8 @@ def _redis_daemon(data: Path, port: int | str, password: str | None) -> None:
     """Start a daemonized redis-server on ``port`` that keeps its data (append-only file)
     in ``data``, and wait until it answers. Only this machine can reach it (127.0.0.1,
     protected mode), and only with ``password``, which goes through its standard input,
-    never its command line."""
+    never its command line. It takes up to :data:`EMBEDDED_MAXCLIENTS` clients, as many as
+    the open-files limit allows (a warning says when that is fewer)."""
     data.mkdir(mode=0o700, parents=True, exist_ok=True)
     head, config = config_on_stdin(password)
     args = [
@@ -61,9 +95,13 @@ def _redis_daemon(data: Path, port: int | str, password: str | None) -> None:
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--dir", str(data),
+        # AOF everysec may lose the last second on a crash: the quorum's ids survive it, as
+        # every live replica sends the id it holds (the held-id floor, spottrain.quorum).
         "--appendonly", "yes",
         "--appendfsync", "everysec",
         "--save", "",
+        # Redis lowers this itself to fit the open-files limit (said once it answers).
+        "--maxclients", str(EMBEDDED_MAXCLIENTS),
         "--protected-mode", "yes",
         "--daemonize", "yes",
         "--pidfile", str(data / "redis.pid"),
@@ -76,6 +114,11 @@ def _redis_daemon(data: Path, port: int | str, password: str | None) -> None:
         if time.monotonic() > deadline:
             raise RunError(f"the run's Redis did not start; see {data / 'redis.log'}")
         time.sleep(0.05)
+    with contextlib.suppress(redis.RedisError, KeyError, ValueError):
+        got = int(connect(settings, retries=0).config_get("maxclients")["maxclients"])
+        note = maxclients_note(got)
+        if note:
+            log.warning("%s", note)
 
 
 def _embedded_settings(url: str, password: str | None, socket_timeout: float) -> RedisSettings:

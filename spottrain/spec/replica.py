@@ -11,7 +11,7 @@ from spottrain.catalog import Catalog
 from spottrain.protocol import env as env_names
 
 from .code import ImageCode
-from .sections import FaultTolerance, Placement
+from .sections import FaultTolerance, Placement, QuorumKind
 
 if TYPE_CHECKING:
     from .job import JobSpec
@@ -45,22 +45,24 @@ def replica_problem(spec: JobSpec) -> str | None:
 
 def replica_agent_env(spec: JobSpec) -> dict[str, str]:
     """The agent's replica-mode settings (``SPOTTRAIN_*``, for the boot script and the local
-    cloud's boot); empty for an elastic job, whose settings stay as they were. The
-    lighthouse's address is not among them: it moves whenever the controller restarts the
-    lighthouse, so the agent reads it from the run's Redis at each launch."""
+    cloud's boot); empty for an elastic job, whose settings stay as they were. The quorum
+    (``redis`` or ``lighthouse``) is among them; the lighthouse's address is not: it moves
+    whenever the controller restarts the lighthouse, so the agent reads it from the run's
+    Redis at each launch."""
     if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
         return {}
     return {
         env_names.ENV_FAULT_TOLERANCE: spec.train.fault_tolerance.value,
         env_names.ENV_NODES_PER_REPLICA: str(spec.train.replica.nodes_per_replica),
         env_names.ENV_MIN_REPLICAS: str(spec.train.replica.min_replicas),
+        env_names.ENV_QUORUM: spec.train.replica.quorum.value,
     }
 
 
 def describe_replica(spec: JobSpec) -> str | None:
     """``validate``'s line for a replica-mode job (None for an elastic one): the replica's
-    size, how many replicas the node range gives, the quorum's floor, and where torchft
-    comes from."""
+    size, how many replicas the node range gives, the quorum's floor and where it forms, and
+    where torchft comes from."""
     if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
         return None
     r = spec.train.replica
@@ -77,8 +79,14 @@ def describe_replica(spec: JobSpec) -> str | None:
     return (
         f"fault tolerance replica: {k} node(s) per replica, {spec.nodes.min // k}-"
         f"{spec.nodes.max // k} replicas, a step commits with at least {r.min_replicas} "
-        f"replica(s); {source}"
+        f"replica(s), its quorum {_QUORUM_WHERE[r.quorum]}; {source}"
     )
+
+
+_QUORUM_WHERE = {
+    QuorumKind.REDIS: "in the run's Redis",
+    QuorumKind.LIGHTHOUSE: "from torchft's lighthouse, which the controller runs",
+}
 
 
 def _round_up(n: int, k: int) -> int:

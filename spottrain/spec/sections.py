@@ -36,6 +36,16 @@ class FaultTolerance(StrEnum):
     REPLICA = "replica"
 
 
+class QuorumKind(StrEnum):
+    """Where replica mode's per-step quorum forms (the agent's ``SPOTTRAIN_QUORUM``)."""
+
+    # In the run's Redis (spottrain.quorum): persisted, with an explicit leave; no extra
+    # process to run or reach.
+    REDIS = "redis"
+    # torchft's own lighthouse, run and supervised by the controller (kept for comparison).
+    LIGHTHOUSE = "lighthouse"
+
+
 class ReplicaSpec(_Model):
     """How replica mode groups the nodes: each replica is ``nodes_per_replica`` nodes that
     hold a whole copy of the training state; replicas come and go without stopping the
@@ -52,6 +62,11 @@ class ReplicaSpec(_Model):
         ge=1,
         le=10_000,
         description="fewest whole replicas a step may commit with (the quorum's floor)",
+    )
+    quorum: QuorumKind = Field(
+        QuorumKind.REDIS,
+        description="where each step's quorum forms: redis (in the run's Redis, the default) "
+        "or lighthouse (torchft's lighthouse, which the controller runs)",
     )
 
 
@@ -128,10 +143,11 @@ class TrainSpec(_Model):
         # another: the job would train elastic while its author expects replicas.
         if self.fault_tolerance is FaultTolerance.ELASTIC and self.replica != ReplicaSpec():
             r = self.replica
+            quorum = f", quorum {r.quorum}" if r.quorum is not QuorumKind.REDIS else ""
             raise ValueError(
                 f"replica (nodes_per_replica {r.nodes_per_replica}, min_replicas "
-                f"{r.min_replicas}) applies only in replica mode: set fault_tolerance: replica, "
-                "or drop the replica block"
+                f"{r.min_replicas}{quorum}) applies only in replica mode: set fault_tolerance: "
+                "replica, or drop the replica block"
             )
         return self
 

@@ -27,12 +27,13 @@ locals {
   ))
   controller_job_spec_b64 = local.controller_job_spec == "" ? "" : base64encode(local.controller_job_spec)
 
-  # Replica mode: the controller starts and supervises the run's torchft lighthouse (this
-  # venv's torchft_lighthouse), listening on lighthouse_port at this VM's private address,
-  # which the fleet's agents are given as SPOTTRAIN_LIGHTHOUSE; the controller's unit and
-  # operators' shells get the same address. Empty in elastic mode, so an elastic controller's
-  # user data is what it was before replica mode existed (a change would stop and start it).
-  controller_replica_setup = local.replica ? local.controller_replica_script : ""
+  # Replica mode with the lighthouse quorum: the controller starts and supervises the run's
+  # torchft lighthouse (this venv's torchft_lighthouse), listening on lighthouse_port at this
+  # VM's private address, which the fleet's agents are given as SPOTTRAIN_LIGHTHOUSE; the
+  # controller's unit and operators' shells get the same address. Empty otherwise (elastic,
+  # or the Redis quorum, which runs nothing here), so such a controller's user data is what
+  # it was before replica mode existed (a change would stop and start it).
+  controller_replica_setup = local.lighthouse ? local.controller_replica_script : ""
   controller_replica_script = <<-EOT
     if [ ! -x /opt/spottrain/venv/bin/torchft_lighthouse ]; then
       /opt/spottrain/venv/bin/pip install -q 'spottrain[aws]==${var.spottrain_version}'${local.replica_requirement}
@@ -138,9 +139,10 @@ resource "aws_instance" "controller" {
       condition = var.controller_job_spec_yaml == "" || (
         try(yamldecode(var.controller_job_spec_yaml).train.fault_tolerance, "elastic") == var.fault_tolerance &&
         try(yamldecode(var.controller_job_spec_yaml).train.replica.nodes_per_replica, 1) == var.nodes_per_replica &&
-        try(yamldecode(var.controller_job_spec_yaml).train.replica.min_replicas, 1) == var.min_replicas
+        try(yamldecode(var.controller_job_spec_yaml).train.replica.min_replicas, 1) == var.min_replicas &&
+        try(yamldecode(var.controller_job_spec_yaml).train.replica.quorum, "redis") == var.replica_quorum
       )
-      error_message = "controller_job_spec_yaml: its train.fault_tolerance and train.replica must match fault_tolerance (${var.fault_tolerance}), nodes_per_replica (${var.nodes_per_replica}) and min_replicas (${var.min_replicas}); change whichever is wrong."
+      error_message = "controller_job_spec_yaml: its train.fault_tolerance and train.replica must match fault_tolerance (${var.fault_tolerance}), nodes_per_replica (${var.nodes_per_replica}), min_replicas (${var.min_replicas}) and replica_quorum (${var.replica_quorum}); change whichever is wrong."
     }
   }
 }

@@ -35,11 +35,13 @@ redis_password_secret_arn = "arn:aws:secretsmanager:us-east-1:123456789012:secre
 create_controller = true
 
 # Replica mode: replicas of nodes_per_replica nodes leave and join while the others keep
-# training; the controller VM hosts the lighthouse. The job spec must say the same
+# training, each step's quorum kept in the run's Redis (replica_quorum = "lighthouse" runs
+# torchft's lighthouse on the controller VM instead). The job spec must say the same
 # (train.fault_tolerance: replica, train.replica).
 # fault_tolerance   = "replica"
 # nodes_per_replica = 1
 # min_replicas      = 2
+# replica_quorum    = "redis"
 enable_ssm        = true
 # Where engineers run `spottrain status` / `logs` from (the VPN), never 0.0.0.0/0.
 controller_cidrs = ["10.100.0.0/16"]

@@ -92,12 +92,12 @@ resource "aws_launch_template" "fleet" {
       error_message = "create_elasticache needs redis_password_secret_arn: the replication group's AUTH token is that secret's value."
     }
     precondition {
-      condition     = !local.replica || var.create_controller
-      error_message = "fault_tolerance = \"replica\" needs create_controller = true: the torchft lighthouse, which every replica asks for each step's quorum, runs on the controller VM inside the fleet's VPC."
+      condition     = !local.replica || var.replica_quorum != "lighthouse" || var.create_controller
+      error_message = "replica_quorum = \"lighthouse\" needs create_controller = true: the torchft lighthouse, which every replica asks for each step's quorum, runs on the controller VM inside the fleet's VPC; the default replica_quorum = \"redis\" needs no controller VM."
     }
     precondition {
-      condition     = local.replica || (var.nodes_per_replica == 1 && var.min_replicas == 1)
-      error_message = "nodes_per_replica (${var.nodes_per_replica}) and min_replicas (${var.min_replicas}) apply only with fault_tolerance = \"replica\": set it, or leave both at 1."
+      condition     = local.replica || (var.nodes_per_replica == 1 && var.min_replicas == 1 && var.replica_quorum == "redis")
+      error_message = "nodes_per_replica (${var.nodes_per_replica}), min_replicas (${var.min_replicas}) and replica_quorum (${var.replica_quorum}) apply only with fault_tolerance = \"replica\": set it, or leave them at 1, 1 and \"redis\"."
     }
     precondition {
       condition     = var.nodes_min >= var.min_replicas * var.nodes_per_replica

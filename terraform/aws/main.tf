@@ -100,20 +100,24 @@ locals {
 
   # --- replica mode ---------------------------------------------------------------------------
   replica = var.fault_tolerance == "replica"
-  # The fleet reaches the lighthouse on the controller VM's private address (replica mode
-  # without that VM is refused: the launch template's preconditions).
-  lighthouse_address = local.replica && var.create_controller ? "${aws_instance.controller[0].private_ip}:${var.lighthouse_port}" : ""
+  # Which quorum the replicas use: the Redis quorum (the default) lives in the run's Redis
+  # and needs nothing more; torchft's lighthouse runs on the controller VM (replica mode with
+  # it and without that VM is refused: the fleet's preconditions).
+  lighthouse = local.replica && var.replica_quorum == "lighthouse"
+  # The fleet reaches the lighthouse on the controller VM's private address.
+  lighthouse_address = local.lighthouse && var.create_controller ? "${aws_instance.controller[0].private_ip}:${var.lighthouse_port}" : ""
   # The agent's replica-mode settings (the names of spottrain/protocol/env.py), each line
   # ending in a newline; empty in elastic mode, so an elastic boot script is byte for byte
-  # what it was before replica mode existed (no new launch template version on upgrade).
+  # what it was before replica mode existed (no new launch template version on upgrade). The
+  # lighthouse's address only with that quorum.
   # tests/unit/terraform/replica_values.py reads these lines; change both together.
-  replica_env_lines = local.replica ? join("", [for line in [
+  replica_env_lines = local.replica ? join("", [for line in concat([
     "SPOTTRAIN_FAULT_TOLERANCE=\"replica\"",
     "SPOTTRAIN_NODES_PER_REPLICA=\"${var.nodes_per_replica}\"",
     "SPOTTRAIN_MIN_REPLICAS=\"${var.min_replicas}\"",
-    "SPOTTRAIN_LIGHTHOUSE=\"${local.lighthouse_address}\"",
+    "SPOTTRAIN_QUORUM=\"${var.replica_quorum}\"",
     "SPOTTRAIN_MANAGER_PORT=\"${var.manager_port}\"",
-  ] : "${line}\n"]) : ""
+  ], local.lighthouse ? ["SPOTTRAIN_LIGHTHOUSE=\"${local.lighthouse_address}\""] : []) : "${line}\n"]) : ""
   # torchft, for the workers' managers: a second requirement of the same pinned release,
   # whose extras pip merges with the first's.
   replica_requirement = local.replica ? " 'spottrain[replica]==${var.spottrain_version}'" : ""

@@ -198,10 +198,11 @@ resource "aws_vpc_security_group_egress_rule" "controller_out" {
   tags              = local.tags
 }
 
-# Replica mode: every replica's manager asks the lighthouse for each step's quorum and
-# heartbeats to it. From the fleet's group only; the lighthouse has no authentication.
+# The lighthouse quorum: every replica's manager asks the lighthouse for each step's quorum
+# and heartbeats to it. From the fleet's group only; the lighthouse has no authentication.
+# The Redis quorum needs no opening: the fleet reaches the run's Redis already.
 resource "aws_vpc_security_group_ingress_rule" "controller_lighthouse_from_fleet" {
-  count = local.replica && var.create_controller ? 1 : 0
+  count = local.lighthouse && var.create_controller ? 1 : 0
 
   security_group_id            = aws_security_group.controller[0].id
   description                  = "the torchft lighthouse from the training VMs"

@@ -84,6 +84,6 @@ output "controller_instance_id" {
 }
 
 output "lighthouse_address" {
-  description = "Replica mode: where the fleet reaches the torchft lighthouse, the controller VM's private address and lighthouse_port (the agents' SPOTTRAIN_LIGHTHOUSE); null in elastic mode."
+  description = "replica_quorum = \"lighthouse\": where the fleet reaches the torchft lighthouse, the controller VM's private address and lighthouse_port (the agents' SPOTTRAIN_LIGHTHOUSE); null in elastic mode."
   value       = local.lighthouse_address == "" ? null : local.lighthouse_address
 }

@@ -26,8 +26,8 @@ resource "google_compute_instance" "controller" {
     network            = var.network
     subnetwork         = var.subnetwork
     subnetwork_project = var.project
-    # Replica mode: the reserved address the fleet's agents reach the lighthouse at.
-    network_ip = local.replica ? google_compute_address.controller[0].address : null
+    # The lighthouse quorum: the reserved address the fleet's agents reach the lighthouse at.
+    network_ip = local.lighthouse ? google_compute_address.controller[0].address : null
 
     dynamic "access_config" {
       for_each = var.external_ip ? [1] : []
@@ -82,17 +82,19 @@ resource "google_compute_instance" "controller" {
       condition = var.controller_job_spec == "" || (
         try(yamldecode(var.controller_job_spec).train.fault_tolerance, "elastic") == var.fault_tolerance &&
         try(yamldecode(var.controller_job_spec).train.replica.nodes_per_replica, 1) == var.nodes_per_replica &&
-        try(yamldecode(var.controller_job_spec).train.replica.min_replicas, 1) == var.min_replicas
+        try(yamldecode(var.controller_job_spec).train.replica.min_replicas, 1) == var.min_replicas &&
+        try(yamldecode(var.controller_job_spec).train.replica.quorum, "redis") == var.replica_quorum
       )
-      error_message = "controller_job_spec: its train.fault_tolerance and train.replica must match fault_tolerance (${var.fault_tolerance}), nodes_per_replica (${var.nodes_per_replica}) and min_replicas (${var.min_replicas}); change whichever is wrong."
+      error_message = "controller_job_spec: its train.fault_tolerance and train.replica must match fault_tolerance (${var.fault_tolerance}), nodes_per_replica (${var.nodes_per_replica}), min_replicas (${var.min_replicas}) and replica_quorum (${var.replica_quorum}); change whichever is wrong."
     }
   }
 }
 
-# Replica mode: the controller VM's internal address, reserved so that the lighthouse stays
-# where the nodes' environment files say it is when the VM is recreated (a new image).
+# The lighthouse quorum: the controller VM's internal address, reserved so that the
+# lighthouse stays where the nodes' environment files say it is when the VM is recreated (a
+# new image).
 resource "google_compute_address" "controller" {
-  count = local.replica && var.create_controller ? 1 : 0
+  count = local.lighthouse && var.create_controller ? 1 : 0
 
   project      = var.project
   region       = local.region

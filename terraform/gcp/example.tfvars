@@ -38,8 +38,10 @@ controller_cidrs      = ["10.8.0.0/24"] # the office VPN
 create_controller = true
 
 # Replica mode: replicas of nodes_per_replica nodes leave and join while the others keep
-# training; the controller VM hosts the lighthouse. The job spec must say the same
+# training, each step's quorum kept in the run's Redis (replica_quorum = "lighthouse" runs
+# torchft's lighthouse on the controller VM instead). The job spec must say the same
 # (train.fault_tolerance: replica, train.replica).
 # fault_tolerance   = "replica"
 # nodes_per_replica = 1
 # min_replicas      = 2
+# replica_quorum    = "redis"

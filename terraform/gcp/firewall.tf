@@ -48,11 +48,12 @@ resource "google_compute_firewall" "redis" {
   }
 }
 
-# Replica mode: every replica's manager asks the lighthouse on the controller VM for each
-# step's quorum and heartbeats to it. From fleet members only (the lighthouse has no
-# authentication); nothing else on the controller VM is opened.
+# The lighthouse quorum: every replica's manager asks the lighthouse on the controller VM for
+# each step's quorum and heartbeats to it. From fleet members only (the lighthouse has no
+# authentication); nothing else on the controller VM is opened. The Redis quorum needs no
+# rule: the fleet reaches the run's Redis already.
 resource "google_compute_firewall" "lighthouse" {
-  count = local.replica && var.create_controller ? 1 : 0
+  count = local.lighthouse && var.create_controller ? 1 : 0
 
   project     = var.project
   name        = "${local.name}-lighthouse"

@@ -91,20 +91,24 @@ locals {
 
   # --- replica mode ---------------------------------------------------------------------------
   replica = var.fault_tolerance == "replica"
-  # The fleet reaches the lighthouse on the controller VM's reserved internal address, which
-  # outlives the VM (replica mode without that VM is refused: the template's preconditions).
-  lighthouse_address = local.replica && var.create_controller ? "${google_compute_address.controller[0].address}:${var.lighthouse_port}" : ""
+  # Which quorum the replicas use: the Redis quorum (the default) lives in the run's Redis
+  # and needs nothing more; torchft's lighthouse runs on the controller VM (replica mode with
+  # it and without that VM is refused: the fleet's preconditions).
+  lighthouse = local.replica && var.replica_quorum == "lighthouse"
+  # The fleet reaches the lighthouse on the controller VM's reserved internal address.
+  lighthouse_address = local.lighthouse && var.create_controller ? "${google_compute_address.controller[0].address}:${var.lighthouse_port}" : ""
   # The agent's replica-mode settings (the names of spottrain/protocol/env.py), each line
-  # ending in a newline; empty in elastic mode, so an elastic startup script is byte for byte
-  # what it was before replica mode existed (no new instance template on upgrade).
+  # ending in a newline; empty in elastic mode, so an elastic boot script is byte for byte
+  # what it was before replica mode existed (no new instance template on upgrade). The
+  # lighthouse's address only with that quorum.
   # tests/unit/terraform/replica_values.py reads these lines; change both together.
-  replica_env_lines = local.replica ? join("", [for line in [
+  replica_env_lines = local.replica ? join("", [for line in concat([
     "SPOTTRAIN_FAULT_TOLERANCE=\"replica\"",
     "SPOTTRAIN_NODES_PER_REPLICA=\"${var.nodes_per_replica}\"",
     "SPOTTRAIN_MIN_REPLICAS=\"${var.min_replicas}\"",
-    "SPOTTRAIN_LIGHTHOUSE=\"${local.lighthouse_address}\"",
+    "SPOTTRAIN_QUORUM=\"${var.replica_quorum}\"",
     "SPOTTRAIN_MANAGER_PORT=\"${var.manager_port}\"",
-  ] : "${line}\n"]) : ""
+  ], local.lighthouse ? ["SPOTTRAIN_LIGHTHOUSE=\"${local.lighthouse_address}\""] : []) : "${line}\n"]) : ""
   # torchft, for the workers' managers: a second requirement of the same pinned release,
   # whose extras pip merges with the first's.
   replica_requirement = local.replica ? " 'spottrain[replica]==${var.spottrain_version}'" : ""
@@ -134,6 +138,7 @@ locals {
     run_id                = var.run_id
     redis_password_secret = var.redis_password_secret
     fault_tolerance       = var.fault_tolerance
+    replica_quorum        = var.replica_quorum
     lighthouse_port       = var.lighthouse_port
     # base64, so that no line of the YAML can end the script's heredoc or be read by bash.
     job_spec_b64 = base64encode(var.controller_job_spec)

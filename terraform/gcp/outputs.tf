@@ -68,6 +68,6 @@ output "spottrain_fleet" {
 }
 
 output "lighthouse_address" {
-  description = "Replica mode: where the nodes reach the torchft lighthouse, the controller VM's reserved internal address and lighthouse_port (the agents' SPOTTRAIN_LIGHTHOUSE); null in elastic mode."
+  description = "replica_quorum = \"lighthouse\": where the nodes reach the torchft lighthouse, the controller VM's reserved internal address and lighthouse_port (the agents' SPOTTRAIN_LIGHTHOUSE); null in elastic mode."
   value       = local.lighthouse_address == "" ? null : local.lighthouse_address
 }

@@ -197,7 +197,7 @@ variable "nproc_per_node" {
 
 variable "fault_tolerance" {
   type        = string
-  description = "The job's fault tolerance, as its spec's train.fault_tolerance: elastic (every membership change restarts every worker from the last checkpoint) or replica (replicas of nodes_per_replica nodes leave and join while the others keep training, coordinated by a torchft lighthouse on the controller VM; needs create_controller)."
+  description = "The job's fault tolerance, as its spec's train.fault_tolerance: elastic (every membership change restarts every worker from the last checkpoint) or replica (replicas of nodes_per_replica nodes leave and join while the others keep training, coordinated by the quorum that replica_quorum names)."
   default     = "elastic"
   nullable    = false
 
@@ -231,9 +231,21 @@ variable "min_replicas" {
   }
 }
 
+variable "replica_quorum" {
+  type        = string
+  description = "Replica mode: where each step's quorum forms (the spec's train.replica.quorum): redis (the default: in the run's Redis, which the fleet already reaches; nothing runs on the controller VM for it) or lighthouse (torchft's lighthouse on the controller VM, kept for comparison; needs create_controller and opens lighthouse_port to the fleet)."
+  default     = "redis"
+  nullable    = false
+
+  validation {
+    condition     = contains(["redis", "lighthouse"], var.replica_quorum)
+    error_message = "replica_quorum must be \"redis\" or \"lighthouse\"."
+  }
+}
+
 variable "lighthouse_port" {
   type        = number
-  description = "Replica mode: the TCP port of the torchft lighthouse on the controller VM; the fleet, and only the fleet, may reach it there."
+  description = "Replica mode with replica_quorum = \"lighthouse\": the TCP port of the torchft lighthouse on the controller VM; the fleet, and only the fleet, may reach it there."
   default     = 29510
   nullable    = false
 

@@ -20,7 +20,10 @@ from spottrain.controller.run.create import create_run
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.run_redis import (
+    EMBEDDED_MAXCLIENTS,
     embedded_password_file,
+    maxclients_note,
+    maxclients_within_fd_limit,
     open_redis,
     restart_embedded_redis,
     stop_embedded_redis,
@@ -85,6 +88,18 @@ def test_a_client_without_the_runs_password_is_refused(run: RunInfo) -> None:
     assert client.ping()
     assert client.config_get("protected-mode") == {"protected-mode": "yes"}
     assert client.config_get("bind")["bind"] == "127.0.0.1"
+    # Persisted (AOF every second), and room for the Redis quorum's clients at 12,500
+    # replicas, as far as this machine's open-files limit goes.
+    assert client.config_get("appendonly") == {"appendonly": "yes"}
+    assert client.config_get("appendfsync") == {"appendfsync": "everysec"}
+    got = int(client.config_get("maxclients")["maxclients"])
+    assert got == maxclients_within_fd_limit()  # 19968 under a hard limit of 20000
+    assert maxclients_note(EMBEDDED_MAXCLIENTS) is None
+    assert maxclients_note(19_968) == (
+        "the run's Redis holds at most 19968 clients, as this machine's open-files limit "
+        "allows: about 4992 VMs of a replica run (12,500 need 50000); raise the hard limit "
+        "(ulimit -Hn, systemd LimitNOFILE=) to 50032"
+    )
 
 
 def test_the_password_is_on_no_command_line_of_redis_server(run: RunInfo) -> None:

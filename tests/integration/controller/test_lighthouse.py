@@ -33,6 +33,7 @@ from spottrain.controller.run.lighthouse import (
 )
 from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.run_lighthouse import end_lighthouse, supervise_lighthouse
+from spottrain.controller.run.run_redis import open_redis
 from spottrain.ports import free_port
 from spottrain.protocol.keys import RunKeys
 
@@ -255,9 +256,10 @@ def test_status_of_an_elastic_run_has_no_replica_lines(
     assert "replicas" not in doc and "lighthouse" not in doc
 
 
-def _replica_job(tmp_path: Path) -> Path:
-    job = {**LOCAL, "train": {**LOCAL["train"], "fault_tolerance": "replica"}}
-    path = tmp_path / "job.yaml"
+def _replica_job(tmp_path: Path, quorum: str = "lighthouse") -> Path:
+    replica = {"fault_tolerance": "replica", "replica": {"quorum": quorum}}
+    job = {**LOCAL, "train": {**LOCAL["train"], **replica}}
+    path = tmp_path / f"job-{quorum}.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
 
@@ -278,7 +280,7 @@ def test_up_of_a_replica_job_without_the_extra_says_how_to_install_it(
     )  # nothing started: no Redis, no run
 
 
-def test_a_new_replica_run_records_where_its_lighthouse_listens(
+def test_a_new_replica_run_records_where_its_lighthouse_listens_only_with_that_quorum(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from spottrain.controller.run.create import create_run
@@ -293,5 +295,19 @@ def test_a_new_replica_run_records_where_its_lighthouse_listens(
         host, _, port = saved.lighthouse.rpartition(":")
         assert host == "127.0.0.1" and saved.lighthouse_bind == saved.lighthouse
         assert 0 < int(port) < 65536
+    finally:
+        stop_embedded_redis(info)
+    # The Redis quorum (the default) needs no lighthouse: none placed, none supervised,
+    # none to stop, and no lighthouse binary needed.
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-venv" / "bin" / "python"))
+    info = create_run(load_spec(_replica_job(tmp_path, "redis")), run_id="redis-q-1")
+    try:
+        saved = RunInfo.load(info.run_id)
+        assert (saved.lighthouse, saved.lighthouse_bind) == ("", "")
+        assert (
+            supervise_lighthouse(saved, RunState(open_redis(saved), RunKeys(saved.run_id))) is None
+        )
+        end_lighthouse(saved)
+        assert not (saved.dir / "lighthouse").exists()
     finally:
         stop_embedded_redis(info)

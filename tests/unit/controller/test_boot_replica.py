@@ -44,6 +44,7 @@ REPLICA_VARS = {
     env_names.ENV_FAULT_TOLERANCE,
     env_names.ENV_NODES_PER_REPLICA,
     env_names.ENV_MIN_REPLICAS,
+    env_names.ENV_QUORUM,
 }
 # Every variable an elastic job's agent got before replica mode existed (VALID, with a
 # password and a checkpoint copy): replica mode adds none of its own to them.
@@ -100,6 +101,7 @@ def test_a_replica_jobs_agent_gets_the_mode_the_replica_size_and_the_quorum_floo
         "SPOTTRAIN_FAULT_TOLERANCE": "replica",
         "SPOTTRAIN_NODES_PER_REPLICA": "2",
         "SPOTTRAIN_MIN_REPLICAS": "1",
+        "SPOTTRAIN_QUORUM": "redis",
     }
     # The lighthouse's address moves when it restarts: agents read it from the run's Redis.
     assert env_names.ENV_LIGHTHOUSE not in env
@@ -135,6 +137,7 @@ def test_the_local_clouds_agent_gets_the_same_replica_settings() -> None:
     assert boot["env"][env_names.ENV_FAULT_TOLERANCE] == "replica"
     assert boot["env"][env_names.ENV_NODES_PER_REPLICA] == "1"
     assert boot["env"][env_names.ENV_MIN_REPLICAS] == "2"
+    assert boot["env"][env_names.ENV_QUORUM] == "redis"
     elastic = json.loads(
         render_local_boot(_spec(LOCAL), node, "redis://127.0.0.1:7000", workdir="/w")
     )
@@ -201,7 +204,7 @@ def test_validate_prints_the_replica_line_and_json(
     data = _with(
         _with(LOCAL, "train.fault_tolerance", "replica"),
         "train.replica",
-        {"nodes_per_replica": 2, "min_replicas": 2},
+        {"nodes_per_replica": 2, "min_replicas": 2, "quorum": "lighthouse"},
     )
     data = _with(data, "nodes", {"min": 4, "max": 8, "gpus": 0})
     path = tmp_path / "job.yaml"
@@ -211,8 +214,8 @@ def test_validate_prints_the_replica_line_and_json(
     out = capsys.readouterr().out.splitlines()
     assert out[2] == (
         "  fault tolerance replica: 2 node(s) per replica, 2-4 replicas, a step commits with "
-        "at least 2 replica(s); the local VMs run in this venv, which needs spottrain[replica] "
-        "(torchft)"
+        "at least 2 replica(s), its quorum from torchft's lighthouse, which the controller "
+        "runs; the local VMs run in this venv, which needs spottrain[replica] (torchft)"
     )
     assert validate(argparse.Namespace(spec=str(path), json=True, check_clouds=False)) == 0
     result = json.loads(capsys.readouterr().out)
@@ -222,6 +225,7 @@ def test_validate_prints_the_replica_line_and_json(
         "min_replicas": 2,
         "replicas_min": 2,
         "replicas_max": 4,
+        "quorum": "lighthouse",
     }
     path.write_text(yaml.safe_dump(LOCAL))
     assert validate(argparse.Namespace(spec=str(path), json=True, check_clouds=False)) == 0

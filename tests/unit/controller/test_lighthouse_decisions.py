@@ -13,14 +13,23 @@ from spec_samples import LOCAL
 from spottrain.controller.run.lighthouse import (
     HEARTBEAT_TIMEOUT_MS,
     choose_hosts,
+    find_torchft,
     lighthouse_command,
     min_replicas,
     place_lighthouse,
     placement_from_env,
     replica_mode,
+    uses_lighthouse,
 )
 from spottrain.controller.run.records import RunError, RunInfo
-from spottrain.controller.run.replica_view import ReplicaRow, format_replicas, replica_rows
+from spottrain.controller.run.replica_view import (
+    ReplicaRow,
+    ReplicaStatus,
+    format_replicas,
+    quorum_line,
+    replica_rows,
+)
+from spottrain.quorum.client import QuorumStatus
 from spottrain.spec import parse_spec
 
 
@@ -58,7 +67,24 @@ def test_the_lighthouse_expires_a_silent_replica_after_a_second() -> None:
 
 def test_an_elastic_spec_has_no_lighthouse(tmp_path: Path) -> None:
     spec = parse_spec(yaml.safe_dump(LOCAL), "job.yaml", tmp_path).spec
-    assert not replica_mode(spec) and min_replicas(spec) == 1
+    assert not replica_mode(spec) and min_replicas(spec) == 1 and not uses_lighthouse(spec)
+    # A replica spec runs the lighthouse only when its quorum says so (Redis by default).
+    replica = {**LOCAL, "train": {**LOCAL["train"], "fault_tolerance": "replica"}}
+    spec = parse_spec(yaml.safe_dump(replica), "job.yaml", tmp_path).spec
+    assert replica_mode(spec) and not uses_lighthouse(spec)
+    replica["train"]["replica"] = {"quorum": "lighthouse"}
+    assert uses_lighthouse(parse_spec(yaml.safe_dump(replica), "job.yaml", tmp_path).spec)
+
+
+def test_a_local_redis_quorum_run_without_torchft_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RunError) as e:
+        find_torchft()
+    assert "\n" not in str(e.value) and "pip install 'spottrain[replica]'" in str(e.value)
 
 
 def test_a_run_json_from_before_the_lighthouse_still_loads(
@@ -116,6 +142,36 @@ def test_format_replicas_says_where_the_lighthouse_is_and_each_replicas_figures(
         "replica-1 joining nodes n2 step - quorum - (- taking part) discarded -"
     )
     assert format_replicas([], "", False, now=0.0)[0] == "lighthouse - DOWN"
+
+
+def test_the_redis_quorums_line_stands_where_the_lighthouses_was() -> None:
+    q = QuorumStatus(qid=12, version=9, round=40, members=3, heartbeating=4, epoch="5f3a")
+    assert quorum_line(q) == (
+        "quorum redis: id 12 (membership since 9), 3 member(s), 4 heartbeating, round 40, "
+        "epoch 5f3a"
+    )
+    fresh = QuorumStatus(qid=0, version=0, round=0, members=0, heartbeating=2, epoch="")
+    assert quorum_line(fresh) == "quorum redis: none formed yet; 2 heartbeating, round 0"
+    assert quorum_line(None, "Redis key k holds x") == (
+        "quorum redis: cannot read it: Redis key k holds x"
+    )
+    rows = [ReplicaRow("replica-0", ("n0",), "live", 12, 12, 3, 0, 99.0)]
+    status = ReplicaStatus("", False, rows, kind="redis", quorum=q)
+    assert status.lines(now=100.0)[:2] == [quorum_line(q), "replicas: 1 (1 live)"]
+    doc = status.to_json()
+    figures = doc["quorum"]
+    assert (figures["kind"], figures["qid"], figures["members"], figures["epoch"]) == (
+        "redis",
+        12,
+        3,
+        "5f3a",
+    )
+    assert "lighthouse" not in doc and doc["replicas"][0]["replica_id"] == "replica-0"
+    unread = ReplicaStatus("", False, [], kind="redis", quorum_error="refused").to_json()
+    assert unread["quorum"] == {"kind": "redis", "error": "refused"}
+    lighthouse = ReplicaStatus("h:1", True, rows).to_json()
+    assert lighthouse["quorum"] == {"kind": "lighthouse"}
+    assert lighthouse["lighthouse"] == {"address": "h:1", "up": True}
 
 
 def test_terraforms_address_for_the_controller_wins() -> None:

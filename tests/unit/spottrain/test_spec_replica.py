@@ -16,6 +16,7 @@ from spottrain.protocol import env as env_names
 from spottrain.spec import (
     FaultTolerance,
     JobSpec,
+    QuorumKind,
     ReplicaSpec,
     SpecError,
     TrainSpec,
@@ -38,7 +39,7 @@ def _problems(data: dict[str, Any]) -> list[str]:
     return err.value.problems
 
 
-def _replica(base: dict[str, Any], size: Any = None, **replica: int) -> dict[str, Any]:
+def _replica(base: dict[str, Any], size: Any = None, **replica: Any) -> dict[str, Any]:
     """``base`` in replica mode, with ``train.replica`` and (``size``) ``nodes`` set."""
     data = _with(base, "train.fault_tolerance", "replica")
     if replica:
@@ -52,7 +53,9 @@ def test_a_spec_without_the_keys_is_elastic_with_default_replica_settings() -> N
     for base in (VALID, LOCAL):
         spec = _parse(base)
         assert spec.train.fault_tolerance is FaultTolerance.ELASTIC
-        assert spec.train.replica == ReplicaSpec(nodes_per_replica=1, min_replicas=1)
+        assert spec.train.replica == ReplicaSpec(
+            nodes_per_replica=1, min_replicas=1, quorum=QuorumKind.REDIS
+        )
         assert replica_agent_env(spec) == {}
         assert describe_replica(spec) is None
     # Saying elastic out loud, or giving the defaults, is the same spec.
@@ -68,6 +71,11 @@ def test_replica_mode_parses_with_its_settings() -> None:
     assert spec.train.replica == ReplicaSpec(nodes_per_replica=2, min_replicas=1)
     spec = _parse(_replica(LOCAL, {"min": 3, "max": 6, "gpus": 0}, min_replicas=3))
     assert spec.train.replica == ReplicaSpec(nodes_per_replica=1, min_replicas=3)
+    # The quorum: Redis unless the spec asks for torchft's lighthouse; saying redis is the same.
+    assert spec.train.replica.quorum is QuorumKind.REDIS
+    assert _parse(_replica(LOCAL, quorum="redis")) == _parse(_replica(LOCAL))
+    lighthouse = _parse(_replica(LOCAL, quorum="lighthouse"))
+    assert lighthouse.train.replica.quorum == "lighthouse"  # a str enum: the agent's env word
 
 
 @pytest.mark.parametrize(
@@ -93,7 +101,17 @@ def test_replica_mode_parses_with_its_settings() -> None:
         (
             _replica(LOCAL, nodes=2),
             "train.replica.nodes (line 9): unknown key; allowed here: nodes_per_replica, "
-            "min_replicas",
+            "min_replicas, quorum",
+        ),
+        (
+            _replica(LOCAL, quorum="etcd"),
+            "train.replica.quorum (line 9): use 'redis' or 'lighthouse' (got 'etcd')",
+        ),
+        (
+            _with(LOCAL, "train.replica", {"quorum": "lighthouse"}),
+            "train (line 5): replica (nodes_per_replica 1, min_replicas 1, quorum lighthouse) "
+            "applies only in replica mode: set fault_tolerance: replica, or drop the replica "
+            "block",
         ),
         (
             _replica(LOCAL, {"min": 1, "max": 4, "gpus": 0}, nodes_per_replica=2),
@@ -180,9 +198,12 @@ def test_the_agent_settings_of_a_replica_job() -> None:
         env_names.ENV_FAULT_TOLERANCE: "replica",
         env_names.ENV_NODES_PER_REPLICA: "2",
         env_names.ENV_MIN_REPLICAS: "2",
+        env_names.ENV_QUORUM: "redis",
     }
     # The lighthouse moves when it restarts: the agent reads it from Redis, not from here.
     assert env_names.ENV_LIGHTHOUSE not in replica_agent_env(spec)
+    lighthouse = _parse(_replica(LOCAL, quorum="lighthouse"))
+    assert replica_agent_env(lighthouse)[env_names.ENV_QUORUM] == "lighthouse"
 
 
 def test_validates_line_names_the_mode_the_replicas_and_where_torchft_comes_from() -> None:
@@ -191,14 +212,18 @@ def test_validates_line_names_the_mode_the_replicas_and_where_torchft_comes_from
     )
     assert describe_replica(local) == (
         "fault tolerance replica: 2 node(s) per replica, 2-4 replicas, a step commits with at "
-        "least 2 replica(s); the local VMs run in this venv, which needs spottrain[replica] "
-        "(torchft)"
+        "least 2 replica(s), its quorum in the run's Redis; the local VMs run in this venv, "
+        "which needs spottrain[replica] (torchft)"
     )
     image = _parse(_replica(VALID))
     assert describe_replica(image) == (
         "fault tolerance replica: 1 node(s) per replica, 2-4 replicas, a step commits with at "
-        "least 1 replica(s); the image must hold torchft (pip install "
-        "'spottrain[agent,replica]'): nothing installs it at boot"
+        "least 1 replica(s), its quorum in the run's Redis; the image must hold torchft (pip "
+        "install 'spottrain[agent,replica]'): nothing installs it at boot"
+    )
+    lighthouse = _parse(_replica(VALID, quorum="lighthouse"))
+    assert "its quorum from torchft's lighthouse, which the controller runs;" in str(
+        describe_replica(lighthouse)
     )
     git = _parse(_with(_replica(VALID), "code", {"archive": {"path": "."}}))
     assert str(describe_replica(git)).endswith("; each VM installs spottrain[replica] (torchft)")

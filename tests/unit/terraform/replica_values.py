@@ -3,8 +3,9 @@ boot templates without a Terraform binary.
 
 The values come from the modules' own expressions as python-hcl2 keeps them (text): each
 local has one fixed shape, checked here, so a changed expression fails its test instead of
-being guessed at. Only the lighthouse address is Terraform's to compute (the controller VM's
-private address on AWS, its reserved internal address on GCP); the caller gives it.
+being guessed at. Only the lighthouse address (written only with ``replica_quorum =
+"lighthouse"``) is Terraform's to compute (the controller VM's private address on AWS, its
+reserved internal address on GCP); the caller gives it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import re
 from typing import Any
 
 REPLICA = '${var.fault_tolerance == "replica"}'
+LIGHTHOUSE = '${local.replica && var.replica_quorum == "lighthouse"}'
 REQUIREMENT = '${local.replica ? " \'spottrain[replica]==${var.spottrain_version}\'" : ""}'
 _ENV_LINES = re.compile(
-    r'^\$\{local\.replica \? join\("", \[for line in \[(?P<items>.*)\] : "\$\{line\}\\n"\]\)'
-    r' : ""\}$',
+    r'^\$\{local\.replica \? join\("", \[for line in concat\(\[(?P<items>.*)\], '
+    r"local\.lighthouse \? \[(?P<lighthouse>.*)\] : \[\]\) : "
+    r'"\$\{line\}\\n"\]\) : ""\}$',
     re.S,
 )
 _STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
@@ -28,11 +31,13 @@ LIGHTHOUSE_ADDRESS = {
 }
 
 
-def env_line_templates(locals_: dict[str, Any]) -> list[str]:
-    """The lines of ``local.replica_env_lines``, unescaped, with their references in place."""
+def env_line_templates(locals_: dict[str, Any], lighthouse: bool = True) -> list[str]:
+    """The lines of ``local.replica_env_lines``, unescaped, with their references in place:
+    every replica run's, then (``lighthouse``) the lighthouse quorum's own."""
     m = _ENV_LINES.match(str(locals_["replica_env_lines"]))
     assert m, f"local.replica_env_lines changed shape: {locals_['replica_env_lines']}"
-    return [s.replace('\\"', '"') for s in _STRING.findall(m["items"])]
+    groups = ["items", "lighthouse"] if lighthouse else ["items"]
+    return [s.replace('\\"', '"') for g in groups for s in _STRING.findall(m[g])]
 
 
 def replica_values(
@@ -41,6 +46,7 @@ def replica_values(
     """``replica_env_lines`` and ``replica_requirement`` as Terraform would evaluate them for
     ``inputs`` (variable values), with ``lighthouse`` as ``local.lighthouse_address``."""
     assert locals_["replica"] == REPLICA, locals_["replica"]
+    assert locals_["lighthouse"] == LIGHTHOUSE, locals_["lighthouse"]
     assert locals_["replica_requirement"] == REQUIREMENT, locals_["replica_requirement"]
     if inputs["fault_tolerance"] != "replica":
         return {"replica_env_lines": "", "replica_requirement": ""}
@@ -52,7 +58,8 @@ def replica_values(
             return lighthouse
         return str(inputs[name])
 
-    lines = [_REF.sub(ref, t) + "\n" for t in env_line_templates(locals_)]
+    templates = env_line_templates(locals_, inputs["replica_quorum"] == "lighthouse")
+    lines = [_REF.sub(ref, t) + "\n" for t in templates]
     return {
         "replica_env_lines": "".join(lines),
         "replica_requirement": f" 'spottrain[replica]=={inputs['spottrain_version']}'",

@@ -85,6 +85,7 @@ VARIABLES = {
     "fault_tolerance": "elastic",
     "nodes_per_replica": "1",
     "min_replicas": "1",
+    "replica_quorum": "redis",
     "lighthouse_port": "29510",
     "manager_port": "29512",
 }

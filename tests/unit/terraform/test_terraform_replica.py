@@ -1,10 +1,11 @@
 """Replica mode (``fault_tolerance = "replica"``) in both Terraform modules, without a
 Terraform binary: the variables and their checks (evaluated here from the modules' own
 conditions), the agent's environment file a replica-mode VM writes (rendered and run for
-real, then read back as systemd would, and by the agent's own parser once this tree's agent
-reads replica mode), the replica extra on the fleet and the
-controller VM, and the one new opening: the lighthouse port, from the fleet to the
-controller VM only."""
+real, then read back as systemd would, and by the agent's own parser), the replica extra on
+the fleet (and on the controller VM with the lighthouse), and the quorum: the Redis quorum by
+default, which adds nothing to the network or the controller VM; with ``replica_quorum =
+"lighthouse"`` the one new opening, the lighthouse port from the fleet to the controller VM
+only."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from spottrain.protocol.env import (
     ENV_MANAGER_PORT,
     ENV_MIN_REPLICAS,
     ENV_NODES_PER_REPLICA,
+    ENV_QUORUM,
 )
 
 CLOUDS = ["aws", "gcp"]
@@ -37,17 +39,21 @@ REPLICA_VARIABLES = {
     "fault_tolerance": "elastic",
     "nodes_per_replica": 1,
     "min_replicas": 1,
+    "replica_quorum": "redis",
     "lighthouse_port": 29510,
     "manager_port": 29512,
 }
-# A replica-mode fleet: 3 replicas of 2 nodes at most, a quorum of at least 2.
+# A replica-mode fleet: 3 replicas of 2 nodes at most, a quorum of at least 2, in Redis.
 REPLICA = {
     "fault_tolerance": "replica",
     "nodes_per_replica": 2,
     "min_replicas": 2,
+    "replica_quorum": "redis",
     "lighthouse_port": 29610,
     "manager_port": 29612,
 }
+# The same with torchft's lighthouse on the controller VM.
+LIGHTHOUSE = {**REPLICA, "replica_quorum": "lighthouse"}
 # Each module names the fleet's size its own way.
 NODES = {"aws": ("nodes_min", "nodes_max"), "gcp": ("nnodes_min", "nnodes_max")}
 FLEET_RESOURCE = {
@@ -139,6 +145,7 @@ def test_replica_variables_are_declared_with_their_defaults(
         ("fault_tolerance", ["elastic", "replica"], ["Replica", "hsdp", ""]),
         ("nodes_per_replica", [1, 2, 8], [0, -1, 1.5]),
         ("min_replicas", [1, 3], [0, 2.5]),
+        ("replica_quorum", ["redis", "lighthouse"], ["Redis", "etcd", ""]),
         ("lighthouse_port", [29510, 1024, 65535], [80, 0, 65536, 29510.5]),
         ("manager_port", [29512], [22, 70000]),
     ],
@@ -159,14 +166,19 @@ def test_fleet_refuses_a_replica_mode_that_cannot_form_a_quorum(
     assert len(_replica_preconditions(mod, cloud)) == 4
     assert _fleet_accepts(mod, cloud) == [], "elastic mode at the defaults"
     assert _fleet_accepts(mod, cloud, **REPLICA, lo=4, hi=6) == []
-    (no_vm,) = _fleet_accepts(mod, cloud, **REPLICA, lo=4, hi=6, create_controller=False)
-    assert "needs create_controller = true" in no_vm and "lighthouse" in no_vm
+    assert _fleet_accepts(mod, cloud, **LIGHTHOUSE, lo=4, hi=6) == []
+    # The Redis quorum needs no controller VM; the lighthouse runs on it.
+    assert _fleet_accepts(mod, cloud, **REPLICA, lo=4, hi=6, create_controller=False) == []
+    (no_vm,) = _fleet_accepts(mod, cloud, **LIGHTHOUSE, lo=4, hi=6, create_controller=False)
+    assert no_vm.startswith('replica_quorum = \\"lighthouse\\" needs create_controller = true')
     (too_few,) = _fleet_accepts(mod, cloud, **REPLICA, lo=2, hi=6)
     assert "is below min_replicas x nodes_per_replica" in too_few
     (partial,) = _fleet_accepts(mod, cloud, **REPLICA, lo=4, hi=7)
     assert "multiples of nodes_per_replica" in partial
     (stray,) = _fleet_accepts(mod, cloud, nodes_per_replica=2, lo=2, hi=6)
     assert "apply only with fault_tolerance" in stray
+    (stray,) = _fleet_accepts(mod, cloud, replica_quorum="lighthouse", lo=2, hi=6)
+    assert "replica_quorum (${var.replica_quorum}) apply only with fault_tolerance" in stray
 
 
 def test_controller_refuses_a_job_spec_in_another_mode(mods: dict[str, Module], cloud: str) -> None:
@@ -179,6 +191,7 @@ def test_controller_refuses_a_job_spec_in_another_mode(mods: dict[str, Module], 
         ("train.fault_tolerance", '"elastic"', "fault_tolerance"),
         ("train.replica.nodes_per_replica", "1", "nodes_per_replica"),
         ("train.replica.min_replicas", "1", "min_replicas"),
+        ("train.replica.quorum", '"redis"', "replica_quorum"),
     ]:
         # The spec's defaults are the job spec's own (spottrain/spec/sections.py).
         assert f"try(yamldecode(var.{spec}).{key}, {default}) == var.{variable}" in condition
@@ -209,23 +222,29 @@ REPLICA_NAMES = {
     ENV_FAULT_TOLERANCE,
     ENV_NODES_PER_REPLICA,
     ENV_MIN_REPLICAS,
-    ENV_LIGHTHOUSE,
+    ENV_QUORUM,
     ENV_MANAGER_PORT,
+    ENV_LIGHTHOUSE,
 }
 
 
 def test_replica_mode_gives_the_agent_its_replica_settings(
     mods: dict[str, Module], cloud: str, tmp_path: Path
 ) -> None:
-    script, env, address = _replica_env(mods, cloud, tmp_path, **REPLICA)
+    script, env, _ = _replica_env(mods, cloud, tmp_path, **REPLICA)
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
-    assert {k: env[k] for k in REPLICA_NAMES} == {
+    assert {k: env[k] for k in REPLICA_NAMES - {ENV_LIGHTHOUSE}} == {
         ENV_FAULT_TOLERANCE: "replica",
         ENV_NODES_PER_REPLICA: "2",
         ENV_MIN_REPLICAS: "2",
-        ENV_LIGHTHOUSE: f"{address}:29610",
+        ENV_QUORUM: "redis",
         ENV_MANAGER_PORT: "29612",
     }
+    assert ENV_LIGHTHOUSE not in env  # the Redis quorum has no address of its own
+    (tmp_path / "lighthouse").mkdir()
+    script, env, address = _replica_env(mods, cloud, tmp_path / "lighthouse", **LIGHTHOUSE)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    assert (env[ENV_QUORUM], env[ENV_LIGHTHOUSE]) == ("lighthouse", f"{address}:29610")
     # The lines the module writes use exactly the protocol's names, nothing more.
     locals_ = aws_t._locals(mods[cloud])
     written = {t.split("=", 1)[0] for t in env_line_templates(locals_)}
@@ -233,7 +252,7 @@ def test_replica_mode_gives_the_agent_its_replica_settings(
     # The lighthouse is reached at the controller VM's own private address.
     lighthouse = str(locals_["lighthouse_address"])
     assert f"{LIGHTHOUSE_ADDRESS[cloud]}}}:${{var.lighthouse_port}}" in lighthouse
-    assert lighthouse.startswith("${local.replica && var.create_controller ? ")
+    assert lighthouse.startswith("${local.lighthouse && var.create_controller ? ")
 
 
 def test_elastic_mode_gives_the_agent_no_replica_setting(
@@ -248,18 +267,22 @@ def test_the_agent_reads_the_replica_settings(
     mods: dict[str, Module], cloud: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agent_cli.build_parser()  # fills RUN_ENV_VARS
-    _, env, address = _replica_env(mods, cloud, tmp_path, **REPLICA)
-    unread = set(env) - agent_cli.RUN_ENV_VARS
-    assert unread == set(), f"the agent never reads {sorted(unread)}"
-    for name in agent_cli.RUN_ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    args = agent_cli.build_parser().parse_args(["run"])
-    assert args.fault_tolerance == "replica"
-    assert (int(args.nodes_per_replica), int(args.min_replicas)) == (2, 2)
-    assert args.lighthouse == f"{address}:29610"
-    assert int(args.manager_port) == 29612
+    for n, variables in enumerate((REPLICA, LIGHTHOUSE)):
+        (tmp_path / str(n)).mkdir()
+        _, env, address = _replica_env(mods, cloud, tmp_path / str(n), **variables)
+        unread = set(env) - agent_cli.RUN_ENV_VARS
+        assert unread == set(), f"the agent never reads {sorted(unread)}"
+        for name in agent_cli.RUN_ENV_VARS:
+            monkeypatch.delenv(name, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        args = agent_cli.build_parser().parse_args(["run"])
+        assert args.fault_tolerance == "replica"
+        assert (int(args.nodes_per_replica), int(args.min_replicas)) == (2, 2)
+        assert args.quorum == variables["replica_quorum"]
+        lighthouse = f"{address}:29610" if args.quorum == "lighthouse" else ""
+        assert args.lighthouse == lighthouse
+        assert int(args.manager_port) == 29612
 
 
 def _pip_requirements(script: str) -> list[Requirement]:
@@ -300,7 +323,7 @@ def test_aws_controller_installs_the_extra_and_learns_its_lighthouse_address(
     locals_ = aws_t._locals(mods["aws"])
     assert (
         locals_["controller_replica_setup"]
-        == '${local.replica ? local.controller_replica_script : ""}'
+        == '${local.lighthouse ? local.controller_replica_script : ""}'
     )
     user_data = str(locals_["controller_user_data"])
     assert "${local.controller_replica_setup}JOB_SPEC_B64=" in user_data
@@ -323,7 +346,9 @@ def test_gcp_controller_installs_the_extra_and_learns_its_lighthouse_address(
     mods: dict[str, Module],
 ) -> None:
     mod = mods["gcp"]
-    inputs = gcp_t._inputs(mod, fault_tolerance="replica", lighthouse_port=29610)
+    inputs = gcp_t._inputs(
+        mod, fault_tolerance="replica", replica_quorum="lighthouse", lighthouse_port=29610
+    )
     controller_vars = gcp_t._locals(mod)["controller_vars"]
     known = {"job_spec_b64": ""}
     values = {
@@ -332,7 +357,14 @@ def test_gcp_controller_installs_the_extra_and_learns_its_lighthouse_address(
     }
     script = render_template(mod.texts["controller.sh.tftpl"], values)
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
-    assert "FAULT_TOLERANCE='replica'\nLIGHTHOUSE_PORT='29610'\n" in script
+    assert (
+        "FAULT_TOLERANCE='replica'\nREPLICA_QUORUM='lighthouse'\nLIGHTHOUSE_PORT='29610'\n"
+    ) in script
+    # Only the lighthouse quorum sets anything up here.
+    assert (
+        '\nif [ "$FAULT_TOLERANCE" = replica ] && [ "$REPLICA_QUORUM" = lighthouse ]; then\n'
+        in (script)
+    )
     version = inputs["spottrain_version"]
     assert f"install -q 'spottrain[gcp]=={version}' 'spottrain[replica]=={version}'\n" in script
     assert "Environment=SPOTTRAIN_LIGHTHOUSE=%s:%s" in script
@@ -342,11 +374,11 @@ def test_gcp_controller_installs_the_extra_and_learns_its_lighthouse_address(
     (nic,) = mod.resources("google_compute_instance")["controller"]["network_interface"]
     assert (
         nic["network_ip"]
-        == "${local.replica ? google_compute_address.controller[0].address : null}"
+        == "${local.lighthouse ? google_compute_address.controller[0].address : null}"
     )
     address = mod.resources("google_compute_address")["controller"]
     assert address["address_type"] == "INTERNAL"
-    assert address["count"] == "${local.replica && var.create_controller ? 1 : 0}"
+    assert address["count"] == "${local.lighthouse && var.create_controller ? 1 : 0}"
 
 
 # --- the network ------------------------------------------------------------------------------
@@ -360,7 +392,7 @@ def test_aws_lighthouse_port_opens_from_the_fleet_to_the_controller_only(
     lighthouse = {n: r for n, r in rules.items() if "lighthouse_port" in str(r)}
     assert set(lighthouse) == {"controller_lighthouse_from_fleet"}
     rule = lighthouse["controller_lighthouse_from_fleet"]
-    assert rule["count"] == "${local.replica && var.create_controller ? 1 : 0}"
+    assert rule["count"] == "${local.lighthouse && var.create_controller ? 1 : 0}"
     assert (rule["ip_protocol"], rule["from_port"], rule["to_port"]) == (
         "tcp",
         "${var.lighthouse_port}",
@@ -387,7 +419,7 @@ def test_gcp_lighthouse_port_opens_from_the_fleet_to_the_controller_only(
     mod = mods["gcp"]
     rules = mod.resources("google_compute_firewall")
     rule = rules["lighthouse"]
-    assert rule["count"] == "${local.replica && var.create_controller ? 1 : 0}"
+    assert rule["count"] == "${local.lighthouse && var.create_controller ? 1 : 0}"
     assert rule["direction"] == "INGRESS"
     assert rule["source_tags"] == ["${local.fleet_tag}"] and "source_ranges" not in rule
     assert rule["target_tags"] == ["${local.controller_tag}"]
