@@ -72,6 +72,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         return grpc.StatusCode.UNAVAILABLE, f"the run's Redis is unreachable: {exc}"
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, (QuorumError, redis.RedisError)):
         return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
     return grpc.StatusCode.INTERNAL, f"lighthouse shim bug: {type(exc).__name__}: {exc}"
