@@ -14,7 +14,10 @@ answered from the run's Redis through :class:`spottrain.quorum.client.QuorumClie
   (the worker left at a step boundary), so the survivors' next round forms without waiting
   for a timeout. ``now=True`` leaves at once (the workers are already stopped).
 - A replica id Redis dropped or that left is refused for good: its manager gets an error
-  and must be restarted, which joins under a new id (torchft adds a fresh uuid).
+  and must be restarted, which joins under a new id (torchft adds a fresh uuid). The shim
+  also applies the quorum's rule itself: a manager heard from again after a silence longer
+  than the heartbeat timeout (it was frozen) is dropped, whether or not a round in Redis
+  swept it yet, so it can never slip back into a quorum under its old id.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class LighthouseShim:
     ) -> None:
         self.blocking, self.control, self.config = blocking, control, config
         fifth = config.heartbeat_timeout_ms / 5000.0
+        self.timeout_s = config.heartbeat_timeout_ms / 1000.0
         self.interval_s = heartbeat_interval_s if heartbeat_interval_s is not None else fifth
         self.fresh_s = fresh_s if fresh_s is not None else fifth
         self.clock = clock
@@ -175,9 +179,7 @@ class LighthouseShim:
         rid = m.replica_id
         if not rid:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a quorum request needs a requester")
-        with self._lock:
-            why = self._gone.get(rid)
-            self._beats[rid] = self.clock()  # a request is a heartbeat, as at the lighthouse
+        why = self._seen(rid)  # a request is a heartbeat, as at the lighthouse
         if why is not None:
             self.refused.append(rid)
             context.abort(grpc.StatusCode.NOT_FOUND, self._gone_message(rid, why))
@@ -248,12 +250,25 @@ class LighthouseShim:
 
     # -- Heartbeat --------------------------------------------------------------------------
     def _heartbeat(self, request: Any, context: grpc.ServicerContext) -> bytes:
-        rid = request.replica_id
-        if rid:
-            with self._lock:
-                if rid not in self._gone:
-                    self._beats[rid] = self.clock()
+        if request.replica_id:
+            self._seen(request.replica_id)
         return b""  # an empty LighthouseHeartbeatResponse
+
+    def _seen(self, rid: str) -> str | None:
+        """Record a sign of life from ``rid``; why it is refused, if it is."""
+        now = self.clock()
+        with self._lock:
+            why = self._gone.get(rid)
+            if why is not None:
+                return why
+            last = self._beats.get(rid)
+            self._beats[rid] = now
+        if last is None or now - last < self.timeout_s:
+            return None
+        why = f"silent for {now - last:.1f} s, past the {self.timeout_s:g} s heartbeat timeout"
+        log.error("%s", self._gone_message(rid, why))
+        self._leave_one(rid, why)
+        return why
 
     def _beat_loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -266,8 +281,6 @@ class LighthouseShim:
         with self._lock:
             fresh = [r for r, t in self._beats.items() if now - t < self.fresh_s]
             quiet = [r for r in self._leaving if now - self._beats.get(r, 0.0) >= self.fresh_s]
-            for r in [r for r, t in self._beats.items() if now - t > 600]:
-                del self._beats[r]  # long gone: do not keep every past incarnation
         for rid in quiet:
             self._leave_one(rid, "left on a notice")
         fresh = [r for r in fresh if r not in quiet]

@@ -79,8 +79,14 @@ class Watchdog:
         *,
         peer_timeout_s: float = 1.0,
         poll_s: float = 0.1,
+        check_self: bool | None = None,
     ) -> None:
         self.ages = lighthouse_ages(ages) if isinstance(ages, str) else ages
+        # With the Redis quorum this replica's own id is read too: a replica woken after the
+        # quorum dropped it (frozen past the timeout) has no heartbeat any more; its
+        # collective is aborted at once instead of at the collective timeout, and its next
+        # quorum is refused (it must restart under a new id).
+        self.check_self = not isinstance(ages, str) if check_self is None else check_self
         self.group, self.recorder = group, recorder
         self.peer_timeout_s, self.poll_s = peer_timeout_s, poll_s
         self.aborts = 0
@@ -126,6 +132,8 @@ class Watchdog:
                 self._stop.wait(self.poll_s)  # the lighthouse or Redis is away: nothing to learn
                 continue
             lost = lost_peers(view.replica_ids, self.me or "", ages, self.peer_timeout_s)
+            if self.check_self and self.me and self.me not in ages:
+                lost.append(f"{self.me} (this replica: the quorum dropped it)")
             if lost and self._inflight.is_set():
                 log.warning(
                     "peer(s) %s stopped heartbeating during a collective: aborting the "

@@ -135,7 +135,7 @@ def test_heartbeats_coalesce_and_a_leave_waits_for_the_step_boundary(shim) -> No
         _heartbeat(channel, rid)
     s.beat_once()
     assert fake.beats == [["a:u", "c:u"]]  # one Redis call for both
-    clock.t += 1.0  # "c" froze: its manager went quiet
+    clock.t += 0.6  # "c" froze: its manager went quiet (not yet past the 1 s timeout)
     _heartbeat(channel, "a:u")
     s.beat_once()
     assert fake.beats[-1] == ["a:u"]
@@ -145,7 +145,7 @@ def test_heartbeats_coalesce_and_a_leave_waits_for_the_step_boundary(shim) -> No
     s.beat_once()
     assert fake.left == ["c:u"]  # already quiet: left at once; "a" still trains
     assert fake.beats[-1] == ["a:u"]
-    clock.t += 1.0  # "a"'s worker left at its step boundary: its manager stopped
+    clock.t += 0.6  # "a"'s worker left at its step boundary: its manager stopped
     s.beat_once()
     assert fake.left == ["c:u", "a:u"]
     with pytest.raises(grpc.RpcError) as err:
@@ -153,6 +153,20 @@ def test_heartbeats_coalesce_and_a_leave_waits_for_the_step_boundary(shim) -> No
     assert err.value.code() is grpc.StatusCode.NOT_FOUND
     assert "never rejoin under this id" in err.value.details()
     assert s.refused == ["a:u"]
+
+
+def test_a_manager_silent_past_the_timeout_never_comes_back_under_its_id(shim) -> None:
+    s, fake, clock, channel = shim
+    _heartbeat(channel, "b:u")
+    clock.t += 1.5  # frozen (SIGSTOP) past the heartbeat timeout, then woken
+    _heartbeat(channel, "b:u")
+    assert fake.left == ["b:u"]  # the quorum's own rule, applied even if no round swept it
+    s.beat_once()
+    assert ["b:u"] not in fake.beats
+    with pytest.raises(grpc.RpcError) as err:
+        _quorum(channel, "b:u")
+    assert err.value.code() is grpc.StatusCode.NOT_FOUND
+    assert "silent for 1.5 s" in err.value.details()
 
 
 def test_dropped_ids_are_refused_and_errors_map_to_status_codes(shim) -> None:
