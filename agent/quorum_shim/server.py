@@ -22,11 +22,13 @@ answered from the run's Redis through :class:`spottrain.quorum.client.QuorumClie
 
 from __future__ import annotations
 
+import functools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import grpc
@@ -42,6 +44,36 @@ log = logging.getLogger("spottrain.agent.quorum_shim")
 
 # A Quorum call without a deadline waits at most this long (torchft always sends one).
 DEFAULT_WAIT_S = 60.0
+
+
+class _DaemonPool:
+    """The server's worker threads, as daemons: a handler blocked on Redis (up to the
+    manager's quorum deadline, minutes) must not hold up the agent's exit, which a
+    ``ThreadPoolExecutor``'s threads would (they are joined at interpreter exit)."""
+
+    def __init__(self, workers: int) -> None:
+        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
+        self._tasks = queue.SimpleQueue()
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"spottrain-shim-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._tasks.put((future, functools.partial(fn, **kwargs), args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._tasks.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, **_: Any) -> None:
+        pass  # daemons: they end with the process
 
 
 class QuorumApi(Protocol):
@@ -127,7 +159,7 @@ class LighthouseShim:
         self.refused: list[str] = []  # ids whose Quorum call was refused (tests, logs)
         self.heartbeats_sent = 0
         self._stop = threading.Event()
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=max_workers))
+        self._server = grpc.server(_DaemonPool(max_workers))
         handler = grpc.method_handlers_generic_handler(
             "torchft.LighthouseService",
             {

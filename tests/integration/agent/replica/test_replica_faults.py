@@ -84,7 +84,7 @@ def test_peer_killed_then_joiner_heals_bitwise_then_redis_restarted(cluster: Clu
     down_at = time.time()
     cluster.redis.restart()
     up_at = time.time()
-    wait_for(lambda: together(a, c, steps=10, after_t=up_at), 60, "training after the restart")
+    wait_for(lambda: together(a, c, steps=5, after_t=up_at), 60, "training after the restart")
     assert a.proc.poll() is None and c.proc.poll() is None, a.tail() + c.tail()
     for rep in (a, c):
         assert_no_step_lost(rep)
@@ -129,7 +129,7 @@ def test_peer_frozen_during_allreduce_discards_and_redoes_the_step(
     os.killpg(b.proc.pid, signal.SIGCONT)
     wait_for(lambda: b.shim.refused, 30, "the woken replica's quorum to be refused")
     wait_for(
-        lambda: sum(1 for r in a.committed() if r["t"] > woken_at) >= 10,
+        lambda: sum(1 for r in a.committed() if r["t"] > woken_at) >= 5,
         60,
         "the survivor to go on after the wake",
     )
