@@ -13,6 +13,9 @@ answered from the run's Redis through :class:`spottrain.quorum.client.QuorumClie
   replica goes on training; its id leaves Redis the moment its manager stops heartbeating
   (the worker left at a step boundary), so the survivors' next round forms without waiting
   for a timeout. ``now=True`` leaves at once (the workers are already stopped).
+- **HeartbeatAges** (``/spottrain.QuorumShim/HeartbeatAges``, ours): the local workers'
+  watchdogs read their peers' heartbeat ages here, not from Redis, so a VM's ranks cost
+  Redis no connections of their own; concurrent polls share one Redis read.
 - A replica id Redis dropped or that left is refused for good: its manager gets an error
   and must be restarted, which joins under a new id (torchft adds a fresh uuid). The shim
   also applies the quorum's rule itself: a manager heard from again after a silence longer
@@ -23,6 +26,7 @@ answered from the run's Redis through :class:`spottrain.quorum.client.QuorumClie
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import queue
 import threading
@@ -44,6 +48,9 @@ log = logging.getLogger("spottrain.agent.quorum_shim")
 
 # A Quorum call without a deadline waits at most this long (torchft always sends one).
 DEFAULT_WAIT_S = 60.0
+AGES_METHOD = "/spottrain.QuorumShim/HeartbeatAges"
+# Polls of the same members this close together share one Redis read.
+_AGES_SHARE_S = 0.05
 
 
 class _DaemonPool:
@@ -93,6 +100,7 @@ class QuorumApi(Protocol):
     def heartbeat(self, replica_ids: Sequence[str]) -> list[str]: ...
     def leave(self, replica_id: str) -> None: ...
     def roster(self) -> Roster: ...
+    def heartbeat_ages(self, replica_ids: Sequence[str]) -> dict[str, float | None]: ...
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -175,7 +183,17 @@ class LighthouseShim:
                 ),
             },
         )
-        self._server.add_generic_rpc_handlers((handler,))
+        ours = grpc.method_handlers_generic_handler(
+            "spottrain.QuorumShim",
+            {
+                "HeartbeatAges": grpc.unary_unary_rpc_method_handler(
+                    self._ages, request_deserializer=bytes, response_serializer=bytes
+                )
+            },
+        )
+        self._ages_lock = threading.Lock()
+        self._ages_last: tuple[bytes, float, bytes] = (b"", 0.0, b"")
+        self._server.add_generic_rpc_handlers((handler, ours))
         self.port = self._server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"the lighthouse shim cannot listen on {bind}: is the port taken?")
@@ -327,6 +345,24 @@ class LighthouseShim:
         for rid in gone:
             log.error("%s", self._gone_message(rid, "dropped by the quorum"))
             self._mark_gone(rid, "dropped by the quorum: its heartbeats stopped")
+
+    # -- HeartbeatAges ----------------------------------------------------------------------
+    def _ages(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """``request``: replica ids, one a line; the answer: JSON {id: seconds or null}."""
+        with self._ages_lock:  # one Redis read at a time; a poll just behind reuses it
+            key, at, answer = self._ages_last
+            now = self.clock()
+            if key == request and now - at < _AGES_SHARE_S:
+                return answer
+            ids = [i for i in request.decode().split("\n") if i]
+            try:
+                ages = self.control.heartbeat_ages(ids)
+            except Exception as exc:
+                code, message = status_of(exc)
+                context.abort(code, message)
+            answer = json.dumps(ages).encode()
+            self._ages_last = (request, now, answer)
+            return answer
 
     # -- leave ------------------------------------------------------------------------------
     def local_ids(self) -> list[str]:

@@ -47,9 +47,7 @@ from spottrain.protocol.env import (
     ENV_MANAGER_PORT,
     ENV_MIN_REPLICAS,
     ENV_QUORUM,
-    ENV_REDIS,
     ENV_REPLICA_ID,
-    ENV_RUN_ID,
 )
 
 from .groups import make_group
@@ -112,20 +110,14 @@ class EngineConfig:
 
 
 def _heartbeat_source(cfg: EngineConfig) -> Any:
-    """Where the watchdog reads peers' heartbeat ages: Redis with the Redis quorum (the
-    agent's shim answers only Quorum and Heartbeat), else the lighthouse's status page."""
-    url, run_id = os.environ.get(ENV_REDIS), os.environ.get(ENV_RUN_ID)
-    if os.environ.get(ENV_QUORUM) != "redis" or not (url and run_id):
+    """Where the watchdog reads peers' heartbeat ages: with the Redis quorum the agent's
+    shim (``cfg.lighthouse``), which reads them from Redis for all the node's ranks; else
+    the lighthouse's status page."""
+    if os.environ.get(ENV_QUORUM) != "redis":
         return cfg.lighthouse_url
-    from spottrain.protocol.keys import RunKeys
-    from spottrain.quorum.client import QuorumClient
-    from spottrain.quorum.model import QuorumConfig
-    from spottrain.redis_conn import connect, settings_from_url
+    from .watchdog import shim_ages
 
-    from .watchdog import redis_ages
-
-    client = connect(settings_from_url(url, socket_timeout=2.0), retries=1)
-    return redis_ages(QuorumClient(client, RunKeys(run_id), QuorumConfig()))
+    return shim_ages(cfg.lighthouse)
 
 
 def _int_env(name: str, default: int) -> int:

@@ -5,10 +5,10 @@ all-reduce must not hit it).
 
 A survivor blocked in an all-reduce asks no quorum, so the next quorum cannot tell it that
 the peer is gone; the heartbeat table can. The watchdog reads it only while a collective is
-in flight: with the Redis quorum from Redis (:func:`redis_ages`, the ages by Redis' clock;
-a member that left or was dropped has none), with torchft's lighthouse from its status page
-(:func:`lighthouse_ages`; 0.2.0 serves no machine-readable form, the page's format is
-pinned with the version).
+in flight: with the Redis quorum from the agent's shim, which reads Redis for all the node's
+ranks (:func:`shim_ages`; ages by Redis' clock; a member that left or was dropped has none);
+with torchft's lighthouse from its status page (:func:`lighthouse_ages`; 0.2.0 serves no
+machine-readable form, the page's format is pinned with the version).
 """
 
 from __future__ import annotations
@@ -54,6 +54,30 @@ def redis_ages(client: Any) -> Ages:
     def read(members: tuple[str, ...]) -> dict[str, float]:
         ages = client.heartbeat_ages(list(members))
         return {m: a for m, a in ages.items() if a is not None}
+
+    return read
+
+
+def shim_ages(address: str) -> Ages:
+    """The ages as the agent's lighthouse shim on ``address`` (host:port) reads them from
+    Redis: the node's ranks share its connection and its reads."""
+    import json
+
+    import grpc
+
+    channel = grpc.insecure_channel(address.removeprefix("http://"))
+    call = channel.unary_unary(
+        "/spottrain.QuorumShim/HeartbeatAges",
+        request_serializer=lambda ids: "\n".join(ids).encode(),
+        response_deserializer=json.loads,
+    )
+
+    def read(members: tuple[str, ...]) -> dict[str, float]:
+        try:
+            ages = call(members, timeout=2.0)
+        except grpc.RpcError as exc:
+            raise OSError(f"the lighthouse shim did not answer: {exc}") from exc
+        return {m: float(a) for m, a in ages.items() if a is not None}
 
     return read
 

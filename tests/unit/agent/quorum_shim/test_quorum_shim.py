@@ -13,6 +13,7 @@ import redis
 from spottrain.agent.quorum_shim import proto
 from spottrain.agent.quorum_shim.roster import RosterCache, fake_roster, rebuild_cost
 from spottrain.agent.quorum_shim.server import LighthouseShim, status_of
+from spottrain.agent.replica.watchdog import shim_ages
 from spottrain.quorum.errors import QuorumCorrupt, QuorumGone, QuorumTimeout
 from spottrain.quorum.model import Answer, Member, QuorumConfig, Roster
 
@@ -34,6 +35,7 @@ class FakeQuorum:
         self.beats: list[list[str]] = []
         self.left: list[str] = []
         self.rosters = 0
+        self.age_reads = 0
         self.gone: set[str] = set()
         self.fail: BaseException | None = None
         self.version = 5
@@ -72,6 +74,10 @@ class FakeQuorum:
     def roster(self) -> Roster:
         self.rosters += 1
         return Roster(self.version, self.members)
+
+    def heartbeat_ages(self, replica_ids: Sequence[str]) -> dict[str, float | None]:
+        self.age_reads += 1
+        return {r: None if r in self.gone else 0.25 for r in replica_ids}
 
 
 @pytest.fixture
@@ -197,6 +203,18 @@ def test_dropped_ids_are_refused_and_errors_map_to_status_codes(shim) -> None:
     with pytest.raises(grpc.RpcError) as err:
         _quorum(channel, "zz:u")
     assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_workers_watchdog_reads_heartbeat_ages_through_the_shim(shim) -> None:
+    s, fake, clock, _ = shim
+    read = shim_ages(s.address)
+    fake.gone.add("b:u")
+    assert read(("a:u", "b:u")) == {"a:u": 0.25}  # "b" gone: no age, so it counts as lost
+    read(("a:u", "b:u"))  # a second rank of the node polls just after: the same read
+    assert fake.age_reads == 1
+    clock.t += 1.0
+    read(("a:u", "b:u"))
+    assert fake.age_reads == 2
 
 
 def test_rebuild_is_cheap_and_byte_exact() -> None:
