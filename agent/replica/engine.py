@@ -46,6 +46,7 @@ from spottrain.protocol.env import (
     ENV_LIGHTHOUSE,
     ENV_MANAGER_PORT,
     ENV_MIN_REPLICAS,
+    ENV_QUORUM,
     ENV_REPLICA_ID,
 )
 
@@ -108,6 +109,17 @@ class EngineConfig:
         return addr if "://" in addr else f"http://{addr}"
 
 
+def _heartbeat_source(cfg: EngineConfig) -> Any:
+    """Where the watchdog reads peers' heartbeat ages: with the Redis quorum the agent's
+    shim (``cfg.lighthouse``), which reads them from Redis for all the node's ranks; else
+    the lighthouse's status page."""
+    if os.environ.get(ENV_QUORUM) != "redis":
+        return cfg.lighthouse_url
+    from .watchdog import shim_ages
+
+    return shim_ages(cfg.lighthouse)
+
+
 def _int_env(name: str, default: int) -> int:
     raw = os.environ.get(name, "")
     if not raw:
@@ -167,7 +179,7 @@ class ReplicaEngine:
         self.manager._client = self.recorder
         self.group.recorder = self.recorder
         self.watchdog = Watchdog(
-            cfg.lighthouse_url, self.group, self.recorder, peer_timeout_s=cfg.peer_timeout_s
+            _heartbeat_source(cfg), self.group, self.recorder, peer_timeout_s=cfg.peer_timeout_s
         )
         self.discarded = 0
         self.quorum_wait_s: list[float] = []

@@ -88,7 +88,7 @@ def test_a_backfill_of_a_slot_whose_replica_left_starts_a_new_rendezvous(
     redis_server: RedisServer, redis_client: redis.Redis, run_id: str, script: Path
 ) -> None:
     keys = RunKeys(run_id)
-    redis_client.set(keys.replica_lighthouse, "127.0.0.1:29510")
+    # The Redis quorum (the default) needs no lighthouse: each agent serves its own shim.
     flags = ("--fault-tolerance=replica", "--poll-interval=0.2", "--sigterm-grace=60")
     [a] = start_agents(redis_server, run_id, script, ["a"], *flags)
     try:
@@ -100,7 +100,11 @@ def test_a_backfill_of_a_slot_whose_replica_left_starts_a_new_rendezvous(
             os.killpg(a.pid, signal.SIGKILL)
     assert code == 0, out
     first = replica_rdzv_id(run_id, "replica-0", 1)
-    assert dumps(script)["a-0"]["TORCHELASTIC_RUN_ID"] == first
+    env = dumps(script)["a-0"]
+    assert env["TORCHELASTIC_RUN_ID"] == first
+    shim = of(redis_client, run_id, "quorum-shim-started", "a")["address"]
+    assert shim.startswith("127.0.0.1:") and env["SPOTTRAIN_QUORUM"] == "redis"
+    assert env["TORCHFT_LIGHTHOUSE"] == f"http://{shim}" and env["SPOTTRAIN_LIGHTHOUSE"] == shim
     assert of(redis_client, run_id, "torchrun-exited", "a")["code"] == "0"
     # The drain reports the leave the agent made: the replica's own rendezvous.
     assert of(redis_client, run_id, "drained", "a")["left_rendezvous"] == "true"

@@ -1,6 +1,12 @@
-"""Real replicas for the replica-mode tests: a torchft lighthouse subprocess and replicas of
-``examples/replica_train.py`` as plain subprocesses (each a one-process group with its own
-store port), each in a process group of its own that is killed afterwards, even on failure."""
+"""Real replicas for the replica-mode tests: replicas of ``examples/replica_train.py`` as
+plain subprocesses (each a one-process group with its own store port), each in a process
+group of its own that is killed afterwards, even on failure, and their quorum:
+
+- the Redis quorum (the default): a redis-server of the test's own (or the test's
+  ``redis_url``) and one lighthouse shim per replica, as each VM's agent runs one, in this
+  process; the workers' managers call their shim;
+- torchft's lighthouse (:meth:`Cluster.with_lighthouse`, kept for comparison): a subprocess.
+"""
 
 from __future__ import annotations
 
@@ -18,21 +24,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spottrain.agent.quorum_shim.local import start_local_shim
+from spottrain.agent.quorum_shim.server import LighthouseShim
+from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.ports import free_port
 from spottrain.protocol.env import (
     ENV_LIGHTHOUSE,
     ENV_MANAGER_PORT,
     ENV_MIN_REPLICAS,
     ENV_NODE,
+    ENV_QUORUM,
     ENV_REDIS,
     ENV_REPLICA_ID,
     ENV_RUN_ID,
 )
+from spottrain.protocol.keys import RunKeys
+from spottrain.quorum.model import QuorumConfig
+from spottrain.redis_conn import settings_from_url
 
 ROOT = Path(__file__).resolve().parents[4]
 TRAIN = ROOT / "examples" / "replica_train.py"
 LIGHTHOUSE_BIN = Path(sys.executable).parent / "torchft_lighthouse"
 HEARTBEAT_MS = 1000
+JOIN_MS = 200
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -64,7 +78,7 @@ class Lighthouse:
             "--heartbeat_timeout_ms",
             str(HEARTBEAT_MS),
             "--join_timeout_ms",
-            "200",
+            str(JOIN_MS),
         ]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
@@ -90,6 +104,7 @@ class Replica:
     progress: Path
     log: Path
     started_at: float = field(default_factory=time.time)  # wall time of the launch
+    shim: LighthouseShim | None = None  # its "VM"'s shim, with the Redis quorum
 
     def rows(self) -> list[dict[str, Any]]:
         if not self.progress.exists():
@@ -130,11 +145,50 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
 
 @dataclass
 class Cluster:
+    """The replicas of one test and their quorum. With the Redis quorum (``lighthouse``
+    None) the Redis is ``redis_url``/``run_id`` when the test sets them, else the cluster's
+    own :attr:`redis` (started at the first replica)."""
+
     tmp: Path
-    lighthouse: Lighthouse
+    lighthouse: Lighthouse | None = None
     redis_url: str | None = None
     run_id: str | None = None
     replicas: list[Replica] = field(default_factory=list)
+    min_replicas: int = 1
+    redis: RedisServer | None = None
+    shims: dict[str, LighthouseShim] = field(default_factory=dict)  # per launch (a "VM")
+    last_shim: LighthouseShim | None = None
+
+    @classmethod
+    def with_lighthouse(cls, tmp: Path, lighthouse: Lighthouse) -> Cluster:
+        return cls(tmp, lighthouse)
+
+    def quorum_env(self, name: str) -> dict[str, str]:
+        """The quorum variables of one replica's workers; with the Redis quorum, a new shim
+        (each launch is a new "VM" with its own agent)."""
+        if self.lighthouse is not None:
+            env = {ENV_LIGHTHOUSE: self.lighthouse.addr}
+            if self.redis_url and self.run_id:
+                env.update({ENV_REDIS: self.redis_url, ENV_RUN_ID: self.run_id})
+            return env
+        if not (self.redis_url and self.run_id):
+            if self.redis is None:
+                self.redis = RedisServer(self.tmp / "redis").start()
+            self.redis_url, self.run_id = self.redis.endpoint, f"t-{os.getpid()}-{id(self)}"
+        config = QuorumConfig(
+            heartbeat_timeout_ms=HEARTBEAT_MS,
+            join_timeout_ms=JOIN_MS,
+            min_replicas=self.min_replicas,
+        )
+        self.last_shim = None
+        shim = start_local_shim(settings_from_url(self.redis_url), RunKeys(self.run_id), config)
+        self.shims[f"{name}-{len(self.shims)}"] = self.last_shim = shim
+        return {
+            ENV_LIGHTHOUSE: shim.address,
+            ENV_QUORUM: "redis",
+            ENV_REDIS: self.redis_url,
+            ENV_RUN_ID: self.run_id,
+        }
 
     def start(self, name: str, *args: str, ckpt: Path | None = None) -> Replica:
         progress = self.tmp / f"{name}-{len(self.replicas)}.jsonl"
@@ -143,8 +197,8 @@ class Cluster:
         env.update(
             {
                 ENV_REPLICA_ID: name,
-                ENV_LIGHTHOUSE: self.lighthouse.addr,
-                ENV_MIN_REPLICAS: "1",
+                **self.quorum_env(name),
+                ENV_MIN_REPLICAS: str(self.min_replicas),
                 ENV_MANAGER_PORT: str(free_port()),
                 ENV_NODE: f"node-{name}",
                 "MASTER_ADDR": "127.0.0.1",
@@ -155,9 +209,6 @@ class Cluster:
                 "RUST_LOG": "warn",
             }
         )
-        if self.redis_url and self.run_id:
-            env[ENV_REDIS] = self.redis_url
-            env[ENV_RUN_ID] = self.run_id
         cmd = [sys.executable, str(TRAIN), "--progress", str(progress), *args]
         if ckpt is not None:
             cmd += ["--ckpt-dir", str(ckpt)]
@@ -165,14 +216,27 @@ class Cluster:
             proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        replica = Replica(name, proc, progress, log)
+        replica = Replica(name, proc, progress, log, shim=self.last_shim)
         self.replicas.append(replica)
         return replica
+
+    def notice(self, replica: Replica) -> None:
+        """What the agent does on a notice: its shim is told the replica leaves (it leaves
+        the Redis quorum once its manager stops), then the workers get SIGTERM (they leave
+        at the next step boundary)."""
+        if replica.shim is not None:
+            replica.shim.leave()
+        os.killpg(replica.proc.pid, signal.SIGTERM)
 
     def stop_all(self) -> None:
         for r in self.replicas:
             _kill_group(r.proc)
-        self.lighthouse.kill()
+        for shim in self.shims.values():
+            shim.stop(0)
+        if self.lighthouse is not None:
+            self.lighthouse.kill()
+        if self.redis is not None:
+            self.redis.close()
 
 
 def max_gap(rows: list[dict[str, Any]], after_t: float) -> float:

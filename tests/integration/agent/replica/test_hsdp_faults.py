@@ -1,6 +1,6 @@
 """HSDP under faults: two replicas of TWO ranks each, every replica an FSDP2 model sharded
 over its own ranks (gloo, CPU), gradient shards summed across replicas rank by rank through
-the real torchft lighthouse and managers (:mod:`hsdp_worker`).
+the Redis quorum (a lighthouse shim per replica) and real torchft managers (:mod:`hsdp_worker`).
 
 Each test prints the figures it measures (``pytest -s ... | grep FIGURE``)."""
 
@@ -21,7 +21,6 @@ from replica_cluster import Cluster, Replica, figure, max_gap, wait_for
 
 from spottrain.ports import free_port
 from spottrain.protocol.env import (
-    ENV_LIGHTHOUSE,
     ENV_MANAGER_PORT,
     ENV_MIN_REPLICAS,
     ENV_REPLICA_ID,
@@ -62,17 +61,18 @@ class HsdpReplica:
 
 def start_replica(cluster: Cluster, name: str, *args: str) -> HsdpReplica:
     """``RANKS`` worker processes forming one replica: its own store (rank 0's), its own
-    manager port, the cluster's lighthouse. Registered with ``cluster`` so they are killed
+    manager port, the cluster's quorum. Registered with ``cluster`` so they are killed
     after the test, even on failure."""
     launch = len(cluster.replicas)
     store_port, manager_port = free_port(), free_port()
+    quorum = cluster.quorum_env(name)  # one shim per replica: its ranks share one manager
     ranks: list[Replica] = []
     for rank in range(RANKS):
         env = dict(os.environ)
         env.update(
             {
                 ENV_REPLICA_ID: name,
-                ENV_LIGHTHOUSE: cluster.lighthouse.addr,
+                **quorum,
                 ENV_MIN_REPLICAS: "1",
                 ENV_MANAGER_PORT: str(manager_port),
                 "MASTER_ADDR": "127.0.0.1",

@@ -1,5 +1,7 @@
-"""Replica mode under faults, with the real torchft lighthouse and managers: a peer killed, a
-peer frozen mid all-reduce, a joiner healing from a live peer, the lighthouse restarted.
+"""Replica mode under faults, with real torchft managers on the Redis quorum (a lighthouse
+shim per replica): a peer killed, a joiner healing from a live peer, the run's Redis
+restarted (AOF); a peer frozen mid all-reduce, then woken after it was dropped (it cannot
+rejoin under its old id). torchft's own lighthouse, kept for comparison: restarted mid-run.
 
 Each test prints the figures it measures (``pytest -s ... | grep FIGURE``)."""
 
@@ -38,7 +40,12 @@ def assert_no_step_lost(rep: Replica) -> None:
         assert after == before + 1 or (after > before and after in healed), steps
 
 
-def test_peer_killed_between_steps_then_joiner_heals_bitwise(cluster: Cluster) -> None:
+def assert_quorum_ids_never_go_back(rep: Replica) -> None:
+    ids = [r["quorum_id"] for r in rep.steps()]
+    assert ids == sorted(ids), ids
+
+
+def test_peer_killed_then_joiner_heals_bitwise_then_redis_restarted(cluster: Cluster) -> None:
     a = cluster.start("replica-0", *ARGS)
     b = cluster.start("replica-1", *ARGS)
     wait_for(lambda: together(a, b, steps=5), 90, "both replicas training together")
@@ -71,6 +78,20 @@ def test_peer_killed_between_steps_then_joiner_heals_bitwise(cluster: Cluster) -
     figure("join_s", c.events("first-step")[0]["t"] - c.started_at)
     figure("join_heal_s", joined["t"] - c.started_at)
 
+    # The run's Redis restarted (SIGTERM flushes its append-only file): training goes on
+    # with both replicas, no step lost, no quorum id handed out again.
+    assert cluster.redis is not None
+    down_at = time.time()
+    cluster.redis.restart()
+    up_at = time.time()
+    wait_for(lambda: together(a, c, steps=5, after_t=up_at), 60, "training after the restart")
+    assert a.proc.poll() is None and c.proc.poll() is None, a.tail() + c.tail()
+    for rep in (a, c):
+        assert_no_step_lost(rep)
+        assert_quorum_ids_never_go_back(rep)
+    figure("redis_down_s", up_at - down_at)
+    figure("redis_restart_stall_s", max_gap(a.steps(), down_at - 0.5))
+
 
 @pytest.mark.parametrize("path", ["grads", "ddp"])
 def test_peer_frozen_during_allreduce_discards_and_redoes_the_step(
@@ -98,9 +119,30 @@ def test_peer_frozen_during_allreduce_discards_and_redoes_the_step(
     assert_no_step_lost(a)
     before = max(r["t"] for r in a.committed() if r["step"] == s - 1)
     figure(f"freeze_stall_s[{path}]", redone[0]["t"] - before)
+    if path == "ddp":
+        return
+    # Woken long after Redis dropped it: its manager is refused under its old id (it would
+    # need a restart, which joins under a new one); the survivor never trains with it again
+    # (no split brain: the quorum holds one member).
+    assert b.shim is not None and a.shim is not None
+    woken_at = time.time()
+    os.killpg(b.proc.pid, signal.SIGCONT)
+    wait_for(lambda: b.shim.refused, 30, "the woken replica's quorum to be refused")
+    wait_for(
+        lambda: sum(1 for r in a.committed() if r["t"] > woken_at) >= 5,
+        60,
+        "the survivor to go on after the wake",
+    )
+    assert all(r["participants"] == 1 for r in a.committed() if r["t"] > woken_at)
+    # It may still finish the step it froze in (with the collective the survivor set
+    # aside), never a later one.
+    assert all(r["step"] == s for r in b.committed() if r["t"] > woken_at), b.committed()[-3:]
+    assert a.proc.poll() is None, a.tail()
 
 
-def test_lighthouse_restarted_mid_run(cluster: Cluster) -> None:
+def test_lighthouse_restarted_mid_run(lighthouse_cluster: Cluster) -> None:
+    cluster = lighthouse_cluster
+    assert cluster.lighthouse is not None
     a = cluster.start("replica-0", *ARGS)
     b = cluster.start("replica-1", *ARGS)
     wait_for(lambda: together(a, b, steps=5), 90, "both replicas training together")

@@ -1,4 +1,4 @@
-"""``TrainSession(fault_tolerance="replica")`` with the real lighthouse and managers: a run
+"""``TrainSession(fault_tolerance="replica")`` with the Redis quorum and real managers: a run
 with a preemption (through ``examples/replica_train.py``, which uses it) ends with the loss
 curve of a run without; the SDK's own calls in one process. The kill, freeze, heal and
 lighthouse tests of test_replica_faults.py run the same example, so they go through the
@@ -26,12 +26,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -39,11 +35,8 @@ import pytest
 import redis
 import torch
 from replica_cluster import (
-    HEARTBEAT_MS,
-    LIGHTHOUSE_BIN,
     TRAIN,
     Cluster,
-    Lighthouse,
     Replica,
     figure,
     max_gap,
@@ -129,7 +122,7 @@ def run(cluster: Cluster, preempt: bool) -> tuple[list[Replica], float]:
             "both replicas training together",
         )
         noticed_at = time.time()
-        os.kill(b.proc.pid, signal.SIGTERM)  # a notice: the replica leaves at a step boundary
+        cluster.notice(b)  # the replica leaves at a step boundary
         assert b.proc.wait(timeout=60) == 0, b.tail()
         c = cluster.start("replica-1", *ARGS)  # the backfill joins and heals from the survivor
         reps.append(c)
@@ -142,25 +135,12 @@ def run(cluster: Cluster, preempt: bool) -> tuple[list[Replica], float]:
     return reps, stall
 
 
-@dataclass
-class FullLighthouse(Lighthouse):
-    """Forms no quorum with fewer than two replicas, so the unbroken run has both replicas
-    in every step from the first (the cluster's own lighthouse takes whoever came first)."""
-
-    def start(self) -> None:
-        cmd = [str(LIGHTHOUSE_BIN), "--min_replicas", "2", "--bind", self.addr]
-        cmd += ["--heartbeat_timeout_ms", str(HEARTBEAT_MS), "--join_timeout_ms", "200"]
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True)
-        wait_for(self._up, 20, "the lighthouse to listen")
-
-
 @pytest.fixture
 def unbroken_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """Forms no quorum with fewer than two replicas, so the unbroken run has both replicas
+    in every step from the first (the other cluster's quorum takes whoever came first)."""
     (tmp_path / "unbroken").mkdir()
-    lighthouse = FullLighthouse(free_port(), tmp_path / "unbroken" / "lighthouse.log")
-    lighthouse.start()
-    c = Cluster(tmp_path / "unbroken", lighthouse)
+    c = Cluster(tmp_path / "unbroken", min_replicas=2)
     try:
         yield c
     finally:
@@ -228,7 +208,6 @@ def test_the_sdk_calls_in_replica_mode_in_one_process(
     from spottrain.agent.sdk.replica_mode import ReplicaMode
     from spottrain.protocol.env import (
         ENV_FAULT_TOLERANCE,
-        ENV_LIGHTHOUSE,
         ENV_MANAGER_PORT,
         ENV_MIN_REPLICAS,
         ENV_REPLICA_ID,
@@ -239,7 +218,7 @@ def test_the_sdk_calls_in_replica_mode_in_one_process(
     env = {
         ENV_FAULT_TOLERANCE: "replica",
         ENV_REPLICA_ID: "replica-0",
-        ENV_LIGHTHOUSE: cluster.lighthouse.addr,
+        **cluster.quorum_env("replica-0"),
         ENV_MIN_REPLICAS: "1",
         "MASTER_ADDR": "127.0.0.1",
         "RANK": "0",
