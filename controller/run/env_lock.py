@@ -219,12 +219,14 @@ def read_lock_file(path: Path, cloud: str, *, replica: bool = False) -> EnvLock:
             f"controller is {__version__}: every node must run the controller's agent "
             f"(make it again: spottrain lock JOB.yaml --cloud {cloud} -o {path})"
         )
-    if replica and "torchft" not in lock.versions():
-        # Without it every worker of the run would fail at its first import of torchft.
+    missing = [p for p in ("torchft", "grpcio") if replica and p not in lock.versions()]
+    if missing:
+        # Without torchft every worker fails at its first import; without grpcio the agent
+        # cannot serve its workers the Redis quorum.
         raise ResolveError(
-            f"--env-lock {cloud}={path}: the lock holds no torchft, which replica mode "
-            "(train.fault_tolerance: replica) needs on every VM: make it again from the "
-            f"replica job's spec: spottrain lock JOB.yaml --cloud {cloud} -o {path}"
+            f"--env-lock {cloud}={path}: the lock holds no {' or '.join(missing)}, which "
+            "replica mode (train.fault_tolerance: replica) needs on every VM: make it again "
+            f"from the replica job's spec: spottrain lock JOB.yaml --cloud {cloud} -o {path}"
         )
     return lock
 

@@ -118,6 +118,7 @@ def test_one_node_replicas_train_apart_with_the_replica_variables(
         script,
         ["a", "b"],
         "--fault-tolerance=replica",
+        "--quorum=lighthouse",
         "--min-replicas=2",
     )
     results = finish(procs)
@@ -162,6 +163,7 @@ def test_two_nodes_of_one_replica_rendezvous_together(
         script,
         ["a", "b"],
         "--fault-tolerance=replica",
+        "--quorum=lighthouse",
         "--nodes-per-replica=2",
         "--lighthouse=10.1.2.3:29510",
     )
@@ -199,7 +201,13 @@ def test_a_replica_without_a_lighthouse_fails_plainly(
     redis_server: RedisServer, redis_client: redis.Redis, run_id: str, script: Path
 ) -> None:
     procs = start_agents(
-        redis_server, run_id, script, ["a"], "--fault-tolerance=replica", "--lighthouse-wait=0"
+        redis_server,
+        run_id,
+        script,
+        ["a"],
+        "--fault-tolerance=replica",
+        "--quorum=lighthouse",
+        "--lighthouse-wait=0",
     )
     [(code, out)] = finish(procs)
     assert code == 2, out

@@ -171,16 +171,20 @@ def _lock_file(tmp_path: Path, names: list[str]) -> Path:
 
 def test_a_given_lock_without_torchft_is_refused_for_a_replica_job(tmp_path: Path) -> None:
     without = _lock_file(tmp_path, ["spottrain", "torch"])
-    with_torchft = _lock_file(tmp_path, ["spottrain", "torch", "torchft"])
+    with_torchft = _lock_file(tmp_path, ["spottrain", "torch", "torchft", "grpcio"])
+    no_grpc = _lock_file(tmp_path, ["spottrain", "torch", "torchft"])
     # An elastic job takes either.
     assert read_lock_file(without, "aws").versions()["torch"] == "0.2.0"
     with pytest.raises(ResolveError) as err:
         read_lock_file(without, "aws", replica=True)
     assert str(err.value) == (
-        f"--env-lock aws={without}: the lock holds no torchft, which replica mode "
+        f"--env-lock aws={without}: the lock holds no torchft or grpcio, which replica mode "
         "(train.fault_tolerance: replica) needs on every VM: make it again from the replica "
         f"job's spec: spottrain lock JOB.yaml --cloud aws -o {without}"
     )
+    # grpcio: the agent serves its workers the Redis quorum through it.
+    with pytest.raises(ResolveError, match="holds no grpcio, which"):
+        read_lock_file(no_grpc, "aws", replica=True)
     assert "torchft" in read_lock_file(with_torchft, "aws", replica=True).versions()
     # The run's lock capture applies it for a replica spec, and only for one.
     aws_only = _with(VALID, "code", {"archive": {"path": "."}})
@@ -190,7 +194,7 @@ def test_a_given_lock_without_torchft_is_refused_for_a_replica_job(tmp_path: Pat
     with pytest.raises(ResolveError, match="holds no torchft"):
         capture_locks(_replica_spec(aws_only), tmp_path, run_dir, {"aws": without})
     got = capture_locks(_replica_spec(aws_only), tmp_path, run_dir, {"aws": with_torchft})
-    assert got["aws"]["packages"] == 3
+    assert got["aws"]["packages"] == 4
     assert (run_dir / "env-aws.lock").read_text() == with_torchft.read_text()
     elastic = capture_locks(_spec(aws_only), tmp_path, run_dir, {"aws": without})
     assert elastic["aws"]["packages"] == 2
