@@ -2,10 +2,12 @@
 
 In one run, on the same machine and step pace:
 
-  replica mode: three replicas of examples/replica_train.py (one process each, gloo) with
-      the torchft lighthouse started as the controller starts it (its command line and
-      flags: heartbeat 1 s, join timeout 250 ms) and Redis for holder rows and drain
-      requests. To replica-2 in turn: (a) a notice (the agent's drain request, SIGTERM
+  replica mode, on each quorum in turn: three replicas of examples/replica_train.py (one
+      process each, gloo) on the Redis quorum (a lighthouse shim per replica, as each VM's
+      agent runs it; a notice is also the explicit leave) and then beside the torchft
+      lighthouse started as the controller starts it (its command line and flags); both
+      with heartbeat timeout 1 s and join timeout 250 ms, and Redis for holder rows and
+      drain requests. To replica-2 in turn: (a) a notice (the agent's drain request, SIGTERM
       after the grace if needed: the replica leaves), (b) SIGKILL, (c) SIGSTOP; a joiner is
       started after (a) and (b). Figures: the survivors' longest gap between committed
       steps through each event, the joiner's start to its first full-size step, its live
@@ -16,11 +18,13 @@ In one run, on the same machine and step pace:
       events to a node not holding rank 0: (a) the agent's leave, (b) SIGKILL, (c) SIGSTOP.
       Figure: the survivors' longest gap between steps through the re-form.
 
-Each replica figure is printed beside the elastic one, their ratio, and the issue's targets
-((b), (c) <= 1.5 s + one step; (a) <= one step + 0.5 s; each <= 0.35 of elastic).
+Each replica figure (the first quorum's: Redis by default) is printed beside the elastic
+one, their ratio, and the issue's targets ((b), (c) <= 1.5 s + one step; (a) <= one step +
+0.5 s; each <= 0.35 of elastic); then each event's pause on the Redis quorum beside the
+lighthouse's.
 
     .venv/bin/python bench/replica.py [--reps 1] [--step-time 0.1] [--dim 32 --hidden 128]
-        [--cap 90]
+        [--cap 90] [--quorum both|redis|lighthouse]
 
 Ends with one JSON line.
 """
@@ -55,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--skip-elastic", action="store_true", help="replica mode only (no ratios; for tests)"
     )
+    ap.add_argument(
+        "--quorum",
+        choices=("both", "redis", "lighthouse"),
+        default="both",
+        help="replica mode's quorum: the Redis quorum (spottrain's default), torchft's "
+        "lighthouse, or both in turn (default); the first one measured gives the main figures",
+    )
     args = ap.parse_args(argv)
     for flag in ("reps", "dim", "hidden"):
         if getattr(args, flag) < 1:
@@ -65,15 +76,19 @@ def main(argv: list[str] | None = None) -> int:
         *("--steps", "1000000", "--step-time", str(args.step_time)),
         *("--dim", str(args.dim), "--hidden", str(args.hidden), "--every-steps", "20"),
     )
-    reps: list[replica_mode.ReplicaRun] = []
+    quorums = ("redis", "lighthouse") if args.quorum == "both" else (args.quorum,)
+    runs: dict[str, list[replica_mode.ReplicaRun]] = {q: [] for q in quorums}
     els: list[elastic_mode.ElasticRun] = []
     with RedisServer() as server, tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
-            print(f"rep {rep}: replica mode ...", flush=True)
-            reps.append(
-                replica_mode.run(Path(tmp) / f"replica-{rep}", server, train_args, args.cap)
-            )
-            print(f"rep {rep}: {reps[-1]}", flush=True)
+            for q in quorums:
+                print(f"rep {rep}: replica mode on the {q} quorum ...", flush=True)
+                runs[q].append(
+                    replica_mode.run(
+                        Path(tmp) / f"replica-{q}-{rep}", server, train_args, args.cap, q
+                    )
+                )
+                print(f"rep {rep}: {runs[q][-1]}", flush=True)
             if args.skip_elastic:
                 continue
             print(f"rep {rep}: elastic mode ...", flush=True)
@@ -82,8 +97,32 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"rep {rep}: {els[-1]}", flush=True)
 
-    print_figures(report(reps, els, args))
+    figures = report(runs[quorums[0]], els, args)
+    figures["quorum"] = quorums[0]
+    if len(quorums) > 1:
+        figures.update(compare_quorums(runs, quorums))
+    print_figures(figures)
     return 0
+
+
+def compare_quorums(
+    runs: dict[str, list[replica_mode.ReplicaRun]], quorums: tuple[str, ...]
+) -> dict[str, object]:
+    """The survivors' pause through each event on each quorum, side by side: the figures
+    ``<quorum>_<event>_stall_s`` and ``<event>_<first>_vs_<second>``."""
+    first, second = quorums
+    stalls = {q: {e: median(r.stalls.get(e) for r in runs[q]) for e in EVENTS} for q in quorums}
+    print(f"\n{'survivors pause, s':22s} {first:>10s} {second:>10s} {'ratio':>6s}")
+    out: dict[str, object] = {}
+    for e in EVENTS:
+        a, b = stalls[first][e], stalls[second][e]
+        r = None if a is None or not b else round(a / b, 2)
+        print(f"{e:22s} {_fmt(a):>10s} {_fmt(b):>10s} {'-' if r is None else r:>6}")
+        for q in quorums:
+            v = stalls[q][e]
+            out[f"{q}_{e}_stall_s"] = None if v is None else round(v, 3)
+        out[f"{e}_{first}_vs_{second}"] = r
+    return out
 
 
 def report(

@@ -1,5 +1,6 @@
 """Replica mode's run: three replicas of ``examples/replica_train.py`` (one process each)
-beside the torchft lighthouse started with the controller's own command line
+on the Redis quorum (a lighthouse shim per replica, as each VM's agent runs it) or beside
+the torchft lighthouse started with the controller's own command line
 (:func:`spottrain.controller.run.lighthouse.lighthouse_command`), Redis for the holder rows
 and drain requests, and the three events done in turn to ``replica-2``, a joiner started
 after the first two. The replicas, the lighthouse and their cleanup are the engine tests'
@@ -73,8 +74,11 @@ def _after(rep: Replica, t: float, participants: int) -> int:
 
 
 def _drain(client: redis.Redis, keys: RunKeys, rep: Replica) -> None:
-    """A notice as the agent handles it: a drain request for the node, SIGTERM after the
+    """A notice as the agent handles it: with the Redis quorum the VM's shim is told the
+    replica leaves (the explicit leave), a drain request for the node, SIGTERM after the
     grace if the workers are still there."""
+    if rep.shim is not None:
+        rep.shim.leave()
     now = time.time()
     request = {"id": 1, "drain": True, "at": now, "deadline": now + 60}
     client.hset(keys.ckpt_requests, f"node-{rep.name}", json.dumps(request))
@@ -97,13 +101,19 @@ def _join(cluster: Cluster, args: tuple[str, ...], ckpt: Path, a: Replica, out: 
     return joiner
 
 
-def run(workdir: Path, server: RedisServer, args: tuple[str, ...], cap: float) -> ReplicaRun:
-    """One repetition; ``args`` are replica_train.py's model and pace flags."""
+def run(
+    workdir: Path, server: RedisServer, args: tuple[str, ...], cap: float, quorum: str = "redis"
+) -> ReplicaRun:
+    """One repetition; ``args`` are replica_train.py's model and pace flags; ``quorum``:
+    "redis" (a shim per replica on the run's Redis, as each VM's agent runs it) or
+    "lighthouse" (torchft's, as the controller runs it)."""
     workdir.mkdir(parents=True)
     ckpt = workdir / "ckpt"
     ckpt.mkdir()
-    lighthouse = ControllerLighthouse(free_port(), workdir / "lighthouse.log")
-    lighthouse.start()
+    lighthouse = None
+    if quorum == "lighthouse":
+        lighthouse = ControllerLighthouse(free_port(), workdir / "lighthouse.log")
+        lighthouse.start()
     cluster = Cluster(workdir, lighthouse, server.endpoint, f"bench-{uuid.uuid4().hex[:8]}")
     client = server.client()
     keys = RunKeys(cluster.run_id or "")

@@ -1,5 +1,6 @@
 """The replica bench: its figures from known step times, and a short real run of replica
-mode (the real lighthouse, replicas and Redis) ending with its JSON figures."""
+mode (the Redis quorum through a shim per replica, real replicas and Redis) ending with its
+JSON figures."""
 
 from __future__ import annotations
 
@@ -54,7 +55,10 @@ def test_targets_ratios_and_verdicts() -> None:
 def test_short_run_of_replica_mode_ends_with_its_figures(tmp_path: Path) -> None:
     pytest.importorskip("torchft")
     out = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "replica.py"), "--skip-elastic", "--cap", "120"],
+        [
+            *(sys.executable, str(BENCH_DIR / "replica.py"), "--skip-elastic"),
+            *("--cap", "120", "--quorum", "redis"),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -68,3 +72,4 @@ def test_short_run_of_replica_mode_ends_with_its_figures(tmp_path: Path) -> None
     assert figures["step_s"] > 0
     assert figures["elastic_kill_s"] is None and figures["kill_stall_vs_elastic"] is None
     assert figures["discarded"]["kill"] >= 0
+    assert figures["quorum"] == "redis"

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[4]
 TRAIN = ROOT / "examples" / "replica_train.py"
 LIGHTHOUSE_BIN = Path(sys.executable).parent / "torchft_lighthouse"
 HEARTBEAT_MS = 1000
-JOIN_MS = 200
+JOIN_MS = 250  # the product default (QuorumConfig), as the lighthouse the controller runs
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
