@@ -32,6 +32,7 @@ from spottrain.protocol.env import (
     ENV_NPROC_PER_NODE,
     ENV_ORPHAN_TIMEOUT,
     ENV_QUORUM,
+    ENV_QUORUM_WAIT_REPLICAS,
     ENV_REDIS,
     ENV_REDIS_PASSWORD_FILE,
     ENV_RUN_ID,
@@ -250,6 +251,12 @@ def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
         "lighthouse shim; the default) or lighthouse (torchft's own, run by the controller)",
     )
     run.add_argument(
+        "--quorum-wait-replicas",
+        default=env(ENV_QUORUM_WAIT_REPLICAS, "0"),
+        help="with --quorum redis: Redis replicas that must hold each formed round before "
+        "its answer is used (Redis WAIT; 0: none)",
+    )
+    run.add_argument(
         "--quorum-port",
         default=str(DEFAULT_SHIM_PORT),
         help="the local lighthouse shim's port with --quorum redis (0, and on the local "
@@ -350,6 +357,7 @@ def _run(args: argparse.Namespace) -> int:
         manager_port=int(_number(args, "manager_port", int)),
         quorum=args.quorum,
         quorum_port=int(_number(args, "quorum_port", int)),
+        quorum_wait_replicas=int(_number(args, "quorum_wait_replicas", int)),
     )
     logging.basicConfig(
         level=logging.INFO,

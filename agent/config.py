@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from spottrain.protocol.env import ENV_QUORUM_WAIT_REPLICAS
 from spottrain.protocol.keys import DEFAULT_PREFIX
 
 from .replica_launch import DEFAULT_MANAGER_PORT, DEFAULT_SHIM_PORT, QUORUMS, check_lighthouse
@@ -74,6 +75,8 @@ class AgentConfig:
     quorum: str = "redis"
     # The local lighthouse shim's port; 0: a free port (the local cloud always uses one).
     quorum_port: int = DEFAULT_SHIM_PORT
+    # Redis replicas that must hold each formed round before its answer is used (WAIT).
+    quorum_wait_replicas: int = 0
 
     @property
     def replica_mode(self) -> bool:
@@ -137,6 +140,11 @@ class AgentConfig:
             raise AgentConfigError(
                 f"quorum {self.quorum!r} (--quorum, SPOTTRAIN_QUORUM) must be one of "
                 f"{', '.join(QUORUMS)}"
+            )
+        if not 0 <= self.quorum_wait_replicas <= 16:
+            raise AgentConfigError(
+                f"quorum wait replicas {self.quorum_wait_replicas} (--quorum-wait-replicas, "
+                f"{ENV_QUORUM_WAIT_REPLICAS}) must be in 0..16 (Redis replicas to WAIT for)"
             )
         if not 0 <= self.quorum_port < 65536:
             raise AgentConfigError(

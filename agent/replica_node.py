@@ -135,6 +135,7 @@ class ReplicaNode:
                 self.keys,
                 QuorumConfig(min_replicas=self.cfg.min_replicas),
                 port=port,
+                wait_replicas=self.cfg.quorum_wait_replicas,
             )
         except (OSError, ValueError, redis.RedisError, RuntimeError) as exc:
             return (

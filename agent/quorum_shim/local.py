@@ -11,9 +11,15 @@ from .server import LighthouseShim
 
 
 def start_local_shim(
-    settings: RedisSettings, keys: RunKeys, config: QuorumConfig, *, port: int = 0
+    settings: RedisSettings,
+    keys: RunKeys,
+    config: QuorumConfig,
+    *,
+    port: int = 0,
+    wait_replicas: int = 0,
 ) -> LighthouseShim:
-    """A started shim for the run ``keys`` on ``127.0.0.1:port`` (0: a free port).
+    """A started shim for the run ``keys`` on ``127.0.0.1:port`` (0: a free port); with
+    ``wait_replicas``, each formed round is on that many Redis replicas before it is used.
 
     Raises:
         OSError: the port is taken.
@@ -21,6 +27,6 @@ def start_local_shim(
     """
     from spottrain.quorum.client import QuorumClient
 
-    blocking = QuorumClient(connect(settings), keys, config)
+    blocking = QuorumClient(connect(settings), keys, config, wait_replicas=wait_replicas)
     control = QuorumClient(connect(settings), keys, config)
     return LighthouseShim(blocking, control, config, bind=f"127.0.0.1:{port}").start()

@@ -57,6 +57,9 @@ ENV_LIGHTHOUSE = "SPOTTRAIN_LIGHTHOUSE"
 # Which quorum the replicas use: "redis" (spottrain.quorum, in the run's Redis; the default)
 # or "lighthouse" (torchft's own, run by the controller).
 ENV_QUORUM = "SPOTTRAIN_QUORUM"
+# With the Redis quorum: how many Redis replicas must have a formed round before its answer
+# is used (WAIT; 0: none). Set with a replicated Redis and min-replicas-to-write.
+ENV_QUORUM_WAIT_REPLICAS = "SPOTTRAIN_QUORUM_WAIT_REPLICAS"
 # The workers', set by the agent for one replica: its slot ("replica-<j>"), the manager's
 # fixed port on the replica's first node.
 ENV_REPLICA_ID = "SPOTTRAIN_REPLICA_ID"

@@ -23,6 +23,11 @@ def replica_problem(spec: JobSpec) -> str | None:
     if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
         return None
     k, least = spec.train.replica.nodes_per_replica, spec.train.replica.min_replicas
+    if spec.train.replica.wait_replicas and spec.train.replica.quorum is QuorumKind.LIGHTHOUSE:
+        return (
+            "train.replica.wait_replicas: applies to the Redis quorum only (quorum: redis); "
+            "torchft's lighthouse keeps its state in memory: remove it or use quorum: redis"
+        )
     floor = least * k
     lo, hi = spec.nodes.min, spec.nodes.max
     if lo < floor:
@@ -56,6 +61,11 @@ def replica_agent_env(spec: JobSpec) -> dict[str, str]:
         env_names.ENV_NODES_PER_REPLICA: str(spec.train.replica.nodes_per_replica),
         env_names.ENV_MIN_REPLICAS: str(spec.train.replica.min_replicas),
         env_names.ENV_QUORUM: spec.train.replica.quorum.value,
+        **(
+            {env_names.ENV_QUORUM_WAIT_REPLICAS: str(spec.train.replica.wait_replicas)}
+            if spec.train.replica.wait_replicas
+            else {}
+        ),
     }
 
 

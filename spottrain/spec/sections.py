@@ -68,6 +68,14 @@ class ReplicaSpec(_Model):
         description="where each step's quorum forms: redis (in the run's Redis, the default) "
         "or lighthouse (torchft's lighthouse, which the controller runs)",
     )
+    wait_replicas: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="with quorum: redis, the Redis replicas that must hold each formed round "
+        "before it is used (Redis WAIT; 0: none): set it with a replicated Redis and "
+        "min-replicas-to-write so a failover never hands out a quorum id twice",
+    )
 
 
 class TrainSpec(_Model):
@@ -144,6 +152,7 @@ class TrainSpec(_Model):
         if self.fault_tolerance is FaultTolerance.ELASTIC and self.replica != ReplicaSpec():
             r = self.replica
             quorum = f", quorum {r.quorum}" if r.quorum is not QuorumKind.REDIS else ""
+            quorum += f", wait_replicas {r.wait_replicas}" if r.wait_replicas else ""
             raise ValueError(
                 f"replica (nodes_per_replica {r.nodes_per_replica}, min_replicas "
                 f"{r.min_replicas}{quorum}) applies only in replica mode: set fault_tolerance: "

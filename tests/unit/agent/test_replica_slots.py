@@ -138,6 +138,10 @@ def _cfg(**kw: object) -> AgentConfig:
         ({"manager_port": 70000}, "manager port 70000"),
         ({"quorum": "raft"}, "quorum 'raft' (--quorum, SPOTTRAIN_QUORUM)"),
         ({"quorum_port": -1}, "quorum port -1 (--quorum-port)"),
+        (
+            {"quorum_wait_replicas": 17},
+            "quorum wait replicas 17 (--quorum-wait-replicas, SPOTTRAIN_QUORUM_WAIT_REPLICAS)",
+        ),
     ],
 )
 def test_bad_replica_settings_are_refused_in_one_line(kw: dict, names: str) -> None:
@@ -153,3 +157,14 @@ def test_elastic_is_the_default() -> None:
     # The Redis quorum is replica mode's default.
     assert cfg.quorum == "redis" and not cfg.redis_quorum
     assert _cfg(fault_tolerance="replica").redis_quorum
+    assert cfg.quorum_wait_replicas == 0
+
+
+def test_the_quorum_wait_flag_reaches_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spottrain.agent.cli import build_parser
+
+    monkeypatch.setenv("SPOTTRAIN_QUORUM_WAIT_REPLICAS", "2")
+    args = build_parser().parse_args(["run", "--redis=127.0.0.1:1"])
+    assert args.quorum_wait_replicas == "2"
+    args = build_parser().parse_args(["run", "--redis=127.0.0.1:1", "--quorum-wait-replicas=1"])
+    assert args.quorum_wait_replicas == "1"

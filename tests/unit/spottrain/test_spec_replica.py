@@ -101,7 +101,7 @@ def test_replica_mode_parses_with_its_settings() -> None:
         (
             _replica(LOCAL, nodes=2),
             "train.replica.nodes (line 9): unknown key; allowed here: nodes_per_replica, "
-            "min_replicas, quorum",
+            "min_replicas, quorum, wait_replicas",
         ),
         (
             _replica(LOCAL, quorum="etcd"),
@@ -112,6 +112,16 @@ def test_replica_mode_parses_with_its_settings() -> None:
             "train (line 5): replica (nodes_per_replica 1, min_replicas 1, quorum lighthouse) "
             "applies only in replica mode: set fault_tolerance: replica, or drop the replica "
             "block",
+        ),
+        (
+            _replica(LOCAL, quorum="lighthouse", wait_replicas=1),
+            "(top level): train.replica.wait_replicas: applies to the Redis quorum only "
+            "(quorum: redis); torchft's lighthouse keeps its state in memory: remove it or use "
+            "quorum: redis",
+        ),
+        (
+            _replica(LOCAL, wait_replicas=-1),
+            "train.replica.wait_replicas (line 9): must be greater than or equal to 0 (got -1)",
         ),
         (
             _replica(LOCAL, {"min": 1, "max": 4, "gpus": 0}, nodes_per_replica=2),
@@ -204,6 +214,10 @@ def test_the_agent_settings_of_a_replica_job() -> None:
     assert env_names.ENV_LIGHTHOUSE not in replica_agent_env(spec)
     lighthouse = _parse(_replica(LOCAL, quorum="lighthouse"))
     assert replica_agent_env(lighthouse)[env_names.ENV_QUORUM] == "lighthouse"
+    # WAIT for a Redis replica only when asked: the boot env stays as it was otherwise.
+    waits = _parse(_replica(LOCAL, wait_replicas=1))
+    assert replica_agent_env(waits)[env_names.ENV_QUORUM_WAIT_REPLICAS] == "1"
+    assert env_names.ENV_QUORUM_WAIT_REPLICAS not in replica_agent_env(spec)
 
 
 def test_validates_line_names_the_mode_the_replicas_and_where_torchft_comes_from() -> None:
