@@ -47,9 +47,9 @@ def test_down_commits_every_nodes_emergency_checkpoint_before_its_vm_ends(
         out = cli(home, "status", run_id, "--json")
         status = json.loads(out.stdout) if out.returncode == 0 else {}
         nodes = status.get("nodes", {})
-        return len(nodes) == 2 and set(nodes.values()) == {"joined"} and status["step"] >= 20
+        return len(nodes) == 2 and set(nodes.values()) == {"joined"} and status["step"] >= 5
 
-    wait(both_joined, "two joined nodes past step 20", 300)
+    wait(both_joined, "two joined nodes past step 5", 300)
     down = cli(home, "down", run_id)
     assert down.returncode == 0, down.stdout + down.stderr
     assert "draining 2 node(s)" in down.stdout, down.stdout

@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import redis
 import yaml
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from spec_samples import COMMIT, VALID, _with
 
 from spottrain.controller.run.boot import NodeIdentity, render_boot_script
@@ -78,7 +80,7 @@ class ProcWatch(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            if self.password is None:
+            if not self.anonymous_refused:
                 self._find_password()
             for entry in os.listdir("/proc"):
                 if not entry.isdigit():
@@ -110,8 +112,13 @@ class ProcWatch(threading.Thread):
             url = json.loads(run_json.read_text())["redis_url"]
             self.password = password
             port = int(url.rsplit(":", 1)[1].split("/")[0])
+            # No retries (a Redis not listening yet is tried again on the next pass): redis-py
+            # retries a refused password with 8 s of backoff, reading no command line meanwhile.
+            anonymous = redis.Redis(
+                host="127.0.0.1", port=port, socket_timeout=2, retry=Retry(NoBackoff(), 0)
+            )
             try:
-                redis.Redis(host="127.0.0.1", port=port, socket_timeout=2).ping()
+                anonymous.ping()
             except redis.AuthenticationError:
                 self.anonymous_refused = True
             except redis.RedisError:

@@ -38,7 +38,11 @@ def start_three(job: ElasticJob) -> None:
     job.wait_for_world(3, START_TIMEOUT)
 
 
-def test_survivors_go_on_at_world_size_two_when_a_node_is_killed(job: ElasticJob) -> None:
+def test_survivors_go_on_when_nodes_are_killed_and_a_new_node_restores_full_size(
+    job: ElasticJob,
+) -> None:
+    """One job through three changes (one start-up instead of three): a node without rank 0
+    is killed, a new node joins, then the node holding rank 0 is killed."""
     start_three(job)
     victim = next(n for n in ("a", "b", "c") if n != job.rank0_node())
     before = max(r.step for r in job.records())
@@ -51,9 +55,13 @@ def test_survivors_go_on_at_world_size_two_when_a_node_is_killed(job: ElasticJob
     assert min(r.step for r in after) >= before - 1
     assert max(r.step for r in after) > before
 
+    # A new node joins and the job returns to full size.
+    joined_at = time.time()
+    job.start_node("d")
+    job.wait_for_world(3, RECOVER_TIMEOUT, since=joined_at)
+    assert "d" in {r.node for r in job.records() if r.t >= joined_at and r.world == 3}
 
-def test_job_goes_on_when_the_node_holding_rank_zero_is_killed(job: ElasticJob) -> None:
-    start_three(job)
+    # The node holding rank 0 is killed: the other two go on, as ranks 0 and 1.
     victim = job.rank0_node()
     job.nodes[victim].kill()
     killed_at = time.time()
@@ -129,16 +137,6 @@ def test_node_that_leaves_explicitly_is_not_waited_for(
         assert job.nodes["c"].wait(timeout=60) is not None
     finally:
         job.close(redis_server.client())
-
-
-def test_new_node_joins_and_the_job_returns_to_full_size(job: ElasticJob) -> None:
-    job.start_node("a")
-    job.start_node("b")
-    job.wait_for_world(2, START_TIMEOUT)
-    joined_at = time.time()
-    job.start_node("c")
-    job.wait_for_world(3, RECOVER_TIMEOUT, since=joined_at)
-    assert "c" in {r.node for r in job.records() if r.world == 3}
 
 
 def test_redis_restart_does_not_stop_training(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from spottrain.process_group import descendants
 # Generous: two interpreters importing torch on a loaded 2-core machine take a while. The
 # bound under test is the one in the hang test.
 PASS_TIMEOUT = 120
-HANG_TIMEOUT = 10
+HANG_TIMEOUT = 4
 # Killing and reaping the workers after the deadline.
 KILL_MARGIN = 5
 

@@ -9,10 +9,13 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 import yaml
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from spottrain.cloud.base import Market, Offer
 from spottrain.controller.run.code import boot_renderer
@@ -37,6 +40,12 @@ def _cmdline(pid: int) -> str:
 
 def _port(info: RunInfo) -> int:
     return int(info.redis_url.rsplit(":", 1)[1].split("/")[0])
+
+
+def _bare(port: int, **kwargs: Any) -> redis.Redis:
+    """A client with no retries: redis-py retries a refused password (an AuthenticationError
+    is a ConnectionError) and a closed port three times with backoff, 8 s per refusal."""
+    return redis.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0), **kwargs)
 
 
 @pytest.fixture
@@ -78,10 +87,10 @@ def test_each_run_gets_its_own_password_in_a_file_only_its_owner_reads(run: RunI
 
 
 def test_a_client_without_the_runs_password_is_refused(run: RunInfo) -> None:
-    anonymous = redis.Redis(host="127.0.0.1", port=_port(run), socket_timeout=2)
+    anonymous = _bare(_port(run), socket_timeout=2)
     with pytest.raises(redis.AuthenticationError):
         anonymous.ping()
-    wrong = redis.Redis(host="127.0.0.1", port=_port(run), password="not-this-one")
+    wrong = _bare(_port(run), password="not-this-one")
     with pytest.raises(redis.AuthenticationError):
         wrong.ping()
     client = open_redis(run, run.spec())
@@ -119,10 +128,10 @@ def test_a_restarted_embedded_redis_keeps_the_runs_password_and_data(run: RunInf
     open_redis(run).set("kept", "yes")
     stop_embedded_redis(run)
     with pytest.raises(redis.ConnectionError):
-        redis.Redis(host="127.0.0.1", port=_port(run), socket_timeout=1).ping()
+        _bare(_port(run), socket_timeout=1).ping()
     restart_embedded_redis(run)
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis(host="127.0.0.1", port=_port(run), socket_timeout=2).ping()
+        _bare(_port(run), socket_timeout=2).ping()
     assert open_redis(run).get("kept") == b"yes"
 
 
@@ -141,7 +150,7 @@ def test_a_redis_server_with_a_password_keeps_it_off_its_command_line(tmp_path: 
         assert server.proc is not None
         assert "pw-only-on-stdin" not in _cmdline(server.proc.pid)
         with pytest.raises(redis.AuthenticationError):
-            redis.Redis(host=server.host, port=server.port).ping()
+            _bare(server.port).ping()
         assert server.client().ping()
 
 

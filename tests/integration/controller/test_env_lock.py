@@ -37,7 +37,7 @@ from spottrain.controller.run.env_lock import (
     read_lock_file,
     resolve_lock,
 )
-from spottrain.envlock import lock_sha256, main, parse_lock, verify
+from spottrain.envlock import EnvLock, lock_sha256, main, parse_lock, verify
 from spottrain.spec import parse_spec
 
 PY = sys.executable
@@ -54,8 +54,17 @@ def _index(folder: Path) -> list[str]:
     return ["--no-index", "--find-links", str(folder)]
 
 
-def test_the_lock_pins_every_package_by_the_sha256_of_its_wheel(wheels: Path) -> None:
-    lock = resolve_lock([agent_requirement("aws")], pip_args=_index(wheels))
+@pytest.fixture(scope="module")
+def aws_lock(wheels: Path) -> EnvLock:
+    """The agent's lock for AWS from the wheelhouse: one pip resolution that the tests which
+    only read it share."""
+    return resolve_lock([agent_requirement("aws")], pip_args=_index(wheels))
+
+
+def test_the_lock_pins_every_package_by_the_sha256_of_its_wheel(
+    wheels: Path, aws_lock: EnvLock
+) -> None:
+    lock = aws_lock
     assert lock.versions() == {"alpha": "1.0", "beta": "2.0", "spottrain": __version__}
     files = {
         "alpha": wheels / "alpha-1.0-py3-none-any.whl",
@@ -111,9 +120,9 @@ def test_a_local_file_the_vms_cannot_reach_is_refused(wheels: Path) -> None:
 
 
 def test_a_venv_from_the_lock_verifies_and_one_that_differs_names_the_package(
-    wheels: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    wheels: Path, aws_lock: EnvLock, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    lock = resolve_lock([agent_requirement("aws")], pip_args=_index(wheels))
+    lock = aws_lock
     path = tmp_path / "env.lock"
     path.write_text(lock.text())
     target = tmp_path / "site"
@@ -191,13 +200,13 @@ def _run(section: str, wheels: Path, root: Path) -> subprocess.CompletedProcess[
 
 @pytest.mark.slow  # two venvs built with pip: about a minute on a busy machine
 def test_the_boot_builds_the_venv_from_the_lock_rebuilds_it_for_another_and_verifies(
-    wheels: Path, tmp_path: Path
+    wheels: Path, aws_lock: EnvLock, tmp_path: Path
 ) -> None:
     (tmp_path / "etc").mkdir()
     (tmp_path / "opt").mkdir()
     venv = tmp_path / "opt" / "venv"
     mark = Path(ENV_LOCK_MARK.replace("/opt/spottrain", str(tmp_path / "opt")))
-    first = resolve_lock([agent_requirement("aws")], pip_args=_index(wheels)).text()
+    first = aws_lock.text()
     done = _run(_boot_section(first, tmp_path), wheels, tmp_path)
     assert done.returncode == 0, done.stderr
     assert mark.read_text().strip() == lock_sha256(first)
@@ -304,14 +313,14 @@ def test_up_on_aws_records_the_lock_and_sends_it_in_the_user_data(
 
 
 def test_up_takes_a_prebuilt_lock_and_refuses_one_for_another_spottrain(
-    wheels: Path, tmp_path: Path
+    aws_lock: EnvLock, tmp_path: Path
 ) -> None:
     archive = _with(
         _with(_aws_data(), "code", {"archive": {"path": "."}}), "checkpoint.copy_to", ...
     )
     archive = _with(archive, "code.archive.store", "file:///tmp")
     spec = parse_spec(yaml.safe_dump(archive)).spec
-    lock = resolve_lock([agent_requirement("aws")], pip_args=_index(wheels))
+    lock = aws_lock
     given = tmp_path / "aws.lock"
     given.write_text(lock.text())
     # No resolution happens (pip would find no index here): the file is taken as it is.

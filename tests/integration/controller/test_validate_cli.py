@@ -148,6 +148,8 @@ def _no_credentials(tmp_path: Path) -> dict[str, str]:
         "CLOUDSDK_CONFIG": str(tmp_path / "gcloud"),
         "GCE_METADATA_HOST": dead,
         "GCE_METADATA_IP": dead,
+        # google-auth asks even a dead metadata server three times with backoff (5 s).
+        "NO_GCE_CHECK": "true",
         "HOME": str(tmp_path),
     }
 
