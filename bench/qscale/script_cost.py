@@ -10,7 +10,11 @@ Per size it prints the median over rounds of:
 - ``form_ms``: the REQUEST that formed the round (sent alone, ``commandstats`` around it);
 - ``heartbeat_us``: one HEARTBEAT of 8 ids (a VM's replicas), a separate pass per round;
 - ``noop_us``: a script ``return 1`` called with REQUEST's arguments (the floor: the machine's
-  load inflates every figure, this one shows by how much).
+  load inflates every figure, this one shows by how much);
+- ``*_cpu_us`` / ``form_cpu_ms``: the same calls measured by Redis's main-thread CPU
+  (``INFO cpu``), which leaves out the time the loaded machine took the core away but adds
+  reading the commands and writing the replies (in ``noop_cpu_us`` too). On a busy machine
+  these are the steadier figures; the script's own cost is about ``x_cpu_us - noop_cpu_us``.
 
 Run: ``.venv/bin/python bench/qscale/script_cost.py [--sizes 100,1000,12500] [--rounds 7]``.
 The machine's load moves single figures a lot: compare medians taken in one run.
@@ -34,8 +38,9 @@ from spottrain.protocol.keys import RunKeys
 from spottrain.quorum import scripts
 from spottrain.quorum.model import Member, QuorumConfig
 
-# A long join timeout: the first round (sent from one client) must wait for every member.
-CONFIG = QuorumConfig(heartbeat_timeout_ms=5000, join_timeout_ms=60000, min_replicas=1)
+# Long timeouts: the first round (sent from one client) must wait for every member, and no
+# member may expire while one client drives them all on a loaded machine. They change no cost.
+CONFIG = QuorumConfig(heartbeat_timeout_ms=60_000, join_timeout_ms=60_000, min_replicas=1)
 PIPE = 1000  # calls per pipeline flush
 
 
@@ -59,6 +64,14 @@ def _start_redis() -> tuple[subprocess.Popen[bytes], redis.Redis, str]:
 def _evalsha(r: redis.Redis) -> tuple[int, int]:
     s = r.info("commandstats").get("cmdstat_evalsha", {})
     return int(s.get("calls", 0)), int(s.get("usec", 0))
+
+
+def _cpu_us(r: redis.Redis) -> float:
+    """Redis's main thread CPU (user + system): unlike commandstats' wall clock, it does not
+    count the time the loaded machine took the core away, but it includes reading the
+    commands and writing the replies (``noop`` shows that floor)."""
+    c = r.info("cpu")
+    return (c["used_cpu_user_main_thread"] + c["used_cpu_sys_main_thread"]) * 1e6
 
 
 class Fleet:
@@ -95,19 +108,23 @@ class Fleet:
             [("HEARTBEAT", tuple(self.ids[i : i + 8])) for i in range(0, len(self.ids), 8)]
         )
 
-    def round(self) -> int:
-        """Every member asks at the current step (the last one alone, as it forms the round:
-        returns its Redis CPU in us); the replies are popped after."""
+    def round(self) -> tuple[int, float, float]:
+        """Every member asks at the current step (the last one alone, as it forms the round);
+        the replies are popped after. Returns the forming call's commandstats us, its CPU us
+        and the other calls' CPU us."""
         self.step += 1
         token = uuid.uuid4().hex[:12]
         make = [
             ("REQUEST", tuple(scripts.request_args(rid, self.step, self.qid, 0, False, token)))
             for rid in self.ids
         ]
+        cpu0 = _cpu_us(self.r)
         self._batched(make[:-1])
+        cpu1 = _cpu_us(self.r)
         before = _evalsha(self.r)[1]
         self._batched(make[-1:])
         form_us = _evalsha(self.r)[1] - before
+        cpu2 = _cpu_us(self.r)
         pipe = self.r.pipeline(transaction=False)
         for rid in self.ids:
             pipe.lpop(scripts.reply_key(self.keys, rid))
@@ -116,7 +133,7 @@ class Fleet:
             state = self.r.hgetall(self.keys.quorum_key("state"))
             raise RuntimeError(f"a round did not form: {replies.count(None)} unanswered, {state}")
         self.qid = scripts.parse_answer(scripts.split_reply(replies[0])[1]).quorum_id
-        return form_us
+        return form_us, cpu2 - cpu1, cpu1 - cpu0
 
     def noop(self) -> None:
         """A trivial script with REQUEST's arguments: the floor of any script call."""
@@ -134,32 +151,40 @@ class Fleet:
         )
 
 
-def measure(r: redis.Redis, n: int, rounds: int) -> dict[str, float]:
+FIGURES = (
+    "request_us", "request_cpu_us", "form_ms", "form_cpu_ms", "heartbeat_us", "heartbeat_cpu_us",
+    "noop_us", "noop_cpu_us",
+)  # fmt: skip
+
+
+def measure(r: redis.Redis, n: int, rounds: int) -> dict[str, object]:
     fleet = Fleet(r, n)
     fleet.join()
     fleet.round()  # forms the first quorum (a membership change)
     fleet.round()
-    req_us, form_ms, hb_us, noop_us = [], [], [], []
+    got: dict[str, list[float]] = {k: [] for k in FIGURES}
     for _ in range(rounds):
         r.config_resetstat()
-        form = fleet.round()
+        form, form_cpu, req_cpu = fleet.round()
         calls, usec = _evalsha(r)
-        req_us.append((usec - form) / max(1, calls - 1))
-        form_ms.append(form / 1000)
-        for what, out in ((fleet.heartbeats, hb_us), (fleet.noop, noop_us)):
+        got["request_us"].append((usec - form) / max(1, calls - 1))
+        got["request_cpu_us"].append(req_cpu / max(1, n - 1))
+        got["form_ms"].append(form / 1000)
+        got["form_cpu_ms"].append(form_cpu / 1000)
+        for what, name in ((fleet.heartbeats, "heartbeat"), (fleet.noop, "noop")):
             r.config_resetstat()
+            cpu0 = _cpu_us(r)
             what()
+            cpu = _cpu_us(r) - cpu0
             calls, usec = _evalsha(r)
-            out.append(usec / max(1, calls))
-    return {
-        "n": n,
-        "request_us": round(statistics.median(req_us), 2),
-        "form_ms": round(statistics.median(form_ms), 3),
-        "heartbeat_us": round(statistics.median(hb_us), 2),
-        "noop_us": round(statistics.median(noop_us), 2),
-        "request_us_all": [round(x, 1) for x in req_us],
-        "form_ms_all": [round(x, 2) for x in form_ms],
-    }
+            got[f"{name}_us"].append(usec / max(1, calls))
+            got[f"{name}_cpu_us"].append(cpu / max(1, calls))
+    out: dict[str, object] = {"n": n}
+    for k, v in got.items():
+        out[k] = round(statistics.median(v), 3 if k.endswith("ms") else 2)
+    out["request_us_all"] = [round(x, 1) for x in got["request_us"]]
+    out["form_ms_all"] = [round(x, 2) for x in got["form_ms"]]
+    return out
 
 
 def main() -> None:
