@@ -48,11 +48,13 @@ local function fmt(n) return string.format('%d', n) end
 local t = redis.call('TIME')
 local NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
--- The state hash, cached for this call; save() writes back the fields a call changed.
+-- The state hash, cached for this call; save() writes back the fields a call changed. A
+-- steady REQUEST reads only the HOT fields; lib() reads the COLD ones.
 local S = {}
 local DIRTY_FIELDS = {}
-local FIELDS = {'epoch', 'qid', 'version', 'round', 'opened', 'joined_prev', 'max_step',
-  'formed', 'active', 'grace_until', 'dirty', 'held', 'nreq', 'nprev', 'nhb'}
+local HOT = {'round', 'qid', 'opened', 'joined_prev', 'active', 'grace_until', 'nreq', 'nprev',
+  'nhb'}
+local COLD = {'epoch', 'version', 'max_step', 'formed', 'dirty', 'held'}
 
 local function set(field, v) S[field] = v; DIRTY_FIELDS[field] = true end
 
@@ -65,37 +67,43 @@ local function save()
   if #args > 0 then rc(K_STATE, 'HSET', unpack(args)) end
 end
 
+local function parse(fields)
+  local v = rc(K_STATE, 'HMGET', unpack(fields))
+  for i = 1, #fields do
+    local f, x = fields[i], v[i]
+    if f == 'epoch' then S[f] = x or ''
+    else
+      S[f] = tonumber(x or 0)
+      if S[f] == nil then
+        if f == 'opened' and x == '' then S[f] = '' else num(K_STATE, f, x) end
+      end
+    end
+  end
+  return v
+end
+
 local function in_grace() return NOW < S.grace_until end
 
 local L  -- the rest of the functions, built by lib() when a call needs them
 local lib
 
--- The counts TRY-FORM's check reads, from the keys themselves.
-local function recount()
-  set('nreq', rc(K_REQ, 'HLEN')); set('nprev', rc(K_PREV, 'SCARD')); set('nhb', rc(K_HB, 'ZCARD'))
-end
-
 -- lost: a script other than JOIN found no state, so Redis lost it (an empty restart): grant
 -- a grace of one heartbeat timeout for the live replicas to heartbeat again before anyone
 -- counts as unhealthy or a round forms on the slow path.
 local function load_state(lost)
-  local v = rc(K_STATE, 'HMGET', unpack(FIELDS))
-  if not v[1] then
-    for _, f in ipairs(FIELDS) do set(f, 0) end
+  local v, found = parse(HOT), false
+  for i = 1, #HOT do found = found or v[i] ~= false end
+  if not found then
+    for _, f in ipairs(HOT) do set(f, 0) end
+    for _, f in ipairs(COLD) do set(f, 0) end
     -- The epoch: the creation time and the creating client's random part, unique per state.
     set('epoch', string.format('%x', NOW) .. EPOCH_NEW)
     set('round', 1); set('opened', ''); set('active', NOW)
     if lost then set('grace_until', NOW + HB_TIMEOUT) end
-    recount()
+    lib().recount()
     return
   end
-  for i, f in ipairs(FIELDS) do
-    if f == 'epoch' then S[f] = v[i]
-    elseif f == 'opened' then
-      S[f] = (v[i] == '' or not v[i]) and '' or num(K_STATE, f, v[i])
-    else S[f] = num(K_STATE, f, v[i] or 0) end
-  end
-  if not v[#FIELDS] then recount() end  -- a state written before the counts were kept
+  if not v[#HOT] then lib().recount() end  -- a state written before the counts were kept
   -- STALL GUARD: every replica calls in at least every timeout/2 (heartbeats), so a longer
   -- gap means Redis itself did not run (fork, pause, restart): drop nobody for a timeout.
   if NOW - S.active > HB_TIMEOUT / 2 then set('grace_until', NOW + HB_TIMEOUT) end
@@ -130,6 +138,13 @@ lib = function()
   local K_SEQ, K_ROSTER, K_GONE_AT, K_SORT = P .. 'seq', P .. 'roster', P .. 'gone_at', P .. 'sort'
   local K_RLOG, K_RLOG_VS, K_PDROP = P .. 'rlog', P .. 'rlog_vs', P .. 'pdrop'
   local RLOG_KEEP, GONE_CAP = 64, 100000
+  if S.epoch == nil then parse(COLD) end
+
+  -- The counts cannot_form reads, from the keys themselves.
+  local function recount()
+    set('nreq', rc(K_REQ, 'HLEN')); set('nprev', rc(K_PREV, 'SCARD'))
+    set('nhb', rc(K_HB, 'ZCARD'))
+  end
 
   local function chunked(key, cmd, items, per)
     for i = 1, #items, CHUNK do
@@ -344,7 +359,7 @@ lib = function()
     if held > S.held then set('held', held) end
   end
 
-  L = {drop = drop, try_form = try_form, floor = floor}
+  L = {drop = drop, try_form = try_form, floor = floor, recount = recount}
   return L
 end
 """
