@@ -319,10 +319,11 @@ lib = function()
     local head = ' ' .. fmt(S.qid) .. ' '
     local mid = ' ' .. fmt(n) .. ' ' .. fmt(max_step) .. ' '
     local tail = ' ' .. fmt(S.version) .. ' ' .. fmt(cf_max) .. ' ' .. S.epoch .. behind
+    local up_to_date = mid .. '-1' .. tail  -- most members: no healing source to format
     for r = 1, n do
-      local id = ids[r]
-      local x = pcall_('LPUSH', REPLY .. id, tok_of[id] .. head .. (r - 1) .. mid ..
-        (heal[r - 1] or -1) .. tail)
+      local id, h = ids[r], heal[r - 1]
+      local line = tok_of[id] .. head .. (r - 1) .. (h and mid .. h .. tail or up_to_date)
+      local x = pcall_('LPUSH', REPLY .. id, line)
       if type(x) == 'table' and x.err then corrupt(REPLY .. id, x.err) end
     end
     if n == R then rc(K_REQ, 'DEL') else chunked(K_REQ, 'HDEL', ids, add_one) end
