@@ -16,8 +16,9 @@ Per size it prints the median over rounds of:
   reading the commands and writing the replies (in ``noop_cpu_us`` too). On a busy machine
   these are the steadier figures; the script's own cost is about ``x_cpu_us - noop_cpu_us``.
 
-Run: ``.venv/bin/python bench/qscale/script_cost.py [--sizes 100,1000,12500] [--rounds 7]``.
-The machine's load moves single figures a lot: compare medians taken in one run.
+Run: ``.venv/bin/python bench/qscale/script_cost.py [--sizes 100,1000,12500] [--rounds 7]
+[--ref main]`` (``--ref``: the scripts of that git ref measured right after, on the same
+Redis). The machine's load moves single figures a lot: compare medians taken in one run.
 """
 
 from __future__ import annotations
@@ -77,11 +78,11 @@ def _cpu_us(r: redis.Redis) -> float:
 class Fleet:
     """N members of one run's quorum, driven from one pipelined client."""
 
-    def __init__(self, r: redis.Redis, n: int) -> None:
+    def __init__(self, r: redis.Redis, n: int, lua: dict[str, str], tag: str = "") -> None:
         self.r = r
-        self.keys = RunKeys(f"qcost-{n}")
+        self.keys = RunKeys(f"qcost{tag}-{n}")
         self.ids = [f"replica-{i:05d}:{uuid.uuid4()}" for i in range(n)]
-        self.shas = {name: r.script_load(src) for name, src in scripts.ALL.items()}
+        self.shas = {name: r.script_load(src) for name, src in lua.items()}
         self.kargs = scripts.script_keys(self.keys)
         self.cargs = scripts.config_args(self.keys, CONFIG, "0badc0de")
         self.step = 0
@@ -157,8 +158,21 @@ FIGURES = (
 )  # fmt: skip
 
 
-def measure(r: redis.Redis, n: int, rounds: int) -> dict[str, object]:
-    fleet = Fleet(r, n)
+def git_scripts(ref: str) -> dict[str, str]:
+    """The scripts as ``spottrain/quorum/lua.py`` had them at git ``ref`` (the same layout)."""
+    text = subprocess.run(
+        ["git", "show", f"{ref}:spottrain/quorum/lua.py"], check=True, capture_output=True,
+        text=True,
+    ).stdout  # fmt: skip
+    lua: dict[str, object] = {}
+    exec(compile(text, f"{ref}:lua.py", "exec"), lua)  # our own file, from git
+    return {k: str(lua["PRELUDE"]) + str(lua[f"{k}_BODY"]) for k in scripts.ALL}
+
+
+def measure(
+    r: redis.Redis, n: int, rounds: int, lua: dict[str, str], tag: str = ""
+) -> dict[str, object]:
+    fleet = Fleet(r, n, lua, tag)
     fleet.join()
     fleet.round()  # forms the first quorum (a membership change)
     fleet.round()
@@ -191,11 +205,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="100,1000,12500")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument(
+        "--ref", help="also measure the scripts of this git ref (e.g. main), size by size"
+    )
     a = ap.parse_args()
     proc, r, workdir = _start_redis()
     try:
         for n in (int(s) for s in a.sizes.split(",")):
-            print(json.dumps(measure(r, n, a.rounds)), flush=True)
+            print(json.dumps(measure(r, n, a.rounds, scripts.ALL)), flush=True)
+            if a.ref:
+                ref = {"ref": a.ref, **measure(r, n, a.rounds, git_scripts(a.ref), "-ref")}
+                print(json.dumps(ref), flush=True)
             r.flushall()
     finally:
         proc.terminate()
