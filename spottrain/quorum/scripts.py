@@ -29,7 +29,10 @@ calls; sorts replica ids by bytes only when Redis runs in a non-C collation loca
 list ``rlog_vs``) and ``pdrop`` (set: members of the last quorum dropped or left since, which
 the next delta removes). ``state``
 also holds ``grace_until`` (the stall guard), ``dirty`` (a member of the last quorum was
-dropped or left) and ``held`` (the largest quorum id held by this round's requesters).
+dropped or left), ``held`` (the largest quorum id held by this round's requesters) and
+``nreq``, ``nprev``, ``nhb`` (the sizes of ``req``, ``prev``, ``hb``, kept by the scripts so a
+REQUEST that cannot form a round needs no call to know it; a round forms only on the keys'
+real counts, which every such check writes back).
 ``info`` holds a member as the JSON array ``[address, store_address, world_size, data]`` so a
 roster entry is ``[id, ...]`` built without decoding it.
 
