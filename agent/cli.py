@@ -32,6 +32,7 @@ from spottrain.protocol.env import (
     ENV_NPROC_PER_NODE,
     ENV_ORPHAN_TIMEOUT,
     ENV_QUORUM,
+    ENV_QUORUM_HEARTBEAT_TIMEOUT,
     ENV_QUORUM_WAIT_REPLICAS,
     ENV_REDIS,
     ENV_REDIS_PASSWORD_FILE,
@@ -251,6 +252,12 @@ def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
         "lighthouse shim; the default) or lighthouse (torchft's own, run by the controller)",
     )
     run.add_argument(
+        "--quorum-heartbeat-timeout",
+        default=env(ENV_QUORUM_HEARTBEAT_TIMEOUT, "1"),
+        help="with --quorum redis: seconds without a heartbeat before the quorum drops a "
+        "replica (default 1; every agent of the run must use the same)",
+    )
+    run.add_argument(
         "--quorum-wait-replicas",
         default=env(ENV_QUORUM_WAIT_REPLICAS, "0"),
         help="with --quorum redis: Redis replicas that must hold each formed round before "
@@ -358,6 +365,7 @@ def _run(args: argparse.Namespace) -> int:
         quorum=args.quorum,
         quorum_port=int(_number(args, "quorum_port", int)),
         quorum_wait_replicas=int(_number(args, "quorum_wait_replicas", int)),
+        quorum_heartbeat_timeout_s=float(_number(args, "quorum_heartbeat_timeout", float)),
     )
     logging.basicConfig(
         level=logging.INFO,

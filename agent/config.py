@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spottrain.protocol.env import ENV_QUORUM_WAIT_REPLICAS
+from spottrain.protocol.env import ENV_QUORUM_HEARTBEAT_TIMEOUT, ENV_QUORUM_WAIT_REPLICAS
 from spottrain.protocol.keys import DEFAULT_PREFIX
 
 from .replica_launch import DEFAULT_MANAGER_PORT, DEFAULT_SHIM_PORT, QUORUMS, check_lighthouse
@@ -77,6 +77,8 @@ class AgentConfig:
     quorum_port: int = DEFAULT_SHIM_PORT
     # Redis replicas that must hold each formed round before its answer is used (WAIT).
     quorum_wait_replicas: int = 0
+    # Seconds without a heartbeat before the Redis quorum drops a replica.
+    quorum_heartbeat_timeout_s: float = 1.0
 
     @property
     def replica_mode(self) -> bool:
@@ -140,6 +142,12 @@ class AgentConfig:
             raise AgentConfigError(
                 f"quorum {self.quorum!r} (--quorum, SPOTTRAIN_QUORUM) must be one of "
                 f"{', '.join(QUORUMS)}"
+            )
+        if not 0.2 <= self.quorum_heartbeat_timeout_s <= 300:
+            raise AgentConfigError(
+                f"quorum heartbeat timeout {self.quorum_heartbeat_timeout_s:g} s "
+                f"(--quorum-heartbeat-timeout, {ENV_QUORUM_HEARTBEAT_TIMEOUT}) must be in "
+                "0.2..300 seconds"
             )
         if not 0 <= self.quorum_wait_replicas <= 16:
             raise AgentConfigError(

@@ -29,6 +29,7 @@ from spottrain.protocol.env import (
     ENV_MIN_REPLICAS,
     ENV_NODES_PER_REPLICA,
     ENV_QUORUM,
+    ENV_QUORUM_HEARTBEAT_TIMEOUT,
     ENV_REPLICA_ID,
 )
 from spottrain.protocol.keys import RunKeys
@@ -83,6 +84,7 @@ class ReplicaLaunch:
     manager_port: int
     gen: int = LEGACY_GEN
     quorum: str = "lighthouse"
+    heartbeat_timeout_s: float = 1.0  # the Redis quorum's; the workers' watchdog uses it
 
     @property
     def rdzv_id(self) -> str:
@@ -94,7 +96,13 @@ class ReplicaLaunch:
 
     def worker_env(self) -> dict[str, str]:
         """The variables the workers of this replica get beside torchrun's own."""
+        quorum = (
+            {ENV_QUORUM_HEARTBEAT_TIMEOUT: f"{self.heartbeat_timeout_s:g}"}
+            if self.quorum == "redis"
+            else {}
+        )
         return {
+            **quorum,
             ENV_FAULT_TOLERANCE: "replica",
             ENV_REPLICA_ID: self.slot,
             ENV_NODES_PER_REPLICA: str(self.nodes_per_replica),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -113,7 +114,7 @@ class ReplicaNode:
         )
         if isinstance(plan, str):
             return plan
-        self._launch = plan
+        self._launch = replace(plan, heartbeat_timeout_s=self.cfg.quorum_heartbeat_timeout_s)
         return None
 
     def _start_shim(self) -> str | None:
@@ -133,7 +134,10 @@ class ReplicaNode:
             self.shim = start_local_shim(
                 settings,
                 self.keys,
-                QuorumConfig(min_replicas=self.cfg.min_replicas),
+                QuorumConfig(
+                    heartbeat_timeout_ms=round(self.cfg.quorum_heartbeat_timeout_s * 1000),
+                    min_replicas=self.cfg.min_replicas,
+                ),
                 port=port,
                 wait_replicas=self.cfg.quorum_wait_replicas,
             )

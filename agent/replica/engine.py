@@ -47,6 +47,7 @@ from spottrain.protocol.env import (
     ENV_MANAGER_PORT,
     ENV_MIN_REPLICAS,
     ENV_QUORUM,
+    ENV_QUORUM_HEARTBEAT_TIMEOUT,
     ENV_REPLICA_ID,
 )
 
@@ -100,6 +101,10 @@ class EngineConfig:
             "manager_port": _int_env(ENV_MANAGER_PORT, 0),
             "min_replicas": _int_env(ENV_MIN_REPLICAS, 1),
         }
+        timeout = env.get(ENV_QUORUM_HEARTBEAT_TIMEOUT)
+        if timeout:
+            # The Redis quorum's heartbeat timeout: a peer silent for longer is lost.
+            values["peer_timeout_s"] = float(timeout)
         values.update(overrides)
         return cls(**values)
 

@@ -60,6 +60,10 @@ ENV_QUORUM = "SPOTTRAIN_QUORUM"
 # With the Redis quorum: how many Redis replicas must have a formed round before its answer
 # is used (WAIT; 0: none). Set with a replicated Redis and min-replicas-to-write.
 ENV_QUORUM_WAIT_REPLICAS = "SPOTTRAIN_QUORUM_WAIT_REPLICAS"
+# With redis: seconds without a heartbeat before a replica is dropped (the agent's and, for
+# the watchdog, the workers'). Longer for large fleets: heartbeats cost Redis N x 5 / timeout
+# calls a second.
+ENV_QUORUM_HEARTBEAT_TIMEOUT = "SPOTTRAIN_QUORUM_HEARTBEAT_TIMEOUT"
 # The workers', set by the agent for one replica: its slot ("replica-<j>"), the manager's
 # fixed port on the replica's first node.
 ENV_REPLICA_ID = "SPOTTRAIN_REPLICA_ID"

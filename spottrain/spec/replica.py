@@ -23,10 +23,13 @@ def replica_problem(spec: JobSpec) -> str | None:
     if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
         return None
     k, least = spec.train.replica.nodes_per_replica, spec.train.replica.min_replicas
-    if spec.train.replica.wait_replicas and spec.train.replica.quorum is QuorumKind.LIGHTHOUSE:
+    r = spec.train.replica
+    if r.quorum is QuorumKind.LIGHTHOUSE and (r.wait_replicas or r.heartbeat_timeout_s != 1.0):
+        key = "wait_replicas" if r.wait_replicas else "heartbeat_timeout_s"
         return (
-            "train.replica.wait_replicas: applies to the Redis quorum only (quorum: redis); "
-            "torchft's lighthouse keeps its state in memory: remove it or use quorum: redis"
+            f"train.replica.{key}: applies to the Redis quorum only (quorum: redis); "
+            "torchft's lighthouse runs with its own fixed settings: remove it or use "
+            "quorum: redis"
         )
     floor = least * k
     lo, hi = spec.nodes.min, spec.nodes.max
@@ -64,6 +67,11 @@ def replica_agent_env(spec: JobSpec) -> dict[str, str]:
         **(
             {env_names.ENV_QUORUM_WAIT_REPLICAS: str(spec.train.replica.wait_replicas)}
             if spec.train.replica.wait_replicas
+            else {}
+        ),
+        **(
+            {env_names.ENV_QUORUM_HEARTBEAT_TIMEOUT: f"{spec.train.replica.heartbeat_timeout_s:g}"}
+            if spec.train.replica.heartbeat_timeout_s != 1.0
             else {}
         ),
     }

@@ -68,6 +68,15 @@ class ReplicaSpec(_Model):
         description="where each step's quorum forms: redis (in the run's Redis, the default) "
         "or lighthouse (torchft's lighthouse, which the controller runs)",
     )
+    heartbeat_timeout_s: float = Field(
+        1.0,
+        ge=0.2,
+        le=300.0,
+        description="with quorum: redis, seconds without a heartbeat before a replica is "
+        "dropped (a silent loss costs the survivors about this): 1 s up to ~1,500 replicas; "
+        "heartbeats cost Redis about replicas x 5 / timeout script calls a second, so raise "
+        "it for more (5 s at 12,500)",
+    )
     wait_replicas: int = Field(
         0,
         ge=0,
@@ -153,6 +162,11 @@ class TrainSpec(_Model):
             r = self.replica
             quorum = f", quorum {r.quorum}" if r.quorum is not QuorumKind.REDIS else ""
             quorum += f", wait_replicas {r.wait_replicas}" if r.wait_replicas else ""
+            quorum += (
+                f", heartbeat_timeout_s {r.heartbeat_timeout_s:g}"
+                if r.heartbeat_timeout_s != 1.0
+                else ""
+            )
             raise ValueError(
                 f"replica (nodes_per_replica {r.nodes_per_replica}, min_replicas "
                 f"{r.min_replicas}{quorum}) applies only in replica mode: set fault_tolerance: "

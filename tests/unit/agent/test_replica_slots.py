@@ -115,6 +115,12 @@ def test_the_workers_get_the_replica_variables_and_torchfts_own() -> None:
     shim = ReplicaLaunch("job-1", "replica-2", 2, 3, "127.0.0.1:29511", 29512, quorum="redis")
     assert shim.worker_env()[ENV_QUORUM] == "redis"
     assert shim.worker_env()["TORCHFT_LIGHTHOUSE"] == "http://127.0.0.1:29511"
+    # Its heartbeat timeout too: the workers' watchdog counts a peer silent that long lost.
+    assert shim.worker_env()["SPOTTRAIN_QUORUM_HEARTBEAT_TIMEOUT"] == "1"
+    slow = ReplicaLaunch(
+        "job-1", "replica-2", 2, 3, "127.0.0.1:1", 1, quorum="redis", heartbeat_timeout_s=5.0
+    )
+    assert slow.worker_env()["SPOTTRAIN_QUORUM_HEARTBEAT_TIMEOUT"] == "5"
 
 
 def test_a_lighthouse_address_is_host_and_port() -> None:
@@ -138,6 +144,11 @@ def _cfg(**kw: object) -> AgentConfig:
         ({"manager_port": 70000}, "manager port 70000"),
         ({"quorum": "raft"}, "quorum 'raft' (--quorum, SPOTTRAIN_QUORUM)"),
         ({"quorum_port": -1}, "quorum port -1 (--quorum-port)"),
+        (
+            {"quorum_heartbeat_timeout_s": 0.1},
+            "quorum heartbeat timeout 0.1 s (--quorum-heartbeat-timeout, "
+            "SPOTTRAIN_QUORUM_HEARTBEAT_TIMEOUT)",
+        ),
         (
             {"quorum_wait_replicas": 17},
             "quorum wait replicas 17 (--quorum-wait-replicas, SPOTTRAIN_QUORUM_WAIT_REPLICAS)",

@@ -101,7 +101,7 @@ def test_replica_mode_parses_with_its_settings() -> None:
         (
             _replica(LOCAL, nodes=2),
             "train.replica.nodes (line 9): unknown key; allowed here: nodes_per_replica, "
-            "min_replicas, quorum, wait_replicas",
+            "min_replicas, quorum, heartbeat_timeout_s, wait_replicas",
         ),
         (
             _replica(LOCAL, quorum="etcd"),
@@ -116,8 +116,14 @@ def test_replica_mode_parses_with_its_settings() -> None:
         (
             _replica(LOCAL, quorum="lighthouse", wait_replicas=1),
             "(top level): train.replica.wait_replicas: applies to the Redis quorum only "
-            "(quorum: redis); torchft's lighthouse keeps its state in memory: remove it or use "
-            "quorum: redis",
+            "(quorum: redis); torchft's lighthouse runs with its own fixed settings: remove it "
+            "or use quorum: redis",
+        ),
+        (
+            _replica(LOCAL, quorum="lighthouse", heartbeat_timeout_s=5),
+            "(top level): train.replica.heartbeat_timeout_s: applies to the Redis quorum only "
+            "(quorum: redis); torchft's lighthouse runs with its own fixed settings: remove it "
+            "or use quorum: redis",
         ),
         (
             _replica(LOCAL, wait_replicas=-1),
@@ -218,6 +224,9 @@ def test_the_agent_settings_of_a_replica_job() -> None:
     waits = _parse(_replica(LOCAL, wait_replicas=1))
     assert replica_agent_env(waits)[env_names.ENV_QUORUM_WAIT_REPLICAS] == "1"
     assert env_names.ENV_QUORUM_WAIT_REPLICAS not in replica_agent_env(spec)
+    slow = _parse(_replica(LOCAL, heartbeat_timeout_s=5))
+    assert replica_agent_env(slow)[env_names.ENV_QUORUM_HEARTBEAT_TIMEOUT] == "5"
+    assert env_names.ENV_QUORUM_HEARTBEAT_TIMEOUT not in replica_agent_env(spec)
 
 
 def test_validates_line_names_the_mode_the_replicas_and_where_torchft_comes_from() -> None:

@@ -236,3 +236,24 @@ def test_rebuild_is_cheap_and_byte_exact() -> None:
     expected.created.seconds, expected.created.nanos = 5, 500_000_000
     assert q == expected
     assert rebuild_cost(100, repeats=1) >= 0.0  # BENCH's entry point runs
+
+
+def test_a_replica_that_just_asked_for_a_quorum_sends_no_heartbeat() -> None:
+    # A request is a heartbeat in Redis too: at 12,500 VMs the coalesced heartbeats would
+    # otherwise add N x 5 / timeout script calls a second to the per-step requests.
+    fake, clock = FakeQuorum(), FakeClock()
+    s = LighthouseShim(fake, fake, QuorumConfig(), heartbeat_interval_s=0.2, clock=clock).start()
+    channel = grpc.insecure_channel(s.address)
+    try:
+        _quorum(channel, "a:u")
+        _heartbeat(channel, "c:u")
+        s.beat_once()
+        assert fake.beats == [["c:u"]]  # "a" asked within the interval
+        clock.t += 0.25
+        for rid in ("a:u", "c:u"):
+            _heartbeat(channel, rid)
+        s.beat_once()
+        assert fake.beats[-1] == ["a:u", "c:u"]  # its request is older than the interval
+    finally:
+        channel.close()
+        s.stop(0)
