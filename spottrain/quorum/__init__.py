@@ -23,12 +23,13 @@ steady-state round, replica ids ``replica-NNNNN:<uuid>``; the same at 3 and 12,5
   and ~50 a removed one per change, so one replica lost at 12,500 costs each survivor ~0.2 kB
   instead of 1.32 MB (16.5 GB across the fleet). A replica starting fresh reads the 1.32 MB
   once; at a cold start of 12,500 replicas that is ~16.5 GB out of Redis in total.
-- Redis CPU (``INFO commandstats``, 12,500 replicas, this loaded 2-core machine): a REQUEST
-  ~30 us a call (a trivial script with the same arguments: 2 us; the shared Lua prelude and
-  the state's read and write are ~13 of the 30), TICK ~30 us, HEARTBEAT ~35 us, the steady
-  FORM (all members' answers) ~15-20 ms, a FORM that changes the membership (rewrites the
-  roster) ~200-500 ms. So one Redis core spends ~0.4 s on a round of 12,500: the per-step
-  quorum at that scale is bounded by Redis's CPU, not the wire. Heartbeats cost N / interval
+- Redis CPU (``bench/qscale/script_cost.py --sizes 100,12500 --rounds 7``, Redis's own CPU
+  time, 12,500 replicas, a loaded 2-core machine): a steady REQUEST ~22 us a call (a trivial
+  script with the same arguments: 1.7 us; its 8 Redis calls ~12 us, Lua state handling the
+  rest), HEARTBEAT of 8 ids ~31 us, the steady FORM (all members' answers, ~23 ms of it one
+  LPUSH each) ~45 ms, a FORM that changes the membership (rewrites the roster) ~200-500 ms.
+  So one Redis core spends ~0.32 s on a synchronised round of 12,500: the per-step quorum at
+  that scale is bounded by Redis's CPU, not the wire. Heartbeats cost N / interval
   calls a second: 12,500 VMs heartbeating every 200 ms would take ~2 Redis cores; at that
   scale heartbeat every >= 1 s (a timeout >= 5 s, torchft's default) and skip a heartbeat
   when a request went out within the interval (a request is a heartbeat). A round stalled
