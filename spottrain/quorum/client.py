@@ -1,0 +1,300 @@
+"""The blocking client of the Redis quorum: the agent's lighthouse shim and the tests use it.
+
+A request is one script call (O(1) bytes: the step and the quorum id held) and one BLPOP
+for the answer line computed for this replica in Lua; the full membership is fetched with
+``roster()`` only when an answer's ``roster_version`` changed.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from spottrain.protocol.keys import RunKeys
+from spottrain.quorum import scripts
+from spottrain.quorum.errors import QuorumCorrupt, QuorumError, QuorumGone, QuorumTimeout
+from spottrain.quorum.model import Answer, Member, QuorumConfig, Roster
+
+# Connection errors a request rides out (reconnect, re-send: requests are idempotent).
+_TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+@dataclass(frozen=True)
+class QuorumStatus:
+    """The quorum at a glance (for status pages and tests)."""
+
+    qid: int  # the current quorum id, 0 before the first quorum
+    version: int  # the quorum id at the last membership change
+    round: int  # the open round's number
+    members: int  # replicas in the last formed quorum
+    heartbeating: int  # replicas whose heartbeat is younger than the timeout
+    epoch: str  # the state's generation ("" before the state exists)
+    max_step: int = 0
+    formed_ms: int = 0  # Redis clock at the last FORM
+
+    @property
+    def quorum_id(self) -> int:
+        return self.qid
+
+
+class QuorumClient:
+    """The quorum of one run, through one ``redis.Redis`` (thread safe: its pool gives a
+    blocked ``request`` its own connection).
+
+    Args:
+        redis: A client whose ``socket_timeout`` is None or longer than the BLPOP wait
+            (``max(join_timeout, heartbeat_timeout / 4)`` plus 20 %).
+        keys: The run's keys.
+        config: The quorum's settings, the same for every replica of the run.
+        wait_replicas: After an answer, ``WAIT wait_replicas 1000`` so that many Redis
+            replicas hold the quorum before it is used (0: do not wait).
+    """
+
+    def __init__(
+        self,
+        redis: redis.Redis,
+        keys: RunKeys,
+        config: QuorumConfig,
+        *,
+        wait_replicas: int = 0,
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._config = config
+        self._wait_replicas = wait_replicas
+        self._keys_list = scripts.script_keys(keys)
+        self._config_args = scripts.config_args(keys, config, secrets.token_hex(8))
+        self._scripts = {name: redis.register_script(src) for name, src in scripts.ALL.items()}
+        self._lock = threading.Lock()
+        self._members: dict[str, Member] = {}  # joined here: re-joined if Redis lost them
+        self._held: dict[str, int] = {}  # the last quorum id each replica was answered
+
+    # -- scripts ------------------------------------------------------------------------------
+    def _call(self, name: str, *args: str) -> Any:
+        try:
+            return self._scripts[name](keys=self._keys_list, args=[*self._config_args, *args])
+        except redis.ResponseError as e:
+            raise self._error(e) from e
+
+    def _error(self, e: Exception) -> Exception:
+        message = str(e)
+        head, _, rest = message.partition(" ")
+        if head == "QGONE":
+            replica_id, _, why = rest.partition(" ")
+            return QuorumGone(
+                f"replica {replica_id} is gone from the quorum ({why.split(' ')[0] or 'gone'}): "
+                "it can never rejoin under this id; restart its manager, which joins under a "
+                "new id"
+            )
+        if head == "QCORRUPT":
+            key, _, what = rest.partition(" ")
+            return self._corrupt(key, what.split(" script: ")[0])
+        if head == "WRONGTYPE":
+            return self._corrupt("(one of the quorum's keys)", message)
+        return e
+
+    def _corrupt(self, key: str, what: str) -> QuorumCorrupt:
+        return QuorumCorrupt(
+            f"Redis key {key} holds {what}, not what spottrain's quorum writes; stop the "
+            f"run's replicas and delete the keys `{self._keys.quorum_base}:*` to reset the "
+            "quorum"
+        )
+
+    # -- membership ---------------------------------------------------------------------------
+    def join(self, member: Member) -> None:
+        """Record ``member`` (idempotent). Raises QuorumGone for an id that left or was
+        dropped."""
+        scripts.check_replica_id(member.replica_id)
+        with self._lock:
+            self._members[member.replica_id] = member
+        self._call("JOIN", member.replica_id, scripts.member_json(member))
+
+    def heartbeat(self, replica_ids: Sequence[str]) -> list[str]:
+        """Stamp a heartbeat (Redis clock) for each id in one call; returns the ids that are
+        gone (their owner must stop and restart under a new id)."""
+        if not replica_ids:
+            return []
+        gone = self._call("HEARTBEAT", *replica_ids)
+        return [g.decode() if isinstance(g, bytes) else str(g) for g in gone]
+
+    def leave(self, replica_id: str) -> None:
+        """Leave for good: a round waiting on this replica forms at once."""
+        self._call("LEAVE", replica_id)
+        with self._lock:
+            self._members.pop(replica_id, None)
+            self._held.pop(replica_id, None)
+
+    # -- the per-step request -----------------------------------------------------------------
+    def request(
+        self,
+        replica_id: str,
+        step: int,
+        *,
+        held_quorum_id: int = 0,
+        commit_failures: int = 0,
+        shrink_only: bool = False,
+        timeout: float = 60.0,
+    ) -> Answer:
+        """Ask for this step's quorum and block until it forms.
+
+        Raises:
+            QuorumGone: this replica id left or was dropped.
+            QuorumTimeout: no quorum within ``timeout`` (too few replicas, or Redis
+                unreachable the whole time).
+            QuorumCorrupt: a quorum key holds garbage.
+        """
+        scripts.check_replica_id(replica_id)
+        deadline = time.monotonic() + timeout
+        token = secrets.token_hex(6)
+        with self._lock:
+            held = max(held_quorum_id, self._held.get(replica_id, 0))
+        args = scripts.request_args(
+            replica_id, step, held, commit_failures, shrink_only, token
+        )  # fmt: skip
+        failures = 0
+        while True:
+            try:
+                self._send_request(replica_id, args)
+                answer = self._await_answer(replica_id, token, deadline)
+                break
+            except _TRANSIENT as e:
+                failures += 1
+                self._back_off(failures, deadline, e)
+        with self._lock:
+            if answer.quorum_id > self._held.get(replica_id, 0):
+                self._held[replica_id] = answer.quorum_id
+        if self._wait_replicas > 0:
+            self._redis.execute_command("WAIT", self._wait_replicas, 1000)
+        return answer
+
+    def _send_request(self, replica_id: str, args: list[str]) -> None:
+        try:
+            self._call("REQUEST", *args)
+        except redis.ResponseError as e:
+            if not str(e).startswith("QJOIN"):
+                raise self._error(e) from e
+            # Redis lost this replica's record (restarted empty): join again, then ask.
+            with self._lock:
+                member = self._members.get(replica_id)
+            if member is None:
+                raise QuorumError(
+                    f"replica {replica_id} has not joined the quorum: call join() first"
+                ) from e
+            self.join(member)
+            self._call("REQUEST", *args)
+
+    def _await_answer(self, replica_id: str, token: str, deadline: float) -> Answer:
+        reply = scripts.reply_key(self._keys, replica_id)
+        slice_s = max(self._config.join_timeout_ms, self._config.heartbeat_timeout_ms / 4) / 1000
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise QuorumTimeout(self._timeout_message(replica_id))
+            wait = min(remaining, slice_s) * random.uniform(0.8, 1.2)
+            try:
+                got = self._redis.blpop([reply], timeout=max(wait, 0.01))
+            except redis.ResponseError as e:
+                raise self._corrupt(reply, str(e)) from e
+            if got is None:
+                self._call("TICK", replica_id)
+                continue
+            their_token, line = scripts.split_reply(got[1])
+            if their_token != token:
+                continue  # an answer to a request given up on earlier
+            try:
+                return scripts.parse_answer(line)
+            except ValueError as e:
+                raise self._corrupt(reply, f"{line!r}") from e
+
+    def _back_off(self, failures: int, deadline: float, error: Exception) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise QuorumTimeout(
+                f"Redis was unreachable until the quorum request's deadline ({error}); check "
+                "the run's Redis"
+            ) from error
+        time.sleep(min(remaining, 0.05 * 2 ** min(failures, 4)) * random.uniform(0.5, 1.0))
+
+    def _timeout_message(self, replica_id: str) -> str:
+        return (
+            f"no quorum formed for replica {replica_id} in time: fewer than "
+            f"{self._config.min_replicas} replicas asked, or not more than half of the "
+            "heartbeating replicas did (see `status()`)"
+        )
+
+    # -- reading ------------------------------------------------------------------------------
+    def roster(self) -> Roster:
+        """The membership of the last quorum whose membership changed (O(N): call it only
+        when an answer's ``roster_version`` differs from the cached one)."""
+        key = self._keys.quorum_key("roster")
+        doc = self._read(lambda: self._redis.get(key), key)
+        if doc is None:
+            return Roster(version=0, members=())
+        try:
+            version, members = scripts.parse_roster(doc)
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            raise self._corrupt(key, f"{bytes(doc)[:80]!r}") from e
+        return Roster(version=version, members=tuple(members))
+
+    def heartbeat_ages(self, replica_ids: Sequence[str]) -> dict[str, float | None]:
+        """Seconds since each replica's last heartbeat (Redis clock); None: none, or gone."""
+        if not replica_ids:
+            return {}
+        hb, gone = self._keys.quorum_key("hb"), self._keys.quorum_key("gone")
+
+        def read() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.time()
+            pipe.zmscore(hb, list(replica_ids))
+            pipe.hmget(gone, list(replica_ids))
+            return list(pipe.execute())
+
+        (sec, usec), scores, tombs = self._read(read, f"{hb} or {gone}")
+        now_ms = sec * 1000 + usec / 1000
+        return {
+            rid: None if score is None or tomb is not None else max(0.0, (now_ms - score) / 1000)
+            for rid, score, tomb in zip(replica_ids, scores, tombs, strict=True)
+        }
+
+    def status(self) -> QuorumStatus:
+        """The quorum id, version, round, member and heartbeat counts, epoch."""
+        state, prev, hb = (self._keys.quorum_key(p) for p in ("state", "prev", "hb"))
+        timeout = self._config.heartbeat_timeout_ms
+
+        def read() -> list[Any]:
+            sec, usec = self._redis.time()
+            now_ms = sec * 1000 + usec // 1000
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hgetall(state)
+            pipe.scard(prev)
+            pipe.zcount(hb, f"({now_ms - timeout}", "+inf")
+            return list(pipe.execute())
+
+        fields, members, heartbeating = self._read(read, f"{state}, {prev} or {hb}")
+        values = {k.decode(): v.decode() for k, v in fields.items()}
+        try:
+            return QuorumStatus(
+                qid=int(values.get("qid", 0)),
+                version=int(values.get("version", 0)),
+                round=int(values.get("round", 0)),
+                members=int(members),
+                heartbeating=int(heartbeating),
+                epoch=values.get("epoch", ""),
+                max_step=int(values.get("max_step", 0)),
+                formed_ms=int(values.get("formed", 0)),
+            )
+        except ValueError as e:
+            raise self._corrupt(state, str(values)[:200]) from e
+
+    def _read(self, fn: Callable[[], Any], key: str) -> Any:
+        try:
+            return fn()
+        except redis.ResponseError as e:
+            raise self._corrupt(key, str(e)) from e

@@ -1,0 +1,161 @@
+"""The quorum's Lua scripts (the only writers of its keys), their argument layout, and the
+answer line's parser.
+
+Every script is called as ``EVALSHA <sha> 10 <script_keys(keys)> <config_args(...)> <own
+args>``: the ten keys below, then ARGV[1..5] = heartbeat timeout ms, join timeout ms,
+min_replicas, an epoch candidate (used only if the state is created), the reply key prefix
+(``quorum_key("reply:")``); then each script's own arguments:
+
+- ``JOIN``: replica id, ``member_json(member)``. -> 1
+- ``REQUEST``: replica id, step, held quorum id, commit failures, shrink_only (0/1), a token
+  (unique per logical request, the same across its retries). -> the round number; the answer
+  arrives on ``reply:<id>`` as ``"<token> <answer line>"`` (``split_reply``).
+- ``TICK``: the waiting replica's id. -> how many expired replicas it dropped.
+- ``HEARTBEAT``: replica ids. -> the ids among them that are gone.
+- ``LEAVE``: replica id. -> 1 if it left now, 0 if it was gone already.
+
+Error replies: ``QGONE <id> <left|dropped> <ms>``, ``QJOIN <id>`` (not joined: call JOIN,
+e.g. after Redis lost its data), ``QCORRUPT <key> <what>``.
+
+Keys (parts of ``RunKeys.quorum_key``): ``seq``, ``state``, ``prev``, ``req``, ``hb``,
+``info``, ``roster``, ``gone`` as in the design, plus ``gone_at`` (zset id -> ms, so the
+oldest tombstones can be trimmed at 100k) and ``sort`` (scratch, empty between calls; used to
+sort replica ids by bytes only when Redis runs in a non-C collation locale). ``info`` holds a
+member as the JSON array ``[address, store_address, world_size, data]`` so a roster entry is
+``[id, ...]`` built without decoding it.
+
+The answer line (ASCII, space separated):
+``<qid> <rank> <count> <max_step> <heal_from or -1> <version> <commit_failures max> <epoch>
+[<id>=<step> ...]`` (the members behind max_step, in rank order).
+"""
+
+from __future__ import annotations
+
+import json
+
+from spottrain.protocol.keys import RunKeys
+from spottrain.quorum import lua
+from spottrain.quorum.model import Answer, Member, QuorumConfig
+
+KEY_PARTS = ("seq", "state", "prev", "req", "hb", "info", "roster", "gone", "gone_at", "sort")
+REPLY_PART = "reply:"
+
+JOIN = lua.PRELUDE + lua.JOIN_BODY
+REQUEST = lua.PRELUDE + lua.REQUEST_BODY
+TICK = lua.PRELUDE + lua.TICK_BODY
+HEARTBEAT = lua.PRELUDE + lua.HEARTBEAT_BODY
+LEAVE = lua.PRELUDE + lua.LEAVE_BODY
+ALL = {"JOIN": JOIN, "REQUEST": REQUEST, "TICK": TICK, "HEARTBEAT": HEARTBEAT, "LEAVE": LEAVE}
+
+
+def script_keys(keys: RunKeys) -> list[str]:
+    """KEYS for every script, in the order the Lua expects."""
+    return [keys.quorum_key(part) for part in KEY_PARTS]
+
+
+def reply_key(keys: RunKeys, replica_id: str) -> str:
+    """The list a waiting replica BLPOPs for its answer."""
+    return keys.quorum_key(REPLY_PART + replica_id)
+
+
+def config_args(keys: RunKeys, config: QuorumConfig, epoch_candidate: str) -> list[str]:
+    """ARGV[1..5], shared by every script."""
+    return [
+        str(int(config.heartbeat_timeout_ms)),
+        str(int(config.join_timeout_ms)),
+        str(int(config.min_replicas)),
+        epoch_candidate,
+        keys.quorum_key(REPLY_PART),
+    ]
+
+
+def check_replica_id(replica_id: str) -> str:
+    """A replica id travels inside space-separated lines: refuse what would break them."""
+    if not replica_id or any(c.isspace() for c in replica_id) or len(replica_id) > 512:
+        raise ValueError(
+            f"replica id {replica_id!r} cannot be used by the Redis quorum: use 1-512 "
+            "characters without whitespace"
+        )
+    return replica_id
+
+
+def member_json(member: Member) -> str:
+    """A member as stored in ``info``: ``[address, store_address, world_size, data]``."""
+    return json.dumps(
+        [member.address, member.store_address, int(member.world_size), member.data],
+        separators=(",", ":"),
+    )
+
+
+def request_args(
+    replica_id: str, step: int, held_quorum_id: int, commit_failures: int, shrink_only: bool,
+    token: str,
+) -> list[str]:  # fmt: skip
+    """REQUEST's own ARGV (after ``config_args``)."""
+    return [
+        replica_id,
+        str(int(step)),
+        str(max(0, int(held_quorum_id))),
+        str(max(0, int(commit_failures))),
+        "1" if shrink_only else "0",
+        token,
+    ]
+
+
+def split_reply(element: str | bytes) -> tuple[str, str]:
+    """A ``reply:<id>`` element -> (token, answer line)."""
+    text = element.decode() if isinstance(element, bytes) else element
+    token, _, line = text.partition(" ")
+    return token, line
+
+
+def parse_answer(line: str | bytes) -> Answer:
+    """Parse an answer line (see the module docstring).
+
+    Raises:
+        ValueError: not an answer line.
+    """
+    text = line.decode() if isinstance(line, bytes) else line
+    parts = text.split(" ")
+    if len(parts) < 8:
+        raise ValueError(f"not a quorum answer line: {text!r}")
+    qid, rank, count, max_step, heal, version, failures = (int(p) for p in parts[:7])
+    behind: dict[str, int] = {}
+    for item in parts[8:]:
+        replica_id, sep, step = item.rpartition("=")
+        if not sep:
+            raise ValueError(f"not a quorum answer line (behind entry {item!r}): {text!r}")
+        behind[replica_id] = int(step)
+    return Answer(
+        quorum_id=qid,
+        replica_rank=rank,
+        replica_count=count,
+        max_step=max_step,
+        heal_from=None if heal < 0 else heal,
+        roster_version=version,
+        commit_failures=failures,
+        epoch=parts[7],
+        behind=behind,
+    )
+
+
+def parse_roster(doc: str | bytes) -> tuple[int, list[Member]]:
+    """The ``roster`` key's JSON -> (version, members sorted by replica id).
+
+    Raises:
+        ValueError: not a roster document.
+    """
+    data = json.loads(doc)
+    if not isinstance(data, dict) or not isinstance(data.get("members"), list):
+        raise ValueError("not a roster document")
+    members = [
+        Member(
+            replica_id=str(m[0]),
+            address=str(m[1]),
+            store_address=str(m[2]),
+            world_size=int(m[3]),
+            data=str(m[4]),
+        )
+        for m in data["members"]
+    ]
+    return int(data["version"]), members
