@@ -1,6 +1,7 @@
 """One client process of the Redis quorum bench: many simulated replicas on one asyncio loop,
 each with a ``redis.asyncio`` connection of its own (the one a replica's request and BLPOP
-use), plus one shared connection for the process's heartbeats (a VM's coalesced heartbeat).
+use), plus one shared connection for joins and a thread sending the process's heartbeats (a VM's
+coalesced heartbeat) on its own connection.
 
 Per round a replica sends its request script and its BLPOP in one write (pipelined: one
 round trip instead of two, as the client's request-then-wait would cost), then reads both
@@ -15,16 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
+import redis
 from redis.asyncio.connection import Connection
 
 from spottrain.protocol.keys import RunKeys
 from spottrain.quorum.model import Member, QuorumConfig
 
-from .redis_calls import Calls, parse_answer
+from .redis_calls import Calls, parse_reply
 from .redis_server import raise_fd_limit
 
 
@@ -61,6 +64,7 @@ class Replicas:
         self.hb_batch = 64
         self.hb_bytes = 0
         self.hb_calls = 0
+        self._packer = Connection()  # only packs commands, to count a heartbeat's bytes
 
     def _conn(self) -> Connection:
         return Connection(port=self.port, socket_timeout=None, socket_connect_timeout=60)
@@ -79,37 +83,44 @@ class Replicas:
             member = Member(rid, f"10.0.{i // 250}.{i % 250}:29512", f"10.0.0.{i % 250}:29500", 8)
             await self.shared.send_command(*self.calls.join(member))
             await self.shared.read_response()
-        await self.beat_once()
-        return {"connections": len(self.conns) + 1}
+        return {"connections": len(self.conns) + 2}
 
-    async def beat_once(self) -> None:
-        assert self.shared is not None and self.calls is not None
-        live = [r for r in self.ids if r not in self.silent]
-        cmds = [self.calls.heartbeat(live[i : i + self.hb_batch]) for i in range(0, len(live), 64)]
+    def beat_once(self, r: redis.Redis) -> None:
+        """One heartbeat of every live replica here, ``hb_batch`` ids a call, pipelined."""
+        assert self.calls is not None
+        live = [x for x in self.ids if x not in set(self.silent)]
+        step = self.hb_batch
+        cmds = [self.calls.heartbeat(live[i : i + step]) for i in range(0, len(live), step)]
         if not cmds:
             return
-        packed = self.shared.pack_commands(cmds)
-        await self.shared.send_packed_command(packed, check_health=False)
-        self.hb_bytes += sum(len(p) for p in packed)
-        for _ in cmds:
-            gone = await self.shared.read_response()
+        pipe = r.pipeline(transaction=False)
+        for cmd in cmds:
+            pipe.execute_command(*cmd)
+        replies = pipe.execute(raise_on_error=False)
+        self.hb_bytes += sum(len(p) for p in self._packer.pack_commands(cmds))
+        for gone in replies:
             self.hb_bytes += resp_len(gone)
-            self.gone_seen.update(g.decode() for g in gone or [])
+            if isinstance(gone, list):
+                self.gone_seen.update(g.decode() for g in gone)
         self.hb_calls += len(cmds)
 
-    async def heartbeats(self) -> None:
-        await asyncio.sleep(random.uniform(0, self.hb_interval_s))
-        while True:
+    def heartbeats(self, stop: threading.Event) -> None:
+        """The process's heartbeats, in a thread of their own (the shim's are off the request
+        path too), every heartbeat timeout / 4."""
+        r = redis.Redis(port=self.port, socket_timeout=60)
+        stop.wait(random.uniform(0, self.hb_interval_s))
+        while not stop.is_set():
             t0 = time.monotonic()
-            await self.beat_once()
-            await asyncio.sleep(max(0.0, self.hb_interval_s - (time.monotonic() - t0)))
+            self.beat_once(r)
+            stop.wait(max(0.0, self.hb_interval_s - (time.monotonic() - t0)))
+        r.close()
 
     def _blpop(self, rid: str, remaining: float) -> tuple[Any, ...]:
         c = self.config
         wait = min(remaining, max(c.join_timeout_ms, c.heartbeat_timeout_ms / 4) / 1000)
         return ("BLPOP", self.calls.reply_key(rid), round(wait * random.uniform(0.8, 1.2), 3))  # type: ignore[union-attr]
 
-    async def _wait(self, rid: str, deadline: float, out: dict[str, Any]) -> None:
+    async def _wait(self, rid: str, token: str, deadline: float, out: dict[str, Any]) -> None:
         conn = self.conns[rid]
         try:
             first = await conn.read_response()
@@ -118,16 +129,18 @@ class Replicas:
                 got = await conn.read_response()
                 out["recv"] += resp_len(got)
                 if got is not None:
-                    break
+                    their, answer = parse_reply(got[1])
+                    if their == token:
+                        break
+                    out["stale"] += 1  # an answer to an earlier round's request: wait on
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"{rid}: no quorum before the round's deadline")
-                packed = conn.pack_commands([self.calls.tick(), self._blpop(rid, remaining)])  # type: ignore[union-attr]
+                packed = conn.pack_commands([self.calls.tick(rid), self._blpop(rid, remaining)])  # type: ignore[union-attr]
                 await conn.send_packed_command(packed, check_health=False)
                 out["sent"] += sum(len(p) for p in packed)
                 out["ticks"] += 1
                 out["recv"] += resp_len(await conn.read_response())
-            answer = parse_answer(got[1])
         except Exception as e:  # counted and reported by the coordinator
             out["errors"].append(f"{type(e).__name__}: {e}")
             return
@@ -140,20 +153,22 @@ class Replicas:
         every answer and tell it again (``done``)."""
         assert self.calls is not None
         live = [r for r in self.ids if r not in self.silent]
-        out: dict[str, Any] = {"sent": 0, "recv": 0, "ticks": 0, "errors": [], "answers": {}}
+        out: dict[str, Any] = {"sent": 0, "recv": 0, "ticks": 0, "stale": 0, "errors": []}
+        out["answers"] = {}
         out.update(qids=set(), last_recv=0.0, replicas=len(live))
         deadline = time.monotonic() + timeout_s
         out["first_sent"] = time.monotonic()
+        token = f"s{step}"  # unique per logical request, as QuorumClient's
         for rid in live:
             conn = self.conns[rid]
             packed = conn.pack_commands(
-                [self.calls.request(rid, step, held_qid), self._blpop(rid, timeout_s)]
+                [self.calls.request(rid, step, held_qid, token), self._blpop(rid, timeout_s)]
             )
             await conn.send_packed_command(packed, check_health=False)
             out["sent"] += sum(len(p) for p in packed)
         out["last_sent"] = time.monotonic()
         pipe.send({"sent": out["last_sent"]})
-        await asyncio.gather(*(self._wait(r, deadline, out) for r in live))
+        await asyncio.gather(*(self._wait(r, token, deadline, out) for r in live))
         out["qids"] = sorted(out["qids"])
         out["errors"] = out["errors"][:3] + (
             [f"... {len(out['errors'])} in all"] * (len(out["errors"]) > 3)
@@ -165,12 +180,14 @@ async def _serve(pipe: Pipe, reps: Replicas) -> None:
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[Any] = asyncio.Queue()
     loop.add_reader(pipe.fileno(), lambda: inbox.put_nowait(pipe.recv()))
-    beats: asyncio.Task[None] | None = None
+    stop = threading.Event()
     while True:
         cmd, *args = await inbox.get()
         if cmd == "connect":
-            pipe.send(await reps.connect(*args))
-            beats = asyncio.create_task(reps.heartbeats())
+            done = await reps.connect(*args)
+            reps.beat_once(redis.Redis(port=reps.port, socket_timeout=60))
+            threading.Thread(target=reps.heartbeats, args=(stop,), daemon=True).start()
+            pipe.send(done)
         elif cmd == "round":
             await reps.round(*args, pipe)
         elif cmd == "silence":
@@ -189,8 +206,7 @@ async def _serve(pipe: Pipe, reps: Replicas) -> None:
                 }
             )
         elif cmd == "stop":
-            if beats is not None:
-                beats.cancel()
+            stop.set()
             pipe.send({})
             return
 
