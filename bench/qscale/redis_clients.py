@@ -1,7 +1,7 @@
 """One client process of the Redis quorum bench: many simulated replicas on one asyncio loop,
 each with a ``redis.asyncio`` connection of its own (the one a replica's request and BLPOP
-use), plus one shared connection for joins and a thread sending the process's heartbeats (a VM's
-coalesced heartbeat) on its own connection.
+use), plus one shared connection for the joins; their heartbeats come from a process beside
+it (``qscale/redis_beats.py``).
 
 Per round a replica sends its request script and its BLPOP in one write (pipelined: one
 round trip instead of two, as the client's request-then-wait would cost), then reads both
@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
-import redis
 from redis.asyncio.connection import Connection
 
 from spottrain.protocol.keys import RunKeys
@@ -58,13 +56,7 @@ class Replicas:
         self.conns: dict[str, Connection] = {}
         self.shared: Connection | None = None
         self.calls: Calls | None = None
-        self.silent: set[str] = set()  # no requests, no heartbeats (a silent loss or a leave)
-        self.gone_seen: set[str] = set()  # heartbeat said gone (a false drop if healthy)
-        self.hb_interval_s = config.heartbeat_timeout_ms / 4000
-        self.hb_batch = 64
-        self.hb_bytes = 0
-        self.hb_calls = 0
-        self._packer = Connection()  # only packs commands, to count a heartbeat's bytes
+        self.silent: set[str] = set()  # no requests (a silent loss or a leave)
 
     def _conn(self) -> Connection:
         return Connection(port=self.port, socket_timeout=None, socket_connect_timeout=60)
@@ -83,37 +75,7 @@ class Replicas:
             member = Member(rid, f"10.0.{i // 250}.{i % 250}:29512", f"10.0.0.{i % 250}:29500", 8)
             await self.shared.send_command(*self.calls.join(member))
             await self.shared.read_response()
-        return {"connections": len(self.conns) + 2}
-
-    def beat_once(self, r: redis.Redis) -> None:
-        """One heartbeat of every live replica here, ``hb_batch`` ids a call, pipelined."""
-        assert self.calls is not None
-        live = [x for x in self.ids if x not in set(self.silent)]
-        step = self.hb_batch
-        cmds = [self.calls.heartbeat(live[i : i + step]) for i in range(0, len(live), step)]
-        if not cmds:
-            return
-        pipe = r.pipeline(transaction=False)
-        for cmd in cmds:
-            pipe.execute_command(*cmd)
-        replies = pipe.execute(raise_on_error=False)
-        self.hb_bytes += sum(len(p) for p in self._packer.pack_commands(cmds))
-        for gone in replies:
-            self.hb_bytes += resp_len(gone)
-            if isinstance(gone, list):
-                self.gone_seen.update(g.decode() for g in gone)
-        self.hb_calls += len(cmds)
-
-    def heartbeats(self, stop: threading.Event) -> None:
-        """The process's heartbeats, in a thread of their own (the shim's are off the request
-        path too), every heartbeat timeout / 4."""
-        r = redis.Redis(port=self.port, socket_timeout=60)
-        stop.wait(random.uniform(0, self.hb_interval_s))
-        while not stop.is_set():
-            t0 = time.monotonic()
-            self.beat_once(r)
-            stop.wait(max(0.0, self.hb_interval_s - (time.monotonic() - t0)))
-        r.close()
+        return {"connections": len(self.conns) + 1}
 
     def _blpop(self, rid: str, remaining: float) -> tuple[Any, ...]:
         c = self.config
@@ -180,13 +142,10 @@ async def _serve(pipe: Pipe, reps: Replicas) -> None:
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[Any] = asyncio.Queue()
     loop.add_reader(pipe.fileno(), lambda: inbox.put_nowait(pipe.recv()))
-    stop = threading.Event()
     while True:
         cmd, *args = await inbox.get()
         if cmd == "connect":
             done = await reps.connect(*args)
-            reps.beat_once(redis.Redis(port=reps.port, socket_timeout=60))
-            threading.Thread(target=reps.heartbeats, args=(stop,), daemon=True).start()
             pipe.send(done)
         elif cmd == "round":
             await reps.round(*args, pipe)
@@ -197,16 +156,10 @@ async def _serve(pipe: Pipe, reps: Replicas) -> None:
             reps.config = args[0]
             reps.calls.config = args[0]  # type: ignore[union-attr]
             pipe.send({})
-        elif cmd == "stats":
-            pipe.send(
-                {
-                    "hb_bytes": reps.hb_bytes,
-                    "hb_calls": reps.hb_calls,
-                    "gone_seen": sorted(reps.gone_seen),
-                }
-            )
         elif cmd == "stop":
-            stop.set()
+            for conn in [*reps.conns.values(), reps.shared]:
+                if conn is not None:
+                    await conn.disconnect()
             pipe.send({})
             return
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from spottrain.quorum.model import QuorumConfig
 
+from .redis_beats import beater
 from .redis_calls import Calls, sources
 from .redis_clients import worker
 from .redis_server import BenchRedis, diff
@@ -56,6 +57,8 @@ class Procs:
 
     pipes: list[Any] = field(default_factory=list)
     procs: list[Any] = field(default_factory=list)
+    beat_pipes: list[Any] = field(default_factory=list)  # each client process's heartbeats
+    beat_procs: list[Any] = field(default_factory=list)
     owner: dict[str, int] = field(default_factory=dict)
 
 
@@ -101,10 +104,18 @@ class RedisQuorum:
             self.p.pipes.append(parent)
             self.p.procs.append(proc)
             self.p.owner.update(dict.fromkeys(mine, k))
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=beater, args=(child, self.server.port, RUN, mine, self.config), daemon=True
+            )
+            proc.start()
+            self.p.beat_pipes.append(parent)
+            self.p.beat_procs.append(proc)
         for pipe in self.p.pipes:
             pipe.send(("connect", shas))
         for pipe in self.p.pipes:
             self._recv(pipe, 300)
+        self._all(self.p.beat_pipes, ("start", shas))
 
     def _recv(self, pipe: Any, timeout: float) -> dict[str, Any]:
         if not pipe.poll(timeout):
@@ -112,10 +123,10 @@ class RedisQuorum:
         return pipe.recv()
 
     def __exit__(self, *exc: object) -> None:
-        for pipe in self.p.pipes:
+        for pipe in [*self.p.pipes, *self.p.beat_pipes]:
             with contextlib.suppress(OSError):
                 pipe.send(("stop",))
-        for proc in self.p.procs:
+        for proc in [*self.p.procs, *self.p.beat_procs]:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
@@ -125,10 +136,12 @@ class RedisQuorum:
         self.config = config
         assert self.calls is not None
         self.calls.config = config
-        for pipe in self.p.pipes:
-            pipe.send(("config", config))
-        for pipe in self.p.pipes:
-            self._recv(pipe, 60)
+        self._all([*self.p.pipes, *self.p.beat_pipes], ("config", config))
+
+    def _all(self, pipes: list[Any], msg: tuple[Any, ...]) -> list[dict[str, Any]]:
+        for pipe in pipes:
+            pipe.send(msg)
+        return [self._recv(pipe, 60) for pipe in pipes]
 
     def silence(self, ids: list[str]) -> float:
         """Stop these replicas' requests and heartbeats; returns when the last stopped."""
@@ -137,8 +150,9 @@ class RedisQuorum:
             by.setdefault(self.p.owner[rid], []).append(rid)
         at = 0.0
         for k, mine in by.items():
-            self.p.pipes[k].send(("silence", mine))
-            at = max(at, self._recv(self.p.pipes[k], 60)["silenced"])
+            for pipe in (self.p.beat_pipes[k], self.p.pipes[k]):
+                pipe.send(("silence", mine))
+                at = max(at, self._recv(pipe, 60)["silenced"])
         self.live = [r for r in self.live if r not in ids]
         return at
 
@@ -189,18 +203,19 @@ class RedisQuorum:
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     def worker_stats(self) -> list[dict[str, Any]]:
-        for pipe in self.p.pipes:
-            pipe.send(("stats",))
-        return [self._recv(pipe, 60) for pipe in self.p.pipes]
+        return self._all(self.p.beat_pipes, ("stats",))
 
     def pause_worker(self, k: int, seconds: float) -> threading.Thread:
-        """SIGSTOP client process ``k`` for ``seconds`` (in a thread), then SIGCONT."""
-        pid = self.p.procs[k].pid
+        """SIGSTOP client process ``k`` and its heartbeats for ``seconds`` (in a thread, as
+        a VM frozen whole), then SIGCONT."""
+        pids = [self.p.procs[k].pid, self.p.beat_procs[k].pid]
 
         def run() -> None:
-            os.kill(pid, signal.SIGSTOP)
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
             time.sleep(seconds)
-            os.kill(pid, signal.SIGCONT)
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
 
         t = threading.Thread(target=run, daemon=True)
         t.start()
