@@ -81,7 +81,9 @@ class Agent:
         )
         # Replica mode: this node's slot and its replica's launch settings.
         self.replica = (
-            ReplicaNode(self.client, self.keys, cfg, self.record) if cfg.replica_mode else None
+            ReplicaNode(self.client, self.keys, cfg, self.record, self.settings)
+            if cfg.replica_mode
+            else None
         )
         self.handler = NoticeHandler(
             self.client,
@@ -97,6 +99,8 @@ class Agent:
             # Replica mode: the node leaves its replica's own rendezvous, and only once its
             # workers are down (see stop_workers).
             scoped_leave=self.replica.leave_rendezvous if self.replica else None,
+            # With the Redis quorum: the replica leaves it once its step is done.
+            quorum_leave=self.replica.quorum_leave if self.replica else None,
         )
         self.proc: subprocess.Popen[bytes] | None = None
         # Held while torchrun is launched and while workers are stopped, so a notice that
@@ -141,6 +145,7 @@ class Agent:
                 self.record.event("self-terminate", reason=self.orphan_reason)
             if self.replica is not None:
                 self.replica.release()
+                self.replica.stop_shim()
             self.record.stop(remove_heartbeat=True)
             shutil.rmtree(self._progress_dir, ignore_errors=True)
             if self.orphan_reason:
@@ -428,6 +433,9 @@ class Agent:
             # Only once the workers are down: torchrun would tear them down on its own
             # member's leave, cutting short the workers' own leave from the quorum.
             self.replica.leave_rendezvous()
+            # Its managers are gone: their ids leave the Redis quorum now rather than at
+            # their heartbeat timeout (a no-op with the lighthouse).
+            self.replica.quorum_leave(now=True)
 
     def _tree(self) -> list[int]:
         assert self.proc is not None

@@ -31,6 +31,7 @@ from spottrain.protocol.env import (
     ENV_NODES_PER_REPLICA,
     ENV_NPROC_PER_NODE,
     ENV_ORPHAN_TIMEOUT,
+    ENV_QUORUM,
     ENV_REDIS,
     ENV_REDIS_PASSWORD_FILE,
     ENV_RUN_ID,
@@ -216,7 +217,7 @@ def _add_run_fleet_args(run: argparse.ArgumentParser) -> None:
 def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
     """Replica mode: each replica of --nodes-per-replica nodes runs its own torchrun and
     takes part in a fault-tolerant quorum across replicas."""
-    from .replica_launch import DEFAULT_MANAGER_PORT
+    from .replica_launch import DEFAULT_MANAGER_PORT, DEFAULT_SHIM_PORT
 
     env = _env
     run.add_argument(
@@ -241,6 +242,18 @@ def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
         "--manager-port",
         default=env(ENV_MANAGER_PORT, str(DEFAULT_MANAGER_PORT)),
         help="the workers' torchft manager port (0, and on the local cloud always: a free port)",
+    )
+    run.add_argument(
+        "--quorum",
+        default=env(ENV_QUORUM, "redis"),
+        help="redis (the quorum in the run's Redis, served to the workers by a local "
+        "lighthouse shim; the default) or lighthouse (torchft's own, run by the controller)",
+    )
+    run.add_argument(
+        "--quorum-port",
+        default=str(DEFAULT_SHIM_PORT),
+        help="the local lighthouse shim's port with --quorum redis (0, and on the local "
+        "cloud always: a free port)",
     )
 
 
@@ -335,6 +348,8 @@ def _run(args: argparse.Namespace) -> int:
         lighthouse=args.lighthouse,
         lighthouse_wait=_number(args, "lighthouse_wait", float),
         manager_port=int(_number(args, "manager_port", int)),
+        quorum=args.quorum,
+        quorum_port=int(_number(args, "quorum_port", int)),
     )
     logging.basicConfig(
         level=logging.INFO,

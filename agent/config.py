@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from spottrain.protocol.keys import DEFAULT_PREFIX
 
-from .replica_launch import DEFAULT_MANAGER_PORT, check_lighthouse
+from .replica_launch import DEFAULT_MANAGER_PORT, DEFAULT_SHIM_PORT, QUORUMS, check_lighthouse
 
 EXIT_OK, EXIT_TORCHRUN_FAILED, EXIT_CONFIG, EXIT_UNHEALTHY = 0, 1, 2, 3
 
@@ -68,10 +68,21 @@ class AgentConfig:
     # The workers' manager port; 0: a free port at each launch (the local cloud, whose
     # "VMs" share one host, uses that whatever is set here).
     manager_port: int = DEFAULT_MANAGER_PORT
+    # Where the replicas' quorum lives: "redis" (the run's Redis; this agent serves it to
+    # its workers as torchft's lighthouse protocol on quorum_port) or "lighthouse"
+    # (torchft's own, run by the controller; kept for comparison).
+    quorum: str = "redis"
+    # The local lighthouse shim's port; 0: a free port (the local cloud always uses one).
+    quorum_port: int = DEFAULT_SHIM_PORT
 
     @property
     def replica_mode(self) -> bool:
         return self.fault_tolerance == "replica"
+
+    @property
+    def redis_quorum(self) -> bool:
+        """Replica mode with the quorum in Redis (this agent runs the lighthouse shim)."""
+        return self.replica_mode and self.quorum == "redis"
 
     def validate(self) -> None:
         if self.cloud not in ("local", "aws", "gcp"):
@@ -122,6 +133,16 @@ class AgentConfig:
             if value < 1:
                 env = "SPOTTRAIN_" + name.replace("-", "_").upper()
                 raise AgentConfigError(f"{name} {value} ({env}) must be at least 1")
+        if self.quorum not in QUORUMS:
+            raise AgentConfigError(
+                f"quorum {self.quorum!r} (--quorum, SPOTTRAIN_QUORUM) must be one of "
+                f"{', '.join(QUORUMS)}"
+            )
+        if not 0 <= self.quorum_port < 65536:
+            raise AgentConfigError(
+                f"quorum port {self.quorum_port} (--quorum-port) must be in 0..65535 "
+                "(0: a free port)"
+            )
         if not 0 <= self.manager_port < 65536:
             raise AgentConfigError(
                 f"manager port {self.manager_port} must be in 0..65535 (0: a free port)"

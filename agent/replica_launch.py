@@ -1,6 +1,10 @@
 """What torchrun gets in replica mode: a rendezvous of the replica's own nodes, and the
 workers' replica variables (slot, manager port, lighthouse, quorum floor).
 
+With the quorum in Redis (``--quorum redis``, the default) the "lighthouse" the workers'
+managers call is this agent's own shim (:mod:`.quorum_shim`) on 127.0.0.1; with
+``--quorum lighthouse`` it is the controller's torchft lighthouse.
+
 Each replica runs its own torchrun; its Redis rendezvous id is the run id plus the slot (and
 the slot's generation from the second on, see :mod:`.replica_slots`), so every rendezvous key
 (round, presence, members, torch's store) is the replica's own and a node that leaves or dies
@@ -24,6 +28,7 @@ from spottrain.protocol.env import (
     ENV_MANAGER_PORT,
     ENV_MIN_REPLICAS,
     ENV_NODES_PER_REPLICA,
+    ENV_QUORUM,
     ENV_REPLICA_ID,
 )
 from spottrain.protocol.keys import RunKeys
@@ -40,6 +45,9 @@ TORCHFT_MANAGER_PORT = "TORCHFT_MANAGER_PORT"
 # The manager's port on a VM: fixed, so a firewall rule can name it (torchft's lighthouse is
 # by convention on 29510; torchrun's store on 29500).
 DEFAULT_MANAGER_PORT = 29512
+# The agent's lighthouse shim with the Redis quorum: local to the VM (127.0.0.1 only).
+DEFAULT_SHIM_PORT = 29511
+QUORUMS = ("redis", "lighthouse")
 _LIGHTHOUSE_POLL_S = 0.5
 
 
@@ -74,6 +82,7 @@ class ReplicaLaunch:
     lighthouse: str
     manager_port: int
     gen: int = LEGACY_GEN
+    quorum: str = "lighthouse"
 
     @property
     def rdzv_id(self) -> str:
@@ -92,6 +101,7 @@ class ReplicaLaunch:
             ENV_MIN_REPLICAS: str(self.min_replicas),
             ENV_LIGHTHOUSE: self.lighthouse,
             ENV_MANAGER_PORT: str(self.manager_port),
+            ENV_QUORUM: self.quorum,
             TORCHFT_LIGHTHOUSE: f"http://{self.lighthouse}",
             TORCHFT_MANAGER_PORT: str(self.manager_port),
         }
@@ -149,11 +159,13 @@ def plan_launch(
     manager_port: int,
     local_cloud: bool,
     stopped: Callable[[], bool] = lambda: False,
+    quorum: str = "lighthouse",
 ) -> ReplicaLaunch | str:
     """This launch's settings, or why there can be none (a one-line reason).
 
-    The lighthouse given to the agent wins; else the controller's, read now (it may have
-    restarted the lighthouse elsewhere since the last launch).
+    The lighthouse given to the agent wins (with the Redis quorum: the agent's own shim);
+    else the controller's, read now (it may have restarted the lighthouse elsewhere since
+    the last launch).
     """
     if not lighthouse:
         try:
@@ -180,4 +192,5 @@ def plan_launch(
         lighthouse=check_lighthouse(lighthouse, "lighthouse"),
         manager_port=manager_port,
         gen=gen,
+        quorum=quorum,
     )

@@ -19,25 +19,38 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from spottrain.protocol.keys import RunKeys
+from spottrain.redis_conn import RedisSettings
 
 from .config import AgentConfig
 from .node_record import NodeRecord
 from .replica_launch import ReplicaLaunch, plan_launch
 from .replica_slots import SlotClaim, claim_slot, release_slot
 
+if TYPE_CHECKING:
+    from .quorum_shim.server import LighthouseShim
+
 log = logging.getLogger("spottrain.agent")
 
 
 class ReplicaNode:
     def __init__(
-        self, client: redis.Redis, keys: RunKeys, cfg: AgentConfig, record: NodeRecord
+        self,
+        client: redis.Redis,
+        keys: RunKeys,
+        cfg: AgentConfig,
+        record: NodeRecord,
+        settings: RedisSettings | None = None,
     ) -> None:
         self.client = client
+        self.settings = settings
+        # The Redis quorum's local lighthouse shim: started at the first launch, kept across
+        # relaunches (a relaunched manager joins under a new id through the same shim).
+        self.shim: LighthouseShim | None = None
         self.keys = keys
         self.cfg = cfg
         self.record = record
@@ -77,6 +90,13 @@ class ReplicaNode:
                 members=list(self.slot.members),
                 gen=self.slot.gen,
             )
+        lighthouse = self.cfg.lighthouse
+        if self.cfg.redis_quorum:
+            problem = self._start_shim()
+            if problem:
+                return problem
+            assert self.shim is not None
+            lighthouse = self.shim.address
         plan = plan_launch(
             self.client,
             self.keys,
@@ -84,16 +104,59 @@ class ReplicaNode:
             gen=self.slot.gen,
             nodes_per_replica=self.cfg.nodes_per_replica,
             min_replicas=self.cfg.min_replicas,
-            lighthouse=self.cfg.lighthouse,
+            lighthouse=lighthouse,
             lighthouse_wait=self.cfg.lighthouse_wait,
             manager_port=self.cfg.manager_port,
             local_cloud=self.cfg.cloud == "local",
             stopped=stopped,
+            quorum=self.cfg.quorum,
         )
         if isinstance(plan, str):
             return plan
         self._launch = plan
         return None
+
+    def _start_shim(self) -> str | None:
+        """Start the lighthouse shim once; why it could not start (one line), or None."""
+        if self.shim is not None:
+            return None
+        from spottrain.quorum.model import QuorumConfig
+        from spottrain.redis_conn import settings_from_url
+
+        from .quorum_shim.local import start_local_shim
+
+        port = 0 if self.cfg.cloud == "local" else self.cfg.quorum_port
+        try:
+            settings = self.settings or settings_from_url(
+                self.cfg.redis_url, password_file=self.cfg.password_file
+            )
+            self.shim = start_local_shim(
+                settings,
+                self.keys,
+                QuorumConfig(min_replicas=self.cfg.min_replicas),
+                port=port,
+            )
+        except (OSError, ValueError, redis.RedisError, RuntimeError) as exc:
+            return (
+                f"cannot start the Redis quorum's lighthouse shim on 127.0.0.1:{port}: {exc} "
+                "(free the port, or give --quorum-port)"
+            )
+        self.record.event("quorum-shim-started", address=self.shim.address)
+        return None
+
+    def quorum_leave(self, now: bool) -> None:
+        """A notice: this node's replica leaves the Redis quorum, stall-free (see
+        :meth:`.quorum_shim.server.LighthouseShim.leave`). A no-op with the lighthouse."""
+        if self.shim is None:
+            return
+        ids = self.shim.leave(now=now)
+        if ids:
+            self.record.event("quorum-leave", replica_ids=ids, at_once=now)
+
+    def stop_shim(self) -> None:
+        if self.shim is not None:
+            shim, self.shim = self.shim, None
+            shim.stop()
 
     def event_fields(self) -> dict[str, Any]:
         """What the torchrun-started event adds in replica mode."""
@@ -103,6 +166,7 @@ class ReplicaNode:
             "gen": r.gen,
             "rdzv_id": r.rdzv_id,
             "lighthouse": r.lighthouse,
+            "quorum": r.quorum,
             "manager_port": r.manager_port,
         }
 

@@ -73,6 +73,10 @@ class NoticeHandler:
             whether it is out; called after the workers stop instead of leaving the run's
             rendezvous before (a replica's workers leave their quorum themselves, and an
             earlier leave would make torchrun cut that short).
+        quorum_leave: Replica mode with the Redis quorum: called with ``now=False`` once the
+            drain is asked for (the replica's id leaves the quorum when its manager stops,
+            at the step boundary where the worker leaves: the survivors do not wait for a
+            heartbeat timeout).
     """
 
     def __init__(
@@ -90,8 +94,10 @@ class NoticeHandler:
         workers_done: Callable[[], bool] = lambda: False,
         on_drained: Callable[[DrainOutcome, list[Notice]], None] | None = None,
         scoped_leave: Callable[[], bool] | None = None,
+        quorum_leave: Callable[[bool], None] | None = None,
     ) -> None:
         self.client = client
+        self.quorum_leave = quorum_leave
         self.scoped_leave = scoped_leave
         self.on_drained = on_drained
         self.workers_done = workers_done
@@ -180,6 +186,7 @@ class NoticeHandler:
                 self.record.event("checkpoint-by-signal", reason="Redis refused the request")
                 remaining = max(1.0, (self._deadline or self.clock()) - self.margin - self.clock())
                 self.stop_workers(remaining)
+            self._leave_quorum()
             step = self._wait_commit(request_id, notice.seen_at, drain=True)
         else:
             self.record.event("drain-without-checkpoint", reason="the node had not joined")
@@ -211,6 +218,14 @@ class NoticeHandler:
                 self.record.event("after-drain-failed", error=str(exc))
         self._advance(NodeState.LEFT, "drained")
         self.done.set()
+
+    def _leave_quorum(self) -> None:
+        if self.quorum_leave is None:
+            return
+        try:
+            self.quorum_leave(False)
+        except Exception as exc:  # the drain goes on: the quorum drops the id at its timeout
+            log.error("could not leave the replica quorum: %s", exc)
 
     def _request(self, notice: Notice, *, drain: bool) -> int:
         """Write a checkpoint request for the trainers; return its id (0: Redis refused)."""

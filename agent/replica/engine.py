@@ -46,7 +46,10 @@ from spottrain.protocol.env import (
     ENV_LIGHTHOUSE,
     ENV_MANAGER_PORT,
     ENV_MIN_REPLICAS,
+    ENV_QUORUM,
+    ENV_REDIS,
     ENV_REPLICA_ID,
+    ENV_RUN_ID,
 )
 
 from .groups import make_group
@@ -108,6 +111,23 @@ class EngineConfig:
         return addr if "://" in addr else f"http://{addr}"
 
 
+def _heartbeat_source(cfg: EngineConfig) -> Any:
+    """Where the watchdog reads peers' heartbeat ages: Redis with the Redis quorum (the
+    agent's shim answers only Quorum and Heartbeat), else the lighthouse's status page."""
+    url, run_id = os.environ.get(ENV_REDIS), os.environ.get(ENV_RUN_ID)
+    if os.environ.get(ENV_QUORUM) != "redis" or not (url and run_id):
+        return cfg.lighthouse_url
+    from spottrain.protocol.keys import RunKeys
+    from spottrain.quorum.client import QuorumClient
+    from spottrain.quorum.model import QuorumConfig
+    from spottrain.redis_conn import connect, settings_from_url
+
+    from .watchdog import redis_ages
+
+    client = connect(settings_from_url(url, socket_timeout=2.0), retries=1)
+    return redis_ages(QuorumClient(client, RunKeys(run_id), QuorumConfig()))
+
+
 def _int_env(name: str, default: int) -> int:
     raw = os.environ.get(name, "")
     if not raw:
@@ -167,7 +187,7 @@ class ReplicaEngine:
         self.manager._client = self.recorder
         self.group.recorder = self.recorder
         self.watchdog = Watchdog(
-            cfg.lighthouse_url, self.group, self.recorder, peer_timeout_s=cfg.peer_timeout_s
+            _heartbeat_source(cfg), self.group, self.recorder, peer_timeout_s=cfg.peer_timeout_s
         )
         self.discarded = 0
         self.quorum_wait_s: list[float] = []

@@ -4,9 +4,11 @@ about the heartbeat timeout, not the collective timeout (which stays long: a rea
 all-reduce must not hit it).
 
 A survivor blocked in an all-reduce asks no quorum, so the next quorum cannot tell it that
-the peer is gone; the lighthouse's heartbeat table can. The watchdog reads it from the
-lighthouse's status page (torchft 0.2.0 serves no machine-readable form; the page's
-format is pinned with the version) only while a collective is in flight.
+the peer is gone; the heartbeat table can. The watchdog reads it only while a collective is
+in flight: with the Redis quorum from Redis (:func:`redis_ages`, the ages by Redis' clock;
+a member that left or was dropped has none), with torchft's lighthouse from its status page
+(:func:`lighthouse_ages`; 0.2.0 serves no machine-readable form, the page's format is
+pinned with the version).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import re
 import threading
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from .quorum import QuorumView
@@ -30,6 +33,31 @@ def heartbeat_ages(page: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) * _UNIT_S[m.group(3)] for m in _BEAT_RE.finditer(page)}
 
 
+# Seconds since each of the given members last heartbeated (a member missing: no heartbeat);
+# raises OSError (or a Redis error) when the source cannot be read.
+Ages = Callable[[tuple[str, ...]], dict[str, float]]
+
+
+def lighthouse_ages(lighthouse_url: str) -> Ages:
+    url = lighthouse_url.rstrip("/") + "/status"
+
+    def read(members: tuple[str, ...]) -> dict[str, float]:
+        with urllib.request.urlopen(url, timeout=2.0) as resp:
+            return heartbeat_ages(resp.read().decode("utf-8", "replace"))
+
+    return read
+
+
+def redis_ages(client: Any) -> Ages:
+    """``client``: a :class:`spottrain.quorum.client.QuorumClient` of the run."""
+
+    def read(members: tuple[str, ...]) -> dict[str, float]:
+        ages = client.heartbeat_ages(list(members))
+        return {m: a for m, a in ages.items() if a is not None}
+
+    return read
+
+
 def lost_peers(
     members: tuple[str, ...], me: str, ages: dict[str, float], timeout_s: float
 ) -> list[str]:
@@ -39,19 +67,20 @@ def lost_peers(
 
 
 class Watchdog:
-    """Polls the lighthouse while a collective is in flight (:meth:`enter`/:meth:`leave`)
-    and aborts ``group`` once a member of the collective's quorum is lost."""
+    """Polls the heartbeat ages while a collective is in flight (:meth:`enter`/:meth:`leave`)
+    and aborts ``group`` once a member of the collective's quorum is lost. ``ages``: a
+    lighthouse URL (its status page) or an :data:`Ages` reader."""
 
     def __init__(
         self,
-        lighthouse_url: str,
+        ages: str | Ages,
         group: Any,
         recorder: Any,
         *,
         peer_timeout_s: float = 1.0,
         poll_s: float = 0.1,
     ) -> None:
-        self.url = lighthouse_url.rstrip("/") + "/status"
+        self.ages = lighthouse_ages(ages) if isinstance(ages, str) else ages
         self.group, self.recorder = group, recorder
         self.peer_timeout_s, self.poll_s = peer_timeout_s, poll_s
         self.aborts = 0
@@ -92,14 +121,11 @@ class Watchdog:
                 self._stop.wait(self.poll_s)
                 continue
             try:
-                with urllib.request.urlopen(self.url, timeout=2.0) as resp:
-                    page = resp.read().decode("utf-8", "replace")
-            except OSError:
-                self._stop.wait(self.poll_s)  # the lighthouse is away: nothing to learn
+                ages = self.ages(view.replica_ids)
+            except Exception:
+                self._stop.wait(self.poll_s)  # the lighthouse or Redis is away: nothing to learn
                 continue
-            lost = lost_peers(
-                view.replica_ids, self.me or "", heartbeat_ages(page), self.peer_timeout_s
-            )
+            lost = lost_peers(view.replica_ids, self.me or "", ages, self.peer_timeout_s)
             if lost and self._inflight.is_set():
                 log.warning(
                     "peer(s) %s stopped heartbeating during a collective: aborting the "

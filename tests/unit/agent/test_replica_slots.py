@@ -23,6 +23,7 @@ from spottrain.protocol.env import (
     ENV_MANAGER_PORT,
     ENV_MIN_REPLICAS,
     ENV_NODES_PER_REPLICA,
+    ENV_QUORUM,
     ENV_REPLICA_ID,
 )
 
@@ -106,9 +107,14 @@ def test_the_workers_get_the_replica_variables_and_torchfts_own() -> None:
         ENV_MIN_REPLICAS: "3",
         ENV_LIGHTHOUSE: "10.0.0.5:29510",
         ENV_MANAGER_PORT: "29512",
+        ENV_QUORUM: "lighthouse",
         "TORCHFT_LIGHTHOUSE": "http://10.0.0.5:29510",
         "TORCHFT_MANAGER_PORT": "29512",
     }
+    # With the Redis quorum the "lighthouse" is the agent's own shim.
+    shim = ReplicaLaunch("job-1", "replica-2", 2, 3, "127.0.0.1:29511", 29512, quorum="redis")
+    assert shim.worker_env()[ENV_QUORUM] == "redis"
+    assert shim.worker_env()["TORCHFT_LIGHTHOUSE"] == "http://127.0.0.1:29511"
 
 
 def test_a_lighthouse_address_is_host_and_port() -> None:
@@ -130,6 +136,8 @@ def _cfg(**kw: object) -> AgentConfig:
         ({"min_replicas": 0}, "min-replicas 0 (SPOTTRAIN_MIN_REPLICAS)"),
         ({"lighthouse": "nohost"}, "--lighthouse, SPOTTRAIN_LIGHTHOUSE"),
         ({"manager_port": 70000}, "manager port 70000"),
+        ({"quorum": "raft"}, "quorum 'raft' (--quorum, SPOTTRAIN_QUORUM)"),
+        ({"quorum_port": -1}, "quorum port -1 (--quorum-port)"),
     ],
 )
 def test_bad_replica_settings_are_refused_in_one_line(kw: dict, names: str) -> None:
@@ -142,3 +150,6 @@ def test_elastic_is_the_default() -> None:
     cfg = _cfg()
     cfg.validate()
     assert cfg.fault_tolerance == "elastic" and not cfg.replica_mode
+    # The Redis quorum is replica mode's default.
+    assert cfg.quorum == "redis" and not cfg.redis_quorum
+    assert _cfg(fault_tolerance="replica").redis_quorum
