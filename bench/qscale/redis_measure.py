@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from spottrain.quorum.model import QuorumConfig
@@ -35,6 +36,8 @@ def _per_command(rounds: list[Round]) -> dict[str, dict[str, float]]:
 def steady(q: RedisQuorum, rounds: int, seconds: float, min_rounds: int = 5) -> dict[str, Any]:
     n = len(q.live)
     check(q.round(), n, f"{n} replicas, the first round")  # joins everyone; not counted
+    assert q.calls is not None
+    roster_bytes = int(q.server.r.strlen(q.calls.keys.quorum_key("roster")))
     q.server.reset_latency()
     stats0 = q.worker_stats()
     t0 = time.monotonic()
@@ -66,29 +69,37 @@ def steady(q: RedisQuorum, rounds: int, seconds: float, min_rounds: int = 5) -> 
         "heartbeat_calls_per_s": round(hb_calls / elapsed, 1),
         "heartbeat_bytes_per_replica_s": round(hb_bytes / (n * elapsed), 1),
         "ticks": sum(r.ticks for r in got),
+        "roster_bytes": roster_bytes,
     }
 
 
 def leave_and_loss(q: RedisQuorum) -> dict[str, Any]:
     """The last replica leaves while the others wait in a round (time from its leave to every
     other replica's answer); then the first goes silent (no request, no heartbeat) at a step
-    boundary (time from its last heartbeat stopping to every other replica's answer)."""
+    boundary (time from then to every other replica's answer). The silent round runs at a
+    join timeout equal to the heartbeat timeout: the waiters' TICKs (every max(join timeout,
+    heartbeat timeout / 4)) then notice the loss about one heartbeat timeout after it."""
     n = len(q.live)
     leaver, lost = q.live[-1], q.live[0]
     q.silence([leaver])
     sent: dict[str, float] = {}
     r = q.round(between=lambda: sent.update(leave=q.leave(leaver)))
     check(r, n - 1, f"{n} replicas, the round a replica left in")
-    leave_s = r.last_recv - sent["leave"]
+    out: dict[str, Any] = {"leave_to_quorum_s": round(r.last_recv - sent["leave"], 4)}
+    steady_config = q.config
+    q.set_config(replace(steady_config, join_timeout_ms=steady_config.heartbeat_timeout_ms))
     silenced = q.silence([lost])
     r = q.round()
-    check(r, n - 2, f"{n} replicas, the round after a silent loss")
-    return {
-        "leave_to_quorum_s": round(leave_s, 4),
-        "silent_loss_to_quorum_s": round(r.last_recv - silenced, 4),
-        "silent_loss_ticks": r.ticks,
-        "gone": q.gone(),
-    }
+    q.set_config(steady_config)
+    try:
+        check(r, n - 2, f"{n} replicas, the round after a silent loss")
+        out["silent_loss_to_quorum_s"] = round(r.last_recv - silenced, 4)
+    except RuntimeError as e:  # the clients' own lag beyond the join timeout: said, not hidden
+        print(f"  silent loss at {n:,}: not measured ({e})", flush=True)
+        out["silent_loss_to_quorum_s"] = None
+    out["silent_loss_ticks"] = r.ticks
+    out["gone"] = q.gone()
+    return out
 
 
 def measure_size(

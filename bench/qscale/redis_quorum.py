@@ -30,7 +30,7 @@ from .redis_clients import worker
 from .redis_server import BenchRedis, diff
 
 RUN = "qscale"
-ROUND_TIMEOUT_S = 120.0
+ROUND_TIMEOUT_S = 60.0
 
 
 @dataclass

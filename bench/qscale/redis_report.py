@@ -10,6 +10,10 @@ from .fit import fit_linear
 TARGET_N = 12_500
 
 
+def _num(x: float | None, width: int, digits: int) -> str:
+    return f"{'null':>{width}}" if x is None else f"{x:>{width}.{digits}f}"
+
+
 def print_sizes(sizes: list[dict[str, Any]]) -> None:
     print("\nRedis quorum: per-step round (last request sent -> every answer delivered), measured")
     print(
@@ -24,7 +28,7 @@ def print_sizes(sizes: list[dict[str, Any]]) -> None:
             f"{s['n']:>9,} {s['rounds']:>6} {s['round_ms_p50']:>8.1f} {s['round_ms_p99']:>8.1f} "
             f"{s['send_spread_ms_p50']:>8.1f} {wire:>10.0f} {red:>8.0f} "
             f"{s['redis_cpu_ms_per_round_p50']:>7.1f} {s['redis_cpu_us_per_replica']:>7.1f} "
-            f"{s['leave_to_quorum_s']:>8.3f} {s['silent_loss_to_quorum_s']:>8.3f}"
+            f"{s['leave_to_quorum_s']:>8.3f} {_num(s['silent_loss_to_quorum_s'], 8, 3)}"
         )
     print(
         "B/rep/step: bytes one replica sends + receives per step (its request, BLPOP and "
@@ -42,7 +46,9 @@ def print_sizes(sizes: list[dict[str, Any]]) -> None:
             print(f"  LATENCY at {s['n']:,}: {s['latency']}")
         print(
             f"  heartbeats at {s['n']:,}: {s['heartbeat_calls_per_s']:g} calls/s, "
-            f"{s['heartbeat_bytes_per_replica_s']:g} B per replica per s"
+            f"{s['heartbeat_bytes_per_replica_s']:g} B per replica per s; a membership "
+            f"change: every replica GETs the roster once, {s['roster_bytes']:,} B "
+            f"({s['roster_bytes'] * s['n'] / 1e6:,.1f} MB across the {s['n']:,})"
         )
 
 
@@ -116,4 +122,29 @@ def flat(
             (aof["false_drops"] + paused["false_drops"]) / (2 * faults["n"]), 6
         )
         out["redis_false_drop_replicas"] = faults["n"]
+    return out
+
+
+def shim_costs(ns: list[int]) -> dict[str, Any]:
+    """The lighthouse shim's local work (``agent/quorum_shim``): what the O(1) answer costs
+    each VM in CPU to rebuild torchft's full participant list, per step, and to pre-serialize
+    a changed roster, per membership change; measured here, beside Redis's figures."""
+    try:
+        from spottrain.agent.quorum_shim.roster import load_cost, rebuild_cost
+    except ImportError as e:  # the shim is not in this tree
+        print(f"\nthe shim's local rebuild cost: not measured ({e})")
+        return {}
+    print("\nthe lighthouse shim's local work per VM (agent/quorum_shim/roster.py), measured")
+    print(f"{'replicas':>9} {'rebuild ms/step':>16} {'roster load ms/change':>22}")
+    out: dict[str, Any] = {}
+    for n in ns:
+        rebuild_ms = rebuild_cost(n) * 1000
+        load_ms = load_cost(n) * 1000
+        print(f"{n:>9,} {rebuild_ms:>16.3f} {load_ms:>22.2f}")
+        out[f"shim_rebuild_ms_{n}"] = round(rebuild_ms, 4)
+        out[f"shim_roster_load_ms_{n}"] = round(load_ms, 3)
+    print(
+        "Redis carries O(1) bytes a step per replica; the participant list torchft's manager "
+        "expects is rebuilt on each VM from its cached roster (the rebuild column)."
+    )
     return out
