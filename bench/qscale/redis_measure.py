@@ -4,6 +4,7 @@ replicas under load (an AOF rewrite fork with data loaded, a client process paus
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import replace
@@ -73,12 +74,13 @@ def steady(q: RedisQuorum, rounds: int, seconds: float, min_rounds: int = 5) -> 
     }
 
 
-def leave_and_loss(q: RedisQuorum) -> dict[str, Any]:
+def leave_and_loss(q: RedisQuorum, spread_ms: float, chosen: QuorumConfig) -> dict[str, Any]:
     """The last replica leaves while the others wait in a round (time from its leave to every
     other replica's answer); then the first goes silent (no request, no heartbeat) at a step
-    boundary (time from then to every other replica's answer). The silent round runs at a
-    join timeout equal to the heartbeat timeout: the waiters' TICKs (every max(join timeout,
-    heartbeat timeout / 4)) then notice the loss about one heartbeat timeout after it."""
+    boundary (time from then to every other replica's answer). The silent round runs at the
+    ``chosen`` heartbeat timeout and a join timeout of it, or 3x the clients' own time to send every
+    request (``spread_ms``) where that is longer: the waiters' TICKs (every max(join
+    timeout, heartbeat timeout / 4)) notice the loss about one join timeout after it."""
     n = len(q.live)
     leaver, lost = q.live[-1], q.live[0]
     q.silence([leaver])
@@ -87,7 +89,11 @@ def leave_and_loss(q: RedisQuorum) -> dict[str, Any]:
     check(r, n - 1, f"{n} replicas, the round a replica left in")
     out: dict[str, Any] = {"leave_to_quorum_s": round(r.last_recv - sent["leave"], 4)}
     steady_config = q.config
-    q.set_config(replace(steady_config, join_timeout_ms=steady_config.heartbeat_timeout_ms))
+    hb_ms = chosen.heartbeat_timeout_ms
+    join_ms = max(hb_ms, math.ceil(3 * spread_ms))
+    out["silent_loss_join_timeout_ms"] = join_ms
+    out["silent_loss_heartbeat_timeout_ms"] = hb_ms
+    q.set_config(replace(chosen, join_timeout_ms=join_ms))
     silenced = q.silence([lost])
     r = q.round()
     q.set_config(steady_config)
@@ -103,11 +109,19 @@ def leave_and_loss(q: RedisQuorum) -> dict[str, Any]:
 
 
 def measure_size(
-    n: int, procs: int, config: QuorumConfig, rounds: int, seconds: float
+    n: int, procs: int, config: QuorumConfig, rounds: int, seconds: float, steady_hb_ms: int
 ) -> dict[str, Any]:
-    with RedisQuorum(n, procs, config) as q:
+    """The steady rounds and the leave at ``steady_hb_ms`` (above this machine's own
+    scheduling lag), the silent loss at ``config``'s heartbeat timeout."""
+    with RedisQuorum(n, procs, replace(config, heartbeat_timeout_ms=steady_hb_ms)) as q:
         out = steady(q, rounds, seconds)
-        out.update(leave_and_loss(q))
+        print(
+            f"  {n:,}: round p50 {out['round_ms_p50']} ms, p99 {out['round_ms_p99']} ms, "
+            f"Redis CPU {out['redis_cpu_ms_per_round_p50']} ms a round, the clients' send "
+            f"{out['send_spread_ms_p50']} ms",
+            flush=True,
+        )
+        out.update(leave_and_loss(q, out["send_spread_ms_p50"], config))
         out["processes"] = q.nprocs
         out["maxclients"] = q.server.maxclients
     return out
