@@ -55,19 +55,32 @@ import argparse
 import os
 import sys
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("RUST_LOG", "warn")  # before torchft loads: see qscale/lighthouse.py
 
 from benchlib import parser, print_figures
-from qscale import pg, redis_report
+from qscale import redis_report
 from qscale.fit import fit_linear, fit_quadratic, quadratic
-from qscale.lighthouse import StockLighthouse
 from qscale.redis_measure import false_drops, measure_size
-from qscale.rounds import RoundFigures, measure
+from qscale.rounds import QuorumServer, RoundFigures, measure
 
 from spottrain.quorum.model import QuorumConfig
 
+if TYPE_CHECKING:
+    from qscale.pg import GroupFigures
+
 IMPLEMENTATIONS = ("lighthouse", "redis")
+
+
+def lighthouse() -> type[QuorumServer]:
+    """torchft's lighthouse, imported only when measured: the Redis side's client
+    processes (spawned, so they import this module again) do without torch."""
+    from qscale.lighthouse import StockLighthouse
+
+    return StockLighthouse
+
+
 EXTRAPOLATE_TO = (4_000, 12_500)
 
 
@@ -116,7 +129,7 @@ def quorum_figures(name: str, points: list[RoundFigures]) -> dict[str, object]:
     }
 
 
-def pg_figures(points: list[pg.GroupFigures]) -> dict[str, object]:
+def pg_figures(points: list[GroupFigures]) -> dict[str, object]:
     ns = [p.n for p in points]
     c0, c1 = fit_linear(ns, [p.median_s for p in points])
     print("\nprocess-group rebuild (torchft ProcessGroupGloo.configure + one all-reduce), measured")
@@ -237,8 +250,8 @@ def run_lighthouse(args: argparse.Namespace, counts: list[int], out: dict[str, o
             skipped[str(n)] = reason
             continue
         print(f"[lighthouse] {n:,} replicas ...", flush=True)
-        points.append(measure(StockLighthouse, n, args.rounds))
-    figures = quorum_figures(StockLighthouse.name, points) if points else {}
+        points.append(measure(lighthouse(), n, args.rounds))
+    figures = quorum_figures(lighthouse().name, points) if points else {}
     figures["null_reasons"] = skipped
     out["lighthouse"] = figures
     by_n = {p.n: p.median_s for p in points}
@@ -307,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pg:
         ranks = _ints(args.pg_ranks, "--pg-ranks")
         print(f"[process group] {ranks} ranks ...", flush=True)
+        from qscale import pg  # torch: only when measured
+
         out["pg_gloo"] = pg_figures(pg.measure(ranks, args.pg_reps))
     print()
     print_figures(out)

@@ -41,9 +41,9 @@ def test_tiny_run_measures_the_redis_quorum() -> None:
         [
             sys.executable,
             str(BENCH_DIR / "quorum_scale.py"),
-            *("--impl", "redis", "--sizes", "3,6", "--redis-rounds", "3", "--procs", "2"),
-            *("--fault-replicas", "4", "--fill-mib", "1", "--pause-s", "0.2", "--no-pg"),
-            *("--heartbeat-timeout-ms", "600", "--join-timeout-ms", "600"),
+            *("--impl", "redis", "--sizes", "3,6", "--redis-rounds", "3", "--procs", "1"),
+            *("--fault-replicas", "3", "--fill-mib", "1", "--pause-s", "0.2", "--no-pg"),
+            *("--heartbeat-timeout-ms", "600", "--steady-heartbeat-timeout-ms", "600"),
         ],
         capture_output=True,
         text=True,
