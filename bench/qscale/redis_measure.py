@@ -78,31 +78,44 @@ def leave_and_loss(q: RedisQuorum, spread_ms: float, chosen: QuorumConfig) -> di
     """The last replica leaves while the others wait in a round (time from its leave to every
     other replica's answer); then the first goes silent (no request, no heartbeat) at a step
     boundary (time from then to every other replica's answer). The silent round runs at the
-    ``chosen`` heartbeat timeout and a join timeout of it, or 3x the clients' own time to send every
-    request (``spread_ms``) where that is longer: the waiters' TICKs (every max(join
-    timeout, heartbeat timeout / 4)) notice the loss about one join timeout after it."""
+    ``chosen`` heartbeat timeout and a join timeout of it, or 3x the clients' own time to
+    send every request (``spread_ms``) where that is longer: the waiters' TICKs (every
+    max(join timeout, heartbeat timeout / 4)) notice the loss about one join timeout after
+    it. Where this machine's lag fails that round (a heartbeat process starved past the
+    timeout), another replica's silent loss is measured at the steady heartbeat timeout."""
     n = len(q.live)
-    leaver, lost = q.live[-1], q.live[0]
+    leaver = q.live[-1]
     q.silence([leaver])
     sent: dict[str, float] = {}
     r = q.round(between=lambda: sent.update(leave=q.leave(leaver)))
     check(r, n - 1, f"{n} replicas, the round a replica left in")
     out: dict[str, Any] = {"leave_to_quorum_s": round(r.last_recv - sent["leave"], 4)}
     steady_config = q.config
-    hb_ms = chosen.heartbeat_timeout_ms
-    join_ms = max(hb_ms, math.ceil(3 * spread_ms))
-    out["silent_loss_join_timeout_ms"] = join_ms
-    out["silent_loss_heartbeat_timeout_ms"] = hb_ms
-    q.set_config(replace(chosen, join_timeout_ms=join_ms))
-    silenced = q.silence([lost])
-    r = q.round()
-    q.set_config(steady_config)
-    try:
-        check(r, n - 2, f"{n} replicas, the round after a silent loss")
-        out["silent_loss_to_quorum_s"] = round(r.last_recv - silenced, 4)
-    except RuntimeError as e:  # the clients' own lag beyond the join timeout: said, not hidden
-        print(f"  silent loss at {n:,}: not measured ({e})", flush=True)
-        out["silent_loss_to_quorum_s"] = None
+    tries = [chosen.heartbeat_timeout_ms, steady_config.heartbeat_timeout_ms]
+    for k, hb_ms in enumerate(tries):
+        lost = q.live[0]
+        join_ms = max(hb_ms, math.ceil(3 * spread_ms))
+        out["silent_loss_join_timeout_ms"] = join_ms
+        out["silent_loss_heartbeat_timeout_ms"] = hb_ms
+        q.set_config(replace(chosen, heartbeat_timeout_ms=hb_ms, join_timeout_ms=join_ms))
+        expect = len(q.live) - 1
+        silenced = q.silence([lost])
+        r = q.round(timeout_s=max(10.0, 3 * join_ms / 1000))
+        q.set_config(steady_config)
+        try:
+            check(r, expect, f"{n} replicas, the round after a silent loss")
+            out["silent_loss_to_quorum_s"] = round(r.last_recv - silenced, 4)
+            break
+        except RuntimeError as e:  # this machine's lag beyond the timeouts: said, not hidden
+            again = k + 1 < len(tries) and tries[k + 1] > hb_ms
+            print(
+                f"  silent loss at {n:,}, heartbeat timeout {hb_ms} ms: not measured ({e})"
+                + (f"; again at {tries[k + 1]} ms" if again else ""),
+                flush=True,
+            )
+            out["silent_loss_to_quorum_s"] = None
+            if not again:
+                break
     out["silent_loss_ticks"] = r.ticks
     out["gone"] = q.gone()
     return out

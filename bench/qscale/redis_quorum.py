@@ -156,12 +156,14 @@ class RedisQuorum:
         self.live = [r for r in self.live if r not in ids]
         return at
 
-    def round(self, between: Callable[[], None] | None = None) -> Round:
+    def round(
+        self, between: Callable[[], None] | None = None, timeout_s: float = ROUND_TIMEOUT_S
+    ) -> Round:
         """One round of every live replica; ``between`` runs once every request is sent."""
         self.step += 1
         before = self.server.snapshot()
         for pipe in self.p.pipes:
-            pipe.send(("round", self.step, self.qid, ROUND_TIMEOUT_S))
+            pipe.send(("round", self.step, self.qid, timeout_s))
         sent = [self._recv(pipe, ROUND_TIMEOUT_S)["sent"] for pipe in self.p.pipes]
         if between is not None:
             between()

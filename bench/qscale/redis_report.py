@@ -111,6 +111,7 @@ def flat(
         )
         out[f"redis_leave_to_quorum_s_{n}"] = s["leave_to_quorum_s"]
         out[f"redis_silent_loss_to_quorum_s_{n}"] = s["silent_loss_to_quorum_s"]
+        out[f"redis_silent_loss_heartbeat_timeout_ms_{n}"] = s["silent_loss_heartbeat_timeout_ms"]
         out[f"redis_cpu_ms_per_round_{n}"] = s["redis_cpu_ms_per_round_p50"]
         out[f"redis_cpu_us_per_replica_{n}"] = s["redis_cpu_us_per_replica"]
     out["redis_serial_round_ms_extrapolated_12500"] = extra["serial_ms_12500"]
