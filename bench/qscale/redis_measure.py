@@ -116,6 +116,9 @@ def leave_and_loss(q: RedisQuorum, spread_ms: float, chosen: QuorumConfig) -> di
             out["silent_loss_to_quorum_s"] = None
             if not again:
                 break
+            # The late replicas' requests left a round open since then: one round of every
+            # live replica (their retries, idempotent) closes it before the next try.
+            q.round(timeout_s=max(10.0, 3 * join_ms / 1000))
     out["silent_loss_ticks"] = r.ticks
     out["gone"] = q.gone()
     return out
