@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import redis
@@ -24,6 +25,10 @@ from spottrain.quorum.model import Answer, Member, QuorumConfig, Roster
 
 # Connection errors a request rides out (reconnect, re-send: requests are idempotent).
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+class _RequestLost(Exception):
+    """Redis no longer holds the request (it restarted): send it again."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,8 @@ class QuorumClient:
 
     Args:
         redis: A client whose ``socket_timeout`` is None or longer than the BLPOP wait
-            (``max(join_timeout, heartbeat_timeout / 4)`` plus 20 %).
+            (``min(max(join_timeout, heartbeat_timeout / 4), heartbeat_timeout / 2)`` plus
+            20 %).
         keys: The run's keys.
         config: The quorum's settings, the same for every replica of the run.
         wait_replicas: After an answer, ``WAIT wait_replicas 1000`` so that many Redis
@@ -70,11 +76,12 @@ class QuorumClient:
         self._config = config
         self._wait_replicas = wait_replicas
         self._keys_list = scripts.script_keys(keys)
-        self._config_args = scripts.config_args(keys, config, secrets.token_hex(8))
+        self._config_args = scripts.config_args(keys, config, secrets.token_hex(4))
         self._scripts = {name: redis.register_script(src) for name, src in scripts.ALL.items()}
         self._lock = threading.Lock()
         self._members: dict[str, Member] = {}  # joined here: re-joined if Redis lost them
         self._held: dict[str, int] = {}  # the last quorum id each replica was answered
+        self._roster: tuple[str, Roster] | None = None  # (epoch, roster) last read
 
     # -- scripts ------------------------------------------------------------------------------
     def _call(self, name: str, *args: str) -> Any:
@@ -167,6 +174,8 @@ class QuorumClient:
             except _TRANSIENT as e:
                 failures += 1
                 self._back_off(failures, deadline, e)
+            except _RequestLost:
+                continue
         with self._lock:
             if answer.quorum_id > self._held.get(replica_id, 0):
                 self._held[replica_id] = answer.quorum_id
@@ -192,18 +201,22 @@ class QuorumClient:
 
     def _await_answer(self, replica_id: str, token: str, deadline: float) -> Answer:
         reply = scripts.reply_key(self._keys, replica_id)
-        slice_s = max(self._config.join_timeout_ms, self._config.heartbeat_timeout_ms / 4) / 1000
+        # Wake to TICK at the join timeout's scale, and at least twice per heartbeat timeout
+        # so a silent loss is swept within the timeout plus a round.
+        hb_ms = self._config.heartbeat_timeout_ms
+        slice_s = min(max(self._config.join_timeout_ms, hb_ms / 4), hb_ms / 2) / 1000
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise QuorumTimeout(self._timeout_message(replica_id))
+                return self._give_up(replica_id, token, reply)
             wait = min(remaining, slice_s) * random.uniform(0.8, 1.2)
             try:
                 got = self._redis.blpop([reply], timeout=max(wait, 0.01))
             except redis.ResponseError as e:
                 raise self._corrupt(reply, str(e)) from e
             if got is None:
-                self._call("TICK", replica_id)
+                if self._tick(replica_id, token) == "lost":
+                    raise _RequestLost
                 continue
             their_token, line = scripts.split_reply(got[1])
             if their_token != token:
@@ -212,6 +225,21 @@ class QuorumClient:
                 return scripts.parse_answer(line)
             except ValueError as e:
                 raise self._corrupt(reply, f"{line!r}") from e
+
+    def _give_up(self, replica_id: str, token: str, reply: str) -> Answer:
+        # Withdraw the request, so no later round counts a replica that stopped waiting; if
+        # its round formed meanwhile the others count on this replica: take the answer.
+        if self._tick(replica_id, token, "withdraw") == "answered":
+            for element in self._redis.lrange(reply, 0, -1):
+                their_token, line = scripts.split_reply(element)
+                if their_token == token:
+                    self._redis.lrem(reply, 1, element)
+                    return scripts.parse_answer(line)
+        raise QuorumTimeout(self._timeout_message(replica_id))
+
+    def _tick(self, replica_id: str, token: str, *withdraw: str) -> str:
+        result = self._call("TICK", replica_id, token, *withdraw)
+        return result.decode() if isinstance(result, bytes) else str(result)
 
     def _back_off(self, failures: int, deadline: float, error: Exception) -> None:
         remaining = deadline - time.monotonic()
@@ -231,17 +259,54 @@ class QuorumClient:
 
     # -- reading ------------------------------------------------------------------------------
     def roster(self) -> Roster:
-        """The membership of the last quorum whose membership changed (O(N): call it only
-        when an answer's ``roster_version`` differs from the cached one)."""
-        key = self._keys.quorum_key("roster")
-        doc = self._read(lambda: self._redis.get(key), key)
+        """The membership of the last quorum whose membership changed. The first call reads
+        it whole (O(N)); later ones read O(1) when nothing changed and only the changes
+        otherwise (the ``rlog`` deltas), falling back to the whole roster when the log does
+        not reach back to the cached version (or Redis lost its state)."""
+        state, rlog = self._keys.quorum_key("state"), self._keys.quorum_key("rlog")
+        epoch, target = self._read(lambda: self._redis.hmget(state, "epoch", "version"), state)
+        with self._lock:
+            cached = self._roster
+        if cached is not None and epoch is not None and cached[0] == epoch.decode():
+            members = {m.replica_id: m for m in cached[1].members}
+            version = cached[1].version
+            while version < int(target or 0):
+                doc = self._read(partial(self._redis.hget, rlog, str(version)), rlog)
+                if doc is None:
+                    break
+                try:
+                    version = scripts.apply_delta(members, doc)
+                except (ValueError, TypeError, KeyError, IndexError) as e:
+                    raise self._corrupt(rlog, f"{bytes(doc)[:80]!r}") from e
+            if version == int(target or 0):
+                return self._cache(epoch.decode(), version, members)
+        return self._full_roster()
+
+    def _full_roster(self) -> Roster:
+        key, state = self._keys.quorum_key("roster"), self._keys.quorum_key("state")
+
+        def read() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=True)  # the roster and its epoch together
+            pipe.get(key)
+            pipe.hget(state, "epoch")
+            return list(pipe.execute())
+
+        doc, epoch = self._read(read, key)
         if doc is None:
             return Roster(version=0, members=())
         try:
             version, members = scripts.parse_roster(doc)
         except (ValueError, TypeError, KeyError, IndexError) as e:
             raise self._corrupt(key, f"{bytes(doc)[:80]!r}") from e
-        return Roster(version=version, members=tuple(members))
+        return self._cache(
+            (epoch or b"").decode(), version, {m.replica_id: m for m in members}
+        )  # fmt: skip
+
+    def _cache(self, epoch: str, version: int, members: dict[str, Member]) -> Roster:
+        roster = Roster(version=version, members=tuple(members[k] for k in sorted(members)))
+        with self._lock:
+            self._roster = (epoch, roster)
+        return roster
 
     def heartbeat_ages(self, replica_ids: Sequence[str]) -> dict[str, float | None]:
         """Seconds since each replica's last heartbeat (Redis clock); None: none, or gone."""

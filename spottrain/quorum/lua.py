@@ -9,14 +9,18 @@ error reply ``QCORRUPT <key> <what>``: garbage in a key is reported, never waite
 from __future__ import annotations
 
 PRELUDE = r"""
-local K_SEQ, K_STATE, K_PREV, K_REQ = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_HB, K_INFO, K_ROSTER, K_GONE = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local K_GONE_AT, K_SORT = KEYS[9], KEYS[10]
+-- One declared key, the prefix of all: every quorum key shares the run's hash tag (one slot),
+-- and a request carries its name once instead of ten times.
+local P = KEYS[1]
+local K_SEQ, K_STATE, K_PREV, K_REQ = P .. 'seq', P .. 'state', P .. 'prev', P .. 'req'
+local K_HB, K_INFO, K_ROSTER, K_GONE = P .. 'hb', P .. 'info', P .. 'roster', P .. 'gone'
+local K_GONE_AT, K_SORT, REPLY = P .. 'gone_at', P .. 'sort', P .. 'reply:'
+local K_RLOG, K_RLOG_VS, K_PDROP = P .. 'rlog', P .. 'rlog_vs', P .. 'pdrop'
+local RLOG_KEEP = 64
 local HB_TIMEOUT = tonumber(ARGV[1])
 local JOIN_TIMEOUT = tonumber(ARGV[2])
 local MIN_REPLICAS = tonumber(ARGV[3])
 local EPOCH_NEW = ARGV[4]
-local REPLY = ARGV[5]
 local GONE_CAP = 100000
 local CHUNK = 1000
 
@@ -65,7 +69,9 @@ local function load_state(lost)
   local v = rc(K_STATE, 'HMGET', unpack(FIELDS))
   if not v[1] then
     for _, f in ipairs(FIELDS) do set(f, 0) end
-    set('epoch', EPOCH_NEW); set('round', 1); set('opened', ''); set('active', NOW)
+    -- The epoch: the creation time and the creating client's random part, unique per state.
+    set('epoch', string.format('%x', NOW) .. EPOCH_NEW)
+    set('round', 1); set('opened', ''); set('active', NOW)
     if lost then set('grace_until', NOW + HB_TIMEOUT) end
     return
   end
@@ -113,6 +119,7 @@ local function drop(id, why)
   local had_req = rc(K_REQ, 'HDEL', id) == 1
   if rc(K_PREV, 'SREM', id) == 1 then
     set('dirty', 1)
+    rc(K_PDROP, 'SADD', id)  -- still in the roster: the next change's delta removes it
     if had_req then set('joined_prev', S.joined_prev - 1) end
   end
   if had_req and rc(K_REQ, 'HLEN') == 0 then set('opened', '') end
@@ -127,6 +134,15 @@ local function drop(id, why)
     for i = 1, #old, 2 do ids[#ids + 1] = old[i] end
     chunked(K_GONE, 'HDEL', ids, add_one)
   end
+end
+
+-- Drop up to 64 replicas whose heartbeat expired (none during a grace): run by every call
+-- that can see a replica, so a frozen one is gone before it can ask again.
+local function sweep()
+  if in_grace() then return 0 end
+  local expired = rc(K_HB, 'ZRANGEBYSCORE', '-inf', fmt(NOW - HB_TIMEOUT), 'LIMIT', 0, 64)
+  for _, id in ipairs(expired) do drop(id, 'dropped') end
+  return #expired
 end
 
 local function gone_why(id)
@@ -154,7 +170,9 @@ local function read_requests()
   return reqs, sorted(ids)
 end
 
-local function write_roster(ids, version)
+-- Roster entries [id, address, store_address, world_size, data] as JSON, built from the
+-- stored arrays without decoding them.
+local function member_entries(ids)
   local parts = {}
   for i = 1, #ids, CHUNK do
     local chunk = {}
@@ -168,8 +186,34 @@ local function write_roster(ids, version)
       parts[#parts + 1] = '[' .. cjson.encode(id) .. ',' .. string.sub(info, 2)
     end
   end
-  local doc = '{"version":' .. fmt(version) .. ',"members":[' .. table.concat(parts, ',') .. ']}'
+  return table.concat(parts, ',')
+end
+
+-- The membership changed: rewrite prev and the roster, and log the delta from the last
+-- roster (rlog: from-version -> {"version", "from", "add", "del"}) so a cached roster is
+-- brought up to date with O(change) bytes instead of the whole membership.
+local function change_membership(ids, version)
+  local new, old, added, removed = {}, {}, {}, {}
+  for _, id in ipairs(ids) do new[id] = true end
+  for _, id in ipairs(rc(K_PREV, 'SMEMBERS')) do
+    old[id] = true
+    if not new[id] then removed[#removed + 1] = id end
+  end
+  for _, id in ipairs(rc(K_PDROP, 'SMEMBERS')) do removed[#removed + 1] = id end
+  for _, id in ipairs(ids) do if not old[id] then added[#added + 1] = id end end
+  rc(K_PDROP, 'DEL')
+  rc(K_PREV, 'DEL')
+  chunked(K_PREV, 'SADD', ids, add_one)
+  local doc = '{"version":' .. fmt(version) .. ',"members":[' .. member_entries(ids) .. ']}'
   rc(K_ROSTER, 'SET', doc)
+  local del = #removed > 0 and cjson.encode(removed) or '[]'
+  local delta = '{"version":' .. fmt(version) .. ',"from":' .. fmt(S.version) ..
+    ',"add":[' .. member_entries(added) .. '],"del":' .. del .. '}'
+  rc(K_RLOG, 'HSET', fmt(S.version), delta)
+  if rc(K_RLOG_VS, 'RPUSH', fmt(S.version)) > RLOG_KEEP then
+    rc(K_RLOG, 'HDEL', rc(K_RLOG_VS, 'LPOP'))
+  end
+  set('version', version); set('dirty', 0)
 end
 
 local function membership_changed(ids)
@@ -212,12 +256,7 @@ local function form()
     if q.cf > cf_max then cf_max = q.cf end
   end
   next_qid(changed, cf_max)
-  if changed then
-    rc(K_PREV, 'DEL')
-    chunked(K_PREV, 'SADD', ids, add_one)
-    write_roster(ids, S.qid)
-    set('version', S.qid); set('dirty', 0)
-  end
+  if changed then change_membership(ids, S.qid) end
   local heal, behind = heal_sources(ids, reqs, max_step)
   local n = #ids
   local head = ' ' .. fmt(S.qid) .. ' '
@@ -254,22 +293,23 @@ local function try_form()
 end
 """
 
-# ARGV[6..]: replica id, Member as a JSON array [address, store_address, world_size, data].
+# ARGV[5..]: replica id, Member as a JSON array [address, store_address, world_size, data].
 JOIN_BODY = r"""
 load_state(false)
-local id = ARGV[6]
+local id = ARGV[5]
 local why = gone_why(id)
 if why then save(); return redis.error_reply('QGONE ' .. id .. ' ' .. why) end
-rc(K_INFO, 'HSET', id, ARGV[7])
+rc(K_INFO, 'HSET', id, ARGV[6])
 save()
 return 1
 """
 
-# ARGV[6..]: replica id, step, held quorum id, commit failures, shrink_only (0/1), token.
+# ARGV[5..]: replica id, step, held quorum id, commit failures, shrink_only (0/1), token.
 REQUEST_BODY = r"""
 load_state(true)
-local id, step, held = ARGV[6], ARGV[7], tonumber(ARGV[8])
-local cf, shrink, tok = ARGV[9], ARGV[10], ARGV[11]
+local id, step, held = ARGV[5], ARGV[6], tonumber(ARGV[7])
+local cf, shrink, tok = ARGV[8], ARGV[9], ARGV[10]
+sweep()
 local why = gone_why(id)
 if why then save(); return redis.error_reply('QGONE ' .. id .. ' ' .. why) end
 if rc(K_INFO, 'HEXISTS', id) == 0 then save(); return redis.error_reply('QJOIN ' .. id) end
@@ -279,8 +319,10 @@ for _, line in ipairs(waiting) do
   if string.sub(line, 1, #tok + 1) == tok .. ' ' then save(); return S.round - 1 end
 end
 -- The floor: no quorum id a live replica holds is ever handed out again.
-if held > num(K_SEQ, 'value', rc(K_SEQ, 'GET') or 0) then rc(K_SEQ, 'SET', fmt(held)) end
-if held > S.held then set('held', held) end
+if held > S.qid then  -- seq >= qid always: only an id above the state's can raise it
+  if held > num(K_SEQ, 'value', rc(K_SEQ, 'GET') or 0) then rc(K_SEQ, 'SET', fmt(held)) end
+  if held > S.held then set('held', held) end
+end
 rc(K_HB, 'ZADD', NOW, id)
 if rc(K_REQ, 'HSET', id, step .. ' ' .. cf .. ' ' .. shrink .. ' ' .. tok) == 1 then
   rc(REPLY .. id, 'DEL')  -- answers to requests this replica gave up on
@@ -293,37 +335,54 @@ save()
 return round
 """
 
-# ARGV[6]: the waiting replica's id (a waiter that was dropped learns it here).
+# ARGV[5]: the waiting replica's id (a waiter that was dropped learns it here); ARGV[6]: the
+# token of its request; ARGV[7]: "withdraw" when the waiter gives up. Returns where the request
+# stands: "pending", "answered" (its answer waits in the list), "lost" (Redis lost it: send
+# it again) or "withdrawn".
 TICK_BODY = r"""
 load_state(true)
-local dropped = 0
-if not in_grace() then
-  local expired = rc(K_HB, 'ZRANGEBYSCORE', '-inf', fmt(NOW - HB_TIMEOUT), 'LIMIT', 0, 64)
-  for _, id in ipairs(expired) do drop(id, 'dropped'); dropped = dropped + 1 end
+local id, tok, withdraw = ARGV[5], ARGV[6], ARGV[7] == 'withdraw'
+sweep()
+local function standing()
+  local v = rc(K_REQ, 'HGET', id)
+  if v and string.sub(v, -#tok - 1) == ' ' .. tok then return 'pending' end
+  for _, line in ipairs(rc(REPLY .. id, 'LRANGE', 0, -1)) do
+    if string.sub(line, 1, #tok + 1) == tok .. ' ' then return 'answered' end
+  end
+  return 'lost'
 end
-try_form()
+local result = tok and standing() or 'ticked'
+if result == 'pending' and withdraw then
+  rc(K_REQ, 'HDEL', id)
+  if rc(K_PREV, 'SISMEMBER', id) == 1 then set('joined_prev', S.joined_prev - 1) end
+  if rc(K_REQ, 'HLEN') == 0 then set('opened', '') end
+  result = 'withdrawn'
+end
+if try_form() and result == 'pending' then result = standing() end
 save()
-local why = gone_why(ARGV[6])
-if why then return redis.error_reply('QGONE ' .. ARGV[6] .. ' ' .. why) end
-return dropped
+local why = gone_why(id)
+if why then return redis.error_reply('QGONE ' .. id .. ' ' .. why) end
+return result
 """
 
-# ARGV[6..]: replica ids. Returns the ids that are gone.
+# ARGV[5..]: replica ids. Returns the ids that are gone.
 HEARTBEAT_BODY = r"""
 load_state(true)
+local dropped = sweep()
 local live, gone = {}, {}
-for i = 6, #ARGV do
+for i = 5, #ARGV do
   if gone_why(ARGV[i]) then gone[#gone + 1] = ARGV[i] else live[#live + 1] = ARGV[i] end
 end
 chunked(K_HB, 'ZADD', live, function(args, id) args[#args + 1] = NOW; args[#args + 1] = id end)
+if dropped > 0 then try_form() end
 save()
 return gone
 """
 
-# ARGV[6]: replica id.
+# ARGV[5]: replica id.
 LEAVE_BODY = r"""
 load_state(true)
-local id = ARGV[6]
+local id = ARGV[5]
 local left = 0
 if not gone_why(id) then drop(id, 'left'); left = 1 end
 try_form()

@@ -1,16 +1,19 @@
 """The quorum's Lua scripts (the only writers of its keys), their argument layout, and the
 answer line's parser.
 
-Every script is called as ``EVALSHA <sha> 10 <script_keys(keys)> <config_args(...)> <own
-args>``: the ten keys below, then ARGV[1..5] = heartbeat timeout ms, join timeout ms,
-min_replicas, an epoch candidate (used only if the state is created), the reply key prefix
-(``quorum_key("reply:")``); then each script's own arguments:
+Every script is called as ``EVALSHA <sha> 1 <script_keys(keys)> <config_args(...)> <own
+args>``: one key, the prefix ``quorum_key("")`` of all the quorum's keys (they share the run's
+hash tag, so one slot), then ARGV[1..4] = heartbeat timeout ms, join timeout ms, min_replicas,
+an epoch candidate (8 hex; used only if the state is created); then each script's own
+arguments:
 
 - ``JOIN``: replica id, ``member_json(member)``. -> 1
 - ``REQUEST``: replica id, step, held quorum id, commit failures, shrink_only (0/1), a token
   (unique per logical request, the same across its retries). -> the round number; the answer
   arrives on ``reply:<id>`` as ``"<token> <answer line>"`` (``split_reply``).
-- ``TICK``: the waiting replica's id. -> how many expired replicas it dropped.
+- ``TICK``: the waiting replica's id, its request's token, and ``withdraw`` when it gives
+  up -> ``pending``, ``answered`` (the answer waits in the list), ``lost`` (Redis lost the
+  request, e.g. restarted: send it again) or ``withdrawn``. Without a token: ``ticked``.
 - ``HEARTBEAT``: replica ids. -> the ids among them that are gone.
 - ``LEAVE``: replica id. -> 1 if it left now, 0 if it was gone already.
 
@@ -18,11 +21,17 @@ Error replies: ``QGONE <id> <left|dropped> <ms>``, ``QJOIN <id>`` (not joined: c
 e.g. after Redis lost its data), ``QCORRUPT <key> <what>``.
 
 Keys (parts of ``RunKeys.quorum_key``): ``seq``, ``state``, ``prev``, ``req``, ``hb``,
-``info``, ``roster``, ``gone`` as in the design, plus ``gone_at`` (zset id -> ms, so the
-oldest tombstones can be trimmed at 100k) and ``sort`` (scratch, empty between calls; used to
-sort replica ids by bytes only when Redis runs in a non-C collation locale). ``info`` holds a
-member as the JSON array ``[address, store_address, world_size, data]`` so a roster entry is
-``[id, ...]`` built without decoding it.
+``info``, ``roster``, ``gone``, ``reply:<id>`` as in the design, plus ``gone_at`` (zset id ->
+ms, so the oldest tombstones can be trimmed at 100k), ``sort`` (scratch, empty between
+calls; sorts replica ids by bytes only when Redis runs in a non-C collation locale),
+``rlog`` (hash: the roster version a membership change started from -> the JSON delta
+``{"version", "from", "add": [entries], "del": [ids]}``; the last 64, their order in the
+list ``rlog_vs``) and ``pdrop`` (set: members of the last quorum dropped or left since, which
+the next delta removes). ``state``
+also holds ``grace_until`` (the stall guard), ``dirty`` (a member of the last quorum was
+dropped or left) and ``held`` (the largest quorum id held by this round's requesters).
+``info`` holds a member as the JSON array ``[address, store_address, world_size, data]`` so a
+roster entry is ``[id, ...]`` built without decoding it.
 
 The answer line (ASCII, space separated):
 ``<qid> <rank> <count> <max_step> <heal_from or -1> <version> <commit_failures max> <epoch>
@@ -32,12 +41,16 @@ The answer line (ASCII, space separated):
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from spottrain.protocol.keys import RunKeys
 from spottrain.quorum import lua
 from spottrain.quorum.model import Answer, Member, QuorumConfig
 
-KEY_PARTS = ("seq", "state", "prev", "req", "hb", "info", "roster", "gone", "gone_at", "sort")
+KEY_PARTS = (
+    "seq", "state", "prev", "req", "hb", "info", "roster", "gone", "gone_at", "sort", "rlog",
+    "rlog_vs", "pdrop",
+)  # fmt: skip
 REPLY_PART = "reply:"
 
 JOIN = lua.PRELUDE + lua.JOIN_BODY
@@ -49,8 +62,8 @@ ALL = {"JOIN": JOIN, "REQUEST": REQUEST, "TICK": TICK, "HEARTBEAT": HEARTBEAT, "
 
 
 def script_keys(keys: RunKeys) -> list[str]:
-    """KEYS for every script, in the order the Lua expects."""
-    return [keys.quorum_key(part) for part in KEY_PARTS]
+    """KEYS for every script: the prefix of the quorum's keys."""
+    return [keys.quorum_key("")]
 
 
 def reply_key(keys: RunKeys, replica_id: str) -> str:
@@ -59,13 +72,13 @@ def reply_key(keys: RunKeys, replica_id: str) -> str:
 
 
 def config_args(keys: RunKeys, config: QuorumConfig, epoch_candidate: str) -> list[str]:
-    """ARGV[1..5], shared by every script."""
+    """ARGV[1..4], shared by every script (``keys`` is unused: kept for the callers)."""
+    del keys
     return [
         str(int(config.heartbeat_timeout_ms)),
         str(int(config.join_timeout_ms)),
         str(int(config.min_replicas)),
         epoch_candidate,
-        keys.quorum_key(REPLY_PART),
     ]
 
 
@@ -139,6 +152,33 @@ def parse_answer(line: str | bytes) -> Answer:
     )
 
 
+def _member(m: list[Any]) -> Member:
+    return Member(
+        replica_id=str(m[0]),
+        address=str(m[1]),
+        store_address=str(m[2]),
+        world_size=int(m[3]),
+        data=str(m[4]),
+    )
+
+
+def apply_delta(members: dict[str, Member], doc: str | bytes) -> int:
+    """Apply one ``rlog`` entry to ``members`` (replica id -> Member); returns the version it
+    brings them to.
+
+    Raises:
+        ValueError: not a roster delta.
+    """
+    data = json.loads(doc)
+    if not isinstance(data, dict) or not isinstance(data.get("add"), list):
+        raise ValueError("not a roster delta")
+    for replica_id in data["del"]:
+        members.pop(str(replica_id), None)
+    for m in data["add"]:
+        members[str(m[0])] = _member(m)
+    return int(data["version"])
+
+
 def parse_roster(doc: str | bytes) -> tuple[int, list[Member]]:
     """The ``roster`` key's JSON -> (version, members sorted by replica id).
 
@@ -148,14 +188,4 @@ def parse_roster(doc: str | bytes) -> tuple[int, list[Member]]:
     data = json.loads(doc)
     if not isinstance(data, dict) or not isinstance(data.get("members"), list):
         raise ValueError("not a roster document")
-    members = [
-        Member(
-            replica_id=str(m[0]),
-            address=str(m[1]),
-            store_address=str(m[2]),
-            world_size=int(m[3]),
-            data=str(m[4]),
-        )
-        for m in data["members"]
-    ]
-    return int(data["version"]), members
+    return int(data["version"]), [_member(m) for m in data["members"]]
