@@ -23,7 +23,7 @@ class Calls:
         self.keys = keys
         self.shas = shas
         self._keys = scripts.script_keys(keys)
-        self._epoch = secrets.token_hex(8)  # what QuorumClient passes: one per client
+        self._epoch = secrets.token_hex(4)  # what QuorumClient passes: one per client
         self.config = config
 
     @property
@@ -46,8 +46,8 @@ class Calls:
     def reply_key(self, replica_id: str) -> str:
         return scripts.reply_key(self.keys, replica_id)
 
-    def tick(self, replica_id: str) -> tuple[Any, ...]:
-        return self._eval("TICK", replica_id)
+    def tick(self, replica_id: str, token: str, *withdraw: str) -> tuple[Any, ...]:
+        return self._eval("TICK", replica_id, token, *withdraw)
 
     def heartbeat(self, ids: list[str]) -> tuple[Any, ...]:
         return self._eval("HEARTBEAT", *ids)

@@ -78,8 +78,9 @@ class Replicas:
         return {"connections": len(self.conns) + 1}
 
     def _blpop(self, rid: str, remaining: float) -> tuple[Any, ...]:
-        c = self.config
-        wait = min(remaining, max(c.join_timeout_ms, c.heartbeat_timeout_ms / 4) / 1000)
+        c = self.config  # QuorumClient's slice: the join timeout's scale, <= heartbeat / 2
+        hb_ms = c.heartbeat_timeout_ms
+        wait = min(remaining, min(max(c.join_timeout_ms, hb_ms / 4), hb_ms / 2) / 1000)
         return ("BLPOP", self.calls.reply_key(rid), round(wait * random.uniform(0.8, 1.2), 3))  # type: ignore[union-attr]
 
     async def _wait(self, rid: str, token: str, deadline: float, out: dict[str, Any]) -> None:
@@ -96,13 +97,20 @@ class Replicas:
                         break
                     out["stale"] += 1  # an answer to an earlier round's request: wait on
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                assert self.calls is not None
+                if remaining <= 0:  # withdrawn, as QuorumClient gives up
+                    await conn.send_command(*self.calls.tick(rid, token, "withdraw"))
+                    await conn.read_response()
                     raise TimeoutError(f"{rid}: no quorum before the round's deadline")
-                packed = conn.pack_commands([self.calls.tick(rid), self._blpop(rid, remaining)])  # type: ignore[union-attr]
+                tick = self.calls.tick(rid, token)
+                packed = conn.pack_commands([tick, self._blpop(rid, remaining)])
                 await conn.send_packed_command(packed, check_health=False)
                 out["sent"] += sum(len(p) for p in packed)
                 out["ticks"] += 1
-                out["recv"] += resp_len(await conn.read_response())
+                ticked = await conn.read_response()
+                out["recv"] += resp_len(ticked)
+                if ticked == b"lost":  # Redis lost the request (it restarted): not here
+                    raise RuntimeError(f"{rid}: TICK says the request was lost")
         except Exception as e:  # counted and reported by the coordinator
             out["errors"].append(f"{type(e).__name__}: {e}")
             return
