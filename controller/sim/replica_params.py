@@ -39,14 +39,15 @@ from typing import Any
 QUORUM_A_S = 8.24e-5
 QUORUM_B_S = 1.494e-6
 # The Redis quorum, bench/quorum_scale.py (issue 16; /work/wt/bench-quorum.log), 2 cores:
-# 0.0088, 0.062, 0.312 and 1.45 s a round (p50, last request sent to every answer) at 100,
+# 0.0071, 0.058, 0.289 and 1.15 s a round (p50, last request sent to every answer) at 100,
 # 1,000, 4,000 and 12,500 simulated replicas; fitted a + b N (least squares, a kept >= 0).
-# The clients shared Redis's 2 cores (other runs under heavier load: 1.00-2.37 s at
-# 12,500), so this is the high estimate of the round itself; Redis's own CPU per round fits
-# 7.08e-5 N (0.89 s at 12,500), what a fleet whose requests arrive together waits at least.
+# The clients shared Redis's 2 cores (earlier runs, under other load and older scripts:
+# 1.00-2.37 s at 12,500), so this is the high estimate of the round itself; Redis's own CPU
+# per round fits 6.90e-5 N (0.87 s at 12,500), what a fleet whose requests arrive together
+# waits at least.
 REDIS_MEASURED_UP_TO = 12_500
 REDIS_A_S = 0.0
-REDIS_B_S = 1.121e-4
+REDIS_B_S = 9.004e-5
 # The same run: 0.020, 0.041, 0.091 and 0.20 s at 2, 4, 8 and 16 ranks (one process each).
 PG_C0_S = 0.0
 PG_C1_S = 0.01217
@@ -139,13 +140,13 @@ SOURCES: dict[str, tuple[str, str]] = {
     "redis_a_s": (
         "measured",
         "bench/quorum_scale.py: the Redis quorum's round = a + b N (p50, last request sent "
-        "to every answer), fitted on 100..12,500 simulated replicas (1.45 s at 12,500; the "
-        "clients on the same 2 cores; 1.00-2.37 s in other runs under other load)",
+        "to every answer), fitted on 100..12,500 simulated replicas (1.15 s at 12,500; the "
+        "clients on the same 2 cores; 1.00-2.37 s in earlier runs under other load)",
     ),
     "redis_b_s": (
         "measured",
-        "bench/quorum_scale.py, the same fit (Redis's own CPU per round fits b = 7.08e-5: "
-        "71 us per replica on one core, the least a fleet's round can take)",
+        "bench/quorum_scale.py, the same fit (Redis's own CPU per round fits b = 6.90e-5: "
+        "70 us per replica on one core, the least a fleet's round can take)",
     ),
     "pg_c0_s": (
         "measured",
