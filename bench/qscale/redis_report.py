@@ -46,9 +46,9 @@ def print_sizes(sizes: list[dict[str, Any]]) -> None:
             print(f"  LATENCY at {s['n']:,}: {s['latency']}")
         print(
             f"  heartbeats at {s['n']:,}: {s['heartbeat_calls_per_s']:g} calls/s, "
-            f"{s['heartbeat_bytes_per_replica_s']:g} B per replica per s; a membership "
-            f"change: every replica GETs the roster once, {s['roster_bytes']:,} B "
-            f"({s['roster_bytes'] * s['n'] / 1e6:,.1f} MB across the {s['n']:,})"
+            f"{s['heartbeat_bytes_per_replica_s']:g} B per replica per s; the full roster "
+            f"{s['roster_bytes']:,} B ({s['roster_bytes'] * s['n'] / 1e6:,.1f} MB if all "
+            f"{s['n']:,} read it whole; a replica with a cached roster reads only the delta)"
         )
 
 
