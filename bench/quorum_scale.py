@@ -1,43 +1,86 @@
-"""The quorum's round time against the replica count, and the cross-replica process-group
-rebuild against the group size, measured here (2 cores).
+"""The quorum's round time against the replica count for torchft's lighthouse and the Redis
+quorum side by side (issue 16), and the cross-replica process-group rebuild against the group
+size, measured here (2 cores).
 
-Quorum: the stock torchft lighthouse (``torchft_lighthouse`` 0.2.0 beside this interpreter,
-``--quorum_tick_ms 10 --join_timeout_ms 60000 --heartbeat_timeout_ms 60000``, its INFO log
-off) and N fake replicas, one thread and one ``LighthouseClient`` each, asking for the quorum
-at the same moment; a round runs from that moment to the last answer (median of
-``--rounds`` after one warm-up round). Its answer lists every member, so the lighthouse's
-work per round grows with N^2: the bench fits ``round_s = a N + b N^2`` (least squares) and
-extrapolates it to 4,000 and 12,500 replicas (extrapolated, not measured). The lighthouse's
-own CPU seconds per round are printed beside it (the clients share these cores; on a fleet
-only the lighthouse's part is serial). A second implementation is measured the same way by
-adding a ``QuorumServer`` (``qscale/rounds.py``) to ``IMPLEMENTATIONS``.
+Lighthouse: the stock torchft lighthouse (``torchft_lighthouse`` 0.2.0 beside this
+interpreter, ``--quorum_tick_ms 10 --join_timeout_ms 60000 --heartbeat_timeout_ms 60000``,
+its INFO log off) and N fake replicas, one thread and one ``LighthouseClient`` each, asking
+for the quorum at the same moment; a round runs from that moment to the last answer (median
+of ``--rounds`` after one warm-up round). Its answer lists every member, so its work per
+round grows with N^2: fitted ``round_s = a N + b N^2`` and extrapolated. A size it cannot
+hold (its fit predicts a round over ``--lighthouse-cap-s``, or it needs more threads than
+``--lighthouse-max-threads``: 3 per client) is ``null`` with the reason printed.
+
+Redis quorum (``qscale/redis_*.py``): the bench's own ``redis-server`` (``maxclients``
+raised, AOF everysec) and ``--procs`` client processes, each holding N / procs replicas
+with a ``redis.asyncio`` connection apiece, running ``spottrain.quorum.scripts``' Lua and
+answer parser. A round runs from the LAST request sent to the last answer delivered (p50
+and p99 of ``--redis-rounds``, at most ``--redis-seconds`` a size). Per size: the bytes one
+replica sends and receives per step, Redis's CPU per round (INFO cpu) and per command (INFO
+commandstats, LATENCY), the time from a leave and from a silent loss to a quorum without
+that replica. At ``--fault-replicas``: healthy replicas falsely dropped while Redis forks for
+BGREWRITEAOF with ``--fill-mib`` loaded and while a client process is SIGSTOPped.
+
+What the simulation leaves out: a fleet's network (here every byte crosses loopback), its
+replicas' own machines (here the clients share 2 cores with Redis, so the measured round is
+bounded by Python reading N answers; Redis's CPU per replica, extrapolated to 12,500, is the
+figure a fleet's round cannot go under), per-VM heartbeats (here one call carries 64
+replicas' ids), and the steps' compute (rounds run back to back). ``--join-timeout-ms``
+(default 30000, the steady rounds' and the leave's) is above the clients' own time to send
+N requests on these shared cores: a shorter one would form quorums short of replicas that
+are merely late in this simulation (the fast path forms a round as soon as every member of
+the last quorum asked, so it does not lengthen a round). The silent loss runs at a join
+timeout of the heartbeat timeout, or 3x the clients' send time where longer (the waiters'
+TICKs come every max(join, heartbeat / 4)). The steady rounds and the leave run at a
+heartbeat timeout of ``--steady-heartbeat-timeout-ms`` (5000): a heartbeat process starved
+for a second by this machine's load would otherwise leave its replicas out of a round (they
+are not late on a fleet); the silent loss and the false drops run at the chosen
+``--heartbeat-timeout-ms`` (1000), where such starvation is what they count. The heartbeat
+processes run at nice -10 where allowed. A size that fails is printed, and null.
 
 Process group: torchft's ``ProcessGroupGloo.configure`` (what every survivor runs at every
 quorum change) then one all-reduce, in 2..16 processes released at once; fitted as
 ``rebuild_s = c0 + c1 n`` (ranks queue for 2 cores at 16, so the slope is an upper bound).
 
-    .venv/bin/python bench/quorum_scale.py [--replicas 10,100,300,1000] [--rounds 5]
-        [--pg-ranks 2,4,8,16] [--pg-reps 3] [--no-pg]
+    .venv/bin/python bench/quorum_scale.py [--sizes 100,1000,4000,12500] [--rounds 5]
+        [--impl lighthouse,redis] [--fault-replicas 1000] [--pg-ranks 2,4,8,16] [--no-pg]
 
-The anchor, measured in the same run: the smallest count's round, against which each
-count's round is given as a multiple beside N / N_min (linear) and (N / N_min)^2. The last
-line is one JSON object of the figures.
+The last line is one JSON object of the figures: per implementation its own object, and
+flat ``redis_round_ms_p50_N``, ``lighthouse_round_ms_p50_N`` (null where not reached), ...
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("RUST_LOG", "warn")  # before torchft loads: see qscale/lighthouse.py
 
 from benchlib import parser, print_figures
-from qscale import pg
+from qscale import redis_report
 from qscale.fit import fit_linear, fit_quadratic, quadratic
-from qscale.lighthouse import StockLighthouse
+from qscale.redis_measure import false_drops, measure_size
 from qscale.rounds import QuorumServer, RoundFigures, measure
 
-IMPLEMENTATIONS: dict[str, type[QuorumServer]] = {"lighthouse": StockLighthouse}
+from spottrain.quorum.model import QuorumConfig
+
+if TYPE_CHECKING:
+    from qscale.pg import GroupFigures
+
+IMPLEMENTATIONS = ("lighthouse", "redis")
+
+
+def lighthouse() -> type[QuorumServer]:
+    """torchft's lighthouse, imported only when measured: the Redis side's client
+    processes (spawned, so they import this module again) do without torch."""
+    from qscale.lighthouse import StockLighthouse
+
+    return StockLighthouse
+
+
 EXTRAPOLATE_TO = (4_000, 12_500)
 
 
@@ -86,7 +129,7 @@ def quorum_figures(name: str, points: list[RoundFigures]) -> dict[str, object]:
     }
 
 
-def pg_figures(points: list[pg.GroupFigures]) -> dict[str, object]:
+def pg_figures(points: list[GroupFigures]) -> dict[str, object]:
     ns = [p.n for p in points]
     c0, c1 = fit_linear(ns, [p.median_s for p in points])
     print("\nprocess-group rebuild (torchft ProcessGroupGloo.configure + one all-reduce), measured")
@@ -109,35 +152,181 @@ def pg_figures(points: list[pg.GroupFigures]) -> dict[str, object]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = parser(__doc__)
-    ap.add_argument("--replicas", default="10,100,300,1000", help="replica counts")
-    ap.add_argument("--rounds", type=int, default=5, help="measured rounds per count (5)")
+    ap.add_argument(
+        "--sizes",
+        "--replicas",
+        dest="sizes",
+        default="100,1000,4000,12500",
+        help="replica counts, for every implementation (100,1000,4000,12500)",
+    )
+    ap.add_argument("--rounds", type=int, default=5, help="lighthouse rounds per count (5)")
+    ap.add_argument("--impl", default="lighthouse,redis", help="implementations to measure")
+    ap.add_argument(
+        "--lighthouse-cap-s",
+        type=float,
+        default=30.0,
+        help="skip (null) a size whose predicted lighthouse round is longer (30)",
+    )
+    ap.add_argument(
+        "--lighthouse-max-threads",
+        type=int,
+        default=15_000,
+        help="skip (null) a size needing more threads, 3 a client (15000)",
+    )
+    ap.add_argument("--redis-rounds", type=int, default=100, help="Redis rounds per size (100)")
+    ap.add_argument(
+        "--redis-seconds",
+        type=float,
+        default=20.0,
+        help="at most this long per size once 5 rounds are in (20)",
+    )
+    ap.add_argument("--procs", type=int, default=4, help="Redis client processes (4)")
+    ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000, help="(1000)")
+    ap.add_argument("--join-timeout-ms", type=int, default=30_000, help="(30000; see above)")
+    ap.add_argument(
+        "--steady-heartbeat-timeout-ms",
+        type=int,
+        default=5000,
+        help="the steady rounds' and the leave's (5000; see above)",
+    )
+    ap.add_argument(
+        "--fault-replicas",
+        type=int,
+        default=1000,
+        help="size of the false-drop runs; 0 skips them (1000)",
+    )
+    ap.add_argument(
+        "--fill-mib",
+        type=int,
+        default=1024,
+        help="MiB loaded into Redis before the BGREWRITEAOF fork (1024)",
+    )
+    ap.add_argument(
+        "--pause-s",
+        type=float,
+        default=None,
+        help="SIGSTOP of a client process (0.6 x the heartbeat timeout)",
+    )
     ap.add_argument("--pg-ranks", default="2,4,8,16", help="process-group sizes")
     ap.add_argument("--pg-reps", type=int, default=3, help="rebuilds per size (3)")
     ap.add_argument("--no-pg", action="store_true", help="skip the process-group rebuild")
-    ap.add_argument(
-        "--impl", default=",".join(IMPLEMENTATIONS), help="quorum implementations to measure"
-    )
     args = ap.parse_args(argv)
-    counts = _ints(args.replicas, "--replicas")
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds: at least 1, got {args.rounds}")
+    if args.rounds < 1 or args.redis_rounds < 1:
+        raise SystemExit(
+            f"--rounds/--redis-rounds: at least 1, got {args.rounds}/{args.redis_rounds}"
+        )
+    return args
+
+
+def lighthouse_skip(n: int, points: list[RoundFigures], cap_s: float, max_threads: int) -> str:
+    """Why the lighthouse is not run at ``n`` ("" to run it)."""
+    if 3 * n > max_threads:
+        return (
+            f"needs {3 * n:,} threads (a LighthouseClient runs 2 tokio threads beside "
+            f"its caller's), over --lighthouse-max-threads {max_threads:,}"
+        )
+    if points:
+        ns = [p.n for p in points]
+        ys = [p.median_s for p in points]
+        a, b = fit_quadratic(ns, ys) if len(points) > 1 else (0.0, ys[0] / ns[0] ** 2)
+        predicted = quadratic(a, b, n)
+        if predicted > cap_s:
+            return (
+                f"its fit on {ns} predicts {predicted:,.0f} s a round, over the "
+                f"{cap_s:g} s cap (--lighthouse-cap-s)"
+            )
+    return ""
+
+
+def run_lighthouse(args: argparse.Namespace, counts: list[int], out: dict[str, object]) -> None:
+    points: list[RoundFigures] = []
+    skipped: dict[str, str] = {}
+    for n in counts:
+        reason = lighthouse_skip(n, points, args.lighthouse_cap_s, args.lighthouse_max_threads)
+        if reason:
+            print(f"[lighthouse] {n:,} replicas: null, {reason}", flush=True)
+            skipped[str(n)] = reason
+            continue
+        print(f"[lighthouse] {n:,} replicas ...", flush=True)
+        try:
+            points.append(measure(lighthouse(), n, args.rounds))
+        except OSError as e:  # e.g. the file-descriptor limit: 4,000 clients need ~20,000
+            reason = f"this machine could not hold it: {e}"
+            print(f"[lighthouse] {n:,} replicas: null, {reason}", flush=True)
+            skipped[str(n)] = reason
+    figures = quorum_figures(lighthouse().name, points) if points else {}
+    figures["null_reasons"] = skipped
+    out["lighthouse"] = figures
+    by_n = {p.n: p.median_s for p in points}
+    for n in counts:
+        s = by_n.get(n)
+        out[f"lighthouse_round_ms_p50_{n}"] = None if s is None else round(s * 1000, 2)
+
+
+def run_redis(args: argparse.Namespace, counts: list[int], out: dict[str, object]) -> None:
+    config = QuorumConfig(
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms, join_timeout_ms=args.join_timeout_ms
+    )
+    sizes = []
+    failed: dict[str, str] = {}
+    for n in counts:
+        print(f"[redis] {n:,} replicas ...", flush=True)
+        try:
+            steady_hb = args.steady_heartbeat_timeout_ms
+            sizes.append(
+                measure_size(
+                    n, args.procs, config, args.redis_rounds, args.redis_seconds, steady_hb
+                )
+            )
+        except RuntimeError as e:
+            print(f"[redis] {n:,} replicas: null, {e}", flush=True)
+            failed[str(n)] = str(e)
+    if not sizes:
+        raise SystemExit(f"the Redis quorum could not be measured at any size: {failed}")
+    faults = None
+    if args.fault_replicas > 0:
+        pause_s = (
+            args.pause_s if args.pause_s is not None else 0.6 * config.heartbeat_timeout_ms / 1000
+        )
+        print(f"[redis] false drops at {args.fault_replicas:,} replicas ...", flush=True)
+        faults = false_drops(args.fault_replicas, args.procs, config, args.fill_mib, pause_s)
+    redis_report.print_sizes(sizes)
+    extra = redis_report.extrapolate(sizes)
+    if faults is not None:
+        redis_report.print_faults(faults)
+    out["redis"] = {
+        "config": asdict(config),
+        "sizes": sizes,
+        **extra,
+        "faults": faults,
+        "null_reasons": failed,
+    }
+    out.update(redis_report.flat(sizes, extra, faults))
+    for n in failed:
+        for key in ("round_ms_p50", "round_ms_p99", "bytes_per_replica_step", "leave_to_quorum_s"):
+            out[f"redis_{key}_{n}"] = None
+    out.update(redis_report.shim_costs(counts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    counts = _ints(args.sizes, "--sizes")
     names = [x.strip() for x in args.impl.split(",") if x.strip()]
     unknown = [x for x in names if x not in IMPLEMENTATIONS]
     if unknown or not names:
         raise SystemExit(f"--impl: {unknown or 'none'}; choose from {', '.join(IMPLEMENTATIONS)}")
-    out: dict[str, object] = {"cores": os.cpu_count()}
-    for name in names:
-        impl = IMPLEMENTATIONS[name]
-        points = []
-        for n in counts:
-            print(f"[{name}] {n:,} replicas ...", flush=True)
-            points.append(measure(impl, n, args.rounds))
-        out[name] = quorum_figures(impl.name, points)
+    out: dict[str, object] = {"cores": os.cpu_count(), "sizes": counts}
+    if "lighthouse" in names:
+        run_lighthouse(args, counts, out)
+    if "redis" in names:
+        run_redis(args, counts, out)
     if not args.no_pg:
         ranks = _ints(args.pg_ranks, "--pg-ranks")
         print(f"[process group] {ranks} ranks ...", flush=True)
+        from qscale import pg  # torch: only when measured
+
         out["pg_gloo"] = pg_figures(pg.measure(ranks, args.pg_reps))
     print()
     print_figures(out)

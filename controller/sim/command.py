@@ -14,8 +14,9 @@ watch the same fleet, so they are compared on the same preemptions:
   smaller size, a backfill joins with another re-form;
 - ``replica``: replicas as the unit of fault tolerance on torchft 0.2.0 (``train.fault_tolerance:
   replica``), with its measured costs: survivors keep stepping, but every step waits for a
-  quorum round of the stock lighthouse (quadratic in the replica count) and every quorum
-  change rebuilds the cross-replica process group on every survivor;
+  quorum round (the Redis quorum's, linear in the replica count, or with ``--quorum
+  lighthouse`` the stock lighthouse's, quadratic) and every quorum change rebuilds the
+  cross-replica process group on every survivor;
 - ``replica-ideal``: the same with a quorum and process group that cost nothing (the first
   model, kept as the bound a quorum that scales would approach).
 
@@ -62,10 +63,13 @@ Defaults, and where each comes from
   about 40% MFU); ``--heartbeat-s 1.0`` (the lighthouse timeout; a noticed loss stalls the
   survivors for it plus a step until the explicit leave lands); ``--kill-stall-s 1.1``
   (measured with torchft, plus the step redone); ``--join-start-s 4.9`` (measured: a
-  joiner's start to its first full step); ``--quorum-a-s``/``--quorum-b-s`` (a quorum round
-  of N replicas is a N + b N^2, fitted by ``bench/quorum_scale.py`` on the stock lighthouse
-  up to 1,000 replicas); ``--pg-base-s``/``--pg-per-replica-s`` (a process-group rebuild at
-  every quorum change, c0 + c1 n, fitted on gloo at 2..16 ranks).
+  joiner's start to its first full step); ``--quorum redis`` (default: each step waits for
+  the Redis quorum's round, ``--redis-quorum-a-s`` + ``--redis-quorum-b-s`` N, fitted by
+  ``bench/quorum_scale.py`` up to 12,500 simulated replicas, and a noticed loss costs one
+  round: the leave) or ``--quorum lighthouse`` (``--quorum-a-s``/``--quorum-b-s``: a round
+  of N replicas is a N + b N^2, fitted on the stock lighthouse up to 1,000 replicas);
+  ``--pg-base-s``/``--pg-per-replica-s`` (a process-group rebuild at every quorum change,
+  c0 + c1 n, fitted on gloo at 2..16 ranks).
 
 ``--spec job.yaml`` takes the fleet size, instance type and region, checkpoint size, volume
 bandwidth and cadence, the notice window, the spot policy, and (for the local cloud) the
@@ -101,7 +105,7 @@ from spottrain.controller.sim.config import (
 )
 from spottrain.controller.sim.engine import simulate
 from spottrain.controller.sim.model import SimConfig, SimResult
-from spottrain.controller.sim.replica_params import ReplicaParams
+from spottrain.controller.sim.replica_params import QUORUMS, ReplicaParams
 from spottrain.controller.sim.replica_policy import POLICIES
 from spottrain.controller.sim.report import figures, plot, table
 from spottrain.spec import SpotPolicy
@@ -228,9 +232,25 @@ def _replica_options(p: argparse.ArgumentParser) -> None:
         "--join-start-s", type=float, help=f"joiner start to first step ({d.join_start_s:g})"
     )
     rep.add_argument(
-        "--quorum-a-s", type=float, help=f"quorum round a N + b N^2: a ({d.quorum_a_s:.3g})"
+        "--quorum-a-s",
+        type=float,
+        help=f"lighthouse quorum round a N + b N^2: a ({d.quorum_a_s:.3g})",
     )
     rep.add_argument("--quorum-b-s", type=float, help=f"quorum round: b ({d.quorum_b_s:.3g})")
+    rep.add_argument(
+        "--quorum",
+        choices=QUORUMS,
+        help="whose quorum costs the replica policy pays: the Redis quorum (default) or "
+        "torchft's stock lighthouse (--quorum-a-s/--quorum-b-s)",
+    )
+    rep.add_argument(
+        "--redis-quorum-a-s",
+        type=float,
+        help=f"Redis quorum round a + b N: a ({d.redis_a_s:.3g})",
+    )
+    rep.add_argument(
+        "--redis-quorum-b-s", type=float, help=f"Redis quorum round: b ({d.redis_b_s:.3g})"
+    )
     rep.add_argument(
         "--pg-base-s", type=float, help=f"process-group rebuild c0 + c1 n: c0 ({d.pg_c0_s:.3g})"
     )

@@ -167,6 +167,8 @@ _NOT_NEGATIVE = (
     "join_start_s",
     "quorum_a_s",
     "quorum_b_s",
+    "redis_quorum_a_s",
+    "redis_quorum_b_s",
     "pg_base_s",
     "pg_per_replica_s",
 )
@@ -179,6 +181,9 @@ _REPLICA_OPTIONS = {
     "join_start_s": "join_start_s",
     "quorum_a_s": "quorum_a_s",
     "quorum_b_s": "quorum_b_s",
+    "quorum": "quorum",
+    "redis_quorum_a_s": "redis_a_s",
+    "redis_quorum_b_s": "redis_b_s",
     "pg_base_s": "pg_c0_s",
     "pg_per_replica_s": "pg_c1_s",
 }

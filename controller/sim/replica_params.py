@@ -12,11 +12,16 @@
   ``ProcessGroupGloo.configure`` at 2..16 ranks (``bench/quorum_scale.py``) and extrapolated
   linearly. The survivors stop for all of it (a synchronous quorum; torchft's asynchronous
   one could hide up to a forward pass of it).
-- **Every step** waits for a quorum round of the live replicas: ``quorum_a_s * n +
-  quorum_b_s * n^2`` (the stock lighthouse answers every member with every member),
-  fitted by ``bench/quorum_scale.py`` on 10..1,000 fake replicas; beyond that it is
-  extrapolated. A step then takes ``step_s + quorum``, so the fleet trains at
-  ``step_s / (step_s + quorum)`` of its rate.
+- **Every step** waits for a quorum round of the live replicas. With ``quorum="redis"``
+  (the default, issue 16's quorum in the run's Redis): ``redis_a_s + redis_b_s * n``,
+  fitted by ``bench/quorum_scale.py`` on 100..12,500 simulated replicas (each step's bytes
+  are O(1) per replica; Redis's work per round is linear in n). With
+  ``quorum="lighthouse"`` (torchft's stock lighthouse, which answers every member with
+  every member): ``quorum_a_s * n + quorum_b_s * n^2``, fitted on 10..1,000 fake replicas;
+  beyond that it is extrapolated. A step then takes ``step_s + quorum``, so the fleet trains
+  at ``step_s / (step_s + quorum)`` of its rate.
+- A noticed loss with the Redis quorum: the leaver's explicit leave lands within one round
+  (measured), so the survivors stop for one quorum round, not the heartbeat timeout.
 - A **joiner** takes ``join_start_s`` from its start to its first full step (measured 3.6-4.9
   s, mostly Python and torch imports), then one process-group rebuild, then the state
   from a live peer: the checkpoint's size / nodes per replica / ``--peer-gbps``.
@@ -33,6 +38,16 @@ from typing import Any
 # lighthouse's own CPU seconds fit 3.6e-5 N + 7.6e-7 N^2, the low one (--quorum-b-s).
 QUORUM_A_S = 8.24e-5
 QUORUM_B_S = 1.494e-6
+# The Redis quorum, bench/quorum_scale.py (issue 16; /work/wt/bench-quorum.log), 2 cores:
+# 0.0071, 0.058, 0.289 and 1.15 s a round (p50, last request sent to every answer) at 100,
+# 1,000, 4,000 and 12,500 simulated replicas; fitted a + b N (least squares, a kept >= 0).
+# The clients shared Redis's 2 cores (earlier runs, under other load and older scripts:
+# 1.00-2.37 s at 12,500), so this is the high estimate of the round itself; Redis's own CPU
+# per round fits 6.90e-5 N (0.87 s at 12,500), what a fleet whose requests arrive together
+# waits at least.
+REDIS_MEASURED_UP_TO = 12_500
+REDIS_A_S = 0.0
+REDIS_B_S = 9.004e-5
 # The same run: 0.020, 0.041, 0.091 and 0.20 s at 2, 4, 8 and 16 ranks (one process each).
 PG_C0_S = 0.0
 PG_C1_S = 0.01217
@@ -50,9 +65,18 @@ class ReplicaParams:
     quorum_b_s: float = QUORUM_B_S
     pg_c0_s: float = PG_C0_S
     pg_c1_s: float = PG_C1_S
+    redis_a_s: float = REDIS_A_S
+    redis_b_s: float = REDIS_B_S
+    quorum: str = "redis"  # or "lighthouse": which quorum's costs the policy pays
+
+    def __post_init__(self) -> None:
+        if self.quorum not in QUORUMS:
+            raise ValueError(f"quorum {self.quorum!r}: choose one of {', '.join(QUORUMS)}")
 
     def quorum_s(self, replicas: int) -> float:
         """One quorum round of ``replicas`` live replicas."""
+        if self.quorum == "redis":
+            return self.redis_a_s + self.redis_b_s * replicas
         return self.quorum_a_s * replicas + self.quorum_b_s * replicas * replicas
 
     def step_share(self, replicas: int) -> float:
@@ -63,12 +87,19 @@ class ReplicaParams:
         """One cross-replica process-group rebuild for a group of ``replicas``."""
         return self.pg_c0_s + self.pg_c1_s * replicas
 
-    def notice_stall_s(self) -> float:
+    def notice_stall_s(self, replicas: int = 0) -> float:
+        """The survivors' stop on a noticed loss: the Redis quorum's explicit leave lands
+        within one round; torchft 0.2.0's lighthouse has none (the heartbeat timeout and
+        the step in flight)."""
+        if self.quorum == "redis":
+            return self.quorum_s(replicas)
         return self.heartbeat_s + self.step_s
 
     def kill_stall_total_s(self) -> float:
         return self.kill_stall_s + self.step_s
 
+
+QUORUMS = ("redis", "lighthouse")
 
 SOURCES: dict[str, tuple[str, str]] = {
     "step_s": (
@@ -106,6 +137,17 @@ SOURCES: dict[str, tuple[str, str]] = {
         "bench/quorum_scale.py, the same fit (the lighthouse's own CPU fits b = 7.6e-7, "
         "the low estimate)",
     ),
+    "redis_a_s": (
+        "measured",
+        "bench/quorum_scale.py: the Redis quorum's round = a + b N (p50, last request sent "
+        "to every answer), fitted on 100..12,500 simulated replicas (1.15 s at 12,500; the "
+        "clients on the same 2 cores; 1.00-2.37 s in earlier runs under other load)",
+    ),
+    "redis_b_s": (
+        "measured",
+        "bench/quorum_scale.py, the same fit (Redis's own CPU per round fits b = 6.90e-5: "
+        "70 us per replica on one core, the least a fleet's round can take)",
+    ),
     "pg_c0_s": (
         "measured",
         "bench/quorum_scale.py: torchft ProcessGroupGloo.configure + an all-reduce = c0 + "
@@ -125,17 +167,23 @@ def describe(params: ReplicaParams, replicas: int, catch_up_s: float) -> dict[st
     out: dict[str, Any] = {
         name: {"value": value, "kind": SOURCES[name][0], "source": SOURCES[name][1]}
         for name, value in asdict(params).items()
+        if name in SOURCES
     }
-    quorum_note = "measured" if replicas <= 1000 else "extrapolated beyond 1,000"
+    if params.quorum == "redis":
+        top = REDIS_MEASURED_UP_TO
+        quorum_note = "measured" if replicas <= top else f"extrapolated beyond {top:,}"
+    else:
+        quorum_note = "measured" if replicas <= 1000 else "extrapolated beyond 1,000"
     pg_note = "measured" if replicas <= 16 else "extrapolated beyond 16 ranks"
     out["at_replicas"] = {
         "replicas": replicas,
+        "quorum": params.quorum,
         "quorum_s_per_step": round(params.quorum_s(replicas), 4),
         "quorum_kind": quorum_note,
         "step_share": round(params.step_share(replicas), 5),
         "pg_rebuild_s": round(params.pg_rebuild_s(replicas), 3),
         "pg_kind": pg_note,
-        "notice_stall_s": params.notice_stall_s(),
+        "notice_stall_s": round(params.notice_stall_s(replicas), 4),
         "kill_stall_s": params.kill_stall_total_s(),
         "join_s": round(params.join_start_s + catch_up_s, 3),
         "catch_up_s": round(catch_up_s, 3),

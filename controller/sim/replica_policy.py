@@ -7,9 +7,11 @@ when none is up) and changes what the events cost
 (:mod:`spottrain.controller.sim.replica_params`):
 
 - training runs at ``step_s / (step_s + quorum(n))`` of the live replicas' rate: each step
-  waits for one quorum round of the ``n`` live replicas;
-- a loss stops the survivors for the notice stall (heartbeat timeout + a step) or the kill
-  stall (+ the step redone), then one process-group rebuild at the smaller size;
+  waits for one quorum round of the ``n`` live replicas (the Redis quorum's, by default, or
+  the stock lighthouse's);
+- a loss stops the survivors for the notice stall (the Redis quorum: one round, its leave
+  landing; the lighthouse: heartbeat timeout + a step) or the kill stall (+ the step
+  redone), then one process-group rebuild at the smaller size;
 - a joiner enters the quorum ``join_start_s`` after its VM took the slot, which stops the
   survivors for one process-group rebuild at the larger size; it trains once the rebuild
   and its state fetch from a live peer are done. With no replica up it restores the
@@ -45,7 +47,7 @@ class TorchftReplica(Replica):
 
     def _survivors_stall(self, now: float, had_notice: bool) -> None:
         p = self.c.replica
-        stall = p.notice_stall_s() if had_notice else p.kill_stall_total_s()
+        stall = p.notice_stall_s(self.up_count) if had_notice else p.kill_stall_total_s()
         self.rebuilds += 1
         self._stop_for(now, stall + p.pg_rebuild_s(self.up_count))
 

@@ -126,7 +126,7 @@ def replica_lines(params: dict[str, Any]) -> list[str]:
     simulated replica count."""
     at = params["at_replicas"]
     n = at["replicas"]
-    lines = ["replica policy (torchft 0.2.0): parameters and sources"]
+    lines = [f"replica policy (torchft 0.2.0, quorum: {at['quorum']}): parameters and sources"]
     for name, p in params.items():
         if name != "at_replicas":
             lines.append(f"  {name:<13} {p['value']:<10.4g} [{p['kind']}] {p['source']}")

@@ -86,19 +86,35 @@ def test_replica_parameters_and_their_sources(capsys: pytest.CaptureFixture[str]
     free = _json(
         capsys,
         *("--gpus", "800", "--hours", "24", "--rate-per-node-hour", "0.01"),
-        *("--quorum-a-s", "0", "--quorum-b-s", "0", "--pg-base-s", "0"),
+        *("--quorum", "lighthouse", "--quorum-a-s", "0", "--quorum-b-s", "0"),
+        *("--pg-base-s", "0"),
         *("--pg-per-replica-s", "0", "--step-s", "2"),
     )
     assert free["replica_parameters"]["at_replicas"]["step_share"] == 1.0
     assert free["replica_parameters"]["step_s"]["value"] == 2.0
     assert free["policies"]["replica"]["effective"] > data["policies"]["replica"]["effective"]
-    # At thousands of replicas the stock lighthouse's quorum is extrapolated, and says so.
-    big = _json(capsys, "--gpus", "40000", "--hours", "2", "--policies", "replica")
+    # At thousands of replicas the stock lighthouse's quorum is extrapolated, and says so;
+    # the Redis quorum (the default) was measured up to 12,500 replicas.
+    big = _json(
+        capsys,
+        *("--gpus", "40000", "--hours", "2", "--policies", "replica"),
+        "--quorum",
+        "lighthouse",
+    )
     assert "extrapolated" in big["replica_parameters"]["at_replicas"]["quorum_kind"]
+    big_redis = _json(capsys, "--gpus", "40000", "--hours", "2", "--policies", "replica")
+    at_redis = big_redis["replica_parameters"]["at_replicas"]
+    assert at_redis["quorum"] == "redis" and at_redis["quorum_kind"] == "measured"
+    assert (
+        at_redis["quorum_s_per_step"]
+        < big["replica_parameters"]["at_replicas"]["quorum_s_per_step"]
+    )
+    assert big_redis["policies"]["replica"]["effective"] > big["policies"]["replica"]["effective"]
+    assert big_redis["replica_parameters"]["redis_b_s"]["kind"] == "measured"
     assert _run("--gpus", "800", "--hours", "2") == 0
     text = capsys.readouterr().out
-    assert "replica policy (torchft 0.2.0): parameters and sources" in text
-    assert "[measured] bench/quorum_scale.py" in text
+    assert "replica policy (torchft 0.2.0, quorum: redis): parameters and sources" in text
+    assert "[measured] bench/quorum_scale.py" in text and "redis_b_s" in text
 
 
 def test_default_rate_comes_from_the_catalog_band(capsys: pytest.CaptureFixture[str]) -> None:

@@ -205,6 +205,7 @@ def test_replica_pays_the_measured_stalls_rebuilds_and_quorum() -> None:
         quorum_b_s=1e-5,
         pg_c0_s=2.0,
         pg_c1_s=0.05,
+        quorum="lighthouse",
     )
     ckpt_gb, peer = 100.0, 0.1  # a 1,000 s catch-up: a few replicas out at once
     cfg = _cfg(
@@ -249,20 +250,30 @@ def test_replica_pays_the_measured_stalls_rebuilds_and_quorum() -> None:
 
 def test_replica_quorum_per_step_costs_its_share_without_preemptions() -> None:
     """No preemptions, no checkpoints: replica trains step / (step + q(R)) of the time,
-    replica-ideal all of it. Here q(100) = 0.01 x 100 + 3e-4 x 100^2 = 4 s = the step."""
-    params = ReplicaParams(step_s=4.0, quorum_a_s=0.01, quorum_b_s=3e-4)
-    res = simulate(
-        _cfg(
-            rate_per_node_hour=0.0,
-            ckpt_gb=0.0,
-            ckpt_every_s=math.inf,
-            replica=params,
-            policies=("replica", "replica-ideal"),
+    replica-ideal all of it. Here q(100) = 4 s = the step: the lighthouse's 0.01 x 100 +
+    3e-4 x 100^2, or the Redis quorum's (the default) 1 + 0.03 x 100."""
+    lighthouse = ReplicaParams(step_s=4.0, quorum_a_s=0.01, quorum_b_s=3e-4, quorum="lighthouse")
+    redis = ReplicaParams(step_s=4.0, redis_a_s=1.0, redis_b_s=0.03)
+    assert redis.quorum == "redis" and ReplicaParams().quorum == "redis"
+    for params in (lighthouse, redis):
+        res = simulate(
+            _cfg(
+                rate_per_node_hour=0.0,
+                ckpt_gb=0.0,
+                ckpt_every_s=math.inf,
+                replica=params,
+                policies=("replica", "replica-ideal"),
+            )
         )
-    )
-    assert params.quorum_s(100) == pytest.approx(4.0)
-    assert _policy(res, "replica")[0] == pytest.approx(0.5, abs=1e-9)
-    assert _policy(res, "replica-ideal")[0] == pytest.approx(1.0, abs=1e-9)
+        assert params.quorum_s(100) == pytest.approx(4.0)
+        assert _policy(res, "replica")[0] == pytest.approx(0.5, abs=1e-9)
+        assert _policy(res, "replica-ideal")[0] == pytest.approx(1.0, abs=1e-9)
+    # The measured defaults: the Redis quorum is linear in the replicas, the lighthouse
+    # quadratic, so at 12,500 replicas (100,000 GPUs) their rounds are far apart.
+    d = ReplicaParams()
+    assert d.quorum_s(12_500) < 0.1 * replace(d, quorum="lighthouse").quorum_s(12_500)
+    with pytest.raises(ValueError, match="quorum 'zk'"):
+        ReplicaParams(quorum="zk")
 
 
 def test_each_quorum_change_costs_every_survivor_one_rebuild() -> None:
@@ -270,8 +281,11 @@ def test_each_quorum_change_costs_every_survivor_one_rebuild() -> None:
     process groups, the survivors lose one rebuild at the leave (at 9 replicas, training at
     0.9 x share(9)) and one at the join (which delays the rest of the run by pg(10) at
     share(10)): 0.9 share(9) pg(9) + share(10) pg(10) full-fleet seconds. A longer heartbeat
-    timeout costs 0.9 share(9) per second of it."""
-    base = ReplicaParams(step_s=1.0, quorum_a_s=0.0, quorum_b_s=0.01, pg_c0_s=0.0, pg_c1_s=0.0)
+    timeout costs 0.9 share(9) per second of it with the lighthouse, nothing with the Redis
+    quorum (the leave lands within a round: the noticed loss costs one round instead)."""
+    base = ReplicaParams(
+        step_s=1.0, quorum_a_s=0.0, quorum_b_s=0.01, pg_c0_s=0.0, pg_c1_s=0.0, quorum="lighthouse"
+    )
     costly = replace(base, pg_c0_s=5.0, pg_c1_s=0.5)
     slow_beat = replace(base, heartbeat_s=11.0)
     trace = (TracedPreemption(1800.0, "n3", True),)
@@ -301,6 +315,12 @@ def test_each_quorum_change_costs_every_survivor_one_rebuild() -> None:
     rebuilds = 0.9 * share9 * costly.pg_rebuild_s(9) + share10 * costly.pg_rebuild_s(10)
     assert free - progress(costly) == pytest.approx(rebuilds, rel=1e-9)
     assert free - progress(slow_beat) == pytest.approx(0.9 * share9 * 10.0, rel=1e-9)
+    redis = replace(base, quorum="redis", redis_a_s=0.0, redis_b_s=0.01)
+    assert redis.notice_stall_s(9) == pytest.approx(redis.quorum_s(9))
+    assert progress(replace(redis, heartbeat_s=11.0)) == pytest.approx(progress(redis))
+    # The Redis quorum's notice costs one round (0.09 s) where the lighthouse's costs the
+    # heartbeat and the step in flight (2 s): the same run with it makes more progress.
+    assert progress(redis) > progress(replace(redis, quorum="lighthouse"))
 
 
 # --- the policies' behaviour -------------------------------------------------------------
@@ -355,8 +375,11 @@ def test_replicas_of_several_nodes_go_down_together() -> None:
     assert one.preemptions == four.preemptions
     # A lost node idles its three replica peers too: more capacity out per preemption.
     assert _policy(four, "replica-ideal")[0] < _policy(one, "replica-ideal")[0]
-    # With torchft's measured costs a quarter of the replicas also pays a sixteenth of the
-    # stock lighthouse's quadratic quorum, which here outweighs it.
+    # With the stock lighthouse a quarter of the replicas also pays a sixteenth of its
+    # quadratic quorum, which here outweighs it (the Redis quorum's is linear and small).
+    lh = ReplicaParams(quorum="lighthouse")
+    one = simulate(_cfg(nodes=96, rate_per_node_hour=0.02, replica_nodes=1, seed=1, replica=lh))
+    four = simulate(_cfg(nodes=96, rate_per_node_hour=0.02, replica_nodes=4, seed=1, replica=lh))
     assert _policy(four, "replica")[0] > _policy(one, "replica")[0]
     assert _policy(four, "elastic")[0] < _policy(one, "elastic")[0]
 
