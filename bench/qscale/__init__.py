@@ -3,4 +3,5 @@
 :mod:`qscale.redis_quorum` with its server, client and heartbeat processes, script calls,
 measurements and report in ``qscale/redis_*.py``), the measurement every thread-per-client
 implementation shares (:mod:`qscale.rounds`), the process-group rebuild (:mod:`qscale.pg`)
-and the fits (:mod:`qscale.fit`)."""
+the fits (:mod:`qscale.fit`), and the Redis CPU of one script call at N members
+(:mod:`qscale.script_cost`, run on its own)."""
