@@ -38,16 +38,16 @@ from typing import Any
 # lighthouse's own CPU seconds fit 3.6e-5 N + 7.6e-7 N^2, the low one (--quorum-b-s).
 QUORUM_A_S = 8.24e-5
 QUORUM_B_S = 1.494e-6
-# The Redis quorum, bench/quorum_scale.py (issue 16; /work/wt/bench-quorum.log), 2 cores:
-# 0.0071, 0.058, 0.289 and 1.15 s a round (p50, last request sent to every answer) at 100,
-# 1,000, 4,000 and 12,500 simulated replicas; fitted a + b N (least squares, a kept >= 0).
-# The clients shared Redis's 2 cores (earlier runs, under other load and older scripts:
-# 1.00-2.37 s at 12,500), so this is the high estimate of the round itself; Redis's own CPU
-# per round fits 6.90e-5 N (0.87 s at 12,500), what a fleet whose requests arrive together
-# waits at least.
+# The Redis quorum, bench/quorum_scale.py (issue 16), 2 cores, an otherwise idle machine:
+# 0.0042, 0.043, 0.149 and 0.551 s a round (p50, last request sent to every answer) at 100,
+# 1,000, 4,000 and 12,500 simulated replicas, fitting 4.34e-5 N; but the clients sent their
+# requests over 0.36 s at 12,500, and Redis's own CPU per round fits 5.39e-5 N (0.68 s at
+# 12,500, 54 us a replica): what a fleet whose requests arrive together waits at least, so
+# that is the cost taken (a kept 0). Earlier runs under other load and older scripts: 0.87-
+# 1.45 s at 12,500.
 REDIS_MEASURED_UP_TO = 12_500
 REDIS_A_S = 0.0
-REDIS_B_S = 9.004e-5
+REDIS_B_S = 5.389e-5
 # The same run: 0.020, 0.041, 0.091 and 0.20 s at 2, 4, 8 and 16 ranks (one process each).
 PG_C0_S = 0.0
 PG_C1_S = 0.01217
@@ -139,14 +139,14 @@ SOURCES: dict[str, tuple[str, str]] = {
     ),
     "redis_a_s": (
         "measured",
-        "bench/quorum_scale.py: the Redis quorum's round = a + b N (p50, last request sent "
-        "to every answer), fitted on 100..12,500 simulated replicas (1.15 s at 12,500; the "
-        "clients on the same 2 cores; 1.00-2.37 s in earlier runs under other load)",
+        "bench/quorum_scale.py: the Redis quorum's round = a + b N, fitted on 100..12,500 "
+        "simulated replicas: Redis's own CPU per round (0.68 s at 12,500, above the round's "
+        "p50 of 0.55 s, whose clients sent their requests over 0.36 s)",
     ),
     "redis_b_s": (
         "measured",
-        "bench/quorum_scale.py, the same fit (Redis's own CPU per round fits b = 6.90e-5: "
-        "70 us per replica on one core, the least a fleet's round can take)",
+        "bench/quorum_scale.py, the same fit: 54 us of Redis CPU per replica on one core, "
+        "the least a fleet's round can take when its requests arrive together",
     ),
     "pg_c0_s": (
         "measured",
