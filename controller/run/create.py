@@ -69,7 +69,7 @@ def create_run(
     except ResolveError as e:
         raise RunError(str(e)) from None
     if info.embedded_redis:
-        info.redis_url = start_embedded_redis(info.dir)
+        info.redis_url = start_embedded_redis(info.dir, spec.nodes.max)
     else:
         info.redis_url = spec.redis.url
         open_redis(info, spec)  # fail now, before anything is launched

@@ -54,9 +54,16 @@ def maxclients_within_fd_limit(wanted: int = EMBEDDED_MAXCLIENTS) -> int:
     return max(1, min(wanted, hard - REDIS_RESERVED_FDS))
 
 
-def maxclients_note(got: int, wanted: int = EMBEDDED_MAXCLIENTS) -> str | None:
-    """A line for a Redis that holds fewer clients than the quorum's budget, or None."""
-    if got >= wanted:
+# Redis clients a VM of a run takes at most (the quorum's two, the agent's and its workers').
+CLIENTS_PER_VM = 4
+
+
+def maxclients_note(
+    got: int, wanted: int = EMBEDDED_MAXCLIENTS, vms: int | None = None
+) -> str | None:
+    """A line for a Redis that holds fewer clients than the quorum's budget, or None; with
+    ``vms`` (the run's most VMs), only when it holds fewer than that run needs."""
+    if got >= wanted or (vms is not None and got >= vms * CLIENTS_PER_VM):
         return None
     return (
         f"the run's Redis holds at most {got} clients, as this machine's open-files limit "
@@ -82,7 +89,9 @@ def _embedded_password(run_dir: Path) -> str | None:
         raise RunError(f"{e}: `spottrain down` the run and start it again") from None
 
 
-def _redis_daemon(data: Path, port: int | str, password: str | None) -> None:
+def _redis_daemon(
+    data: Path, port: int | str, password: str | None, vms: int | None = None
+) -> None:
     """Start a daemonized redis-server on ``port`` that keeps its data (append-only file)
     in ``data``, and wait until it answers. Only this machine can reach it (127.0.0.1,
     protected mode), and only with ``password``, which goes through its standard input,
@@ -116,7 +125,7 @@ def _redis_daemon(data: Path, port: int | str, password: str | None) -> None:
         time.sleep(0.05)
     with contextlib.suppress(redis.RedisError, KeyError, ValueError):
         got = int(connect(settings, retries=0).config_get("maxclients")["maxclients"])
-        note = maxclients_note(got)
+        note = maxclients_note(got, vms=vms)
         if note:
             log.warning("%s", note)
 
@@ -126,14 +135,16 @@ def _embedded_settings(url: str, password: str | None, socket_timeout: float) ->
     return replace(settings, password=password)
 
 
-def start_embedded_redis(run_dir: Path) -> str:
+def start_embedded_redis(run_dir: Path, vms: int | None = None) -> str:
     """Start a redis-server for the run that outlives this process (a controller killed and
     restarted finds its state), persisted to the run directory, with a fresh password kept
-    there (mode 0600). Returns its URL (which holds no password)."""
+    there (mode 0600). Returns its URL (which holds no password). ``vms``: the run's most
+    VMs; a warning says when the machine's open-files limit leaves Redis too few clients
+    for them (without it, too few for 12,500)."""
     port = free_port()
     (run_dir / "redis").mkdir(mode=0o700, parents=True, exist_ok=True)
     password = new_password_file(embedded_password_file(run_dir))
-    _redis_daemon(run_dir / "redis", port, password)
+    _redis_daemon(run_dir / "redis", port, password, vms)
     return f"redis://127.0.0.1:{port}/0"
 
 
@@ -146,7 +157,7 @@ def restart_embedded_redis(info: RunInfo) -> None:
     if _redis_up(_embedded_settings(info.redis_url, password, socket_timeout=1.0)):
         return
     port = info.redis_url.rsplit(":", 1)[1].split("/")[0]
-    _redis_daemon(info.dir / "redis", port, password)
+    _redis_daemon(info.dir / "redis", port, password, info.spec().nodes.max)
 
 
 def stop_embedded_redis(info: RunInfo) -> None:

@@ -109,6 +109,9 @@ def test_a_client_without_the_runs_password_is_refused(run: RunInfo) -> None:
         "allows: about 4992 VMs of a replica run (12,500 need 50000); raise the hard limit "
         "(ulimit -Hn, systemd LimitNOFILE=) to 50032"
     )
+    # A run that needs fewer (4 clients a VM) hears nothing about it.
+    assert maxclients_note(19_968, vms=4_992) is None
+    assert maxclients_note(19_968, vms=4_993) is not None
 
 
 def test_the_password_is_on_no_command_line_of_redis_server(run: RunInfo) -> None:
