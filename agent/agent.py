@@ -289,6 +289,9 @@ class Agent:
         env[ENV_PROGRESS_FILE] = self.progress_path
         if self.replica is not None:
             env.update(self.replica.launch.worker_env())
+            # torchft's Rust manager logs every quorum whole at info: ~100 bytes a replica a
+            # step (1.25 MB a step at 12,500). Warnings only, unless the operator asked.
+            env.setdefault("RUST_LOG", "warn")
         if self.cfg.password_file:
             env[ENV_REDIS_PASSWORD] = self.settings.password or ""
         with self._launch_lock:

@@ -136,6 +136,8 @@ def test_one_node_replicas_train_apart_with_the_replica_variables(
         assert env["SPOTTRAIN_NODES_PER_REPLICA"] == "1"
         assert env["SPOTTRAIN_FAULT_TOLERANCE"] == "replica"
         assert env["TORCHFT_MANAGER_PORT"] == env["SPOTTRAIN_MANAGER_PORT"]
+        # torchft's manager logs warnings only, unless the operator set RUST_LOG.
+        assert env["RUST_LOG"] == os.environ.get("RUST_LOG", "warn")
     # The local cloud's "VMs" share a host: each manager gets a port of its own.
     assert envs["a-0"]["SPOTTRAIN_MANAGER_PORT"] != envs["b-0"]["SPOTTRAIN_MANAGER_PORT"]
     for node in ("a", "b"):
