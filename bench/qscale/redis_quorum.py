@@ -93,29 +93,27 @@ class RedisQuorum:
 
         shas = {name: self.server.r.script_load(src) for name, src in sources().items()}
         self.calls = Calls(RunKeys(RUN), self.config, shas)
-        ctx = mp.get_context("spawn")
         for k in range(self.nprocs):
             mine = self.ids[k :: self.nprocs]
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=worker, args=(child, self.server.port, RUN, mine, self.config), daemon=True
-            )
-            proc.start()
-            self.p.pipes.append(parent)
-            self.p.procs.append(proc)
+            self._spawn(worker, mine, self.p.pipes, self.p.procs)
             self.p.owner.update(dict.fromkeys(mine, k))
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=beater, args=(child, self.server.port, RUN, mine, self.config), daemon=True
-            )
-            proc.start()
-            self.p.beat_pipes.append(parent)
-            self.p.beat_procs.append(proc)
+            self._spawn(beater, mine, self.p.beat_pipes, self.p.beat_procs)
         for pipe in self.p.pipes:
             pipe.send(("connect", shas))
         for pipe in self.p.pipes:
             self._recv(pipe, 300)
         self._all(self.p.beat_pipes, ("start", shas))
+
+    def _spawn(self, target: Any, mine: list[str], pipes: list[Any], procs: list[Any]) -> None:
+        """Start ``target`` (a client or a heartbeat process) for the replicas ``mine``."""
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=target, args=(child, self.server.port, RUN, mine, self.config), daemon=True
+        )
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
 
     def _recv(self, pipe: Any, timeout: float) -> dict[str, Any]:
         if not pipe.poll(timeout):
