@@ -11,7 +11,7 @@ from spottrain.catalog import Catalog
 from spottrain.protocol import env as env_names
 
 from .code import ImageCode
-from .sections import FaultTolerance, Placement, QuorumKind
+from .sections import DEFAULT_QUORUM_HEARTBEAT_S, FaultTolerance, Placement, QuorumKind
 
 if TYPE_CHECKING:
     from .job import JobSpec
@@ -22,9 +22,10 @@ def replica_problem(spec: JobSpec) -> str | None:
     job). The catalog's part is :func:`replica_gpu_types_problem`."""
     if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
         return None
-    k, least = spec.train.replica.nodes_per_replica, spec.train.replica.min_replicas
     r = spec.train.replica
-    if r.quorum is QuorumKind.LIGHTHOUSE and (r.wait_replicas or r.heartbeat_timeout_s != 1.0):
+    k, least = r.nodes_per_replica, r.min_replicas
+    custom_heartbeat = r.heartbeat_timeout_s != DEFAULT_QUORUM_HEARTBEAT_S
+    if r.quorum is QuorumKind.LIGHTHOUSE and (r.wait_replicas or custom_heartbeat):
         key = "wait_replicas" if r.wait_replicas else "heartbeat_timeout_s"
         return (
             f"train.replica.{key}: applies to the Redis quorum only (quorum: redis); "
@@ -71,7 +72,7 @@ def replica_agent_env(spec: JobSpec) -> dict[str, str]:
         ),
         **(
             {env_names.ENV_QUORUM_HEARTBEAT_TIMEOUT: f"{spec.train.replica.heartbeat_timeout_s:g}"}
-            if spec.train.replica.heartbeat_timeout_s != 1.0
+            if spec.train.replica.heartbeat_timeout_s != DEFAULT_QUORUM_HEARTBEAT_S
             else {}
         ),
     }

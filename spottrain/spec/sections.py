@@ -46,6 +46,10 @@ class QuorumKind(StrEnum):
     LIGHTHOUSE = "lighthouse"
 
 
+# The Redis quorum's heartbeat timeout unless the spec says otherwise: the lighthouse's own.
+DEFAULT_QUORUM_HEARTBEAT_S = 1.0
+
+
 class ReplicaSpec(_Model):
     """How replica mode groups the nodes: each replica is ``nodes_per_replica`` nodes that
     hold a whole copy of the training state; replicas come and go without stopping the
@@ -69,7 +73,7 @@ class ReplicaSpec(_Model):
         "or lighthouse (torchft's lighthouse, which the controller runs)",
     )
     heartbeat_timeout_s: float = Field(
-        1.0,
+        DEFAULT_QUORUM_HEARTBEAT_S,
         ge=0.2,
         le=300.0,
         description="with quorum: redis, seconds without a heartbeat before a replica is "
@@ -164,7 +168,7 @@ class TrainSpec(_Model):
             quorum += f", wait_replicas {r.wait_replicas}" if r.wait_replicas else ""
             quorum += (
                 f", heartbeat_timeout_s {r.heartbeat_timeout_s:g}"
-                if r.heartbeat_timeout_s != 1.0
+                if r.heartbeat_timeout_s != DEFAULT_QUORUM_HEARTBEAT_S
                 else ""
             )
             raise ValueError(
