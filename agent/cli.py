@@ -33,6 +33,7 @@ from spottrain.protocol.env import (
     ENV_ORPHAN_TIMEOUT,
     ENV_QUORUM,
     ENV_QUORUM_HEARTBEAT_TIMEOUT,
+    ENV_QUORUM_JOIN_TIMEOUT,
     ENV_QUORUM_WAIT_REPLICAS,
     ENV_REDIS,
     ENV_REDIS_PASSWORD_FILE,
@@ -258,6 +259,12 @@ def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
         "replica (default 1; every agent of the run must use the same)",
     )
     run.add_argument(
+        "--quorum-join-timeout",
+        default=env(ENV_QUORUM_JOIN_TIMEOUT, "250"),
+        help="with --quorum redis: milliseconds a changed quorum waits for late replicas "
+        "(the spec's train.replica.join_timeout_ms, resolved by the controller)",
+    )
+    run.add_argument(
         "--quorum-wait-replicas",
         default=env(ENV_QUORUM_WAIT_REPLICAS, "0"),
         help="with --quorum redis: Redis replicas that must hold each formed round before "
@@ -366,6 +373,7 @@ def _run(args: argparse.Namespace) -> int:
         quorum_port=int(_number(args, "quorum_port", int)),
         quorum_wait_replicas=int(_number(args, "quorum_wait_replicas", int)),
         quorum_heartbeat_timeout_s=float(_number(args, "quorum_heartbeat_timeout", float)),
+        quorum_join_timeout_ms=int(_number(args, "quorum_join_timeout", int)),
     )
     logging.basicConfig(
         level=logging.INFO,

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spottrain.protocol.env import ENV_QUORUM_HEARTBEAT_TIMEOUT, ENV_QUORUM_WAIT_REPLICAS
+from spottrain.protocol.env import (
+    ENV_QUORUM_HEARTBEAT_TIMEOUT,
+    ENV_QUORUM_JOIN_TIMEOUT,
+    ENV_QUORUM_WAIT_REPLICAS,
+)
 from spottrain.protocol.keys import DEFAULT_PREFIX
 
 from .replica_launch import DEFAULT_MANAGER_PORT, DEFAULT_SHIM_PORT, QUORUMS, check_lighthouse
@@ -79,6 +83,9 @@ class AgentConfig:
     quorum_wait_replicas: int = 0
     # Seconds without a heartbeat before the Redis quorum drops a replica.
     quorum_heartbeat_timeout_s: float = 1.0
+    # Milliseconds a changed Redis quorum waits for late replicas (the spec's resolved
+    # train.replica.join_timeout_ms).
+    quorum_join_timeout_ms: int = 250
 
     @property
     def replica_mode(self) -> bool:
@@ -148,6 +155,11 @@ class AgentConfig:
                 f"quorum heartbeat timeout {self.quorum_heartbeat_timeout_s:g} s "
                 f"(--quorum-heartbeat-timeout, {ENV_QUORUM_HEARTBEAT_TIMEOUT}) must be in "
                 "0.2..300 seconds"
+            )
+        if not 50 <= self.quorum_join_timeout_ms <= 60_000:
+            raise AgentConfigError(
+                f"quorum join timeout {self.quorum_join_timeout_ms} ms (--quorum-join-timeout, "
+                f"{ENV_QUORUM_JOIN_TIMEOUT}) must be in 50..60000 milliseconds"
             )
         if not 0 <= self.quorum_wait_replicas <= 16:
             raise AgentConfigError(

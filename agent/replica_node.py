@@ -136,6 +136,7 @@ class ReplicaNode:
                 self.keys,
                 QuorumConfig(
                     heartbeat_timeout_ms=round(self.cfg.quorum_heartbeat_timeout_s * 1000),
+                    join_timeout_ms=self.cfg.quorum_join_timeout_ms,
                     min_replicas=self.cfg.min_replicas,
                 ),
                 port=port,

@@ -64,6 +64,9 @@ ENV_QUORUM_WAIT_REPLICAS = "SPOTTRAIN_QUORUM_WAIT_REPLICAS"
 # the watchdog, the workers'). Longer for large fleets: heartbeats cost Redis N x 5 / timeout
 # calls a second.
 ENV_QUORUM_HEARTBEAT_TIMEOUT = "SPOTTRAIN_QUORUM_HEARTBEAT_TIMEOUT"
+# With the Redis quorum: milliseconds a changed quorum waits for late replicas
+# (train.replica.join_timeout_ms, resolved; unset: 250).
+ENV_QUORUM_JOIN_TIMEOUT = "SPOTTRAIN_QUORUM_JOIN_TIMEOUT"
 # The workers', set by the agent for one replica: its slot ("replica-<j>"), the manager's
 # fixed port on the replica's first node.
 ENV_REPLICA_ID = "SPOTTRAIN_REPLICA_ID"

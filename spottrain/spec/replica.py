@@ -11,10 +11,44 @@ from spottrain.catalog import Catalog
 from spottrain.protocol import env as env_names
 
 from .code import ImageCode
-from .sections import DEFAULT_QUORUM_HEARTBEAT_S, FaultTolerance, Placement, QuorumKind
+from .sections import (
+    DEFAULT_QUORUM_HEARTBEAT_S,
+    JOIN_TIMEOUT_AUTO,
+    JOIN_TIMEOUT_MS_RANGE,
+    FaultTolerance,
+    Placement,
+    QuorumKind,
+)
 
 if TYPE_CHECKING:
     from .job import JobSpec
+
+# torchft's lighthouse's join timeout in this project (spottrain.quorum.model's default),
+# the floor of the automatic one.
+DEFAULT_JOIN_TIMEOUT_MS = 250
+# Redis CPU per replica per round: bench/quorum_scale.py measured 54 µs (INFO commandstats:
+# the request script plus its BLPOP, at 12,500 replicas), all on Redis's one thread.
+REDIS_ROUND_US_PER_REPLICA = 54
+
+
+def auto_join_timeout_ms(replicas_max: int) -> int:
+    """The join timeout for a fleet of up to ``replicas_max`` replicas: twice the time Redis
+    takes to serve one request from each (a round whose requests arrive together is served
+    one after the other, so the last is answered ``replicas x 54 µs`` after the first), never
+    below the lighthouse's 250 ms nor past the spec's bound. A shorter one forms a changed
+    quorum before late replicas were even served; each then joins the next round, at a
+    process-group rebuild each time. Past ~2,300 replicas it grows above 250 ms."""
+    served_ms = -(-2 * max(replicas_max, 0) * REDIS_ROUND_US_PER_REPLICA // 1000)  # ceil
+    return min(JOIN_TIMEOUT_MS_RANGE[1], max(DEFAULT_JOIN_TIMEOUT_MS, served_ms))
+
+
+def join_timeout_ms(spec: JobSpec) -> int:
+    """The Redis quorum's join timeout for ``spec``: ``train.replica.join_timeout_ms``, or
+    for ``auto`` :func:`auto_join_timeout_ms` of ``nodes.max / nodes_per_replica``."""
+    r = spec.train.replica
+    if r.join_timeout_ms != JOIN_TIMEOUT_AUTO:
+        return int(r.join_timeout_ms)
+    return auto_join_timeout_ms(spec.nodes.max // r.nodes_per_replica)
 
 
 def replica_problem(spec: JobSpec) -> str | None:
@@ -24,9 +58,13 @@ def replica_problem(spec: JobSpec) -> str | None:
         return None
     r = spec.train.replica
     k, least = r.nodes_per_replica, r.min_replicas
-    custom_heartbeat = r.heartbeat_timeout_s != DEFAULT_QUORUM_HEARTBEAT_S
-    if r.quorum is QuorumKind.LIGHTHOUSE and (r.wait_replicas or custom_heartbeat):
-        key = "wait_replicas" if r.wait_replicas else "heartbeat_timeout_s"
+    redis_only = {
+        "wait_replicas": bool(r.wait_replicas),
+        "heartbeat_timeout_s": r.heartbeat_timeout_s != DEFAULT_QUORUM_HEARTBEAT_S,
+        "join_timeout_ms": r.join_timeout_ms != JOIN_TIMEOUT_AUTO,
+    }
+    key = next((name for name, set_ in redis_only.items() if set_), None)
+    if r.quorum is QuorumKind.LIGHTHOUSE and key:
         return (
             f"train.replica.{key}: applies to the Redis quorum only (quorum: redis); "
             "torchft's lighthouse runs with its own fixed settings: remove it or use "
@@ -60,6 +98,7 @@ def replica_agent_env(spec: JobSpec) -> dict[str, str]:
     Redis at each launch."""
     if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
         return {}
+    redis = spec.train.replica.quorum is QuorumKind.REDIS
     return {
         env_names.ENV_FAULT_TOLERANCE: spec.train.fault_tolerance.value,
         env_names.ENV_NODES_PER_REPLICA: str(spec.train.replica.nodes_per_replica),
@@ -75,6 +114,11 @@ def replica_agent_env(spec: JobSpec) -> dict[str, str]:
             if spec.train.replica.heartbeat_timeout_s != DEFAULT_QUORUM_HEARTBEAT_S
             else {}
         ),
+        **(
+            {env_names.ENV_QUORUM_JOIN_TIMEOUT: str(join_timeout_ms(spec))}
+            if redis and join_timeout_ms(spec) != DEFAULT_JOIN_TIMEOUT_MS
+            else {}
+        ),
     }
 
 
@@ -86,6 +130,10 @@ def describe_replica(spec: JobSpec) -> str | None:
         return None
     r = spec.train.replica
     k = r.nodes_per_replica
+    join = ""
+    if r.quorum is QuorumKind.REDIS:
+        how = " (auto)" if r.join_timeout_ms == JOIN_TIMEOUT_AUTO else ""
+        join = f" with a {join_timeout_ms(spec)} ms join timeout{how}"
     if isinstance(spec.code, ImageCode):
         source = (
             "the image must hold torchft (pip install 'spottrain[agent,replica]'): nothing "
@@ -98,7 +146,7 @@ def describe_replica(spec: JobSpec) -> str | None:
     return (
         f"fault tolerance replica: {k} node(s) per replica, {spec.nodes.min // k}-"
         f"{spec.nodes.max // k} replicas, a step commits with at least {r.min_replicas} "
-        f"replica(s), its quorum {_QUORUM_WHERE[r.quorum]}; {source}"
+        f"replica(s), its quorum {_QUORUM_WHERE[r.quorum]}{join}; {source}"
     )
 
 

@@ -48,6 +48,10 @@ class QuorumKind(StrEnum):
 
 # The Redis quorum's heartbeat timeout unless the spec says otherwise: the lighthouse's own.
 DEFAULT_QUORUM_HEARTBEAT_S = 1.0
+# train.replica.join_timeout_ms's default: scaled with the fleet (spottrain.spec.replica).
+JOIN_TIMEOUT_AUTO: Literal["auto"] = "auto"
+# A join timeout at or past the workers' 120 s quorum timeout would fail every changed round.
+JOIN_TIMEOUT_MS_RANGE = (50, 60_000)
 
 
 class ReplicaSpec(_Model):
@@ -89,6 +93,28 @@ class ReplicaSpec(_Model):
         "before it is used (Redis WAIT; 0: none): set it with a replicated Redis and "
         "min-replicas-to-write so a failover never hands out a quorum id twice",
     )
+    join_timeout_ms: int | Literal["auto"] = Field(
+        JOIN_TIMEOUT_AUTO,
+        description="with quorum: redis, milliseconds a changed quorum waits for late "
+        "replicas before it forms without them; auto (the default) grows with the fleet: "
+        "max(250, 2 x replicas x 0.054) ms, Redis's time to serve one round",
+    )
+
+    @field_validator("join_timeout_ms", mode="before")
+    @classmethod
+    def _join_timeout(cls, v: Any) -> Any:
+        lo, hi = JOIN_TIMEOUT_MS_RANGE
+        if v == JOIN_TIMEOUT_AUTO:
+            return v
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"use auto or a whole number of milliseconds from {lo} to {hi}")
+        if not lo <= v <= hi:
+            raise ValueError(
+                f"must be from {lo} to {hi} ms (or auto): below {lo} ms every changed round "
+                "forms before its replicas are served; past 60 s it nears the workers' 120 s "
+                "quorum timeout"
+            )
+        return v
 
 
 class TrainSpec(_Model):
@@ -169,6 +195,11 @@ class TrainSpec(_Model):
             quorum += (
                 f", heartbeat_timeout_s {r.heartbeat_timeout_s:g}"
                 if r.heartbeat_timeout_s != DEFAULT_QUORUM_HEARTBEAT_S
+                else ""
+            )
+            quorum += (
+                f", join_timeout_ms {r.join_timeout_ms}"
+                if r.join_timeout_ms != JOIN_TIMEOUT_AUTO
                 else ""
             )
             raise ValueError(

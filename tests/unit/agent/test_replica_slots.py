@@ -153,6 +153,10 @@ def _cfg(**kw: object) -> AgentConfig:
             {"quorum_wait_replicas": 17},
             "quorum wait replicas 17 (--quorum-wait-replicas, SPOTTRAIN_QUORUM_WAIT_REPLICAS)",
         ),
+        (
+            {"quorum_join_timeout_ms": 10},
+            "quorum join timeout 10 ms (--quorum-join-timeout, SPOTTRAIN_QUORUM_JOIN_TIMEOUT)",
+        ),
     ],
 )
 def test_bad_replica_settings_are_refused_in_one_line(kw: dict, names: str) -> None:
@@ -179,3 +183,10 @@ def test_the_quorum_wait_flag_reaches_the_config(monkeypatch: pytest.MonkeyPatch
     assert args.quorum_wait_replicas == "2"
     args = build_parser().parse_args(["run", "--redis=127.0.0.1:1", "--quorum-wait-replicas=1"])
     assert args.quorum_wait_replicas == "1"
+    # The join timeout: the spec's resolved value through the env, or the flag.
+    monkeypatch.setenv("SPOTTRAIN_QUORUM_JOIN_TIMEOUT", "1350")
+    args = build_parser().parse_args(["run", "--redis=127.0.0.1:1"])
+    assert args.quorum_join_timeout == "1350"
+    args = build_parser().parse_args(["run", "--redis=127.0.0.1:1", "--quorum-join-timeout=400"])
+    assert args.quorum_join_timeout == "400"
+    assert _cfg().quorum_join_timeout_ms == 250

@@ -24,7 +24,7 @@ from spottrain.spec import (
     parse_spec,
     replica_agent_env,
 )
-from spottrain.spec.replica import allowed_gpu_types
+from spottrain.spec.replica import allowed_gpu_types, auto_join_timeout_ms, join_timeout_ms
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 
@@ -101,7 +101,7 @@ def test_replica_mode_parses_with_its_settings() -> None:
         (
             _replica(LOCAL, nodes=2),
             "train.replica.nodes (line 9): unknown key; allowed here: nodes_per_replica, "
-            "min_replicas, quorum, heartbeat_timeout_s, wait_replicas",
+            "min_replicas, quorum, heartbeat_timeout_s, wait_replicas, join_timeout_ms",
         ),
         (
             _replica(LOCAL, quorum="etcd"),
@@ -124,6 +124,29 @@ def test_replica_mode_parses_with_its_settings() -> None:
             "(top level): train.replica.heartbeat_timeout_s: applies to the Redis quorum only "
             "(quorum: redis); torchft's lighthouse runs with its own fixed settings: remove it "
             "or use quorum: redis",
+        ),
+        (
+            _replica(LOCAL, quorum="lighthouse", join_timeout_ms=500),
+            "(top level): train.replica.join_timeout_ms: applies to the Redis quorum only "
+            "(quorum: redis); torchft's lighthouse runs with its own fixed settings: remove it "
+            "or use quorum: redis",
+        ),
+        (
+            _replica(LOCAL, join_timeout_ms=10),
+            "train.replica.join_timeout_ms (line 9): must be from 50 to 60000 ms (or auto): "
+            "below 50 ms every changed round forms before its replicas are served; past 60 s "
+            "it nears the workers' 120 s quorum timeout (got 10)",
+        ),
+        (
+            _replica(LOCAL, join_timeout_ms="soon"),
+            "train.replica.join_timeout_ms (line 9): use auto or a whole number of "
+            "milliseconds from 50 to 60000 (got 'soon')",
+        ),
+        (
+            _with(LOCAL, "train.replica", {"join_timeout_ms": 500}),
+            "train (line 5): replica (nodes_per_replica 1, min_replicas 1, join_timeout_ms "
+            "500) applies only in replica mode: set fault_tolerance: replica, or drop the "
+            "replica block",
         ),
         (
             _replica(LOCAL, wait_replicas=-1),
@@ -227,6 +250,27 @@ def test_the_agent_settings_of_a_replica_job() -> None:
     slow = _parse(_replica(LOCAL, heartbeat_timeout_s=5))
     assert replica_agent_env(slow)[env_names.ENV_QUORUM_HEARTBEAT_TIMEOUT] == "5"
     assert env_names.ENV_QUORUM_HEARTBEAT_TIMEOUT not in replica_agent_env(spec)
+    # The join timeout: sent only when it is not 250 ms (auto at 4 replicas is 250).
+    assert env_names.ENV_QUORUM_JOIN_TIMEOUT not in replica_agent_env(spec)
+    patient = _parse(_replica(LOCAL, join_timeout_ms=800))
+    assert replica_agent_env(patient)[env_names.ENV_QUORUM_JOIN_TIMEOUT] == "800"
+    big = _parse(_replica(VALID, {"min": 16, "max": 10_000, "gpus": 8}))
+    assert replica_agent_env(big)[env_names.ENV_QUORUM_JOIN_TIMEOUT] == "1080"
+    assert "with a 1080 ms join timeout (auto);" in str(describe_replica(big))
+    fixed = _parse(_replica(VALID, {"min": 16, "max": 10_000, "gpus": 8}, join_timeout_ms=300))
+    assert "with a 300 ms join timeout;" in str(describe_replica(fixed))
+
+
+def test_the_automatic_join_timeout_grows_with_the_fleet_past_250_ms() -> None:
+    # 54 µs of Redis CPU per replica per round (bench/quorum_scale.py), twice over.
+    assert [auto_join_timeout_ms(n) for n in (0, 1, 100, 2314, 2315)] == [250] * 4 + [251]
+    assert auto_join_timeout_ms(3000) == 324  # exact: no float rounding up to 325
+    assert auto_join_timeout_ms(12_500) == 1350
+    assert auto_join_timeout_ms(10_000_000) == 60_000  # the spec's bound
+    # The spec's replicas are nodes.max / nodes_per_replica.
+    spec = _parse(_replica(VALID, {"min": 16, "max": 9_600, "gpus": 8}, nodes_per_replica=2))
+    assert join_timeout_ms(spec) == auto_join_timeout_ms(4800) == 519
+    assert _parse(_replica(LOCAL, join_timeout_ms="auto")) == _parse(_replica(LOCAL))
 
 
 def test_validates_line_names_the_mode_the_replicas_and_where_torchft_comes_from() -> None:
@@ -235,14 +279,15 @@ def test_validates_line_names_the_mode_the_replicas_and_where_torchft_comes_from
     )
     assert describe_replica(local) == (
         "fault tolerance replica: 2 node(s) per replica, 2-4 replicas, a step commits with at "
-        "least 2 replica(s), its quorum in the run's Redis; the local VMs run in this venv, "
-        "which needs spottrain[replica] (torchft)"
+        "least 2 replica(s), its quorum in the run's Redis with a 250 ms join "
+        "timeout (auto); the local VMs run in this venv, which needs spottrain[replica] (torchft)"
     )
     image = _parse(_replica(VALID))
     assert describe_replica(image) == (
         "fault tolerance replica: 1 node(s) per replica, 2-4 replicas, a step commits with at "
-        "least 1 replica(s), its quorum in the run's Redis; the image must hold torchft (pip "
-        "install 'spottrain[agent,replica]'): nothing installs it at boot"
+        "least 1 replica(s), its quorum in the run's Redis with a 250 ms join "
+        "timeout (auto); the image must hold torchft (pip install "
+        "'spottrain[agent,replica]'): nothing installs it at boot"
     )
     lighthouse = _parse(_replica(VALID, quorum="lighthouse"))
     assert "its quorum from torchft's lighthouse, which the controller runs;" in str(
