@@ -42,6 +42,11 @@ create_controller = true
 # nodes_per_replica = 1
 # min_replicas      = 2
 # replica_quorum    = "redis"
+# With the Redis quorum (the spec's train.replica.wait_replicas, heartbeat_timeout_s,
+# join_timeout_ms; "auto" scales the join timeout with the fleet):
+# replica_wait_replicas       = 0
+# replica_heartbeat_timeout_s = 1
+# replica_join_timeout_ms     = "auto"
 enable_ssm        = true
 # Where engineers run `spottrain status` / `logs` from (the VPN), never 0.0.0.0/0.
 controller_cidrs = ["10.100.0.0/16"]

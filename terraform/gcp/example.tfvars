@@ -45,3 +45,8 @@ create_controller = true
 # nodes_per_replica = 1
 # min_replicas      = 2
 # replica_quorum    = "redis"
+# With the Redis quorum (the spec's train.replica.wait_replicas, heartbeat_timeout_s,
+# join_timeout_ms; "auto" scales the join timeout with the fleet):
+# replica_wait_replicas       = 0
+# replica_heartbeat_timeout_s = 1
+# replica_join_timeout_ms     = "auto"

@@ -102,13 +102,22 @@ locals {
   # what it was before replica mode existed (no new instance template on upgrade). The
   # lighthouse's address only with that quorum.
   # tests/unit/terraform/replica_values.py reads these lines; change both together.
+  # The Redis quorum's settings only with it (the lighthouse has its own, fixed).
   replica_env_lines = local.replica ? join("", [for line in concat([
     "SPOTTRAIN_FAULT_TOLERANCE=\"replica\"",
     "SPOTTRAIN_NODES_PER_REPLICA=\"${var.nodes_per_replica}\"",
     "SPOTTRAIN_MIN_REPLICAS=\"${var.min_replicas}\"",
     "SPOTTRAIN_QUORUM=\"${var.replica_quorum}\"",
     "SPOTTRAIN_MANAGER_PORT=\"${var.manager_port}\"",
-  ], local.lighthouse ? ["SPOTTRAIN_LIGHTHOUSE=\"${local.lighthouse_address}\""] : []) : "${line}\n"]) : ""
+  ], local.lighthouse ? ["SPOTTRAIN_LIGHTHOUSE=\"${local.lighthouse_address}\""] : [], local.lighthouse ? [] : [
+    "SPOTTRAIN_QUORUM_WAIT_REPLICAS=\"${var.replica_wait_replicas}\"",
+    "SPOTTRAIN_QUORUM_HEARTBEAT_TIMEOUT=\"${var.replica_heartbeat_timeout_s}\"",
+    "SPOTTRAIN_QUORUM_JOIN_TIMEOUT=\"${local.replica_join_timeout_ms}\"",
+  ]) : "${line}\n"]) : ""
+  # The Redis quorum's join timeout in ms, "auto" resolved as the spec does
+  # (spottrain.spec.replica.auto_join_timeout_ms): twice Redis's ~54 µs per replica per round
+  # (bench/quorum_scale.py) for the largest fleet, never below 250 ms nor above 60 s.
+  replica_join_timeout_ms = var.replica_join_timeout_ms == "auto" ? min(60000, max(250, ceil(2 * floor(var.nnodes_max / var.nodes_per_replica) * 54 / 1000))) : tonumber(var.replica_join_timeout_ms)
   # torchft, for the workers' managers: a second requirement of the same pinned release,
   # whose extras pip merges with the first's.
   replica_requirement = local.replica ? " 'spottrain[replica]==${var.spottrain_version}'" : ""

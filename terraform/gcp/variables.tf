@@ -243,6 +243,42 @@ variable "replica_quorum" {
   }
 }
 
+variable "replica_wait_replicas" {
+  type        = number
+  description = "Replica mode with replica_quorum = \"redis\": the Redis replicas that must hold each formed round before it is used (the spec's train.replica.wait_replicas; Redis WAIT; 0: none). Set it with a replicated Redis and min-replicas-to-write, so a failover never hands out a quorum id twice."
+  default     = 0
+  nullable    = false
+
+  validation {
+    condition     = var.replica_wait_replicas >= 0 && var.replica_wait_replicas <= 16 && floor(var.replica_wait_replicas) == var.replica_wait_replicas
+    error_message = "replica_wait_replicas must be a whole number from 0 to 16 (Redis replicas to WAIT for)."
+  }
+}
+
+variable "replica_heartbeat_timeout_s" {
+  type        = number
+  description = "Replica mode with replica_quorum = \"redis\": seconds without a heartbeat before the quorum drops a replica (the spec's train.replica.heartbeat_timeout_s). 1 s up to ~1,500 replicas; heartbeats cost Redis about replicas x 5 / timeout script calls a second, so raise it for more (5 s at 12,500)."
+  default     = 1
+  nullable    = false
+
+  validation {
+    condition     = var.replica_heartbeat_timeout_s >= 0.2 && var.replica_heartbeat_timeout_s <= 300
+    error_message = "replica_heartbeat_timeout_s must be from 0.2 to 300 seconds."
+  }
+}
+
+variable "replica_join_timeout_ms" {
+  type        = string
+  description = "Replica mode with replica_quorum = \"redis\": milliseconds a changed quorum waits for late replicas before it forms without them (the spec's train.replica.join_timeout_ms): \"auto\" (the default) scales it with the fleet as the spec does, max(250, 2 x replicas x 0.054) with replicas = nnodes_max / nodes_per_replica, or a whole number from 50 to 60000."
+  default     = "auto"
+  nullable    = false
+
+  validation {
+    condition     = var.replica_join_timeout_ms == "auto" || (can(regex("^[0-9]{2,5}$", var.replica_join_timeout_ms)) && try(tonumber(var.replica_join_timeout_ms) >= 50 && tonumber(var.replica_join_timeout_ms) <= 60000, false))
+    error_message = "replica_join_timeout_ms must be \"auto\" or a whole number of milliseconds from 50 to 60000."
+  }
+}
+
 variable "lighthouse_port" {
   type        = number
   description = "Replica mode with replica_quorum = \"lighthouse\": the TCP port of the torchft lighthouse on the controller VM; the fleet, and only the fleet, may reach it there."

@@ -10,6 +10,7 @@ reserved internal address on GCP); the caller gives it.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -18,10 +19,18 @@ LIGHTHOUSE = '${local.replica && var.replica_quorum == "lighthouse"}'
 REQUIREMENT = '${local.replica ? " \'spottrain[replica]==${var.spottrain_version}\'" : ""}'
 _ENV_LINES = re.compile(
     r'^\$\{local\.replica \? join\("", \[for line in concat\(\[(?P<items>.*)\], '
-    r"local\.lighthouse \? \[(?P<lighthouse>.*)\] : \[\]\) : "
+    r"local\.lighthouse \? \[(?P<lighthouse>.*)\] : \[\], "
+    r"local\.lighthouse \? \[\] : \[(?P<redis>.*)\]\) : "
     r'"\$\{line\}\\n"\]\) : ""\}$',
     re.S,
 )
+# The Redis quorum's join timeout, "auto" resolved as the spec does; NODES is each module's
+# nodes_max variable.
+JOIN_TIMEOUT = (
+    '${var.replica_join_timeout_ms == "auto" ? min(60000, max(250, ceil(2 * floor(var.NODES '
+    "/ var.nodes_per_replica) * 54 / 1000))) : tonumber(var.replica_join_timeout_ms)}"
+)
+NODES_MAX = ("nodes_max", "nnodes_max")
 _STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _REF = re.compile(r"\$\{(var|local)\.([A-Za-z_][A-Za-z0-9_]*)\}")
 # Where each module's lighthouse address comes from.
@@ -31,12 +40,15 @@ LIGHTHOUSE_ADDRESS = {
 }
 
 
-def env_line_templates(locals_: dict[str, Any], lighthouse: bool = True) -> list[str]:
+def env_line_templates(locals_: dict[str, Any], lighthouse: bool | None = None) -> list[str]:
     """The lines of ``local.replica_env_lines``, unescaped, with their references in place:
-    every replica run's, then (``lighthouse``) the lighthouse quorum's own."""
+    every replica run's, then the lighthouse quorum's own (``lighthouse`` True) or the Redis
+    quorum's (False); None: all of them."""
     m = _ENV_LINES.match(str(locals_["replica_env_lines"]))
     assert m, f"local.replica_env_lines changed shape: {locals_['replica_env_lines']}"
-    groups = ["items", "lighthouse"] if lighthouse else ["items"]
+    groups = {None: ["items", "lighthouse", "redis"], True: ["items", "lighthouse"]}.get(
+        lighthouse, ["items", "redis"]
+    )
     return [s.replace('\\"', '"') for g in groups for s in _STRING.findall(m[g])]
 
 
@@ -53,6 +65,8 @@ def replica_values(
 
     def ref(m: re.Match[str]) -> str:
         kind, name = m.groups()
+        if kind == "local" and name == "replica_join_timeout_ms":
+            return str(join_timeout_ms(locals_, inputs))
         if kind == "local":
             assert name == "lighthouse_address", f"cannot evaluate local.{name}"
             return lighthouse
@@ -64,3 +78,15 @@ def replica_values(
         "replica_env_lines": "".join(lines),
         "replica_requirement": f" 'spottrain[replica]=={inputs['spottrain_version']}'",
     }
+
+
+def join_timeout_ms(locals_: dict[str, Any], inputs: dict[str, Any]) -> int:
+    """``local.replica_join_timeout_ms`` as Terraform evaluates it for ``inputs``."""
+    expr = str(locals_["replica_join_timeout_ms"])
+    nodes = [n for n in NODES_MAX if expr == JOIN_TIMEOUT.replace("NODES", n)]
+    assert nodes, f"local.replica_join_timeout_ms changed shape: {expr}"
+    raw = str(inputs["replica_join_timeout_ms"])
+    if raw != "auto":
+        return int(raw)
+    replicas = math.floor(int(inputs[nodes[0]]) / int(inputs["nodes_per_replica"]))
+    return min(60000, max(250, math.ceil(2 * replicas * 54 / 1000)))

@@ -88,6 +88,9 @@ VARIABLES = {
     "replica_quorum": "redis",
     "lighthouse_port": "29510",
     "manager_port": "29512",
+    "replica_wait_replicas": "0",
+    "replica_heartbeat_timeout_s": "1",
+    "replica_join_timeout_ms": "auto",
 }
 # The controller VM's private address, as AWS would give it.
 CONTROLLER_IP = "10.0.3.21"

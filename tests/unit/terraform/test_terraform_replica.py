@@ -32,7 +32,11 @@ from spottrain.protocol.env import (
     ENV_MIN_REPLICAS,
     ENV_NODES_PER_REPLICA,
     ENV_QUORUM,
+    ENV_QUORUM_HEARTBEAT_TIMEOUT,
+    ENV_QUORUM_JOIN_TIMEOUT,
+    ENV_QUORUM_WAIT_REPLICAS,
 )
+from spottrain.spec.replica import auto_join_timeout_ms
 
 CLOUDS = ["aws", "gcp"]
 REPLICA_VARIABLES = {
@@ -42,6 +46,9 @@ REPLICA_VARIABLES = {
     "replica_quorum": "redis",
     "lighthouse_port": 29510,
     "manager_port": 29512,
+    "replica_wait_replicas": 0,
+    "replica_heartbeat_timeout_s": 1,
+    "replica_join_timeout_ms": "auto",
 }
 # A replica-mode fleet: 3 replicas of 2 nodes at most, a quorum of at least 2, in Redis.
 REPLICA = {
@@ -51,9 +58,13 @@ REPLICA = {
     "replica_quorum": "redis",
     "lighthouse_port": 29610,
     "manager_port": 29612,
+    "replica_wait_replicas": 1,
+    "replica_heartbeat_timeout_s": 2.5,
+    "replica_join_timeout_ms": "auto",
 }
-# The same with torchft's lighthouse on the controller VM.
-LIGHTHOUSE = {**REPLICA, "replica_quorum": "lighthouse"}
+# The same with torchft's lighthouse on the controller VM (whose settings are its own).
+REDIS_SETTINGS = {"replica_wait_replicas": 0, "replica_heartbeat_timeout_s": 1}
+LIGHTHOUSE = {**REPLICA, **REDIS_SETTINGS, "replica_quorum": "lighthouse"}
 # Each module names the fleet's size its own way.
 NODES = {"aws": ("nodes_min", "nodes_max"), "gcp": ("nnodes_min", "nnodes_max")}
 FLEET_RESOURCE = {
@@ -87,14 +98,29 @@ def _hcl_condition(condition: str, variables: dict[str, Any]) -> bool:
     expr = condition.strip()
     assert expr.startswith("${") and expr.endswith("}"), condition
     expr = expr[2:-1]
-    allowed = re.sub(r'"[^"]*"|var\.\w+|local\.replica|floor|contains|true|false', "", expr)
-    assert re.fullmatch(r"[\s\d()\[\],<>=!&|%*+-]*", allowed), f"cannot evaluate: {condition}"
+    allowed = re.sub(
+        r'"[^"]*"|var\.\w+|local\.replica|floor|contains|can|regex|try|tonumber|true|false',
+        "",
+        expr,
+    )
+    assert re.fullmatch(r"[\s\d.()\[\],<>=!&|%*+-]*", allowed), f"cannot evaluate: {condition}"
     expr = re.sub(r"var\.(\w+)", r'V["\1"]', expr)
     expr = expr.replace("local.replica", '(V["fault_tolerance"] == "replica")')
     expr = expr.replace("&&", " and ").replace("||", " or ")
     expr = re.sub(r"!(?!=)", " not ", expr)
     expr = expr.replace("true", "True").replace("false", "False")
-    names = {"V": variables, "floor": math.floor, "contains": lambda xs, x: x in xs}
+    expr = re.sub(r"\btry\(", "try_(", expr)  # a Python keyword
+    names = {
+        "V": variables,
+        "floor": math.floor,
+        "contains": lambda xs, x: x in xs,
+        # Terraform's regex() fails where nothing matches, and can() makes that false; try()
+        # makes a failed tonumber() its fallback: here NaN, which no comparison holds for.
+        "can": lambda x: x is not None,
+        "regex": lambda pattern, s: re.search(pattern, s),
+        "try_": lambda x, fallback: x,
+        "tonumber": lambda s: float(s) if re.fullmatch(r"-?[0-9.]+", s) else math.nan,
+    }
     return bool(eval(expr, {"__builtins__": {}}, names))
 
 
@@ -148,6 +174,13 @@ def test_replica_variables_are_declared_with_their_defaults(
         ("replica_quorum", ["redis", "lighthouse"], ["Redis", "etcd", ""]),
         ("lighthouse_port", [29510, 1024, 65535], [80, 0, 65536, 29510.5]),
         ("manager_port", [29512], [22, 70000]),
+        ("replica_wait_replicas", [0, 1, 16], [-1, 17, 0.5]),
+        ("replica_heartbeat_timeout_s", [0.2, 1, 5, 300], [0.1, 0, 301]),
+        (
+            "replica_join_timeout_ms",
+            ["auto", "50", "1350", "60000"],
+            ["", "Auto", "49", "1e3", "60001", "250.5", "-250"],
+        ),
     ],
 )
 def test_replica_variables_refuse_what_cannot_work(
@@ -163,7 +196,7 @@ def test_fleet_refuses_a_replica_mode_that_cannot_form_a_quorum(
     mods: dict[str, Module], cloud: str
 ) -> None:
     mod = mods[cloud]
-    assert len(_replica_preconditions(mod, cloud)) == 4
+    assert len(_replica_preconditions(mod, cloud)) == 5
     assert _fleet_accepts(mod, cloud) == [], "elastic mode at the defaults"
     assert _fleet_accepts(mod, cloud, **REPLICA, lo=4, hi=6) == []
     assert _fleet_accepts(mod, cloud, **LIGHTHOUSE, lo=4, hi=6) == []
@@ -179,6 +212,16 @@ def test_fleet_refuses_a_replica_mode_that_cannot_form_a_quorum(
     assert "apply only with fault_tolerance" in stray
     (stray,) = _fleet_accepts(mod, cloud, replica_quorum="lighthouse", lo=2, hi=6)
     assert "replica_quorum (${var.replica_quorum}) apply only with fault_tolerance" in stray
+    # The Redis quorum's own settings mean nothing to the lighthouse: refused, as the spec does.
+    for name, value in (
+        ("replica_wait_replicas", 1),
+        ("replica_heartbeat_timeout_s", 5),
+        ("replica_join_timeout_ms", "500"),
+    ):
+        (own,) = _fleet_accepts(mod, cloud, **{**LIGHTHOUSE, name: value}, lo=4, hi=6)
+        assert own.startswith("replica_wait_replicas (${var.replica_wait_replicas}), ")
+        assert "apply to the Redis quorum only" in own
+    assert _fleet_accepts(mod, cloud, **{**REPLICA, "replica_join_timeout_ms": "500"}, lo=4) == []
 
 
 def test_controller_refuses_a_job_spec_in_another_mode(mods: dict[str, Module], cloud: str) -> None:
@@ -192,10 +235,16 @@ def test_controller_refuses_a_job_spec_in_another_mode(mods: dict[str, Module], 
         ("train.replica.nodes_per_replica", "1", "nodes_per_replica"),
         ("train.replica.min_replicas", "1", "min_replicas"),
         ("train.replica.quorum", '"redis"', "replica_quorum"),
+        ("train.replica.wait_replicas", "0", "replica_wait_replicas"),
+        ("train.replica.heartbeat_timeout_s", "1", "replica_heartbeat_timeout_s"),
     ]:
         # The spec's defaults are the job spec's own (spottrain/spec/sections.py).
         assert f"try(yamldecode(var.{spec}).{key}, {default}) == var.{variable}" in condition
+    # "auto" or a number in the spec; the variable is text either way.
+    join = f'try(tostring(yamldecode(var.{spec}).train.replica.join_timeout_ms), "auto")'
+    assert f"{join} == var.replica_join_timeout_ms" in condition
     assert check["error_message"].startswith(f"{spec}: ")
+    assert "replica_join_timeout_ms (${var.replica_join_timeout_ms})" in check["error_message"]
 
 
 # --- the agent's environment and packages -------------------------------------------------
@@ -218,6 +267,7 @@ def _replica_env(
     return script, env, address
 
 
+REDIS_NAMES = {ENV_QUORUM_WAIT_REPLICAS, ENV_QUORUM_HEARTBEAT_TIMEOUT, ENV_QUORUM_JOIN_TIMEOUT}
 REPLICA_NAMES = {
     ENV_FAULT_TOLERANCE,
     ENV_NODES_PER_REPLICA,
@@ -225,7 +275,7 @@ REPLICA_NAMES = {
     ENV_QUORUM,
     ENV_MANAGER_PORT,
     ENV_LIGHTHOUSE,
-}
+} | REDIS_NAMES
 
 
 def test_replica_mode_gives_the_agent_its_replica_settings(
@@ -239,12 +289,17 @@ def test_replica_mode_gives_the_agent_its_replica_settings(
         ENV_MIN_REPLICAS: "2",
         ENV_QUORUM: "redis",
         ENV_MANAGER_PORT: "29612",
+        ENV_QUORUM_WAIT_REPLICAS: "1",
+        ENV_QUORUM_HEARTBEAT_TIMEOUT: "2.5",
+        # "auto" at 4 replicas (8 nodes of 2): the spec's own rule, resolved here.
+        ENV_QUORUM_JOIN_TIMEOUT: str(auto_join_timeout_ms(4)),
     }
     assert ENV_LIGHTHOUSE not in env  # the Redis quorum has no address of its own
     (tmp_path / "lighthouse").mkdir()
     script, env, address = _replica_env(mods, cloud, tmp_path / "lighthouse", **LIGHTHOUSE)
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     assert (env[ENV_QUORUM], env[ENV_LIGHTHOUSE]) == ("lighthouse", f"{address}:29610")
+    assert not REDIS_NAMES & set(env)  # the lighthouse's settings are its own
     # The lines the module writes use exactly the protocol's names, nothing more.
     locals_ = aws_t._locals(mods[cloud])
     written = {t.split("=", 1)[0] for t in env_line_templates(locals_)}
@@ -267,7 +322,10 @@ def test_the_agent_reads_the_replica_settings(
     mods: dict[str, Module], cloud: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agent_cli.build_parser()  # fills RUN_ENV_VARS
-    for n, variables in enumerate((REPLICA, LIGHTHOUSE)):
+    # A fleet of 5,000 replicas, where "auto" is past 250 ms, and a join timeout given.
+    big = {**REPLICA, NODES[cloud][1]: 10_000, "nodes_per_replica": 2}
+    given = {**REPLICA, "replica_join_timeout_ms": "700"}
+    for n, variables in enumerate((REPLICA, LIGHTHOUSE, big, given)):
         (tmp_path / str(n)).mkdir()
         _, env, address = _replica_env(mods, cloud, tmp_path / str(n), **variables)
         unread = set(env) - agent_cli.RUN_ENV_VARS
@@ -283,6 +341,15 @@ def test_the_agent_reads_the_replica_settings(
         lighthouse = f"{address}:29610" if args.quorum == "lighthouse" else ""
         assert args.lighthouse == lighthouse
         assert int(args.manager_port) == 29612
+        # The Redis quorum's settings reach the agent's own flags (defaults with the
+        # lighthouse, which the module writes none of).
+        redis = variables["replica_quorum"] == "redis"
+        wait, heartbeat = (1, 2.5) if redis else (0, 1.0)
+        assert int(args.quorum_wait_replicas) == wait
+        assert float(args.quorum_heartbeat_timeout) == heartbeat
+        join = int(args.quorum_join_timeout)
+        assert join == {0: 250, 1: 250, 2: auto_join_timeout_ms(5000), 3: 700}[n]
+    assert auto_join_timeout_ms(5000) == 540
 
 
 def _pip_requirements(script: str) -> list[Requirement]:
