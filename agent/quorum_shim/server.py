@@ -16,6 +16,10 @@ answered from the run's Redis through :class:`spottrain.quorum.client.QuorumClie
 - **HeartbeatAges** (``/spottrain.QuorumShim/HeartbeatAges``, ours): the local workers'
   watchdogs read their peers' heartbeat ages here, not from Redis, so a VM's ranks cost
   Redis no connections of their own; concurrent polls share one Redis read.
+- **Refused** (``/spottrain.QuorumShim/Refused``, ours): whether this shim refused a
+  replica id; the workers ask while a quorum call takes long, and exit to be restarted under
+  a new id when it did (torchft's manager would retry the refused call for its whole quorum
+  timeout).
 - A replica id Redis dropped or that left is refused for good: its manager gets an error
   and must be restarted, which joins under a new id (torchft adds a fresh uuid). The shim
   also applies the quorum's rule itself: a manager heard from again after a silence longer
@@ -191,7 +195,10 @@ class LighthouseShim:
             {
                 "HeartbeatAges": grpc.unary_unary_rpc_method_handler(
                     self._ages, request_deserializer=bytes, response_serializer=bytes
-                )
+                ),
+                "Refused": grpc.unary_unary_rpc_method_handler(
+                    self._refused, request_deserializer=bytes, response_serializer=bytes
+                ),
             },
         )
         self._ages_lock = threading.Lock()
@@ -373,6 +380,18 @@ class LighthouseShim:
             answer = json.dumps(ages).encode()
             self._ages_last = (request, now, answer)
             return answer
+
+    # -- Refused ----------------------------------------------------------------------------
+    def refused_why(self, replica_id: str) -> str | None:
+        """Why this shim refuses ``replica_id`` for good, or None."""
+        with self._lock:
+            return self._gone.get(replica_id)
+
+    def _refused(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """``request``: a replica id; the answer: why it is refused, empty if it is not. The
+        workers' refusal guard asks this while their quorum call hangs in torchft's retries
+        (:mod:`spottrain.agent.replica.refusal`): answered locally, Redis is not read."""
+        return (self.refused_why(request.decode()) or "").encode()
 
     # -- leave ------------------------------------------------------------------------------
     def local_ids(self) -> list[str]:

@@ -55,6 +55,7 @@ from .groups import make_group
 from .plan import StepPlan, make_plan
 from .quorum import RecordingClient
 from .reduction import local_part, reduce_in_stages, refuse_shards_as_replicated
+from .refusal import RefusalGuard, shim_refused
 from .watchdog import Watchdog
 
 log = logging.getLogger("spottrain.replica")
@@ -125,6 +126,14 @@ def _heartbeat_source(cfg: EngineConfig) -> Any:
     return shim_ages(cfg.lighthouse)
 
 
+def _refusal_guard(cfg: EngineConfig) -> RefusalGuard | None:
+    """With the Redis quorum, the guard that restarts this replica once the quorum refused
+    its id (:mod:`.refusal`); torchft's lighthouse refuses no id."""
+    if os.environ.get(ENV_QUORUM) != "redis":
+        return None
+    return RefusalGuard(shim_refused(cfg.lighthouse))
+
+
 def _int_env(name: str, default: int) -> int:
     raw = os.environ.get(name, "")
     if not raw:
@@ -186,6 +195,8 @@ class ReplicaEngine:
         self.watchdog = Watchdog(
             _heartbeat_source(cfg), self.group, self.recorder, peer_timeout_s=cfg.peer_timeout_s
         )
+        self.refusal = _refusal_guard(cfg)
+        self._manager_id: str | None = None
         self.discarded = 0
         self.quorum_wait_s: list[float] = []
         self.plan: StepPlan | None = None
@@ -200,7 +211,13 @@ class ReplicaEngine:
     def begin_step(self, global_batch: int, micro_batch: int) -> StepPlan:
         """The synchronous quorum of the next step, and this replica's part of it."""
         t0 = time.monotonic()
-        self.manager.start_quorum()
+        if self.refusal is not None:
+            self.refusal.arm(self.manager_id)
+        try:
+            self.manager.start_quorum()
+        finally:
+            if self.refusal is not None:
+                self.refusal.disarm()
         self.quorum_wait_s.append(time.monotonic() - t0)
         view = self.recorder.last
         participants = int(self.manager.num_participants())
@@ -217,6 +234,14 @@ class ReplicaEngine:
         )
         self.watchdog.watch(view)
         return self.plan
+
+    @property
+    def manager_id(self) -> str:
+        """This incarnation's id in the quorum (``<replica id>:<uuid>``: a restarted worker's
+        manager has a new one), as the replica's rank 0 published it in the store."""
+        if self._manager_id is None:
+            self._manager_id = self.manager._store.get("replica_id").decode()
+        return self._manager_id
 
     def reduce(self, tensors: list[torch.Tensor], *, replicated: bool = True) -> bool:
         """SUM ``tensors`` across the step's replicas, in place; False when this rank's
@@ -365,5 +390,7 @@ class ReplicaEngine:
             return
         self._closed = True
         self.watchdog.stop()
+        if self.refusal is not None:
+            self.refusal.stop()
         self.manager.shutdown(wait=False)
         self.group.abort_now()

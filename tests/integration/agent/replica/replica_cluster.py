@@ -163,9 +163,10 @@ class Cluster:
     def with_lighthouse(cls, tmp: Path, lighthouse: Lighthouse) -> Cluster:
         return cls(tmp, lighthouse)
 
-    def quorum_env(self, name: str) -> dict[str, str]:
+    def quorum_env(self, name: str, shim: LighthouseShim | None = None) -> dict[str, str]:
         """The quorum variables of one replica's workers; with the Redis quorum, a new shim
-        (each launch is a new "VM" with its own agent)."""
+        (each launch is a new "VM" with its own agent) unless ``shim`` is given (the same
+        VM's workers restarted by its torchrun)."""
         if self.lighthouse is not None:
             env = {ENV_LIGHTHOUSE: self.lighthouse.addr}
             if self.redis_url and self.run_id:
@@ -175,6 +176,14 @@ class Cluster:
             if self.redis is None:
                 self.redis = RedisServer(self.tmp / "redis").start()
             self.redis_url, self.run_id = self.redis.endpoint, f"t-{os.getpid()}-{id(self)}"
+        if shim is not None:
+            self.last_shim = shim
+            return {
+                ENV_LIGHTHOUSE: shim.address,
+                ENV_QUORUM: "redis",
+                ENV_REDIS: self.redis_url,
+                ENV_RUN_ID: self.run_id,
+            }
         config = QuorumConfig(
             heartbeat_timeout_ms=HEARTBEAT_MS,
             join_timeout_ms=JOIN_MS,
@@ -190,14 +199,20 @@ class Cluster:
             ENV_RUN_ID: self.run_id,
         }
 
-    def start(self, name: str, *args: str, ckpt: Path | None = None) -> Replica:
+    def start(
+        self,
+        name: str,
+        *args: str,
+        ckpt: Path | None = None,
+        shim: LighthouseShim | None = None,
+    ) -> Replica:
         progress = self.tmp / f"{name}-{len(self.replicas)}.jsonl"
         log = self.tmp / f"{name}-{len(self.replicas)}.log"
         env = dict(os.environ)
         env.update(
             {
                 ENV_REPLICA_ID: name,
-                **self.quorum_env(name),
+                **self.quorum_env(name, shim),
                 ENV_MIN_REPLICAS: str(self.min_replicas),
                 ENV_MANAGER_PORT: str(free_port()),
                 ENV_NODE: f"node-{name}",

@@ -1,7 +1,8 @@
 """Replica mode under faults, with real torchft managers on the Redis quorum (a lighthouse
 shim per replica): a peer killed, a joiner healing from a live peer, the run's Redis
-restarted (AOF); a peer frozen mid all-reduce, then woken after it was dropped (it cannot
-rejoin under its old id). torchft's own lighthouse, kept for comparison: restarted mid-run.
+restarted (AOF); a peer frozen mid all-reduce, then woken after it was dropped (refused
+under its old id, it exits at once and its restart joins under a new one). torchft's own
+lighthouse, kept for comparison: restarted mid-run.
 
 Each test prints the figures it measures (``pytest -s ... | grep FIGURE``)."""
 
@@ -14,6 +15,9 @@ import time
 
 import pytest
 from replica_cluster import Cluster, Replica, figure, max_gap, wait_for
+
+from spottrain.agent.quorum_shim.server import LighthouseShim
+from spottrain.agent.replica.refusal import EXIT_REPLICA_GONE
 
 pytestmark = pytest.mark.slow
 
@@ -121,23 +125,48 @@ def test_peer_frozen_during_allreduce_discards_and_redoes_the_step(
     figure(f"freeze_stall_s[{path}]", redone[0]["t"] - before)
     if path == "ddp":
         return
-    # Woken long after Redis dropped it: its manager is refused under its old id (it would
-    # need a restart, which joins under a new one); the survivor never trains with it again
-    # (no split brain: the quorum holds one member).
-    assert b.shim is not None and a.shim is not None
+    # Woken long after Redis dropped it: its manager is refused under its old id, and its
+    # worker exits at once for torchrun to restart (torchft alone would retry the refused
+    # quorum for its 120 s quorum timeout); the survivor never trains with the old id again
+    # (no split brain: the quorum holds one member until the restart joins).
+    shim = b.shim
+    assert shim is not None and a.shim is not None
     woken_at = time.time()
     os.killpg(b.proc.pid, signal.SIGCONT)
-    wait_for(lambda: b.shim.refused, 30, "the woken replica's quorum to be refused")
-    wait_for(
-        lambda: sum(1 for r in a.committed() if r["t"] > woken_at) >= 5,
-        60,
-        "the survivor to go on after the wake",
-    )
-    assert all(r["participants"] == 1 for r in a.committed() if r["t"] > woken_at)
+    (old_id,) = wait_for(lambda: set(shim.refused), 30, "the woken replica to be refused")
+    # The guard: well inside the 120 s quorum timeout (a guard, not a speed check).
+    wait_for(lambda: b.proc.poll() is not None, 60, "the refused worker to exit")
+    assert b.proc.returncode == EXIT_REPLICA_GONE, b.tail()
+    assert f"replica {old_id} was refused by the quorum" in b.tail()
     # It may still finish the step it froze in (with the collective the survivor set
     # aside), never a later one.
     assert all(r["step"] == s for r in b.committed() if r["t"] > woken_at), b.committed()[-3:]
-    assert a.proc.poll() is None, a.tail()
+    assert all(r["participants"] == 1 for r in a.committed() if r["t"] > woken_at)
+    assert old_id not in _roster_ids(shim)
+
+    # torchrun's restart, on the same VM (the same shim): a new manager id joins, heals
+    # from the survivor and trains with it.
+    restarted_at = time.time()
+    c = cluster.start("replica-1", *ARGS, *extra, shim=shim)
+    healed = wait_for(lambda: c.events("healed"), 90, "the restarted replica to heal")[0]
+    wait_for(lambda: together(a, c, steps=3, after_t=healed["t"]), 60, "both training again")
+    (new_id,) = [i for i in _roster_ids(shim) if i.startswith("replica-1:")]
+    assert new_id != old_id and old_id.startswith("replica-1:")
+    assert shim.refused_why(new_id) is None and shim.refused_why(old_id)
+    # The order: refused, exited, restarted, trained together, never under the old id.
+    first_together = min(
+        r["t"] for r in a.committed() if r["participants"] == 2 and r["t"] > restarted_at
+    )
+    assert woken_at < restarted_at < first_together
+    assert a.proc.poll() is None and c.proc.poll() is None, a.tail() + c.tail()
+    assert_no_step_lost(a)
+    assert_quorum_ids_never_go_back(a)
+    figure("refused_to_exit_s", restarted_at - woken_at)
+
+
+def _roster_ids(shim: LighthouseShim) -> list[str]:
+    """The replica ids of the quorum Redis holds now."""
+    return [m.replica_id for m in shim.control.roster().members]
 
 
 def test_lighthouse_restarted_mid_run(lighthouse_cluster: Cluster) -> None:

@@ -4,6 +4,8 @@ how errors map to gRPC status codes."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -13,6 +15,7 @@ import redis
 from spottrain.agent.quorum_shim import proto
 from spottrain.agent.quorum_shim.roster import RosterCache, fake_roster, rebuild_cost
 from spottrain.agent.quorum_shim.server import LighthouseShim, status_of
+from spottrain.agent.replica.refusal import RefusalGuard, shim_refused
 from spottrain.agent.replica.watchdog import shim_ages
 from spottrain.quorum.errors import QuorumCorrupt, QuorumGone, QuorumTimeout
 from spottrain.quorum.model import Answer, Member, QuorumConfig, Roster
@@ -257,3 +260,37 @@ def test_a_replica_that_just_asked_for_a_quorum_sends_no_heartbeat() -> None:
     finally:
         channel.close()
         s.stop(0)
+
+
+def test_a_refused_replica_is_told_at_once_and_its_workers_guard_ends_the_wait(shim) -> None:
+    s, fake, clock, channel = shim
+    ask = shim_refused(s.address)
+    _heartbeat(channel, "b:u")
+    assert ask("b:u") is None and ask("never-seen:u") is None
+    calls: list[tuple[str, str]] = []
+    told = threading.Event()
+    guard = RefusalGuard(ask, lambda rid, why: (calls.append((rid, why)), told.set()), poll_s=0.01)
+    try:
+        # A quorum under way for a live id: the guard asks, learns nothing, does nothing.
+        guard.arm("b:u")
+        deadline = time.monotonic() + 10
+        while guard.asked < 3 and time.monotonic() < deadline:
+            told.wait(0.01)
+        assert guard.asked >= 3 and calls == []
+        guard.disarm()
+        # Frozen past the timeout, then woken: the manager's heartbeat gets it refused; its
+        # Quorum call fails at once (torchft would retry it for its whole quorum timeout) ...
+        clock.t += 1.5
+        _heartbeat(channel, "b:u")
+        assert fake.left == ["b:u"]
+        with pytest.raises(grpc.RpcError) as err:
+            _quorum(channel, "b:u")
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND
+        assert s.refused_why("b:u") == ask("b:u") and "silent for 1.5 s" in str(ask("b:u"))
+        # ... and the worker's guard, armed for that call, ends its wait.
+        guard.arm("b:u")
+        assert told.wait(10), "the guard never reported the refusal"
+        assert calls == [("b:u", str(ask("b:u")))]
+        assert ask("a:u") is None  # others go on
+    finally:
+        guard.stop()
