@@ -220,6 +220,8 @@ def _add_run_fleet_args(run: argparse.ArgumentParser) -> None:
 def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
     """Replica mode: each replica of --nodes-per-replica nodes runs its own torchrun and
     takes part in a fault-tolerant quorum across replicas."""
+    from spottrain.quorum.model import DEFAULT_JOIN_TIMEOUT_MS
+
     from .replica_launch import DEFAULT_MANAGER_PORT, DEFAULT_SHIM_PORT
 
     env = _env
@@ -260,7 +262,7 @@ def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--quorum-join-timeout",
-        default=env(ENV_QUORUM_JOIN_TIMEOUT, "250"),
+        default=env(ENV_QUORUM_JOIN_TIMEOUT, str(DEFAULT_JOIN_TIMEOUT_MS)),
         help="with --quorum redis: milliseconds a changed quorum waits for late replicas "
         "(the spec's train.replica.join_timeout_ms, resolved by the controller)",
     )

@@ -11,6 +11,7 @@ from spottrain.protocol.env import (
     ENV_QUORUM_WAIT_REPLICAS,
 )
 from spottrain.protocol.keys import DEFAULT_PREFIX
+from spottrain.quorum.model import DEFAULT_JOIN_TIMEOUT_MS
 
 from .replica_launch import DEFAULT_MANAGER_PORT, DEFAULT_SHIM_PORT, QUORUMS, check_lighthouse
 
@@ -85,7 +86,7 @@ class AgentConfig:
     quorum_heartbeat_timeout_s: float = 1.0
     # Milliseconds a changed Redis quorum waits for late replicas (the spec's resolved
     # train.replica.join_timeout_ms).
-    quorum_join_timeout_ms: int = 250
+    quorum_join_timeout_ms: int = DEFAULT_JOIN_TIMEOUT_MS
 
     @property
     def replica_mode(self) -> bool:

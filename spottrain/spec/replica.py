@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 # torchft's lighthouse's join timeout in this project (spottrain.quorum.model's default),
 # the floor of the automatic one.
 DEFAULT_JOIN_TIMEOUT_MS = 250
-# Redis CPU per replica per round: bench/quorum_scale.py measured 54 µs (INFO commandstats:
-# the request script plus its BLPOP, at 12,500 replicas), all on Redis's one thread.
+# Redis CPU per replica per round, all on Redis's one thread: 54 µs, measured by
+# bench/quorum_scale.py at 12,500 replicas (INFO commandstats: the request script, its BLPOP
+# and the heartbeats).
 REDIS_ROUND_US_PER_REPLICA = 54
 
 
