@@ -110,8 +110,11 @@ class LogShipper:
             while self.ship_one() and time.monotonic() < deadline:
                 pass
         self._give_up.set()
-        self.tail.close()
         left = self.chunker.held
+        uploading = len(self._threads) > 1 and self._threads[1].is_alive()
+        if left == 0 and not uploading:
+            self.tail.mark_shipped()
+        self.tail.close()
         if left and not self.capped:
             log.warning("log shipping: %d bytes of this node's output were not shipped", left)
         return left == 0 or self.capped
