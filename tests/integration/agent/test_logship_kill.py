@@ -1,7 +1,8 @@
 """A VM killed mid-chunk, against moto's S3 and the GCS fake: the shipper runs in a process
 of its own (as in the agent), ships a few chunks, and is SIGKILLed with a chunk half
 filled. Every chunk it shipped reads back whole (one gzip member of whole lines, numbered
-with no gaps), and what is lost is only what was written after the last cut."""
+with no gaps), and what is lost is only what was written after the last cut. And an
+agent that cannot start ships why."""
 
 from __future__ import annotations
 
