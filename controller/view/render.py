@@ -95,7 +95,7 @@ def _fleet(nodes: list[NodeRow], rows: int, wide: bool) -> Table:
         rest = zones[len(shown) :]
         counts = Counter(n.state for z in rest for n in z.nodes)
         table.add_row(
-            f"+{len(rest)} more zones",
+            f"+{len(rest)} more zones" if shown else f"{len(rest)} zones",
             *([""] * (2 if wide else 1)),
             str(sum(counts.values())),
             ", ".join(f"{c} {state}" for state, c in counts.most_common()),
@@ -113,7 +113,7 @@ def _event(e: EventRow) -> Text:
 def render(data: ViewData, width: int, height: int) -> RenderableType:
     """One frame of the live view for a ``width`` x ``height`` terminal."""
     s = data.summary
-    budget = max(6, height - 1)  # the line under the frame holds the cursor
+    budget = max(3, height - 1)  # the line under the frame holds the cursor
     elapsed = f"  {_duration(data.elapsed_s)}" if data.elapsed_s is not None else ""
     top: list[Text] = [
         _line(f"spottrain  run {data.run_id}  {s.phase}{elapsed}", "bold"),
@@ -128,7 +128,13 @@ def render(data: ViewData, width: int, height: int) -> RenderableType:
     if len(risk) < len(s.at_risk):
         bottom.append(_line(f"... {len(s.at_risk) - len(risk)} more nodes at risk", "yellow"))
     bottom += [_line(x, "red") for x in data.notes]
-    bottom.append(_line(f"{s.phase}: {s.reason or '-'}", "italic"))
+    reason = _line(f"{s.phase}: {s.reason or '-'}", "italic")
+    # Too short a terminal: the fleet (a header and a row) before the warnings, the last
+    # warnings (at risk, notes) first to go; the reason before any of them.
+    while bottom and len(top) + len(bottom) + 1 + 2 > budget:
+        bottom.pop()
+    bottom.append(reason)
+    top = top[: max(1, budget - len(bottom) - 2)]
 
     left = budget - len(top) - len(bottom)
     # The replica rows, the fleet table (header + rows) and the events share what is left.
