@@ -76,7 +76,7 @@ def prepare_code(spec: JobSpec, base_dir: Path, run_dir: Path) -> CodeRef:
         store = LocalStore(home_dir() / "store", create=True)
     with Waiting(f"uploading the code ({size(archive.size)}) to {store.url()}") as wait:
         url = upload_archive(store, archive)
-        wait.done(f"code uploaded in {time.monotonic() - wait.started:.1f} s: {url}")
+        wait.done(f"code uploaded in {time.monotonic() - wait.started:.1f} s")
     return CodeRef(url, archive.sha256)
 
 
