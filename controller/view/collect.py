@@ -14,6 +14,7 @@ from spottrain.controller.run.records import RunInfo
 from spottrain.controller.run.replica_view import replica_status
 from spottrain.protocol import events as stream
 from spottrain.protocol.states import LedgerStatus, RunPhase
+from spottrain.spec import FaultTolerance
 
 from .model import EventRow, NodeRow, ViewData
 
@@ -78,6 +79,7 @@ class Collector:
         self._short_since: float | None = None
         self._ledger = Ledger()
         self._ledger_at = float("-inf")
+        self._replica = bool(info.lighthouse) or _replica_spec(info)
 
     def frame(self, summary: Summary | None = None) -> ViewData:
         """The figures of now; ``summary``: the controller's own of this pass, if it has one.
@@ -106,7 +108,7 @@ class Collector:
             )
         refused = self.state.ckpt_refused()
         started = _float(ctl.get("started_at"))
-        replicas = replica_status(self.info, self.state.client)
+        replicas = replica_status(self.info, self.state.client) if self._replica else None
         return ViewData(
             run_id=self.info.run_id,
             summary=s,
@@ -158,6 +160,14 @@ class Collector:
         rows = self.state.client.xrevrange(self.state.keys.events, count=EVENTS_READ)
         out = [event_row(stream.decode(i, f)) for i, f in rows]
         return [e for e in reversed(out) if e.kind not in QUIET_EVENTS]
+
+
+def _replica_spec(info: RunInfo) -> bool:
+    """A replica run (its quorum's figures are read each frame); an elastic one has none."""
+    try:
+        return info.spec().train.fault_tolerance is FaultTolerance.REPLICA
+    except Exception:
+        return False  # a record whose spec no longer parses: shown as an elastic run
 
 
 def _float(v: str | None) -> float | None:

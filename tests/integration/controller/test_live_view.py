@@ -33,10 +33,17 @@ class FakeRun:
     """A run with no VM: its record on disk and the figures a controller and its agents
     would write to its (real) Redis, moved on by the test."""
 
-    def __init__(self, home: Path, endpoint: str, client: redis.Redis, keys: RunKeys) -> None:
+    def __init__(
+        self,
+        home: Path,
+        endpoint: str,
+        client: redis.Redis,
+        keys: RunKeys,
+        job: dict[str, Any] = LOCAL,
+    ) -> None:
         self.info = RunInfo(
             run_id=keys.run_id,
-            spec_text=yaml.safe_dump(LOCAL),
+            spec_text=yaml.safe_dump(job),
             spec_source="job.yaml",
             base_dir=str(home),
             redis_url=endpoint,
@@ -154,3 +161,28 @@ def test_status_follow_through_a_pipe_prints_plain_lines_and_json(run: FakeRun) 
     docs = [json.loads(x) for x in proc2.stdout.splitlines()]
     assert docs and docs[-1]["phase"] == "done" and docs[-1]["final_step"] == 40
     assert docs[-1]["run_id"] == run.info.run_id and "ckpt_refused" in docs[-1]
+
+
+def test_a_replica_runs_view_shows_its_quorum(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_server: Any,
+    redis_client: redis.Redis,
+    run_keys: RunKeys,
+) -> None:
+    from spottrain.controller.view.collect import Collector
+
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
+    job = {**LOCAL, "train": {**LOCAL["train"], "fault_tolerance": "replica"}}
+    run = FakeRun(tmp_path, redis_server.endpoint, redis_client, run_keys, job)
+    redis_client.hset(
+        run_keys.replica_holders,
+        "replica-0",
+        json.dumps({"state": "live", "step": 5, "quorum_id": 2, "at": time.time()}),
+    )
+    frame = Collector(run.info, run.state, 2).frame()
+    assert frame.replica[:2] == [
+        "quorum redis: none formed yet; 0 heartbeating, round 0",
+        "replicas: 1 (1 live)",
+    ]
+    assert frame.replica[2].startswith("  replica-0   live     nodes -  step 5  quorum 2")
