@@ -186,3 +186,40 @@ def test_a_replica_runs_view_shows_its_quorum(
         "replicas: 1 (1 live)",
     ]
     assert frame.replica[2].startswith("  replica-0   live     nodes -  step 5  quorum 2")
+
+
+def test_ups_passes_redraw_the_view_and_a_broken_view_falls_back_to_plain_lines(
+    run: FakeRun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``up`` and ``resume`` hand each controller pass (drive.py's ``live.passes``)."""
+    import io
+
+    from rich.console import Console
+
+    from spottrain.controller.reconcile.summary import summarize
+    from spottrain.controller.run.drive import PlainLines
+    from spottrain.controller.view import collect
+    from spottrain.controller.view.live import LiveView
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=100, height=30)
+    plain: list[str] = []
+    view = LiveView(console)
+    show = view.passes(run.info, run.state, 2, PlainLines(plain.append))
+    for step in (10, 20):
+        run.step(step, 1.0)
+        show(summarize(run.state, time.time()))
+    out = screen.getvalue()
+    assert re.search(_step(20), out) and "\x1b[1A" in out and "\x1b[2K" in out
+    assert "local/local-b" in ESC.sub("", out) and plain == []
+
+    def broken(self: object, summary: object = None) -> object:
+        raise RuntimeError("a bug in the view")
+
+    monkeypatch.setattr(collect.Collector, "frame", broken)
+    show(summarize(run.state, time.time()))
+    show(summarize(run.state, time.time()))
+    view.stop()
+    # The controller goes on; its figures as the plain lines from here (printed once: the
+    # second pass changed nothing).
+    assert len(plain) == 3 and re.match(r"\[\d\d:\d\d:\d\d\] step 20  loss 1.000", plain[0])
