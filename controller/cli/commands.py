@@ -157,14 +157,10 @@ def status(args: argparse.Namespace) -> int:
         for line in replicas.lines(time.time()):
             say(f"  {line}")
     if refused:
-        say(f"  {_refused_line(refused)}")
+        say(f"  {refused_line(refused)}")
     for line in env_lock_lines(info.env_locks):
         say(f"  {line}")
     return EXIT_OK
-
-
-def _refused_line(refused: dict[str, str]) -> str:
-    return refused_line(refused)
 
 
 def _format_event(row: dict[str, str]) -> str:
