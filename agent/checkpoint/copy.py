@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spottrain.agent.ckpt_copy")
 
+# A pull in progress says how far it got into the agent's output at each tenth of the copy,
+# or this often when its size is unknown or it moves slowly.
+PULL_EVERY_S = 5.0
+
 
 def _step_of(name: str) -> int:
     return int(name.rsplit("-", 1)[1])
@@ -178,7 +182,8 @@ class CheckpointCopier:
         tmp = self.ckpt_dir / f".tmp-{name}-r-1-pull"
         shutil.rmtree(tmp, ignore_errors=True)  # a pull that died here before
         try:
-            download_dir(self.store, f"{self.prefix}/{name}", tmp)
+            with _PullProgress(name, self._copy_bytes(name), self.ckpt_dir, tmp.name):
+                download_dir(self.store, f"{self.prefix}/{name}", tmp)
         except (CorruptObject, IncompleteCopy, ValueError) as exc:
             return str(exc)
         problem = ckdir.check(step, tmp)
@@ -188,6 +193,19 @@ class CheckpointCopier:
         tmp.rename(self.ckpt_dir / name)
         fsync_dir(self.ckpt_dir)
         return None
+
+    def _copy_bytes(self, name: str) -> int | None:
+        """The size of copy ``name`` from its manifest (one small read), for the pull's
+        progress; None when it cannot be read (the pull itself then says why)."""
+        from spottrain.cloud.storage import StorageError
+
+        from .manifest import MANIFEST_NAME, Manifest, ManifestError
+
+        try:
+            raw = self.store.get_bytes(f"{self.prefix}/{name}/{MANIFEST_NAME}")
+            return Manifest.from_bytes(raw).total_bytes
+        except (StorageError, ManifestError, KeyError, TypeError, ValueError):
+            return None
 
     # --- out, in the background ----------------------------------------------------------
     def start(self) -> None:
@@ -256,3 +274,50 @@ class CheckpointCopier:
                 with self._copied:
                     self._copied.wait(min(0.5, max(0.0, deadline - time.monotonic())))
         return self.copied_step >= step
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB" if n >= 1e6 else f"{n} B"
+
+
+class _PullProgress:
+    """Lines of a pull's progress in the agent's output: bytes done (of the total when
+    known), at each tenth of the copy or every ``PULL_EVERY_S``, read from the download's
+    temporary directory (``download_dir`` writes it beside the destination)."""
+
+    def __init__(self, name: str, total: int | None, parent: Path, dest_name: str) -> None:
+        self.name, self.total, self.parent, self.glob = name, total, parent, f".{dest_name}.*"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="spottrain-pull", daemon=True)
+
+    def done_bytes(self) -> int:
+        done = 0
+        for d in self.parent.glob(self.glob):
+            for p in d.rglob("*"):
+                with contextlib.suppress(OSError):
+                    done += p.stat().st_size if p.is_file() else 0
+        return done
+
+    def line(self, done: int) -> str:
+        if not self.total:
+            return f"pulling checkpoint copy {self.name}: {_size(done)}"
+        pct = min(100, 100 * done // self.total)
+        return f"pulling checkpoint copy {self.name}: {_size(done)} of {_size(self.total)} ({pct}%)"
+
+    def _run(self) -> None:
+        tenth, last = 0, time.monotonic()
+        while not self._stop.wait(0.5):
+            done = self.done_bytes()
+            now_tenth = 10 * done // self.total if self.total else 0
+            if now_tenth > tenth or time.monotonic() - last >= PULL_EVERY_S:
+                log.info("%s", self.line(done))
+                tenth, last = now_tenth, time.monotonic()
+
+    def __enter__(self) -> _PullProgress:
+        log.info("%s", self.line(0))
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -21,7 +21,7 @@ from spottrain.controller.cli.common import (
     run_state,
     say,
 )
-from spottrain.controller.reconcile.summary import Summary, summarize
+from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.create import create_run
 from spottrain.controller.run.drive import drive_run, format_summary
 from spottrain.controller.run.env_lock import clouds_to_lock, env_lock_lines, parse_lock_args
@@ -29,6 +29,9 @@ from spottrain.controller.run.records import RunError, RunInfo, find_run
 from spottrain.controller.run.replica_view import ReplicaStatus, replica_status
 from spottrain.controller.run.run_redis import restart_embedded_redis
 from spottrain.controller.run.wiring import spawn_controller
+from spottrain.controller.view.collect import refused_line
+from spottrain.controller.view.follow import follow, status_doc, summary_of
+from spottrain.controller.view.live import LiveView
 from spottrain.protocol import events as stream
 from spottrain.protocol.states import RunPhase
 from spottrain.spec import JobSpec, SpecError, WindowCheck, check_notice_windows, load_spec
@@ -96,8 +99,10 @@ def _record_forced(info: RunInfo, short: list[str]) -> None:
 def _drive(info: RunInfo, interval: float) -> int:
     info.controller_pid = os.getpid()
     info.save()
+    # A terminal gets one view redrawn in place; anything else the plain lines.
+    live = LiveView.for_stdout()
     try:
-        return drive_run(info, view=say, interval_s=interval)
+        return drive_run(info, view=live.say if live else say, interval_s=interval, live=live)
     except KeyboardInterrupt:
         say(
             f"\ncontroller stopped; the run's VMs keep training without backfill (a VM whose "
@@ -128,6 +133,8 @@ def status(args: argparse.Namespace) -> int:
     except RunError as e:
         err(str(e))
         return EXIT_BAD_INPUT
+    if args.follow:
+        return follow(info, as_json=args.json, interval_s=args.interval)
     state = run_state(info)
     refused: dict[str, str] = {}
     replicas: ReplicaStatus | None = None
@@ -141,33 +148,19 @@ def status(args: argparse.Namespace) -> int:
         err(f"run {info.run_id}: its Redis ({info.redis_url}) is down and it left no summary")
         return EXIT_FAILED
     if args.json:
-        locks = {"env_locks": info.env_locks} if info.env_locks else {}
-        extra = replicas.to_json() if replicas else {}
-        print(
-            json.dumps(
-                {"run_id": info.run_id, **summary, "ckpt_refused": refused, **locks, **extra}
-            )
-        )
+        print(json.dumps(status_doc(info, summary, refused, replicas)))
         return EXIT_OK
     say(f"run {info.run_id}")
-    for line in format_summary(Summary(**summary)):
+    for line in format_summary(summary_of(summary)):
         say(f"  {line}")
     if replicas:
         for line in replicas.lines(time.time()):
             say(f"  {line}")
     if refused:
-        say(f"  {_refused_line(refused)}")
+        say(f"  {refused_line(refused)}")
     for line in env_lock_lines(info.env_locks):
         say(f"  {line}")
     return EXIT_OK
-
-
-def _refused_line(refused: dict[str, str]) -> str:
-    """A refused checkpoint commit must not pass unseen: the trainers went on training."""
-    return (
-        f"{refused.get('count', '?')} checkpoint commits refused (newest: step "
-        f"{refused.get('step', '?')} by {refused.get('node') or '?'}: {refused.get('reason', '')})"
-    )
 
 
 def _format_event(row: dict[str, str]) -> str:

@@ -92,6 +92,14 @@ def _add_run_commands(sub: Any) -> None:
     status = sub.add_parser("status", help="a run's nodes, step, loss, preemptions and cost")
     status.add_argument("run", nargs="?", help=_RUN_HELP)
     status.add_argument("--json", action="store_true")
+    status.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep showing the run until it ends (a terminal: one view redrawn in place; "
+        "else the plain lines, or one JSON object per refresh with --json)",
+    )
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     logs = sub.add_parser("logs", help="a run's event stream, or a node's training output")
     logs.add_argument("run", nargs="?", help=_RUN_HELP)
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new events")

@@ -3,6 +3,7 @@ checkpoint store, and the boot script each new VM gets."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from spottrain.controller.run.boot import (
     render_boot_script,
     render_local_boot,
 )
+from spottrain.controller.run.progress import Waiting, size
 from spottrain.controller.run.records import RunError, RunInfo, home_dir
 from spottrain.controller.run.run_redis import embedded_password_file
 from spottrain.spec import ArchiveCode, JobSpec
@@ -53,14 +55,28 @@ def prepare_code(spec: JobSpec, base_dir: Path, run_dir: Path) -> CodeRef:
     from spottrain.cloud.stores import open_store
 
     src = spec.code.archive
-    archive = build_archive(base_dir / src.path, run_dir / "archive", exclude=src.exclude)
+    out = run_dir / "archive"
+
+    def written() -> str:
+        # The archive is written to a temporary file beside where it ends.
+        part = sum(p.stat().st_size for p in out.glob(".code-*.part")) if out.is_dir() else 0
+        return f"{size(part)} compressed so far" if part else ""
+
+    with Waiting(f"archiving the code in {base_dir / src.path}", written) as wait:
+        archive = build_archive(base_dir / src.path, out, exclude=src.exclude)
+        wait.done(
+            f"code archived: {len(archive.files)} files, {size(archive.size)} compressed, "
+            f"in {time.monotonic() - wait.started:.1f} s"
+        )
     if src.store:
         store = open_store(src.store)
     elif spec.checkpoint.copy_to:
         store = open_store(spec.checkpoint.copy_to.rstrip("/") + "/code")
     else:
         store = LocalStore(home_dir() / "store", create=True)
-    url = upload_archive(store, archive)
+    with Waiting(f"uploading the code ({size(archive.size)}) to {store.url()}") as wait:
+        url = upload_archive(store, archive)
+        wait.done(f"code uploaded in {time.monotonic() - wait.started:.1f} s")
     return CodeRef(url, archive.sha256)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -27,6 +27,9 @@ from spottrain.controller.run.wiring import build_controller
 from spottrain.controller.tracking import FleetTracker
 from spottrain.protocol.states import RunPhase
 
+if TYPE_CHECKING:
+    from spottrain.controller.view.live import LiveView
+
 EXIT_OK, EXIT_FAILED = 0, 1
 
 
@@ -42,6 +45,28 @@ def format_summary(s: Summary) -> list[str]:
         *(f"  {line}" for line in s.at_risk),
         f"  {s.phase}: {s.reason}",
     ]
+
+
+class PlainLines:
+    """The plain view (a pipe, a file, ``--detach``'s log): a stamped block of
+    :func:`format_summary` lines when something changed (dollars always do), or every 30 s
+    as a sign of life."""
+
+    def __init__(self, view: Callable[[str], Any]) -> None:
+        self.view = view
+        self._last: list[Any] = []
+        self._last_at = 0.0
+
+    def __call__(self, s: Summary) -> None:
+        lines = format_summary(s)
+        now = time.monotonic()
+        key = [s.step // 25, s.nodes, s.preemptions, s.world_size, s.reason, s.phase]
+        if key != self._last or now - self._last_at > 30:
+            stamp = time.strftime("%H:%M:%S")
+            self.view(f"[{stamp}] {lines[0]}")
+            for line in lines[1:]:
+                self.view(f"           {line}")
+            self._last, self._last_at = key, now
 
 
 def final_report(s: Summary, replica: ReplicaFigures | None = None) -> list[str]:
@@ -63,11 +88,13 @@ def drive_run(
     view: Callable[[str], Any],
     interval_s: float = 1.0,
     policy: dict[str, float] | None = None,
+    live: LiveView | None = None,
 ) -> int:
     """Run the controller of ``info`` until the run ends; keep its record; report.
 
     With a ``wandb:`` section in the spec, each pass is logged to the run's fleet run in
-    wandb (:mod:`spottrain.controller.tracking`).
+    wandb (:mod:`spottrain.controller.tracking`). ``live``: a terminal's live view, redrawn
+    each pass (else ``view`` gets the plain lines).
 
     Returns:
         0 when training finished, 1 when the run stopped before (budget, crash loop, a cloud
@@ -80,8 +107,10 @@ def drive_run(
         view(f"spottrain: {e}")
         return EXIT_FAILED
     try:
-        return _drive(info, ctl, view, lighthouse)
+        return _drive(info, ctl, view, lighthouse, live)
     finally:
+        if live is not None:
+            live.stop()  # the last frame stays on the screen, above what follows
         # The keeper only: like the Redis, the lighthouse outlives a controller that stops
         # while VMs still train; _drive stops it when nothing of the run runs any more.
         if lighthouse is not None:
@@ -93,24 +122,15 @@ def _drive(
     ctl: Controller | GroupController,
     view: Callable[[str], Any],
     lighthouse: LighthouseSupervisor | None,
+    live: LiveView | None = None,
 ) -> int:
-    last: list[Any] = []
-    last_at = 0.0
     fleet = FleetTracker.start(info.run_id, ctl.spec, ctl.state)
+    plain = PlainLines(view)
+    show = live.passes(info, ctl.state, ctl.spec.nodes.max, plain) if live else plain
 
     def on_pass(s: Summary) -> None:
-        nonlocal last, last_at
         fleet.on_pass(s)
-        lines = format_summary(s)
-        now = time.monotonic()
-        # Print when something changed (dollars always do), or every 30 s as a sign of life.
-        key = [s.step // 25, s.nodes, s.preemptions, s.world_size, s.reason, s.phase]
-        if key != last or now - last_at > 30:
-            stamp = time.strftime("%H:%M:%S")
-            view(f"[{stamp}] {lines[0]}")
-            for line in lines[1:]:
-                view(f"           {line}")
-            last, last_at = key, now
+        show(s)
 
     code = EXIT_OK
     try:
@@ -140,6 +160,8 @@ def _drive(
         replica = replica_summary(ctl.state)
     except redis.RedisError:
         replica = None
+    if live is not None:
+        live.stop()
     for line in final_report(summary, replica):
         view(line)
     if ctl.done() or not ctl.live_vms():

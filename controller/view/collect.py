@@ -1,0 +1,177 @@
+"""One frame of the live view read from a run's Redis (:class:`Collector`), with what a
+single read cannot say: the step rate and how long the fleet has been short."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+
+from spottrain.controller.reconcile.records import Ledger
+from spottrain.controller.reconcile.state import RunState
+from spottrain.controller.reconcile.summary import Summary, summarize
+from spottrain.controller.run.records import RunInfo
+from spottrain.controller.run.replica_view import replica_status
+from spottrain.protocol import events as stream
+from spottrain.protocol.states import LedgerStatus, RunPhase
+from spottrain.spec import FaultTolerance
+
+from .model import EventRow, NodeRow, ViewData
+
+# The step rate is the steps made over about this many seconds.
+RATE_WINDOW_S = 30.0
+# The ledger (one record per launch: thousands on a big fleet) is read again only when a
+# node the view has not placed appears, or the fleet is short, at most this often.
+LEDGER_EVERY_S = 10.0
+# Events the view leaves out: the trainers' progress is the step line already.
+QUIET_EVENTS = frozenset({"progress"})
+EVENTS_READ = 60
+
+
+def refused_line(refused: Mapping[str, str]) -> str:
+    """A refused checkpoint commit must not pass unseen: the trainers went on training."""
+    return (
+        f"{refused.get('count', '?')} checkpoint commits refused (newest: step "
+        f"{refused.get('step', '?')} by {refused.get('node') or '?'}: {refused.get('reason', '')})"
+    )
+
+
+def event_row(row: Mapping[str, str]) -> EventRow:
+    """An entry of the event stream as one line: who (the node it is about, else its writer),
+    what, and the rest of its fields."""
+    rest = {k: v for k, v in row.items() if k not in ("type", "node", "at", "id", "node_name")}
+    try:
+        at = float(row.get("at") or 0)
+    except ValueError:
+        at = 0.0
+    return EventRow(
+        at=at,
+        node=row.get("node_name") or row.get("node", ""),
+        kind=row.get("type", "?"),
+        detail=" ".join(f"{k}={v}" for k, v in rest.items()),
+    )
+
+
+def _duration(seconds: float) -> str:
+    s = max(0, int(seconds))
+    return f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Collector:
+    """Reads frames of one run's live view.
+
+    Args:
+        info: the run.
+        state: its Redis.
+        target: the nodes the run keeps when ``scale`` set none (the spec's ``nodes.max``).
+    """
+
+    def __init__(
+        self,
+        info: RunInfo,
+        state: RunState,
+        target: int,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.info, self.state, self.target, self.clock = info, state, target, clock
+        self._steps: deque[tuple[float, int]] = deque()
+        self._short_since: float | None = None
+        self._ledger = Ledger()
+        self._ledger_at = float("-inf")
+        self._replica = bool(info.lighthouse) or _replica_spec(info)
+
+    def frame(self, summary: Summary | None = None) -> ViewData:
+        """The figures of now; ``summary``: the controller's own of this pass, if it has one.
+
+        Raises:
+            redis.RedisError: the run's Redis does not answer.
+        """
+        now = self.clock()
+        s = summary if summary is not None else summarize(self.state, now)
+        ctl = self.state.ctl()
+        if set(s.nodes) - set(self._ledger.records):
+            self._read_ledger(now, force=True)
+        nodes = []
+        for name, node_state in s.nodes.items():
+            rec = self._ledger.records.get(name)
+            o = rec.offer if rec is not None else None
+            nodes.append(
+                NodeRow(
+                    name,
+                    o.cloud if o else "?",
+                    o.zone if o else "?",
+                    o.instance_type if o else "?",
+                    o.market.value if o else "?",
+                    node_state,
+                )
+            )
+        refused = self.state.ckpt_refused()
+        started = _float(ctl.get("started_at"))
+        replicas = replica_status(self.info, self.state.client) if self._replica else None
+        return ViewData(
+            run_id=self.info.run_id,
+            summary=s,
+            nodes=nodes,
+            step_rate=self._rate(now, s.step),
+            elapsed_s=now - started if started is not None else None,
+            short=self._short(now, s, ctl),
+            replica=replicas.lines(now) if replicas else [],
+            events=self._events(),
+            notes=[refused_line(refused)] if refused else [],
+        )
+
+    def _read_ledger(self, now: float, *, force: bool = False) -> None:
+        if force or now - self._ledger_at >= LEDGER_EVERY_S:
+            self._ledger, self._ledger_at = self.state.ledger(), now
+
+    def _rate(self, now: float, step: int) -> float | None:
+        if self._steps and step < self._steps[-1][1]:
+            self._steps.clear()  # a restore went back: the rate starts again
+        self._steps.append((now, step))
+        while len(self._steps) > 2 and now - self._steps[1][0] >= RATE_WINDOW_S:
+            self._steps.popleft()
+        (t0, s0), (t1, s1) = self._steps[0], self._steps[-1]
+        return (s1 - s0) / (t1 - t0) if t1 - t0 >= 1.0 and s1 > s0 else None
+
+    def _short(self, now: float, s: Summary, ctl: Mapping[str, str]) -> str:
+        """How long the fleet has had fewer nodes than it keeps, and what it waits for."""
+        wanted = _float(ctl.get("target_nodes"))
+        target = int(wanted) if wanted is not None else self.target
+        if s.phase != RunPhase.RUNNING or ctl.get("stopping") or len(s.nodes) >= target:
+            self._short_since = None
+            return ""
+        if self._short_since is None:
+            self._short_since = now
+        since = _float(ctl.get("spot_short_since")) or self._short_since
+        self._read_ledger(now)
+        refused = [r for r in self._ledger.records.values() if r.status == LedgerStatus.FAILED]
+        why = ""
+        if refused:
+            last = max(refused, key=lambda r: r.launched_at)
+            o = last.offer
+            why = f"; last refusal: {o.instance_type} {o.market.value} in {o.zone}: {last.reason}"
+        return (
+            f"fleet short: {len(s.nodes)} of {target} nodes for "
+            f"{_duration(now - since)}, waiting for capacity{why}"
+        )
+
+    def _events(self) -> list[EventRow]:
+        rows = self.state.client.xrevrange(self.state.keys.events, count=EVENTS_READ)
+        out = [event_row(stream.decode(i, f)) for i, f in rows]
+        return [e for e in reversed(out) if e.kind not in QUIET_EVENTS]
+
+
+def _replica_spec(info: RunInfo) -> bool:
+    """A replica run (its quorum's figures are read each frame); an elastic one has none."""
+    try:
+        return info.spec().train.fault_tolerance is FaultTolerance.REPLICA
+    except Exception:
+        return False  # a record whose spec no longer parses: shown as an elastic run
+
+
+def _float(v: str | None) -> float | None:
+    try:
+        return float(v) if v else None
+    except ValueError:
+        return None

@@ -1,0 +1,143 @@
+"""``spottrain status -f``: a run's figures again and again until it ends, as the live view
+(a terminal), the plain lines (anything else) or one JSON object per refresh (``--json``),
+then the final lines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import redis
+
+from spottrain.controller.reconcile.state import RunState
+from spottrain.controller.reconcile.summary import (
+    ReplicaFigures,
+    Summary,
+    replica_summary,
+    summarize,
+)
+from spottrain.controller.run.drive import EXIT_FAILED, EXIT_OK, PlainLines, final_report
+from spottrain.controller.run.records import RunError, RunInfo
+from spottrain.controller.run.replica_view import ReplicaStatus, replica_status
+from spottrain.controller.run.run_redis import open_redis
+from spottrain.protocol.keys import RunKeys
+from spottrain.protocol.states import RunPhase
+
+from .collect import Collector
+from .live import LiveView
+
+# The phases a run ends in: `status -f` prints the final lines and returns.
+ENDED = frozenset({RunPhase.DONE, RunPhase.FAILED, RunPhase.DOWN})
+
+
+def status_doc(
+    info: RunInfo,
+    summary: Mapping[str, Any],
+    refused: Mapping[str, str],
+    replicas: ReplicaStatus | None,
+) -> dict[str, Any]:
+    """``status --json``'s object."""
+    locks = {"env_locks": info.env_locks} if info.env_locks else {}
+    extra = replicas.to_json() if replicas else {}
+    return {"run_id": info.run_id, **summary, "ckpt_refused": refused, **locks, **extra}
+
+
+def summary_of(record: Mapping[str, Any]) -> Summary:
+    """A :class:`Summary` from its record (``summary.json``; a replica run's adds
+    ``replica``, which is not a field of it)."""
+    names = {f.name for f in dataclasses.fields(Summary)}
+    return Summary(**{k: v for k, v in record.items() if k in names})
+
+
+def _replica_of(record: Mapping[str, Any]) -> ReplicaFigures | None:
+    r = record.get("replica")
+    if not isinstance(r, dict):
+        return None
+    names = {f.name for f in dataclasses.fields(ReplicaFigures)}
+    return ReplicaFigures(**{k: v for k, v in r.items() if k in names})
+
+
+def _open(info: RunInfo) -> RunState | None:
+    try:
+        return RunState(open_redis(info, info.spec()), RunKeys(info.run_id))
+    except RunError:
+        return None
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def follow(
+    info: RunInfo,
+    *,
+    as_json: bool,
+    interval_s: float = 2.0,
+    say: Callable[[str], object] = _print,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Follow run ``info`` until it ends (or Ctrl-C).
+
+    Returns:
+        0 when training finished (or on Ctrl-C), 1 when the run ended before.
+    """
+    live = None if as_json else LiveView.for_stdout()
+    speak = live.say if live is not None else say
+    plain = PlainLines(speak)
+    state: RunState | None = None
+    collector: Collector | None = None
+    told_down = False
+    if live is None and not as_json:
+        say(f"run {info.run_id}")
+
+    def end(s: Summary, replica: ReplicaFigures | None) -> int:
+        if live is not None:
+            live.stop()
+        if not as_json:
+            for line in final_report(s, replica):
+                speak(line)
+        return EXIT_OK if s.final_step is not None else EXIT_FAILED
+
+    try:
+        while True:
+            if state is None:
+                state = _open(info)
+                if state is not None and live is not None:
+                    collector = Collector(info, state, info.spec().nodes.max)
+            if state is None:
+                archived = info.dir / "summary.json"
+                if archived.exists():
+                    record = json.loads(archived.read_text())
+                    if as_json:
+                        say(json.dumps(status_doc(info, record, {}, None)))
+                    return end(summary_of(record), _replica_of(record))
+                if not told_down:
+                    speak(
+                        f"run {info.run_id}: its Redis ({info.redis_url}) does not answer; "
+                        "waiting for it (Ctrl-C stops)"
+                    )
+                    told_down = True
+            else:
+                try:
+                    s = summarize(state, time.time())
+                    if as_json:
+                        refused = state.ckpt_refused()
+                        replicas = replica_status(info, state.client)
+                        say(json.dumps(status_doc(info, dataclasses.asdict(s), refused, replicas)))
+                    elif collector is not None and live is not None:
+                        live.show(collector.frame(s))
+                    else:
+                        plain(s)
+                    if s.phase in ENDED:
+                        return end(s, replica_summary(state))
+                except redis.RedisError:
+                    state = None  # gone: the run may have ended and archived itself
+            sleep(interval_s)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        if live is not None:
+            live.stop()
