@@ -9,8 +9,9 @@ from typing import Any, Self
 from pydantic import Field, field_validator, model_validator
 
 from spottrain.protocol.keys import validate_job_name
+from spottrain.protocol.node_logs import default_logs_url
 
-from .checks import NOTICE_WINDOW_S, stores_readable
+from .checks import _STORE_CLOUD, NOTICE_WINDOW_S, stores_readable
 from .clouds import AwsCloudSpec, FleetSpec, GcpCloudSpec, LocalCloudSpec
 from .code import ArchiveCode, CodeSpec
 from .fields import _Model
@@ -19,6 +20,7 @@ from .sections import (
     BudgetSpec,
     CheckpointSpec,
     ControllerSpec,
+    LogsSpec,
     NodesSpec,
     RedisSpec,
     ResourcesSpec,
@@ -43,6 +45,7 @@ _JOB_KEYS = (
     "gcp",
     "fleet",
     "controller",
+    "logs",
 )
 
 
@@ -64,6 +67,7 @@ class JobSpec(_Model):
     gcp: GcpCloudSpec | None = None
     fleet: FleetSpec | None = None
     controller: ControllerSpec = Field(default_factory=ControllerSpec)
+    logs: LogsSpec = Field(default_factory=LogsSpec)
 
     @field_validator("name")
     @classmethod
@@ -132,6 +136,26 @@ class JobSpec(_Model):
         if problem:
             raise ValueError(problem)
         return self
+
+    @model_validator(mode="after")
+    def _logs_reachable(self) -> Self:
+        # Each VM holds only its own cloud's storage client and credentials (as for
+        # checkpoint.copy_to): a store of another cloud would fail on every chunk.
+        url = self.logs.to
+        owner = next((c for p, c in _STORE_CLOUD.items() if url and url.startswith(p)), None)
+        others = sorted(c for c in self.resources.clouds if c != owner and c != "local")
+        if owner is not None and others:
+            raise ValueError(
+                f"logs.to: {owner} storage cannot be written by {', '.join(others)} VMs "
+                "(each VM has only its own cloud's storage client and credentials): use a "
+                "bucket of that cloud, or leave logs.to out to ship beside checkpoint.copy_to"
+            )
+        return self
+
+    def logs_url(self) -> str | None:
+        """The store each node's output is shipped to: ``logs.to``, else
+        ``<checkpoint.copy_to>/logs``; ``None``: nothing is shipped."""
+        return self.logs.to or default_logs_url(self.checkpoint.copy_to)
 
     def aws_regions(self) -> list[str]:
         regions = [r for r in self.resources.regions if not _looks_gcp_region(r)]

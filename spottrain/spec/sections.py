@@ -1,5 +1,6 @@
 """The spec's sections about the work: ``train`` (with its ``replica`` block), ``nodes``,
-``resources``, ``spot``, ``budget``, ``checkpoint``, ``redis``, ``wandb`` and ``controller``."""
+``resources``, ``spot``, ``budget``, ``checkpoint``, ``redis``, ``wandb``, ``controller``
+and ``logs``."""
 
 from __future__ import annotations
 
@@ -377,3 +378,65 @@ class ControllerSpec(_Model):
         description="the controller retries a Redis that does not answer this long, then "
         "stops (the VMs train on; `spottrain resume` drives them again)",
     )
+
+
+# What a node's log shipping defaults to (the agent's flags default to the same numbers).
+DEFAULT_LOG_CHUNK_S = 15.0
+DEFAULT_LOG_CHUNK_MB = 4.0
+DEFAULT_LOG_MAX_MB = 1024.0
+DEFAULT_LOG_BACKLOG_MB = 64.0
+_LOG_TO_FORMS = "s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, file:///DIR or an absolute path"
+
+
+class LogsSpec(_Model):
+    """Where each node's output (agent, torchrun, workers) is shipped, in gzip chunks, so it
+    outlives the VM; ``spottrain logs --node N`` reads it back. MB here is 10^6 bytes."""
+
+    to: str | None = Field(
+        None,
+        description="the store the chunks go to (" + _LOG_TO_FORMS + "); default: "
+        "<checkpoint.copy_to>/logs, and no shipping when neither is set",
+    )
+    chunk_seconds: float = Field(
+        DEFAULT_LOG_CHUNK_S,
+        ge=1,
+        le=3600,
+        description="a chunk is cut at most this long after its first line: the output a "
+        "VM killed without notice can lose, and one PUT per node per this many seconds",
+    )
+    chunk_mb: float = Field(
+        DEFAULT_LOG_CHUNK_MB,
+        ge=0.01,
+        le=256,
+        description="uncompressed bytes that cut a chunk sooner",
+    )
+    max_mb: float = Field(
+        DEFAULT_LOG_MAX_MB,
+        ge=1,
+        le=1_000_000,
+        description="most compressed bytes one VM ships; past it a last chunk says shipping "
+        "stopped (the VM's own file keeps the rest)",
+    )
+    backlog_mb: float = Field(
+        DEFAULT_LOG_BACKLOG_MB,
+        ge=0.01,
+        le=4096,
+        description="unshipped bytes a VM holds while uploads fall behind; past it the "
+        "oldest are dropped, and the next chunk says how many",
+    )
+
+    @field_validator("to")
+    @classmethod
+    def _store_url(cls, v: str | None) -> str | None:
+        if v is not None and not (_STORE_RE.match(v) or (v.startswith("/") and " " not in v)):
+            raise ValueError(f"use {_LOG_TO_FORMS}")
+        return v
+
+    @model_validator(mode="after")
+    def _backlog_holds_a_chunk(self) -> Self:
+        if self.backlog_mb < self.chunk_mb:
+            raise ValueError(
+                f"backlog_mb ({self.backlog_mb:g}) must hold at least one chunk "
+                f"(chunk_mb {self.chunk_mb:g}): raise backlog_mb or lower chunk_mb"
+            )
+        return self
