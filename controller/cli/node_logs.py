@@ -63,9 +63,9 @@ def _pause(seconds: float) -> None:
 
 def logs_url(info: RunInfo, spec: JobSpec) -> str | None:
     """The run's logs store: ``logs.to``, else ``<checkpoint.copy_to>/logs``; a local run
-    without either ships beside its local checkpoint copies."""
-    named = getattr(spec, "logs_url", None)
-    url: str | None = named() if named else default_logs_url(spec.checkpoint.copy_to)
+    without either ships beside the checkpoint copies its agents make (``local_copy_to``),
+    as the boot script tells them (``controller/run/boot.py``)."""
+    url = spec.logs_url()
     if url is None and "local" in spec.resources.clouds:
         url = default_logs_url(local_copy_to(spec))
     return url
@@ -147,7 +147,7 @@ def _follow(
 
 
 def _ended_probe(info: RunInfo) -> Callable[[], bool]:
-    """Whether the run is over: archived, its Redis gone, or its phase done or failed."""
+    """Whether the run is over: archived, its Redis gone, or its phase done, failed or down."""
     state = run_state(info)
 
     def ended() -> bool:
@@ -157,7 +157,7 @@ def _ended_probe(info: RunInfo) -> Callable[[], bool]:
             phase = state.ctl().get("phase")
         except Exception:  # a Redis that stopped answering: the run's controller is gone
             return True
-        return phase in (RunPhase.DONE, RunPhase.FAILED)
+        return phase in (RunPhase.DONE, RunPhase.FAILED, RunPhase.DOWN)
 
     return ended
 

@@ -23,8 +23,10 @@ from spottrain.cloud.storage import SHA256_METADATA, LocalStore, ObjectStore
 from spottrain.cloud.stores import open_store
 from spottrain.controller.cli import main as cli
 from spottrain.controller.cli import node_logs
+from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.run.records import RunInfo
 from spottrain.protocol.node_logs import ChunkName
+from spottrain.protocol.states import RunPhase
 
 BUCKET = "spottrain-logs-test"
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -59,10 +61,10 @@ def _s3_client(endpoint: str) -> Any:
 
 
 class Cloud:
-    """A run whose spec copies checkpoints to a bucket of a fake, and the fake's levers."""
+    """A run whose spec ships its logs to a bucket of a fake, and the fake's levers."""
 
     def __init__(self, url: str, put_raw: Callable[[str, bytes, str], None]) -> None:
-        self.url = url  # checkpoint.copy_to; the logs go to <url>/logs
+        self.url = url  # the logs go to <url>/logs
         self._put_raw = put_raw
         self.store: ObjectStore = open_store(url + "/logs")
 
@@ -108,8 +110,12 @@ def cloud(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Mo
         url, put_raw = f"gs://{BUCKET}/{prefix}", put_gcs
         example = "gcp_job.yaml"
     text = (EXAMPLES / example).read_text()
-    old_copy = next(ln for ln in text.splitlines() if ln.strip().startswith("copy_to:"))
-    _save_run(text.replace(old_copy, f"  copy_to: {url}"), tmp_path)
+    if request.param == "s3":  # <checkpoint.copy_to>/logs
+        old_copy = next(ln for ln in text.splitlines() if ln.strip().startswith("copy_to:"))
+        text = text.replace(old_copy, f"  copy_to: {url}")
+    else:  # logs.to, which wins over the example's copy_to
+        text += f"logs:\n  to: {url}/logs\n"
+    _save_run(text, tmp_path)
     return Cloud(url, put_raw)
 
 
@@ -172,15 +178,14 @@ def test_a_nodes_vms_read_back_in_order_with_gaps_and_corruption_reported(
 def test_follow_picks_up_new_chunks_a_late_one_and_a_replacement_vm(
     cloud: Cloud, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen = [cloud.chunk(OLD, 0, "a0\n")]
+    seen: list[bytes] = []  # the node has shipped nothing yet when `-f` starts
     late: list[bytes] = []
     polls: list[float] = []
 
     def pause(seconds: float) -> None:
         polls.append(seconds)
         if len(polls) == 1:
-            seen.append(cloud.chunk(OLD, 1, "a1\n"))
-            seen.append(cloud.chunk(OLD, 3, "a3\n"))  # 2 not yet: held one poll
+            seen.extend(cloud.chunk(OLD, q, f"a{q}\n") for q in (0, 1, 3))  # 2: held a poll
         elif len(polls) == 2:
             seen.append(cloud.chunk(NEW, 0, "b0\n"))  # the replacement VM
         elif len(polls) == 3:
@@ -193,9 +198,18 @@ def test_follow_picks_up_new_chunks_a_late_one_and_a_replacement_vm(
     assert out == b"".join(seen + late).decode()
     # The run ended before poll 3, which still brought a chunk; poll 4 brought none: stop.
     assert polls == [7.0] * 4
+    assert "node 'n0' has shipped nothing yet" in err and "waiting for its first chunk" in err
     assert "[spottrain] chunk 2 of vm i-0bbb is missing (lost or not yet shipped)" in err
     assert "[spottrain] chunk 2 of vm i-0bbb arrived late, out of order:" in err
     assert err.index(f"vm {NEW[0]}:") < err.index(f"vm {OLD[0]} (continued)")
+
+    # Read again, the late chunk is in its place; Ctrl-C ends a follow quietly.
+    def interrupted(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(node_logs, "_pause", interrupted)
+    code, out, err = _logs(capsys, "n0", "-f")
+    assert (code, out) == (0, "a0\na1\na2\na3\nb0\n") and "missing" not in err
 
 
 def test_no_store_named_is_a_clear_error(
@@ -235,3 +249,30 @@ def test_the_local_cloud_reads_shipped_chunks_else_its_console_files(
     store = LocalStore(home / "store" / "checkpoints" / "logs", create=True)
     store.put_bytes(ChunkName(5, "local-1", 0, RUN, "n0").key(), gzip.compress(b"shipped\n"))
     assert _logs(capsys, "n0")[:2] == (0, "shipped\n")
+
+
+def test_follow_stops_when_the_runs_redis_says_it_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_server: Any, run_keys: Any
+) -> None:
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
+    info = RunInfo(
+        run_id=run_keys.run_id,
+        spec_text=(EXAMPLES / "aws_job.yaml").read_text(),
+        spec_source="job.yaml",
+        base_dir=str(tmp_path),
+        redis_url=f"redis://{redis_server.host}:{redis_server.port}/0",
+        embedded_redis=False,
+        created_at=time.time(),
+    )
+    ended = node_logs._ended_probe(info)
+    client = redis_server.client()
+    state = RunState(client, run_keys)
+    state.set_ctl(phase=RunPhase.RUNNING)
+    assert not ended()
+    state.set_ctl(phase=RunPhase.DOWN)
+    assert ended()
+    state.set_ctl(phase=RunPhase.RUNNING)
+    info.save()
+    (info.dir / "summary.json").write_text("{}")  # archived: over, whatever Redis says
+    assert ended()
+    client.close()
