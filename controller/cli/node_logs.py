@@ -51,6 +51,8 @@ from spottrain.spec import JobSpec
 POLL_S = 3.0
 # Chunks fetched at once: a week-old node has hundreds, and each GET is a round trip.
 _FETCHERS = 8
+# Chunks fetched before printing them: the header's byte count covers this many.
+_WINDOW = 256
 # Above this many nodes, naming the nodes that did ship would list every chunk of the run
 # (the store lists flat, without a delimiter): the error names the pattern instead.
 _LIST_NODES_MAX = 64
@@ -231,34 +233,51 @@ class _Reader:
                     self._print(s, plan)
 
     def _print(self, s: _Session, plan: list[_Item]) -> None:
-        chunks = [i for i in plan if i.key]
-        with tempfile.TemporaryDirectory(prefix="spottrain-logs-") as tmp:
-            with ThreadPoolExecutor(min(_FETCHERS, max(1, len(chunks)))) as pool:
-                fetched = pool.map(lambda i: self._fetch(i, Path(tmp)), chunks)
-                got = dict(zip(chunks, fetched, strict=True))
-            stored = sum(p.stat().st_size for p in got.values() if isinstance(p, Path))
-            self._header(s, len(chunks), stored)
-            out = sys.stdout.buffer
-            for item in plan:
-                if not item.key:
-                    self._gap(s, item)
-                    continue
-                path = got[item]
-                data = _unzip(path) if isinstance(path, Path) else path
-                if isinstance(data, str):
-                    self.unreadable += 1
-                    self._note(f"chunk {item.seq} of vm {s.vm} ({self.store.url(item.key)}) {data}")
-                    continue
-                if item.late:
-                    self._note(f"chunk {item.seq} of vm {s.vm} arrived late, out of order:")
-                out.write(data)
-                out.flush()
+        """Fetch a window of chunks at a time (in parallel), then print it: output starts
+        after one window however long the VM ran, and the spool on disk stays bounded."""
+        total = sum(1 for i in plan if i.key)
+        start = 0
+        while start < len(plan):
+            end, n = start, 0
+            while end < len(plan) and (n < _WINDOW or not plan[end].key):
+                n += bool(plan[end].key)
+                end += 1
+            with tempfile.TemporaryDirectory(prefix="spottrain-logs-") as tmp:
+                got = self._fetch_all([i for i in plan[start:end] if i.key], Path(tmp))
+                if start == 0:
+                    stored = sum(p.stat().st_size for p in got.values() if isinstance(p, Path))
+                    self._header(s, total, stored, complete=end == len(plan))
+                for item in plan[start:end]:
+                    self._emit(s, item, got.get(item))
+            start = end
+
+    def _fetch_all(self, chunks: list[_Item], tmp: Path) -> dict[_Item, Path | str]:
+        with ThreadPoolExecutor(min(_FETCHERS, max(1, len(chunks)))) as pool:
+            fetched = pool.map(lambda i: self._fetch(i, tmp), chunks)
+            return dict(zip(chunks, fetched, strict=True))
+
+    def _emit(self, s: _Session, item: _Item, got: Path | str | None) -> None:
+        if got is None:
+            self._gap(s, item)
+            return
+        data = _unzip(got) if isinstance(got, Path) else got
+        if isinstance(data, str):
+            self.unreadable += 1
+            self._note(f"chunk {item.seq} of vm {s.vm} ({self.store.url(item.key)}) {data}")
+            return
+        if item.late:
+            self._note(f"chunk {item.seq} of vm {s.vm} arrived late, out of order:")
+        out = sys.stdout.buffer
+        out.write(data)
+        out.flush()
 
     def _fetch(self, item: _Item, tmp: Path) -> Path | str:
         """The chunk downloaded (checked against its recorded sha256), or why not."""
         dest = tmp / f"{item.seq:08d}{'-late' if item.late else ''}.gz"
         try:
-            self.store.get_file(item.key, dest)
+            # get_bytes is one GET (get_file adds a HEAD and fsyncs): a read-back is mostly
+            # round trips. The spool keeps memory to the chunks in flight.
+            dest.write_bytes(self.store.get_bytes(item.key))
         except CorruptObject as e:
             return f"is corrupt ({e}); skipped"
         except ObjectNotFound:
@@ -267,15 +286,16 @@ class _Reader:
             return f"could not be read ({e}); skipped"
         return dest
 
-    def _header(self, s: _Session, chunks: int, stored: int) -> None:
+    def _header(self, s: _Session, chunks: int, stored: int, *, complete: bool) -> None:
         again = " (continued)" if s.headed and self._last != (s.vm, s.started_ms) else ""
         if s.headed and not again:
             return
         s.headed = True
         self._last = (s.vm, s.started_ms)
+        size = f"{stored:,} bytes gzip" + ("" if complete else f" in the first {_WINDOW}")
         self._note(
             f"node {self.node}, vm {s.vm}{again}: started {s.started()}, "
-            f"{chunks} chunk{'s' * (chunks != 1)}, {stored:,} bytes gzip"
+            f"{chunks} chunk{'s' * (chunks != 1)}, {size}"
         )
 
     def _gap(self, s: _Session, item: _Item) -> None:

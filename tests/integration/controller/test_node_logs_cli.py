@@ -139,7 +139,7 @@ def _logs(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str
 
 
 def test_a_nodes_vms_read_back_in_order_with_gaps_and_corruption_reported(
-    cloud: Cloud, capsys: pytest.CaptureFixture[str]
+    cloud: Cloud, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a0 = cloud.chunk(OLD, 0, "old vm: step 1\n")
     a1 = cloud.chunk(OLD, 1, "old vm: step 2\nold vm: notice, draining\n")
@@ -162,8 +162,10 @@ def test_a_nodes_vms_read_back_in_order_with_gaps_and_corruption_reported(
     corrupt = [ln for ln in lines if "chunk 1 of vm i-0aaa" in ln]
     assert len(corrupt) == 1 and "is corrupt" in corrupt[0] and "00000001-" in corrupt[0]
 
+    monkeypatch.setattr(node_logs, "_WINDOW", 2)  # fetched and printed 2 chunks at a time
     code, out, err = _logs(capsys, "n0", "--vm", OLD[0])
     assert (code, out) == (0, (a0 + a1 + a3).decode()) and NEW[0] not in err
+    assert "3 chunks, " in err and " bytes gzip in the first 2\n" in err and "chunk 2 " in err
 
     code, out, err = _logs(capsys, "n0", "--vm", "i-nope")
     assert code == 2 and out == ""
