@@ -15,8 +15,11 @@ chunk that arrives after that is printed with a note that it is late.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -100,11 +103,11 @@ def node_log(
     except (StorageError, ValueError) as e:
         err(f"cannot read node {node!r}'s logs from {url}: {e}")
         return EXIT_FAILED
-    ended = _ended_probe(info)
+    ended = _ended_probe(info) if follow else None
     if not found:
         if info.local_state_dir:
             return console_log(info, node, vm=vm, follow=follow)
-        if not follow or ended():
+        if ended is None or ended():
             return _nothing_shipped(store, info, node, url)
         err(f"node {node!r} has shipped nothing yet to {_where(store, info.run_id, node)}")
         err("waiting for its first chunk (Ctrl-C to stop)")
@@ -113,11 +116,22 @@ def node_log(
     if vm is not None and found and vm not in reader.vm_ids():
         err(f"node {node!r} of run {info.run_id} has no VM {vm!r}; its VMs: {reader.listing()}")
         return EXIT_BAD_INPUT
-    if follow:
-        _follow(reader, store, info.run_id, node, interval, ended)
-    else:
-        reader.drain(final=True)
+    try:
+        if ended is not None:
+            _follow(reader, store, info.run_id, node, interval, ended)
+        else:
+            reader.drain(final=True)
+    except BrokenPipeError:  # `| head` has read enough
+        _quiet_stdout()
+        return EXIT_OK
     return EXIT_FAILED if reader.unreadable else EXIT_OK
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush does not fail again."""
+    with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def _list_node(store: ObjectStore, run_id: str, node: str) -> list[ChunkName]:
@@ -140,7 +154,11 @@ def _follow(
             _pause(interval)
             # Asked before listing: what the node shipped before the end is in this listing.
             over = ended()
-            fresh = reader.add(_list_node(store, run_id, node))
+            try:
+                fresh = reader.add(_list_node(store, run_id, node))
+            except StorageError as e:  # the store's SDK has retried; the next poll may not fail
+                reader.note(f"listing {_where(store, run_id, node)} failed: {e}; trying again")
+                continue
             reader.drain(final=over and not fresh)
             if over and not fresh:
                 return
@@ -263,10 +281,10 @@ class _Reader:
         data = _unzip(got) if isinstance(got, Path) else got
         if isinstance(data, str):
             self.unreadable += 1
-            self._note(f"chunk {item.seq} of vm {s.vm} ({self.store.url(item.key)}) {data}")
+            self.note(f"chunk {item.seq} of vm {s.vm} ({self.store.url(item.key)}) {data}")
             return
         if item.late:
-            self._note(f"chunk {item.seq} of vm {s.vm} arrived late, out of order:")
+            self.note(f"chunk {item.seq} of vm {s.vm} arrived late, out of order:")
         out = sys.stdout.buffer
         out.write(data)
         out.flush()
@@ -293,7 +311,7 @@ class _Reader:
         s.headed = True
         self._last = (s.vm, s.started_ms)
         size = f"{stored:,} bytes gzip" + ("" if complete else f" in the first {_WINDOW}")
-        self._note(
+        self.note(
             f"node {self.node}, vm {s.vm}{again}: started {s.started()}, "
             f"{chunks} chunk{'s' * (chunks != 1)}, {size}"
         )
@@ -303,9 +321,9 @@ class _Reader:
             what = f"chunk {item.seq} of vm {s.vm} is missing"
         else:
             what = f"chunks {item.seq}-{item.gap_end - 1} of vm {s.vm} are missing"
-        self._note(f"{what} (lost or not yet shipped)")
+        self.note(f"{what} (lost or not yet shipped)")
 
-    def _note(self, line: str) -> None:
+    def note(self, line: str) -> None:
         sys.stdout.flush()  # a terminal shows the note where it falls in the output
         print(f"[spottrain] {line}", file=sys.stderr, flush=True)
 
