@@ -9,6 +9,7 @@ import shlex
 import socket
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from spottrain import __version__
 from spottrain.protocol.env import (
@@ -55,8 +56,12 @@ from spottrain.redis_conn import (
     settings_from_url,
 )
 
+from .logship.settings import ShipSettings, add_logs_args, ship_settings
 from .notices.notice import NoticeKind
 from .watch_cmd import add_watch_parser, run_watch
+
+if TYPE_CHECKING:
+    from .config import AgentConfig
 
 CLOUDS = ("local", "aws", "gcp")
 # Every variable `run` reads, filled in as its parser is built (the systemd unit's
@@ -119,6 +124,7 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_run_checkpoint_args(run)
     _add_run_fleet_args(run)
     _add_run_replica_args(run)
+    add_logs_args(run, _env)
 
 
 def _add_run_node_args(run: argparse.ArgumentParser) -> None:
@@ -301,7 +307,6 @@ def _secret_rdzv_keys(conf: dict[str, str]) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .agent import Agent
     from .config import AgentConfig
 
     missing = [n for n in ("redis", "run_id") if not getattr(args, n)]
@@ -367,11 +372,26 @@ def _run(args: argparse.Namespace) -> int:
         quorum_wait_replicas=int(_number(args, "quorum_wait_replicas", int)),
         quorum_heartbeat_timeout_s=float(_number(args, "quorum_heartbeat_timeout", float)),
     )
+    logs = ship_settings(args)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s spottrain-agent[{args.node_id}] %(levelname)s %(message)s",
     )
-    return Agent(cfg).run()
+    return _run_shipping_logs(cfg, logs)
+
+
+def _run_shipping_logs(cfg: AgentConfig, logs: ShipSettings | None) -> int:
+    """The agent, inside its log shipper: a node that fails to start ships why, and the
+    last flush comes after the drain (emergency checkpoint, copy) is over, bounded."""
+    from .agent import Agent
+    from .logship.shipper import FINAL_FLUSH_S, start_shipper
+
+    shipper = start_shipper(logs)
+    try:
+        return Agent(cfg).run()
+    finally:
+        if shipper is not None:
+            shipper.close(FINAL_FLUSH_S)
 
 
 def _notify(args: argparse.Namespace) -> int:

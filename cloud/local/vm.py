@@ -32,7 +32,7 @@ from typing import Any
 
 from spottrain.cloud.local.records import RecordStore
 from spottrain.process_group import child_pids, descendants
-from spottrain.protocol.env import ENV_LOCAL_VM_PID
+from spottrain.protocol.env import ENV_LOCAL_VM_PID, ENV_LOGS_FILE, ENV_VM_ID
 
 
 class _Stop:
@@ -117,6 +117,10 @@ def run_vm(record_path: Path) -> int:
         log_path = store.log_path(vm_id)
         env = {**os.environ, **{str(k): str(v) for k, v in (boot.get("env") or {}).items()}}
         env[ENV_LOCAL_VM_PID] = str(os.getpid())  # how the VM's agent ends it
+        # The console file is what its agent ships (as a cloud VM's unit file), named by
+        # this VM's id, as the controller records it.
+        env.setdefault(ENV_LOGS_FILE, str(log_path))
+        env.setdefault(ENV_VM_ID, vm_id)
         with open(log_path, "ab") as log:
             child = subprocess.Popen(
                 [str(a) for a in argv],

@@ -119,6 +119,9 @@ def agent_env(
         env[env_names.ENV_REDIS_PASSWORD_FILE] = password_file
     if copy_to or spec.checkpoint.copy_to:
         env[env_names.ENV_COPY_TO] = copy_to or spec.checkpoint.copy_to or ""
+    # Logs ship to <copy_to>/logs unless logs.to says otherwise: on the local cloud that is
+    # beside the copies it really makes (local_copy_to), so its demo ships too.
+    env.update(spec.logs.agent_env())
     env.update(replica_agent_env(spec))
     return {**trainer_env(spec.wandb, node.run_id), **spec.train.env, **env}
 

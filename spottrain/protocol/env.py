@@ -25,6 +25,15 @@ ENV_REDIS = "SPOTTRAIN_REDIS"
 ENV_ROUND = "SPOTTRAIN_RDZV_ROUND"
 ENV_NODE = "SPOTTRAIN_NODE_ID"
 ENV_COPY_TO = "SPOTTRAIN_CKPT_COPY_TO"
+# -- the agent's log shipping (spec `logs:`; unset LOGS_TO: <ENV_COPY_TO>/logs) --------------
+ENV_LOGS_TO = "SPOTTRAIN_LOGS_TO"
+ENV_LOGS_CHUNK_S = "SPOTTRAIN_LOGS_CHUNK_S"
+ENV_LOGS_CHUNK_MB = "SPOTTRAIN_LOGS_CHUNK_MB"
+ENV_LOGS_MAX_MB = "SPOTTRAIN_LOGS_MAX_MB"
+ENV_LOGS_BACKLOG_MB = "SPOTTRAIN_LOGS_BACKLOG_MB"
+ENV_LOGS_FILE = "SPOTTRAIN_LOGS_FILE"  # the file the node's output is appended to
+ENV_LOGS_FILE_MAX_MB = "SPOTTRAIN_LOGS_FILE_MAX_MB"  # truncate it once shipped past this
+ENV_VM_ID = "SPOTTRAIN_VM_ID"  # this VM's id (else asked of the cloud's metadata server)
 
 # -- the agent's, set by the boot script (each the default of a `spottrain-agent run` flag) --
 ENV_RUN_ID = "SPOTTRAIN_RUN_ID"

@@ -11,6 +11,7 @@ from typing import Any, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
+from spottrain.protocol import env as env_names
 from spottrain.protocol.env import ENV_PREFIX
 from spottrain.redis_conn import DEFAULT_PASSWORD_ENV, RedisConfigError, parse_endpoint
 
@@ -415,7 +416,7 @@ class LogsSpec(_Model):
         ge=1,
         le=1_000_000,
         description="most compressed bytes one VM ships; past it a last chunk says shipping "
-        "stopped (the VM's own file keeps the rest)",
+        "stopped (the VM's own file keeps its newest output)",
     )
     backlog_mb: float = Field(
         DEFAULT_LOG_BACKLOG_MB,
@@ -440,3 +441,18 @@ class LogsSpec(_Model):
                 f"(chunk_mb {self.chunk_mb:g}): raise backlog_mb or lower chunk_mb"
             )
         return self
+
+    def agent_env(self) -> dict[str, str]:
+        """The agent's settings that differ from its defaults: an agent given none ships to
+        ``<SPOTTRAIN_CKPT_COPY_TO>/logs`` with the defaults above, so a fleet whose boot
+        script predates ``logs:`` (or a Terraform template) ships the same way."""
+        env = {env_names.ENV_LOGS_TO: self.to} if self.to else {}
+        for name, value, default in (
+            (env_names.ENV_LOGS_CHUNK_S, self.chunk_seconds, DEFAULT_LOG_CHUNK_S),
+            (env_names.ENV_LOGS_CHUNK_MB, self.chunk_mb, DEFAULT_LOG_CHUNK_MB),
+            (env_names.ENV_LOGS_MAX_MB, self.max_mb, DEFAULT_LOG_MAX_MB),
+            (env_names.ENV_LOGS_BACKLOG_MB, self.backlog_mb, DEFAULT_LOG_BACKLOG_MB),
+        ):
+            if value != default:
+                env[name] = f"{value:g}"
+        return env

@@ -238,6 +238,22 @@ def test_the_agent_stays_root_and_names_an_unprivileged_worker_user(
     assert env_example["SPOTTRAIN_WORKER_USER"] == (False, "spottrain")
 
 
+def test_the_output_goes_to_the_file_the_agent_ships_and_bounds(
+    unit: dict[str, dict[str, list[str]]], env_example: dict[str, tuple[bool, str]]
+) -> None:
+    # Torchrun and the workers inherit stdout and stderr: all of it lands in one file, in a
+    # directory that exists before the unit opens it (systemd does not create it).
+    kind, _, path = one(unit, "Service", "StandardOutput").partition(":")
+    assert kind == "append"
+    assert one(unit, "Service", "StandardError") == "inherit"
+    assert PurePosixPath(path).parent == PurePosixPath("/var/log")
+    env = dict(e.split("=", 1) for e in unit["Service"]["Environment"])
+    assert env["SPOTTRAIN_LOGS_FILE"] == path
+    assert env_example["SPOTTRAIN_LOGS_FILE"] == (False, path)
+    # Bounded (a week of output must not fill the disk), yet above the default backlog.
+    assert 64 < float(env["SPOTTRAIN_LOGS_FILE_MAX_MB"]) <= 1024
+
+
 def test_gpu_device_nodes_are_made_outside_the_sandbox(
     unit: dict[str, dict[str, list[str]]],
 ) -> None:
