@@ -19,6 +19,8 @@ import pytest
 from fakes.gcs_server import GcsServer
 from moto.server import ThreadedMotoServer
 
+from spottrain.agent.logship.settings import ShipSettings
+from spottrain.agent.logship.shipper import LogShipper
 from spottrain.cloud.storage import SHA256_METADATA, LocalStore, ObjectStore
 from spottrain.cloud.stores import open_store
 from spottrain.controller.cli import main as cli
@@ -175,6 +177,41 @@ def test_a_nodes_vms_read_back_in_order_with_gaps_and_corruption_reported(
     assert code == 1 and out == ""
     assert f"nothing under {cloud.url}/logs/{RUN}/n7/" in err
     assert "nodes with shipped output: n0, n1" in err
+
+
+def test_what_the_agents_shipper_shipped_reads_back_across_a_killed_vm(
+    cloud: Cloud, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The writer is the agent's own: the first VM dies with a chunk half filled (never
+    closed), its replacement drains and closes; the read-back is exactly what was shipped."""
+    shipped = b""
+    for (vm, started_ms), lines, killed in ((OLD, range(0, 50), True), (NEW, range(50, 65), False)):
+        out = tmp_path / f"{vm}.log"
+        out.touch()
+        clock = [started_ms / 1000]
+        settings = ShipSettings(
+            url=cloud.url + "/logs",
+            file=str(out),
+            run_id=RUN,
+            node="n0",
+            vm=vm,
+            chunk_bytes=420,  # 20 lines of 21 bytes
+            backlog_bytes=100_000,
+        )
+        shipper = LogShipper(settings, store=cloud.store, clock=lambda c=clock: c[0])
+        with out.open("ab") as f:
+            f.write(b"".join(f"line {i:05d} of {vm}\n".encode() for i in lines))
+        shipper.poll()
+        while shipper.ship_one():
+            pass
+        if killed:  # 50 lines: two whole chunks shipped, ten lines lost with the VM
+            shipped += out.read_bytes()[:840]
+        else:
+            assert shipper.close(5.0)
+            shipped += out.read_bytes()
+    code, text, err = _logs(capsys, "n0")
+    assert (code, text) == (0, shipped.decode())
+    assert "2 chunks" in err and "missing" not in err
 
 
 def test_follow_picks_up_new_chunks_a_late_one_and_a_replacement_vm(
