@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from spottrain.agent.logship.settings import vm_name
 from spottrain.cloud.storage.errors import (
     BucketNotFound,
     CorruptObject,
@@ -54,6 +55,8 @@ from spottrain.spec import JobSpec
 POLL_S = 3.0
 # Chunks fetched at once: a week-old node has hundreds, and each GET is a round trip.
 _FETCHERS = 8
+# Following, every this many polls the whole node is listed, to find a replacement VM.
+_WHOLE_EVERY = 10
 # Chunks fetched before printing them: the header's byte count covers this many.
 _WINDOW = 256
 # Above this many nodes, naming the nodes that did ship would list every chunk of the run
@@ -111,8 +114,11 @@ def node_log(
             return _nothing_shipped(store, info, node, url)
         err(f"node {node!r} has shipped nothing yet to {_where(store, info.run_id, node)}")
         err("waiting for its first chunk (Ctrl-C to stop)")
-    reader = _Reader(store, node, only_vm=vm)
+    reader = _Reader(store, node)
     reader.add(found)
+    if vm is not None and vm not in reader.vm_ids() and vm_name(vm) in reader.vm_ids():
+        vm = vm_name(vm)  # the id as the cloud spells it; chunk names replace odd characters
+    reader.only_vm = vm
     if vm is not None and found and vm not in reader.vm_ids():
         err(f"node {node!r} of run {info.run_id} has no VM {vm!r}; its VMs: {reader.listing()}")
         return EXIT_BAD_INPUT
@@ -134,8 +140,19 @@ def _quiet_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
-def _list_node(store: ObjectStore, run_id: str, node: str) -> list[ChunkName]:
-    names = (parse_chunk_key(k) for k in store.list(node_prefix(run_id, node)))
+def _list_node(
+    store: ObjectStore, run_id: str, node: str, newest: _Session | None = None
+) -> list[ChunkName]:
+    """The node's chunks; with ``newest``, only that VM's from its next chunk on: two
+    listings of at most 100 keys (seq is zero-padded, so a key prefix is a seq range),
+    where the whole node's listing is a request per 1,000 chunks it ever shipped."""
+    base = node_prefix(run_id, node)
+    if newest is None:
+        prefixes = [base]
+    else:
+        block = newest.next_seq // 100
+        prefixes = [f"{base}{newest.vm}/{b:06d}" for b in (block, block + 1)]
+    names = (parse_chunk_key(k) for p in prefixes for k in store.list(p))
     return [n for n in names if n is not None and n.run_id == run_id and n.node == node]
 
 
@@ -150,12 +167,19 @@ def _follow(
     """Poll until Ctrl-C, or until a poll taken after the run ended brings nothing new."""
     try:
         reader.drain(final=False)
+        polls = 0
         while True:
             _pause(interval)
+            polls += 1
             # Asked before listing: what the node shipped before the end is in this listing.
             over = ended()
+            # The whole node (a replacement VM, late chunks of older ones) every few polls and
+            # at the end; in between only the newest VM's next chunks.
+            whole = over or polls % _WHOLE_EVERY == 0
             try:
-                fresh = reader.add(_list_node(store, run_id, node))
+                fresh = reader.add(
+                    _list_node(store, run_id, node, None if whole else reader.newest())
+                )
             except StorageError as e:  # the store's SDK has retried; the next poll may not fail
                 reader.note(f"listing {_where(store, run_id, node)} failed: {e}; trying again")
                 continue
@@ -227,6 +251,11 @@ class _Reader:
         return ", ".join(
             f"{s.vm} (started {s.started()}, {len(s.keys)} chunks)" for s in self._ordered()
         )
+
+    def newest(self) -> _Session | None:
+        """The VM being followed: the newest one (of ``only_vm``'s, when given)."""
+        mine = [s for s in self._ordered() if self.only_vm is None or s.vm == self.only_vm]
+        return mine[-1] if mine else None
 
     def add(self, names: Iterable[ChunkName]) -> bool:
         """Take in a listing; returns whether it named a chunk not seen before."""

@@ -217,30 +217,50 @@ def test_what_the_agents_shipper_shipped_reads_back_across_a_killed_vm(
 def test_follow_picks_up_new_chunks_a_late_one_and_a_replacement_vm(
     cloud: Cloud, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen: list[bytes] = []  # the node has shipped nothing yet when `-f` starts
-    late: list[bytes] = []
     polls: list[float] = []
+    listed: list[tuple[int, str]] = []  # (poll, prefix) of every listing
 
     def pause(seconds: float) -> None:
         polls.append(seconds)
-        if len(polls) == 1:
-            seen.extend(cloud.chunk(OLD, q, f"a{q}\n") for q in (0, 1, 3))  # 2: held a poll
+        if len(polls) == 1:  # the node had shipped nothing when `-f` started
+            for q in (0, 1, 3):  # 2 not yet: held a poll
+                cloud.chunk(OLD, q, f"a{q}\n")
         elif len(polls) == 2:
-            seen.append(cloud.chunk(NEW, 0, "b0\n"))  # the replacement VM
+            cloud.chunk(OLD, 4, "a4\n")
         elif len(polls) == 3:
-            late.append(cloud.chunk(OLD, 2, "a2\n"))  # after it was called missing
+            cloud.chunk(NEW, 0, "b0\n")  # the replacement VM: seen by the next whole listing
+            cloud.chunk(OLD, 2, "a2\n")  # after it was called missing: late
 
+    def opened(url: str) -> Any:
+        store = open_store(url)
+
+        class Spy:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+            def list(self, prefix: str = "") -> list[str]:
+                listed.append((len(polls), prefix))
+                return store.list(prefix)
+
+        return Spy()
+
+    monkeypatch.setattr(node_logs, "open_store", opened)
     monkeypatch.setattr(node_logs, "_pause", pause)
-    monkeypatch.setattr(node_logs, "_ended_probe", lambda info: lambda: len(polls) >= 3)
+    monkeypatch.setattr(node_logs, "_ended_probe", lambda info: lambda: len(polls) >= 4)
     code, out, err = _logs(capsys, "n0", "-f", "--interval", "7")
     assert code == 0
-    assert out == b"".join(seen + late).decode()
-    # The run ended before poll 3, which still brought a chunk; poll 4 brought none: stop.
-    assert polls == [7.0] * 4
+    assert out == "a0\na1\na3\na4\na2\nb0\n"
+    # The run ended before poll 4, which still brought a chunk; poll 5 brought none: stop.
+    assert polls == [7.0] * 5
     assert "node 'n0' has shipped nothing yet" in err and "waiting for its first chunk" in err
     assert "[spottrain] chunk 2 of vm i-0bbb is missing (lost or not yet shipped)" in err
     assert "[spottrain] chunk 2 of vm i-0bbb arrived late, out of order:" in err
-    assert err.index(f"vm {NEW[0]}:") < err.index(f"vm {OLD[0]} (continued)")
+    assert err.index("missing") < err.index("arrived late") < err.index(f"vm {NEW[0]}:")
+    # Between whole listings (no VM yet, then the end), only the followed VM's next chunks.
+    whole = f"{RUN}/n0/"
+    assert [p for p in listed if p[1] == whole] == [(0, whole), (1, whole), (4, whole), (5, whole)]
+    narrow = [f"{RUN}/n0/{OLD[0]}/00000{b}" for b in (0, 1)]
+    assert [p for _, p in listed if p != whole] == narrow * 2
 
     # Read again, the late chunk is in its place; Ctrl-C ends a follow quietly.
     def interrupted(seconds: float) -> None:
@@ -248,7 +268,7 @@ def test_follow_picks_up_new_chunks_a_late_one_and_a_replacement_vm(
 
     monkeypatch.setattr(node_logs, "_pause", interrupted)
     code, out, err = _logs(capsys, "n0", "-f")
-    assert (code, out) == (0, "a0\na1\na2\na3\nb0\n") and "missing" not in err
+    assert (code, out) == (0, "a0\na1\na2\na3\na4\nb0\n") and "missing" not in err
 
 
 def test_no_store_named_is_a_clear_error(
