@@ -120,6 +120,8 @@ def node_log(
         vm = vm_name(vm)  # the id as the cloud spells it; chunk names replace odd characters
     reader.only_vm = vm
     if vm is not None and found and vm not in reader.vm_ids():
+        if info.local_state_dir:  # a local VM that shipped nothing still has its console
+            return console_log(info, node, vm=vm, follow=follow)
         err(f"node {node!r} of run {info.run_id} has no VM {vm!r}; its VMs: {reader.listing()}")
         return EXIT_BAD_INPUT
     try:

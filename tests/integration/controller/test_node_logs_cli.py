@@ -308,6 +308,7 @@ def test_the_local_cloud_reads_shipped_chunks_else_its_console_files(
     store = LocalStore(home / "store" / "checkpoints" / "logs", create=True)
     store.put_bytes(ChunkName(5, "local-1", 0, RUN, "n0").key(), gzip.compress(b"shipped\n"))
     assert _logs(capsys, "n0")[:2] == (0, "shipped\n")
+    assert _logs(capsys, "n0", "--vm", "local-2")[:2] == (0, "console of local-2\n")
 
 
 def test_follow_stops_when_the_runs_redis_says_it_ended(
