@@ -51,9 +51,9 @@ from spottrain.protocol.node_logs import (
 from spottrain.protocol.states import RunPhase
 from spottrain.spec import JobSpec
 
-# How often `-f` lists the node's chunks: one LIST request a poll (see the README's costs).
+# How often `-f` lists the followed VM's new chunks (two small LIST requests a poll).
 POLL_S = 3.0
-# Chunks fetched at once: a week-old node has hundreds, and each GET is a round trip.
+# Chunks fetched at once: a day of a VM is thousands of chunks, each GET a round trip.
 _FETCHERS = 8
 # Following, every this many polls the whole node is listed, to find a replacement VM.
 _WHOLE_EVERY = 10
@@ -316,9 +316,7 @@ class _Reader:
             return
         if item.late:
             self.note(f"chunk {item.seq} of vm {s.vm} arrived late, out of order:")
-        out = sys.stdout.buffer
-        out.write(data)
-        out.flush()
+        _write(data)
 
     def _fetch(self, item: _Item, tmp: Path) -> Path | str:
         """The chunk downloaded (checked against its recorded sha256), or why not."""
@@ -378,6 +376,18 @@ def _plan(s: _Session, final: bool) -> list[_Item]:
         plan.append(_Item(s.next_seq, gap_end=end))
         s.skipped.update(range(s.next_seq, end))
         s.next_seq, s.held_gap = end, None
+
+
+def _write(data: bytes) -> None:
+    """The node's bytes as they are; a stdout without bytes (redirected to a StringIO)
+    gets them decoded."""
+    out: BinaryIO | None = getattr(sys.stdout, "buffer", None)
+    if out is None:
+        sys.stdout.write(data.decode(errors="replace"))
+        sys.stdout.flush()
+        return
+    out.write(data)
+    out.flush()
 
 
 def _unzip(path: Path) -> bytes | str:
@@ -466,16 +476,15 @@ def _local_vm(info: RunInfo, node: str) -> str:
 
 
 def _tail(path: Path, follow: bool) -> int:
-    out: BinaryIO = sys.stdout.buffer
     with open(path, "rb") as f:
-        while True:
-            chunk = f.read()
-            if chunk:
-                out.write(chunk)
-                out.flush()
-            if not follow:
-                return EXIT_OK
-            try:
+        try:
+            while True:
+                _write(f.read())
+                if not follow:
+                    return EXIT_OK
                 _pause(0.5)
-            except KeyboardInterrupt:
-                return EXIT_OK
+        except KeyboardInterrupt:
+            return EXIT_OK
+        except BrokenPipeError:
+            _quiet_stdout()
+            return EXIT_OK
