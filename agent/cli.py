@@ -389,6 +389,11 @@ def _run_shipping_logs(cfg: AgentConfig, logs: ShipSettings | None) -> int:
     shipper = start_shipper(logs)
     try:
         return Agent(cfg).run()
+    except Exception as exc:
+        if shipper is not None:
+            # Said here too, before the last flush: main prints it only once that is over.
+            logging.getLogger("spottrain.agent").error("stopped: %s", exc)
+        raise
     finally:
         if shipper is not None:
             shipper.close(FINAL_FLUSH_S)

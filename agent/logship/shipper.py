@@ -15,9 +15,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spottrain.protocol.node_logs import ChunkName
+from spottrain.protocol.node_logs import ChunkName, node_prefix
 
 from .chunker import Chunker
 from .settings import MB, ShipSettings, vm_name
@@ -76,6 +77,14 @@ class LogShipper:
 
     # -- running ----------------------------------------------------------------------------
     def start(self) -> LogShipper:
+        log.info(
+            "log shipping: %s to %s/%s (a chunk each %gs or %g MB)",
+            self.s.file,
+            self.s.url.rstrip("/"),
+            node_prefix(self.s.run_id, self.s.node),
+            self.s.chunk_s,
+            self.s.chunk_bytes / MB,
+        )
         for name, target in (("tail", self._read_loop), ("upload", self._upload_loop)):
             t = threading.Thread(target=target, name=f"spottrain-logs-{name}", daemon=True)
             t.start()
@@ -101,8 +110,11 @@ class LogShipper:
             while self.ship_one() and time.monotonic() < deadline:
                 pass
         self._give_up.set()
-        self.tail.close()
         left = self.chunker.held
+        uploading = len(self._threads) > 1 and self._threads[1].is_alive()
+        if left == 0 and not uploading:
+            self.tail.mark_shipped()
+        self.tail.close()
         if left and not self.capped:
             log.warning("log shipping: %d bytes of this node's output were not shipped", left)
         return left == 0 or self.capped
@@ -185,9 +197,17 @@ class LogShipper:
     # -- helpers ----------------------------------------------------------------------------
     def _open_store(self) -> ObjectStore:
         if self._store is None:
+            from spottrain.cloud.storage import LocalStore, parse_store_url
             from spottrain.cloud.stores import open_store
 
-            self._store = open_store(self.s.url)
+            url = parse_store_url(self.s.url)
+            if url.scheme == "file":
+                # The default, <copy_to>/logs, is made beside the copies; a store whose own
+                # parent is missing (a volume not mounted) is not made on the VM's disk.
+                root = Path(url.path)
+                self._store = LocalStore(root, create=root.parent.is_dir())
+            else:
+                self._store = open_store(self.s.url)
         return self._store
 
     def _vm_id(self) -> str:

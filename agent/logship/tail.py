@@ -4,6 +4,7 @@ holds only this VM's output), through truncation and rotation, and keeping it bo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from typing import BinaryIO
 
@@ -30,6 +31,23 @@ class FileTail:
         self._ino: int | None = None
         self.pos = 0
         self.truncations = 0
+        # Where an agent before this one (on this VM) stopped, having shipped everything.
+        self._resume = _load_mark(self.mark_path)
+
+    @property
+    def mark_path(self) -> str:
+        return self.path + ".shipped"
+
+    def mark_shipped(self) -> None:
+        """Record that everything read so far is shipped: an agent restarted on this VM
+        (systemd's Restart=) goes on from here instead of shipping the file again."""
+        if self._ino is None:
+            return
+        with contextlib.suppress(OSError):
+            tmp = self.mark_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"ino": self._ino, "pos": self.pos}, f)
+            os.replace(tmp, self.mark_path)
 
     def read(self, limit: int = READ_BYTES) -> bytes:
         """Up to ``limit`` new bytes (``b""``: none yet)."""
@@ -68,8 +86,11 @@ class FileTail:
             self._f = open(self.path, "r+b" if self.max_bytes else "rb")  # noqa: SIM115
         except OSError:
             return False
-        self._ino = os.fstat(self._f.fileno()).st_ino
-        self.pos = 0
+        st = os.fstat(self._f.fileno())
+        self._ino = st.st_ino
+        mark, self._resume = self._resume, None
+        # The same file, not shorter than when it was marked: skip what was shipped.
+        self.pos = mark[1] if mark and mark[0] == st.st_ino and mark[1] <= st.st_size else 0
         return True
 
     def _rotated(self) -> bool:
@@ -87,3 +108,12 @@ class FileTail:
             return
         self.pos = 0
         self.truncations += 1
+
+
+def _load_mark(path: str) -> tuple[int, int] | None:
+    try:
+        with open(path) as f:
+            mark = json.load(f)
+        return int(mark["ino"]), int(mark["pos"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

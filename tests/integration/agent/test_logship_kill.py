@@ -1,7 +1,8 @@
 """A VM killed mid-chunk, against moto's S3 and the GCS fake: the shipper runs in a process
 of its own (as in the agent), ships a few chunks, and is SIGKILLed with a chunk half
 filled. Every chunk it shipped reads back whole (one gzip member of whole lines, numbered
-with no gaps), and what is lost is only what was written after the last cut."""
+with no gaps), and what is lost is only what was written after the last cut. And an
+agent that cannot start ships why."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from moto.server import ThreadedMotoServer
 
 from spottrain.cloud.aws.s3 import S3Store
 from spottrain.cloud.gcp.gcs import GcsStore
-from spottrain.cloud.storage import ObjectStore
+from spottrain.cloud.storage import LocalStore, ObjectStore
+from spottrain.ports import free_port
 from spottrain.protocol.node_logs import node_prefix, parse_chunk_key
 
 BUCKET = "spottrain-logs"
@@ -127,3 +129,25 @@ def test_a_vm_killed_mid_chunk_loses_only_its_unshipped_tail(
     # The loss is the half-filled chunk: the ten lines written after the last cut.
     lost = b"".join(_line(i) for i in range(100, 110))
     assert log.read_bytes() == shipped + lost and len(lost) < CHUNK
+
+
+def test_an_agent_that_cannot_start_ships_why(tmp_path: Path) -> None:
+    # As the unit runs it: the agent's stdout and stderr appended to the file it ships.
+    log, store = tmp_path / "node.log", tmp_path / "store"
+    store.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTTRAIN_")}
+    with log.open("ab") as out:
+        where = [f"--redis=redis://127.0.0.1:{free_port()}", "--run-id=run-1", "--node-id=n1"]
+        logs = [f"--logs-file={log}", f"--logs-to={store}", "--vm-id=vm-9"]
+        res = subprocess.run(
+            [sys.executable, "-m", "spottrain.agent.cli", "run", *where, *logs, "--", "t.py"],
+            stdout=out,
+            stderr=out,
+            env=env,
+            timeout=60,
+        )
+    assert res.returncode == 2
+    reader = LocalStore(str(store))
+    shipped = b"".join(gzip.decompress(reader.get_bytes(k)) for k in reader.list("run-1/n1/vm-9/"))
+    assert b"INFO log shipping:" in shipped and b"ERROR stopped:" in shipped, shipped
+    assert b"Redis" in shipped.split(b"ERROR stopped:")[1]

@@ -82,6 +82,15 @@ def test_the_shipper_ships_whole_lines_in_order_and_flushes_at_close(tmp_path: P
     assert b"".join(body for _, body in got) == b"".join(lines) + b"half a li\n"
     keys = store.list("run-1/node-0/vm-a/")
     assert len({parse_chunk_key(k).started_ms for k in keys}) == 1  # type: ignore[union-attr]
+    # An agent restarted on this VM goes on where the last one stopped, having shipped all.
+    clock.now += 60
+    again = LogShipper(_settings(tmp_path), store=store, clock=clock)
+    with log.open("ab") as f:
+        f.write(b"after the restart\n")
+    again.poll()
+    assert again.close(timeout=5.0)
+    restarted = [k for k in store.list("run-1/node-0/vm-a/") if k not in keys]
+    assert [gzip.decompress(store.get_bytes(k)) for k in restarted] == [b"after the restart\n"]
 
 
 def test_a_failing_store_is_retried_and_the_cap_ends_shipping_with_a_marker(
