@@ -19,6 +19,7 @@ import contextlib
 import gzip
 import io
 import json
+import math
 import os
 import sys
 import tempfile
@@ -55,6 +56,9 @@ from spottrain.spec import JobSpec
 POLL_S = 3.0
 # Chunks fetched at once: a day of a VM is thousands of chunks, each GET a round trip.
 _FETCHERS = 8
+# Following a run that ended: stop once this long brought no chunk. A VM's agent ships its
+# last chunk within FINAL_FLUSH_S (5 s) of its drain, which may come after the run's end.
+_END_QUIET_S = 10.0
 # Following, every this many polls the whole node is listed, to find a replacement VM.
 _WHOLE_EVERY = 10
 # Chunks fetched before printing them: the header's byte count covers this many.
@@ -166,10 +170,12 @@ def _follow(
     interval: float,
     ended: Callable[[], bool],
 ) -> None:
-    """Poll until Ctrl-C, or until a poll taken after the run ended brings nothing new."""
+    """Poll until Ctrl-C, or until the polls taken after the run ended bring nothing new
+    for ``_END_QUIET_S`` (one poll at least): a VM ships its last chunk after its drain."""
+    quiet_needed = max(1, math.ceil(_END_QUIET_S / interval)) if interval > 0 else 1
     try:
         reader.drain(final=False)
-        polls = 0
+        polls = quiet = 0
         while True:
             _pause(interval)
             polls += 1
@@ -185,8 +191,9 @@ def _follow(
             except StorageError as e:  # the store's SDK has retried; the next poll may not fail
                 reader.note(f"listing {_where(store, run_id, node)} failed: {e}; trying again")
                 continue
-            reader.drain(final=over and not fresh)
-            if over and not fresh:
+            quiet = quiet + 1 if over and not fresh else 0
+            reader.drain(final=quiet >= quiet_needed)
+            if quiet >= quiet_needed:
                 return
     except KeyboardInterrupt:
         sys.stdout.flush()
