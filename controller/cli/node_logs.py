@@ -94,6 +94,9 @@ def node_log(
     """Print ``node``'s shipped output (only ``vm``'s, when given); ``follow`` keeps polling
     for new chunks and new VMs until Ctrl-C or the run's end. Returns the exit code: 1 when a
     chunk could not be read (the rest is still printed) or nothing was found."""
+    if not interval > 0:
+        err(f"--interval {interval:g} must be a positive number of seconds")
+        return EXIT_BAD_INPUT
     spec = info.spec()
     url = logs_url(info, spec)
     if url is None:
@@ -172,7 +175,7 @@ def _follow(
 ) -> None:
     """Poll until Ctrl-C, or until the polls taken after the run ended bring nothing new
     for ``_END_QUIET_S`` (one poll at least): a VM ships its last chunk after its drain."""
-    quiet_needed = max(1, math.ceil(_END_QUIET_S / interval)) if interval > 0 else 1
+    quiet_needed = max(1, math.ceil(_END_QUIET_S / interval))
     try:
         reader.drain(final=False)
         polls = quiet = 0

@@ -283,6 +283,7 @@ def test_no_store_named_is_a_clear_error(
     assert "names neither logs.to nor checkpoint.copy_to" in err
     assert cli.main(["logs", RUN, "--vm", "i-1"]) == 2
     assert "give --node too" in capsys.readouterr().err
+    assert _logs(capsys, "n0", "-f", "--interval", "0")[0] == 2
 
 
 def test_the_local_cloud_reads_shipped_chunks_else_its_console_files(
