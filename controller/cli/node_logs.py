@@ -43,12 +43,7 @@ from spottrain.cloud.stores import open_store
 from spottrain.controller.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, err, run_state
 from spottrain.controller.run.code import local_copy_to
 from spottrain.controller.run.records import RunInfo
-from spottrain.protocol.node_logs import (
-    ChunkName,
-    default_logs_url,
-    node_prefix,
-    parse_chunk_key,
-)
+from spottrain.protocol.node_logs import ChunkName, default_logs_url, node_prefix, parse_chunk_key
 from spottrain.protocol.states import RunPhase
 from spottrain.spec import JobSpec
 
