@@ -9,7 +9,6 @@ import os
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from spottrain.controller.cli.common import (
@@ -178,8 +177,15 @@ def logs(args: argparse.Namespace) -> int:
     except RunError as e:
         err(str(e))
         return EXIT_BAD_INPUT
-    if args.node:
-        return _node_log(info, args.node, args.follow)
+    if args.node or args.vm:
+        if not args.node:
+            err("--vm picks one VM of a node: give --node too")
+            return EXIT_BAD_INPUT
+        from spottrain.controller.cli import node_logs
+
+        return node_logs.node_log(
+            info, args.node, vm=args.vm, follow=args.follow, interval=args.interval
+        )
     state = run_state(info)
     if state is None:
         archived = info.dir / "events.jsonl"
@@ -202,40 +208,6 @@ def logs(args: argparse.Namespace) -> int:
                 return EXIT_OK
         except KeyboardInterrupt:
             return EXIT_OK
-
-
-def _node_log(info: RunInfo, node: str, follow: bool) -> int:
-    """A node's training output: the local cloud keeps each VM's console log on disk."""
-    state = run_state(info)
-    vm = ""
-    if state is not None:
-        rec = state.ledger().records.get(node)
-        vm = rec.instance_id if rec else ""
-    if not vm and info.local_state_dir:
-        for p in (Path(info.local_state_dir) / "instances").glob("*.json"):
-            rec_json = json.loads(p.read_text())
-            tags = rec_json.get("tags", {})
-            if tags.get("spottrain-job") == info.run_id and tags.get("spottrain-node") == node:
-                vm = rec_json["id"]
-    if not vm or not info.local_state_dir:
-        err(
-            f"no output kept for node {node!r} of run {info.run_id} (the local cloud keeps each "
-            "VM's console; on AWS and GCP read the VM's journal: journalctl -u spottrain-agent)"
-        )
-        return EXIT_FAILED
-    path = Path(info.local_state_dir) / "logs" / f"{vm}.log"
-    with open(path, errors="replace") as f:
-        while True:
-            chunk = f.read()
-            if chunk:
-                sys.stdout.write(chunk)
-                sys.stdout.flush()
-            if not follow:
-                return EXIT_OK
-            try:
-                time.sleep(0.5)
-            except KeyboardInterrupt:
-                return EXIT_OK
 
 
 def scale(args: argparse.Namespace) -> int:

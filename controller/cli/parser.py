@@ -104,6 +104,10 @@ def _add_run_commands(sub: Any) -> None:
     logs.add_argument("run", nargs="?", help=_RUN_HELP)
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
     logs.add_argument("--node", help="print this node's training output instead")
+    logs.add_argument("--vm", help="with --node: only this VM's output (one of the node's VMs)")
+    logs.add_argument(
+        "--interval", type=float, default=3.0, help="with --node -f: seconds between polls"
+    )
 
 
 def _add_down(sub: Any) -> None:
