@@ -408,7 +408,7 @@ def _unzip(path: Path) -> bytes | str:
 def _nowhere(info: RunInfo, node: str) -> int:
     err(
         f"run {info.run_id} ships no node output: its spec names neither logs.to nor "
-        "checkpoint.copy_to. On a live VM read the journal: journalctl -u spottrain-agent "
+        "checkpoint.copy_to. On a live VM read /var/log/spottrain-agent.log "
         f"(node {node}); set logs.to to keep the next run's"
     )
     return EXIT_FAILED
