@@ -81,8 +81,9 @@ if rc(K_REQ, 'HSET', id, step .. ' ' .. cf .. ' ' .. shrink .. ' ' .. tok) == 1 
   if member then set('joined_prev', S.joined_prev + 1) end
 end
 note_steady(member, step, cf, shrink)
--- The steady FORM answers a direct requester from this set (a relay's from its batch).
-if S.steady ~= 0 then rc(K_RDIRECT, 'SADD', id) end
+-- The steady FORM answers a direct requester from this set (a relay's from its batch), and
+-- a relay's batch leaves it to its own request.
+rc(K_RDIRECT, 'SADD', id)
 if S.opened == '' then set('opened', NOW) end
 local round = S.round
 if not (complete and cannot_form()) then lib().try_form() end

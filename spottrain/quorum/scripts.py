@@ -16,8 +16,8 @@ arguments:
   request, e.g. restarted: send it again) or ``withdrawn``. Without a token: ``ticked``.
 - ``HEARTBEAT``: replica ids. -> the ids among them that are gone.
 - ``LEAVE``: replica id. -> 1 if it left now, 0 if it was gone already.
-- ``RELAY_REQUEST``: a relay batch ``"<relay id>:<batch token>"``, then per replica id,
-  step, held quorum id, commit failures, shrink_only (``relay_args``). -> ``[round, id, why,
+- ``RELAY_REQUEST``: a relay batch ``"<relay id>:<batch token>"``, then its items as
+  ``relay_args`` lays them out. -> ``[round, id, why,
   ...]`` (the refused: ``gone <why> <ms>``, ``join``, ``direct``) or ``[-1]`` when the
   batch's answer already waits (read it first). The answers arrive on
   ``relayreply:<batch>`` (see :mod:`.relay`).
@@ -144,9 +144,15 @@ def relay_key(keys: RunKeys, batch: str) -> str:
 
 
 def relay_args(batch: str, items: Sequence[BatchItem], held: Sequence[int]) -> list[str]:
-    """RELAY_REQUEST's own ARGV: the batch, then five per item (``held``: each item's held
-    quorum id, the client's own record included)."""
-    args = [batch]
+    """RELAY_REQUEST's own ARGV (``held``: each item's held quorum id, the client's own
+    record included): the batch, then "U", the step, the largest held id and the ids when
+    every item is at one step with no commit failure and no shrink_only (a steady round's
+    batch: a fifth of the arguments), else "V" and five per item."""
+    steps = {int(x.step) for x in items}
+    if len(steps) == 1 and not any(x.commit_failures > 0 or x.shrink_only for x in items):
+        top = max(0, *(int(h) for h in held))
+        return [batch, "U", str(steps.pop()), str(top), *(x.replica_id for x in items)]
+    args = [batch, "V"]
     for item, h in zip(items, held, strict=True):
         args += [
             item.replica_id,
