@@ -55,7 +55,7 @@ local NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local S = {}
 local DIRTY_FIELDS = {}
 local HOT = {'round', 'qid', 'opened', 'joined_prev', 'active', 'grace_until', 'nreq', 'nprev',
-  'nhb', 'steady', 'rstep'}
+  'nhb', 'steady', 'rstep', 'relayed'}
 local COLD = {'epoch', 'version', 'max_step', 'formed', 'dirty', 'held', 'ranks_v'}
 
 local function set(field, v) S[field] = v; DIRTY_FIELDS[field] = true end
@@ -345,7 +345,8 @@ lib = function()
   end
 
   -- The round is over: the next one opens (left: requesters left out wait on in it).
-  local function next_round(max_step, left)
+  local function next_round(max_step, left, relayed)
+    set('relayed', relayed and 1 or 0)
     set('round', S.round + 1); set('joined_prev', 0); set('held', 0)
     set('formed', NOW); set('max_step', max_step); set('nreq', left)
     set('opened', left > 0 and NOW or ''); set('steady', left > 0 and 0 or 2)
@@ -397,7 +398,7 @@ lib = function()
       chunked(K_REQ, 'HDEL', ids, add_one)
       chunked(K_RDIRECT, 'SREM', ids, add_one)
     end
-    next_round(max_step, R - n)
+    next_round(max_step, R - n, next(batches) ~= nil)
   end
 
   -- The steady FORM: the last quorum again, every member at the round's step, so every
@@ -423,9 +424,10 @@ lib = function()
     end
     local line = 'S ' .. fmt(S.round) .. head .. fmt(S.version) .. ' ' .. fmt(n) .. ' ' ..
       fmt(S.rstep) .. ' ' .. S.epoch
-    for _, rk in ipairs(rc(K_RRELAYS, 'SMEMBERS')) do relay_push(rk, line) end
+    local relays = rc(K_RRELAYS, 'SMEMBERS')
+    for _, rk in ipairs(relays) do relay_push(rk, line) end
     keep_requests()
-    next_round(S.rstep, 0)
+    next_round(S.rstep, 0, #relays > 0)
   end
 
   -- TRY-FORM on the real counts (and they are written back for cannot_form).

@@ -63,7 +63,7 @@ end
 -- A member that a relay asked for in the round that formed last, at this step, and whose
 -- answer still waits in that relay batch's list: the relay died before passing it on. It is
 -- answered from there (once), not counted in the next round.
-local last = member and rc(K_LASTREQ, 'HGET', id)
+local last = member and S.relayed == 1 and rc(K_LASTREQ, 'HGET', id)
 if last and string.find(last, step .. ' ', 1, true) == 1 then
   local line = relayed_answer(id, last)
   if line then
@@ -80,10 +80,15 @@ if rc(K_REQ, 'HSET', id, step .. ' ' .. cf .. ' ' .. shrink .. ' ' .. tok) == 1 
   if #waiting > 0 then rc(REPLY .. id, 'DEL') end  -- answers to requests it gave up on
   if member then set('joined_prev', S.joined_prev + 1) end
 end
-note_steady(member, step, cf, shrink)
--- The steady FORM answers a direct requester from this set (a relay's from its batch), and
--- a relay's batch leaves it to its own request.
-rc(K_RDIRECT, 'SADD', id)
+-- The steady FORM answers a direct requester from rdirect (a relay's from its batch), kept
+-- only while relays ask (the last round had some): a fleet that asks only directly forms
+-- with the full FORM, which reads every request anyway, and spares each request the call.
+if S.relayed == 1 then
+  note_steady(member, step, cf, shrink)
+  rc(K_RDIRECT, 'SADD', id)
+elseif S.steady ~= 0 then
+  set('steady', 0)
+end
 if S.opened == '' then set('opened', NOW) end
 local round = S.round
 if not (complete and cannot_form()) then lib().try_form() end

@@ -43,13 +43,21 @@ if #others > 0 then
     elseif not had[j] then new_other = new_other + 1 end
   end
 end
-if rc(K_RDIRECT, 'SCARD') > 0 then
-  local direct = rc(K_RDIRECT, 'SMISMEMBER', unpack(ids))
-  for k, id in ipairs(ids) do
-    if direct[k] == 1 and not refused[id] then
-      refused[id] = 'direct'
-      if member[k] == 0 and not rc(K_REQ, 'HGET', id) then new_other = new_other - 1 end
-    end
+-- rdirect is kept while relays ask (S.relayed); in the first relayed round, the requests.
+local direct
+if S.relayed == 1 then
+  if rc(K_RDIRECT, 'SCARD') > 0 then direct = rc(K_RDIRECT, 'SMISMEMBER', unpack(ids)) end
+else
+  direct = {}
+  for k, v in ipairs(rc(K_REQ, 'HMGET', unpack(ids))) do
+    local tok = v and string.match(v, ' (%S+)$')
+    direct[k] = (tok and string.byte(tok, 1) ~= 64) and 1 or 0
+  end
+end
+for k, id in ipairs(direct and ids or {}) do
+  if direct[k] == 1 and not refused[id] then
+    refused[id] = 'direct'
+    if member[k] == 0 and not rc(K_REQ, 'HGET', id) then new_other = new_other - 1 end
   end
 end
 local mine, now = '@' .. rk, fmt(NOW)
