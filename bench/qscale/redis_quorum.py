@@ -72,7 +72,8 @@ class RedisQuorum:
         self.config = config
         self.nprocs = max(1, min(procs, n))
         self.ids = [f"replica-{i:05d}" for i in range(n)]
-        self.server = BenchRedis(maxclients=n + 4 * self.nprocs + 64)
+        relays = n // block + self.nprocs if block > 1 else 0  # a connection per relay
+        self.server = BenchRedis(maxclients=n + 4 * self.nprocs + 64 + relays)
         self.p = Procs()
         self.calls: Calls | None = None
         self.step = 0
