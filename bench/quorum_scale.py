@@ -38,12 +38,23 @@ are not late on a fleet); the silent loss and the false drops run at the chosen
 ``--heartbeat-timeout-ms`` (1000), where such starvation is what they count. The heartbeat
 processes run at nice -10 where allowed. A size that fails is printed, and null.
 
+Relayed (``--relay-group``, default 100; 0: off): after the direct steady rounds, the same
+replicas ask through relays of that many (``qscale/redis_relays.py``: per relay one
+RELAY_REQUEST for the whole group and one BLPOP, in one write, as
+``QuorumClient.request_batch`` does; the replicas are dealt to the client processes in whole
+groups). A round runs from the LAST batch sent to every relay's answer delivered; the bytes
+are the relays' to and from Redis per replica (the member <-> relay hop is RSHIM's). Keys
+``redis_relay_round_ms_p50_N``, ``redis_relay_round_ms_p99_N``, ``redis_relay_cpu_ms_round_N``
+(Redis's CPU per round, INFO cpu), ``redis_relay_bytes_per_replica_step_N``.
+``--relay-only`` skips the direct rounds, the leave, the loss and the false drops.
+
 Process group: torchft's ``ProcessGroupGloo.configure`` (what every survivor runs at every
 quorum change) then one all-reduce, in 2..16 processes released at once; fitted as
 ``rebuild_s = c0 + c1 n`` (ranks queue for 2 cores at 16, so the slope is an upper bound).
 
     .venv/bin/python bench/quorum_scale.py [--sizes 100,1000,4000,12500] [--rounds 5]
         [--impl lighthouse,redis] [--fault-replicas 1000] [--pg-ranks 2,4,8,16] [--no-pg]
+        [--relay-group 100] [--relay-only]
 
 The last line is one JSON object of the figures: per implementation its own object, and
 flat ``redis_round_ms_p50_N``, ``lighthouse_round_ms_p50_N`` (null where not reached), ...
