@@ -4,10 +4,27 @@ It replaces torchft's lighthouse: the state is persisted with the run's Redis, q
 come from a counter that never goes back, a replica can leave explicitly, and each step costs
 O(1) bytes per replica on the wire (the full membership travels only when it changes).
 
-Modules: :mod:`.model` (members, answers, the config), :mod:`.errors`, :mod:`.lua` and
-:mod:`.scripts` (the Lua that owns every key, its argument layout and the key layout, the
-answer line's parser), :mod:`.client` (the blocking client the agent's lighthouse shim and
-the tests use).
+Modules: :mod:`.model` (members, answers, the config), :mod:`.errors`, :mod:`.lua`,
+:mod:`.lua_bodies`, :mod:`.lua_relay` and :mod:`.scripts` (the Lua that owns every key, its
+argument layout and the key layout, the answer line's parser), :mod:`.client` (the blocking
+client the agent's lighthouse shim and the tests use) and :mod:`.relay` (its
+``request_batch``: a relay asking for a group of replicas in one call).
+
+Relays and the steady FORM: at thousands of replicas a script call per replica per step is
+what costs Redis (~54 us of its one thread each). A relay (one agent per ~100 replicas)
+sends its group's requests as one RELAY_REQUEST (variadic ZADD, HSET, SMISMEMBER: one call
+instead of 100) and gets one element back on its own list. A round is *steady* when every
+member of the last quorum asked, nobody else, all at one step, with no commit failure and no
+shrink_only, and nobody left or was dropped: the state tracks it per request in O(1)
+(``steady``, ``rstep``), and such a round forms with the steady FORM, which reads no member's
+request: it pushes one ``S`` line per relay batch (each member's rank is its index in the
+cached roster) and one answer per direct requester (their ranks kept in ``ranks``), and
+renames the requests away. Every other round runs the full FORM, which answers a relay's
+members in one ``F`` element. Both give the answers the full FORM always gave (property
+tested against direct requests and the rules over random rounds). Measured
+(``bench/qscale/relay_cost.py``, relays of 100, a loaded 2-core machine): ~200-300 us of
+Redis per batch, the steady FORM ~0.4 ms, ~26-37 ms of Redis CPU a round at 12,500 replicas
+(~680 ms with a request per replica).
 
 Costs on the wire (measured on Redis 7.0.15 with ``INFO stats`` net byte counters around one
 steady-state round, replica ids ``replica-NNNNN:<uuid>``; the same at 3 and 12,500 replicas):
