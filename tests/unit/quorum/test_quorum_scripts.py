@@ -9,7 +9,7 @@ import pytest
 
 from spottrain.protocol.keys import RunKeys
 from spottrain.quorum import scripts
-from spottrain.quorum.model import Member, QuorumConfig
+from spottrain.quorum.model import BatchItem, Member, QuorumConfig
 
 
 def test_answer_line_round_trip() -> None:
@@ -40,3 +40,14 @@ def test_member_roster_and_ids() -> None:
     assert scripts.reply_key(keys, "r:1") == keys.quorum_key("reply:r:1")
     assert scripts.config_args(keys, QuorumConfig(), "ep") == ["1000", "250", "1", "ep"]
     assert scripts.request_args("r", 5, -1, 2, True, "t") == ["r", "5", "0", "2", "1", "t"]
+
+
+def test_relay_args_and_key() -> None:
+    keys = RunKeys("run-1")
+    assert scripts.relay_key(keys, "r:ab") == keys.quorum_key("relayreply:r:ab")
+    steady = [BatchItem("a", 5, held_qid=3), BatchItem("b", 5)]
+    assert scripts.relay_args("r:t", steady, [3, 7]) == ["r:t", "U", "5", "7", "a", "b"]
+    mixed = [BatchItem("a", 5), BatchItem("b", 4, commit_failures=2, shrink_only=True)]
+    assert scripts.relay_args("r:t", mixed, [0, -1]) == [
+        "r:t", "V", "a", "5", "0", "0", "0", "b", "4", "0", "2", "1",
+    ]  # fmt: skip
