@@ -214,12 +214,12 @@ def test_garbage_in_relay_keys_is_reported(redis_server, run_keys, redis_client)
     asker = Asker(client)
     asker.ask_batch("r", [BatchItem(x, 0) for x in ids])
     assert len(asker.collect()) == 2
-    for part in ("rrelays", "ranks", "relayreply:"):
+    for part in ("rrelays", "ranks", "rdirect", "lastreq", "relayreply:"):
         batch = RelayBatch(client, "r", [BatchItem("a", 1)], timeout=5)
         key = batch.key if part == "relayreply:" else k(part)
         redis_client.set(key, "x")
         with pytest.raises(QuorumCorrupt, match=f"Redis key {key} holds"):
             batch._send()
             asker.ask_direct("b", 1)  # a steady round: b's rank is read from ranks
-        redis_client.delete(key, k("req"), k("rdirect"), k("rrelays"))
+        redis_client.delete(key, k("req"), k("rdirect"), k("rrelays"), k("lastreq"))
         redis_client.hset(k("state"), mapping={"steady": 2, "nreq": 0, "joined_prev": 0})
