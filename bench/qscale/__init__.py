@@ -4,4 +4,6 @@
 measurements and report in ``qscale/redis_*.py``), the measurement every thread-per-client
 implementation shares (:mod:`qscale.rounds`), the process-group rebuild (:mod:`qscale.pg`)
 the fits (:mod:`qscale.fit`), and the Redis CPU of one script call at N members
-(:mod:`qscale.script_cost`, run on its own)."""
+(:mod:`qscale.script_cost`, run on its own) and of a round through relays
+(:mod:`qscale.relay_cost`, run on its own; the bench's relayed rounds are in
+:mod:`qscale.redis_relays`)."""
