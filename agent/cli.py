@@ -35,6 +35,8 @@ from spottrain.protocol.env import (
     ENV_QUORUM,
     ENV_QUORUM_HEARTBEAT_TIMEOUT,
     ENV_QUORUM_JOIN_TIMEOUT,
+    ENV_QUORUM_RELAY_GROUP,
+    ENV_QUORUM_RELAY_PORT,
     ENV_QUORUM_WAIT_REPLICAS,
     ENV_REDIS,
     ENV_REDIS_PASSWORD_FILE,
@@ -228,6 +230,7 @@ def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
     takes part in a fault-tolerant quorum across replicas."""
     from spottrain.quorum.model import DEFAULT_JOIN_TIMEOUT_MS
 
+    from .config import DEFAULT_RELAY_PORT
     from .replica_launch import DEFAULT_MANAGER_PORT, DEFAULT_SHIM_PORT
 
     env = _env
@@ -283,6 +286,18 @@ def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
         default=str(DEFAULT_SHIM_PORT),
         help="the local lighthouse shim's port with --quorum redis (0, and on the local "
         "cloud always: a free port)",
+    )
+    run.add_argument(
+        "--quorum-relay-group",
+        default=env(ENV_QUORUM_RELAY_GROUP, "0"),
+        help="with --quorum redis: replicas per quorum relay (the spec's "
+        "train.replica.relay_group_size, resolved; 0: none, each VM asks Redis itself)",
+    )
+    run.add_argument(
+        "--quorum-relay-port",
+        default=env(ENV_QUORUM_RELAY_PORT, str(DEFAULT_RELAY_PORT)),
+        help="the port a quorum relay listens on, on --address, for its group's VMs (0, "
+        "and on the local cloud always: a free port)",
     )
 
 
@@ -381,6 +396,8 @@ def _run(args: argparse.Namespace) -> int:
         quorum_wait_replicas=int(_number(args, "quorum_wait_replicas", int)),
         quorum_heartbeat_timeout_s=float(_number(args, "quorum_heartbeat_timeout", float)),
         quorum_join_timeout_ms=int(_number(args, "quorum_join_timeout", int)),
+        quorum_relay_group=int(_number(args, "quorum_relay_group", int)),
+        quorum_relay_port=int(_number(args, "quorum_relay_port", int)),
     )
     logs = ship_settings(args)
     logging.basicConfig(
