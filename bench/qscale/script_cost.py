@@ -159,14 +159,18 @@ FIGURES = (
 
 
 def git_scripts(ref: str) -> dict[str, str]:
-    """The scripts as ``spottrain/quorum/lua.py`` had them at git ``ref`` (the same layout)."""
-    text = subprocess.run(
-        ["git", "show", f"{ref}:spottrain/quorum/lua.py"], check=True, capture_output=True,
-        text=True,
-    ).stdout  # fmt: skip
+    """The scripts as ``spottrain/quorum/lua.py`` (and ``lua_bodies.py``, where the bodies
+    moved) had them at git ``ref``."""
     lua: dict[str, object] = {}
-    exec(compile(text, f"{ref}:lua.py", "exec"), lua)  # our own file, from git
-    return {k: str(lua["PRELUDE"]) + str(lua[f"{k}_BODY"]) for k in scripts.ALL}
+    for name in ("lua.py", "lua_bodies.py"):
+        got = subprocess.run(
+            ["git", "show", f"{ref}:spottrain/quorum/{name}"], capture_output=True, text=True
+        )  # fmt: skip
+        if got.returncode == 0:
+            exec(compile(got.stdout, f"{ref}:{name}", "exec"), lua)  # our own file, from git
+    return {
+        k: str(lua["PRELUDE"]) + str(lua[f"{k}_BODY"]) for k in scripts.ALL if f"{k}_BODY" in lua
+    }
 
 
 def measure(

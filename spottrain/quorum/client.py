@@ -21,7 +21,7 @@ import redis
 from spottrain.protocol.keys import RunKeys
 from spottrain.quorum import scripts
 from spottrain.quorum.errors import QuorumCorrupt, QuorumError, QuorumGone, QuorumTimeout
-from spottrain.quorum.model import Answer, Member, QuorumConfig, Roster
+from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig, Roster
 
 # Connection errors a request rides out (reconnect, re-send: requests are idempotent).
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
@@ -82,6 +82,7 @@ class QuorumClient:
         self._members: dict[str, Member] = {}  # joined here: re-joined if Redis lost them
         self._held: dict[str, int] = {}  # the last quorum id each replica was answered
         self._roster: tuple[str, Roster] | None = None  # (epoch, roster) last read
+        self._rank_of: tuple[tuple[str, int], dict[str, int]] | None = None  # a relay's
 
     # -- scripts ------------------------------------------------------------------------------
     def _call(self, name: str, *args: str) -> Any:
@@ -182,6 +183,43 @@ class QuorumClient:
         if self._wait_replicas > 0:
             self._redis.execute_command("WAIT", self._wait_replicas, 1000)
         return answer
+
+    def request_batch(
+        self, relay_id: str, items: Sequence[BatchItem], timeout: float = 60.0
+    ) -> dict[str, Answer | QuorumError]:
+        """A relay's requests for many replicas at once (one script call per 500), blocking
+        until each is answered, refused or timed out; the answers are those ``request``
+        would give. Retries are idempotent; a replica that also asks directly is answered
+        directly (its entry here is then a QuorumError).
+
+        Returns:
+            replica id -> its Answer, or the QuorumGone / QuorumTimeout / QuorumError
+            ``request`` would have raised for it.
+
+        Raises:
+            QuorumCorrupt: a quorum key holds garbage.
+            QuorumTimeout: Redis was unreachable until the deadline.
+        """
+        from spottrain.quorum.relay import RelayBatch  # the relay's own module, on use
+
+        return RelayBatch(self, relay_id, items, timeout).run()
+
+    def _ranks(self, epoch: str, version: int) -> dict[str, int] | None:
+        """Replica id -> rank in the roster at ``version`` of state ``epoch`` (None: the
+        roster moved on). Read once per membership change, not per round."""
+        with self._lock:
+            cached = self._rank_of
+        if cached is not None and cached[0] == (epoch, version):
+            return cached[1]
+        roster = self.roster()
+        with self._lock:
+            read = self._roster
+        if roster.version != version or read is None or read[0] != epoch:
+            return None
+        ranks = {m.replica_id: i for i, m in enumerate(roster.members)}
+        with self._lock:
+            self._rank_of = ((epoch, version), ranks)
+        return ranks
 
     def _send_request(self, replica_id: str, args: list[str]) -> None:
         try:

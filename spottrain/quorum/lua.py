@@ -22,6 +22,7 @@ PRELUDE = r"""
 local P = KEYS[1]
 local K_STATE, K_PREV, K_REQ, K_HB = P .. 'state', P .. 'prev', P .. 'req', P .. 'hb'
 local K_INFO, K_GONE, REPLY = P .. 'info', P .. 'gone', P .. 'reply:'
+local K_RDIRECT, K_RRELAYS, RRELAY = P .. 'rdirect', P .. 'rrelays', P .. 'relayreply:'
 local HB_TIMEOUT, JOIN_TIMEOUT = tonumber(ARGV[1]), tonumber(ARGV[2])
 local MIN_REPLICAS, EPOCH_NEW = tonumber(ARGV[3]), ARGV[4]
 local CHUNK = 1000
@@ -53,8 +54,8 @@ local NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local S = {}
 local DIRTY_FIELDS = {}
 local HOT = {'round', 'qid', 'opened', 'joined_prev', 'active', 'grace_until', 'nreq', 'nprev',
-  'nhb'}
-local COLD = {'epoch', 'version', 'max_step', 'formed', 'dirty', 'held'}
+  'nhb', 'steady', 'rstep'}
+local COLD = {'epoch', 'version', 'max_step', 'formed', 'dirty', 'held', 'ranks_v'}
 
 local function set(field, v) S[field] = v; DIRTY_FIELDS[field] = true end
 
@@ -84,6 +85,26 @@ end
 
 local function in_grace() return NOW < S.grace_until end
 
+-- steady (2: no request yet, 1: steady so far, 0: not) stays 1 while every request of the
+-- round is a member's of the last quorum at the round's first step (rstep), with no commit
+-- failure and no shrink_only: then the answers are the last quorum's and the steady FORM
+-- gives them without reading a member's request.
+local function note_steady(member, step, cf, shrink)
+  if S.steady == 0 then return end
+  if not member or cf ~= '0' or shrink ~= '0' then set('steady', 0)
+  elseif S.steady == 2 then set('steady', 1); set('rstep', tonumber(step))
+  elseif S.rstep ~= tonumber(step) then set('steady', 0) end
+end
+
+-- A relay batch's reply list outlives a relay that died (its members asked directly): a
+-- minute, or ten heartbeat timeouts, after its last line.
+local RELAY_TTL = math.max(60000, 10 * HB_TIMEOUT)
+
+local function relay_push(rk, line)
+  rc(RRELAY .. rk, 'LPUSH', line)
+  rc(RRELAY .. rk, 'PEXPIRE', RELAY_TTL)
+end
+
 local L  -- the rest of the functions, built by lib() when a call needs them
 local lib
 
@@ -103,7 +124,7 @@ local function load_state(lost)
     lib().recount()
     return
   end
-  if not v[#HOT] then lib().recount() end  -- a state written before the counts were kept
+  if not v[9] then lib().recount() end  -- a state written before the counts were kept
   -- STALL GUARD: every replica calls in at least every timeout/2 (heartbeats), so a longer
   -- gap means Redis itself did not run (fork, pause, restart): drop nobody for a timeout.
   if NOW - S.active > HB_TIMEOUT / 2 then set('grace_until', NOW + HB_TIMEOUT) end
@@ -308,29 +329,95 @@ lib = function()
   -- R, Pn: the real HLEN req and SCARD prev. The membership is unchanged when nothing was
   -- dropped from prev and every formed id is a member of prev (joined_prev counts them) and
   -- as many as prev holds: no per-member check.
+  local K_RANKS = P .. 'ranks'
+
+  -- The ranks of the last quorum's members (for the steady FORM's direct waiters), rewritten
+  -- when its membership changed.
+  local function write_ranks(ids)
+    rc(K_RANKS, 'DEL')
+    for i = 1, #ids, CHUNK do
+      local args = {}
+      for r = i, math.min(i + CHUNK - 1, #ids) do
+        args[#args + 1] = ids[r]; args[#args + 1] = r - 1
+      end
+      rc(K_RANKS, 'HSET', unpack(args))
+    end
+    set('ranks_v', S.version)
+  end
+
+  -- The round is over: the next one opens (left: requesters left out wait on in it).
+  local function next_round(max_step, left)
+    set('round', S.round + 1); set('joined_prev', 0); set('held', 0)
+    set('formed', NOW); set('max_step', max_step); set('nreq', left)
+    set('opened', left > 0 and NOW or ''); set('steady', left > 0 and 0 or 2)
+  end
+
+  -- The answers go to each direct requester's own list ("<token> <line>") and, for the
+  -- members a relay batch asked for (token "@<batch>"), one "F" element per batch holding
+  -- "<id> <line>" lines.
   local function form(R, Pn)
     local ids, step_of, tok_of, cf_max, lo, max_step = read_requests()
     local n = #ids
     local changed = S.dirty == 1 or n ~= Pn or S.joined_prev ~= n
     next_qid(changed, cf_max)
     if changed then change_membership(ids, S.qid) end
+    if S.ranks_v ~= S.version then write_ranks(ids) end
     local heal, behind = {}, ''
     if lo ~= max_step then heal, behind = heal_sources(ids, step_of, max_step) end
     local head = ' ' .. fmt(S.qid) .. ' '
     local mid = ' ' .. fmt(n) .. ' ' .. fmt(max_step) .. ' '
     local tail = ' ' .. fmt(S.version) .. ' ' .. fmt(cf_max) .. ' ' .. S.epoch .. behind
     local up_to_date = mid .. '-1' .. tail  -- most members: no healing source to format
+    local batches, byte, sub = {}, string.byte, string.sub
     for r = 1, n do
       local id, h = ids[r], heal[r - 1]
-      local line = tok_of[id] .. head .. (r - 1) .. (h and mid .. h .. tail or up_to_date)
-      local x = pcall_('LPUSH', REPLY .. id, line)
-      if type(x) == 'table' and x.err then corrupt(REPLY .. id, x.err) end
+      local tok, answer = tok_of[id], head .. (r - 1) .. (h and mid .. h .. tail or up_to_date)
+      if byte(tok, 1) == 64 then  -- '@': asked through a relay batch
+        local rk = sub(tok, 2)
+        local lines = batches[rk]
+        if not lines then lines = {'F'}; batches[rk] = lines end
+        lines[#lines + 1] = id .. answer
+      else
+        local x = pcall_('LPUSH', REPLY .. id, tok .. answer)
+        if type(x) == 'table' and x.err then corrupt(REPLY .. id, x.err) end
+      end
     end
-    if n == R then rc(K_REQ, 'DEL') else chunked(K_REQ, 'HDEL', ids, add_one) end
-    set('round', S.round + 1); set('joined_prev', 0); set('held', 0)
-    set('formed', NOW); set('max_step', max_step); set('nreq', R - n)
-    -- Requesters left out (shrink_only rounds) wait on in the next round.
-    set('opened', R > n and NOW or '')
+    for rk, lines in pairs(batches) do relay_push(rk, table.concat(lines, '\n')) end
+    if n == R then
+      rc(K_REQ, 'DEL'); rc(K_RDIRECT, 'DEL'); rc(K_RRELAYS, 'DEL')
+    else
+      chunked(K_REQ, 'HDEL', ids, add_one)
+      chunked(K_RDIRECT, 'SREM', ids, add_one)
+    end
+    next_round(max_step, R - n)
+  end
+
+  -- The steady FORM: the last quorum again, every member at the round's step, so every
+  -- answer is known without reading the requests: one "S" line per relay batch of the round,
+  -- and each direct requester's line from the ranks.
+  local function steady_form(n)
+    local head = ' ' .. fmt(S.qid) .. ' '
+    local tail = ' ' .. fmt(n) .. ' ' .. fmt(S.rstep) .. ' -1 ' .. fmt(S.version) .. ' 0 ' ..
+      S.epoch
+    local direct = rc(K_RDIRECT, 'SMEMBERS')
+    for i = 1, #direct, CHUNK do
+      local chunk = {}
+      for j = i, math.min(i + CHUNK - 1, #direct) do chunk[#chunk + 1] = direct[j] end
+      local vs, ranks = rc(K_REQ, 'HMGET', unpack(chunk)), rc(K_RANKS, 'HMGET', unpack(chunk))
+      for j, id in ipairs(chunk) do
+        local tok = vs[j] and string.match(vs[j], ' (%S+)$')
+        if tok and string.byte(tok, 1) ~= 64 then
+          local rank = tonumber(ranks[j])
+          if not rank then corrupt(K_RANKS, 'no rank for member ' .. id) end
+          rc(REPLY .. id, 'LPUSH', tok .. head .. fmt(rank) .. tail)
+        end
+      end
+    end
+    local line = 'S ' .. fmt(S.round) .. head .. fmt(S.version) .. ' ' .. fmt(n) .. ' ' ..
+      fmt(S.rstep) .. ' ' .. S.epoch
+    for _, rk in ipairs(rc(K_RRELAYS, 'SMEMBERS')) do relay_push(rk, line) end
+    rc(K_REQ, 'UNLINK'); rc(K_RDIRECT, 'DEL'); rc(K_RRELAYS, 'DEL')
+    next_round(S.rstep, 0)
   end
 
   -- TRY-FORM on the real counts (and they are written back for cannot_form).
@@ -350,7 +437,14 @@ lib = function()
       local waited = S.opened ~= '' and NOW - S.opened >= JOIN_TIMEOUT
       if R < H and not waited then return false end
     end
-    form(R, Pn)
+    -- Every member of the last quorum asked, nobody else, steadily (see note_steady), with
+    -- no new quorum id due: the steady FORM gives the answers the full one would.
+    if S.steady == 1 and S.dirty == 0 and R == Pn and S.joined_prev == Pn and S.qid > 0
+      and S.held <= S.qid and S.ranks_v == S.version then
+      steady_form(R)
+    else
+      form(R, Pn)
+    end
     return true
   end
 
@@ -363,108 +457,4 @@ lib = function()
   L = {drop = drop, try_form = try_form, floor = floor, recount = recount}
   return L
 end
-"""
-
-# ARGV[5..]: replica id, Member as a JSON array [address, store_address, world_size, data].
-JOIN_BODY = r"""
-load_state(false)
-local id = ARGV[5]
-local why = rc(K_GONE, 'HGET', id)
-if why then save(); return redis.error_reply('QGONE ' .. id .. ' ' .. why) end
-rc(K_INFO, 'HSET', id, ARGV[6])
-save()
-return 1
-"""
-
-# ARGV[5..]: replica id, step, held quorum id, commit failures, shrink_only (0/1), token.
-REQUEST_BODY = r"""
-load_state(true)
-local id, step, held = ARGV[5], ARGV[6], tonumber(ARGV[7])
-local cf, shrink, tok = ARGV[8], ARGV[9], ARGV[10]
-local _, complete = sweep()
--- A member of the last quorum is neither gone nor unjoined (a drop takes it out of prev).
-local member = rc(K_PREV, 'SISMEMBER', id) == 1
-if not member then
-  local why = rc(K_GONE, 'HGET', id)
-  if why then save(); return redis.error_reply('QGONE ' .. id .. ' ' .. why) end
-  if rc(K_INFO, 'HEXISTS', id) == 0 then save(); return redis.error_reply('QJOIN ' .. id) end
-end
--- A retry of a request whose round already formed: its answer waits in the list.
-local waiting = rc(REPLY .. id, 'LRANGE', 0, -1)
-for _, line in ipairs(waiting) do
-  if string.sub(line, 1, #tok + 1) == tok .. ' ' then save(); return S.round - 1 end
-end
-if held > S.qid then lib().floor(held) end  -- seq >= qid always: only a larger id counts
-if rc(K_HB, 'ZADD', NOW, id) == 1 then set('nhb', S.nhb + 1) end
-if rc(K_REQ, 'HSET', id, step .. ' ' .. cf .. ' ' .. shrink .. ' ' .. tok) == 1 then
-  set('nreq', S.nreq + 1)
-  if #waiting > 0 then rc(REPLY .. id, 'DEL') end  -- answers to requests it gave up on
-  if member then set('joined_prev', S.joined_prev + 1) end
-end
-if S.opened == '' then set('opened', NOW) end
-local round = S.round
-if not (complete and cannot_form()) then lib().try_form() end
-save()
-return round
-"""
-
-# ARGV[5]: the waiting replica's id (a waiter that was dropped learns it here); ARGV[6]: the
-# token of its request; ARGV[7]: "withdraw" when the waiter gives up. Returns where the request
-# stands: "pending", "answered" (its answer waits in the list), "lost" (Redis lost it: send
-# it again) or "withdrawn".
-TICK_BODY = r"""
-load_state(true)
-local id, tok, withdraw = ARGV[5], ARGV[6], ARGV[7] == 'withdraw'
-sweep()
-local function standing()
-  local v = rc(K_REQ, 'HGET', id)
-  if v and string.sub(v, -#tok - 1) == ' ' .. tok then return 'pending' end
-  for _, line in ipairs(rc(REPLY .. id, 'LRANGE', 0, -1)) do
-    if string.sub(line, 1, #tok + 1) == tok .. ' ' then return 'answered' end
-  end
-  return 'lost'
-end
-local result = tok and standing() or 'ticked'
-if result == 'pending' and withdraw then
-  rc(K_REQ, 'HDEL', id)
-  if rc(K_PREV, 'SISMEMBER', id) == 1 then set('joined_prev', S.joined_prev - 1) end
-  if rc(K_REQ, 'HLEN') == 0 then set('opened', '') end
-  result = 'withdrawn'
-end
-if lib().try_form() and result == 'pending' then result = standing() end
-save()
-local why = rc(K_GONE, 'HGET', id)
-if why then return redis.error_reply('QGONE ' .. id .. ' ' .. why) end
-return result
-"""
-
-# ARGV[5..]: replica ids. Returns the ids that are gone.
-HEARTBEAT_BODY = r"""
-load_state(true)
-local dropped = sweep()
-local live, gone = {}, {}
-for i = 5, #ARGV, CHUNK do
-  local ids = {}
-  for j = i, math.min(i + CHUNK - 1, #ARGV) do ids[#ids + 1] = ARGV[j] end
-  local why = rc(K_GONE, 'HMGET', unpack(ids))
-  local args = {}
-  for j, id in ipairs(ids) do
-    if why[j] then gone[#gone + 1] = id else args[#args + 1] = NOW; args[#args + 1] = id end
-  end
-  if #args > 0 then set('nhb', S.nhb + rc(K_HB, 'ZADD', unpack(args))) end
-end
-if dropped > 0 then lib().try_form() end
-save()
-return gone
-"""
-
-# ARGV[5]: replica id.
-LEAVE_BODY = r"""
-load_state(true)
-local id = ARGV[5]
-local left = 0
-if not rc(K_GONE, 'HGET', id) then lib().drop(id, 'left'); left = 1 end
-lib().try_form()
-save()
-return left
 """

@@ -55,3 +55,15 @@ class Roster:
 
     version: int
     members: tuple[Member, ...]
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One replica's request inside a relay's batch (``QuorumClient.request_batch``): the
+    arguments ``QuorumClient.request`` takes."""
+
+    replica_id: str
+    step: int
+    held_qid: int = 0  # the quorum id the replica holds (floors Redis's counter)
+    commit_failures: int = 0
+    shrink_only: bool = False

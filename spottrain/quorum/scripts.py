@@ -44,24 +44,31 @@ The answer line (ASCII, space separated):
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from spottrain.protocol.keys import RunKeys
-from spottrain.quorum import lua
-from spottrain.quorum.model import Answer, Member, QuorumConfig
+from spottrain.quorum import lua, lua_bodies, lua_relay
+from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig
 
 KEY_PARTS = (
     "seq", "state", "prev", "req", "hb", "info", "roster", "gone", "gone_at", "sort", "rlog",
-    "rlog_vs", "pdrop",
+    "rlog_vs", "pdrop", "ranks", "rdirect", "rrelays",
 )  # fmt: skip
 REPLY_PART = "reply:"
+RELAY_REPLY_PART = "relayreply:"
 
-JOIN = lua.PRELUDE + lua.JOIN_BODY
-REQUEST = lua.PRELUDE + lua.REQUEST_BODY
-TICK = lua.PRELUDE + lua.TICK_BODY
-HEARTBEAT = lua.PRELUDE + lua.HEARTBEAT_BODY
-LEAVE = lua.PRELUDE + lua.LEAVE_BODY
-ALL = {"JOIN": JOIN, "REQUEST": REQUEST, "TICK": TICK, "HEARTBEAT": HEARTBEAT, "LEAVE": LEAVE}
+JOIN = lua.PRELUDE + lua_bodies.JOIN_BODY
+REQUEST = lua.PRELUDE + lua_bodies.REQUEST_BODY
+TICK = lua.PRELUDE + lua_bodies.TICK_BODY
+HEARTBEAT = lua.PRELUDE + lua_bodies.HEARTBEAT_BODY
+LEAVE = lua.PRELUDE + lua_bodies.LEAVE_BODY
+RELAY_REQUEST = lua.PRELUDE + lua_relay.RELAY_REQUEST_BODY
+RELAY_TICK = lua.PRELUDE + lua_relay.RELAY_TICK_BODY
+ALL = {
+    "JOIN": JOIN, "REQUEST": REQUEST, "TICK": TICK, "HEARTBEAT": HEARTBEAT, "LEAVE": LEAVE,
+    "RELAY_REQUEST": RELAY_REQUEST, "RELAY_TICK": RELAY_TICK,
+}  # fmt: skip
 
 
 def script_keys(keys: RunKeys) -> list[str]:
@@ -116,6 +123,26 @@ def request_args(
         "1" if shrink_only else "0",
         token,
     ]
+
+
+def relay_key(keys: RunKeys, batch: str) -> str:
+    """The list a relay batch (``"<relay id>:<batch token>"``) BLPOPs for its answers."""
+    return keys.quorum_key(RELAY_REPLY_PART + batch)
+
+
+def relay_args(batch: str, items: Sequence[BatchItem], held: Sequence[int]) -> list[str]:
+    """RELAY_REQUEST's own ARGV: the batch, then five per item (``held``: each item's held
+    quorum id, the client's own record included)."""
+    args = [batch]
+    for item, h in zip(items, held, strict=True):
+        args += [
+            item.replica_id,
+            str(int(item.step)),
+            str(max(0, int(h))),
+            str(max(0, int(item.commit_failures))),
+            "1" if item.shrink_only else "0",
+        ]
+    return args
 
 
 def split_reply(element: str | bytes) -> tuple[str, str]:

@@ -1,0 +1,226 @@
+"""A relay's batched request (``QuorumClient.request_batch``): one RELAY_REQUEST script call
+registers up to 500 replicas' requests, and the batch's answers come back on one list,
+``relayreply:<relay id>:<batch token>``, one element per FORM:
+
+- ``S <round> <qid> <version> <count> <max_step> <epoch>`` (the steady FORM): every request
+  of the batch registered in rounds up to ``<round>`` is answered with the last quorum's
+  membership at ``max_step``, nobody behind; a member's rank is its index in the roster at
+  ``<version>`` (sorted by replica id, as the FORM ranks them).
+- ``F`` then one ``<replica id> <answer line>`` line per member of the batch (a full FORM).
+
+Retries are idempotent: the batch keeps its token, a request already registered is not
+counted again, and a batch whose answer already waits reads it before sending again.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from spottrain.quorum import scripts
+from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumTimeout
+from spottrain.quorum.model import Answer, BatchItem
+
+if TYPE_CHECKING:
+    from spottrain.quorum.client import QuorumClient
+
+CHUNK = 500  # items per script call: bounds one call's time on Redis's thread
+_TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+class RelayBatch:
+    """One ``request_batch`` call: its items, what is registered and what is answered."""
+
+    def __init__(
+        self, client: QuorumClient, relay_id: str, items: Sequence[BatchItem], timeout: float
+    ) -> None:
+        scripts.check_replica_id(relay_id)
+        self.c = client
+        self.relay_id = relay_id
+        self.items: dict[str, BatchItem] = {}
+        for item in items:
+            scripts.check_replica_id(item.replica_id)
+            if item.replica_id in self.items:
+                raise ValueError(
+                    f"replica {item.replica_id} is twice in one batch: send one request each"
+                )
+            self.items[item.replica_id] = item
+        self.batch = f"{relay_id}:{secrets.token_hex(6)}"
+        self.key = scripts.relay_key(client._keys, self.batch)
+        self.deadline = time.monotonic() + timeout
+        self.open = set(self.items)  # not answered yet
+        self.sent: dict[str, int] = {}  # registered: id -> the round it joined
+        self.out: dict[str, Answer | QuorumError] = {}
+
+    def run(self) -> dict[str, Answer | QuorumError]:
+        failures = 0
+        while self.open:
+            if time.monotonic() >= self.deadline:
+                self._give_up()
+                break
+            try:
+                self._send()
+                if self.open:
+                    self._wait()
+            except _TRANSIENT as e:
+                failures += 1
+                self.c._back_off(failures, self.deadline, e)
+                self.sent.clear()  # send every open request again: idempotent
+        answers = [a for a in self.out.values() if isinstance(a, Answer)]
+        with self.c._lock:
+            for rid, a in self.out.items():
+                if isinstance(a, Answer) and a.quorum_id > self.c._held.get(rid, 0):
+                    self.c._held[rid] = a.quorum_id
+        if answers and self.c._wait_replicas > 0:
+            self.c._redis.execute_command("WAIT", self.c._wait_replicas, 1000)
+        return self.out
+
+    # -- sending --------------------------------------------------------------------------
+    def _send(self) -> None:
+        while True:
+            unsent = sorted(r for r in self.open if r not in self.sent)
+            if not unsent:
+                return
+            for i in range(0, len(unsent), CHUNK):
+                chunk = [self.items[r] for r in unsent[i : i + CHUNK]]
+                with self.c._lock:
+                    held = [max(x.held_qid, self.c._held.get(x.replica_id, 0)) for x in chunk]
+                got = self.c._call(
+                    "RELAY_REQUEST", *scripts.relay_args(self.batch, chunk, held)
+                )  # fmt: skip
+                if int(got[0]) < 0:  # an answer waits already: read it, then send the rest
+                    self._drain()
+                    break
+                refused = {_text(k): _text(v) for k, v in zip(got[1::2], got[2::2], strict=True)}
+                for x in chunk:
+                    why = refused.get(x.replica_id)
+                    if why is None:
+                        self.sent[x.replica_id] = int(got[0])
+                    else:
+                        self._refuse(x.replica_id, why)
+            else:
+                return
+
+    def _refuse(self, rid: str, why: str) -> None:
+        self.open.discard(rid)
+        self.sent.pop(rid, None)
+        if why.startswith("gone"):
+            self.out[rid] = QuorumGone(
+                f"replica {rid} is gone from the quorum ({why.split(' ')[1]}): it can never "
+                "rejoin under this id; restart its manager, which joins under a new id"
+            )
+        elif why == "join":
+            self.out[rid] = QuorumError(
+                f"replica {rid} has not joined the quorum (Redis may have lost its record): "
+                "ask directly (QuorumClient.request), which joins it again"
+            )
+        elif why == "direct":
+            self.out[rid] = QuorumError(
+                f"replica {rid} asked Redis directly this round: its answer goes to it, not "
+                f"through relay {self.relay_id}"
+            )
+        else:
+            self.out[rid] = QuorumError(f"replica {rid}: {why}")
+
+    # -- waiting --------------------------------------------------------------------------
+    def _wait(self) -> None:
+        cfg = self.c._config
+        hb_ms = cfg.heartbeat_timeout_ms
+        slice_s = min(max(cfg.join_timeout_ms, hb_ms / 4), hb_ms / 2) / 1000
+        remaining = self.deadline - time.monotonic()
+        wait = min(max(remaining, 0.0), slice_s) * random.uniform(0.8, 1.2)
+        try:
+            got = self.c._redis.blpop([self.key], timeout=max(wait, 0.01))
+        except redis.ResponseError as e:
+            raise self.c._corrupt(self.key, str(e)) from e
+        if got is not None:
+            self._apply(got[1])
+        else:
+            self._tick("wait")
+
+    def _tick(self, how: str) -> None:
+        ids = sorted(self.open)
+        got = [_text(x) for x in self.c._call("RELAY_TICK", self.batch, how, *ids)]
+        if got == ["drain"]:
+            self._drain()
+            if how == "withdraw" and self.open:
+                self._tick(how)
+            return
+        for rid, state in zip(ids, got, strict=True):
+            if state == "lost":
+                self.sent.pop(rid, None)  # Redis lost it (restarted): send it again
+            elif state == "withdrawn":
+                self.open.discard(rid)
+                self.out[rid] = QuorumTimeout(self.c._timeout_message(rid))
+            elif state != "pending":
+                self._refuse(rid, state)
+
+    def _give_up(self) -> None:
+        # Withdraw, so no later round counts a replica that stopped waiting; an answer that
+        # formed meanwhile is taken.
+        self._tick("withdraw")
+        for rid in list(self.open):
+            self.open.discard(rid)
+            self.out[rid] = QuorumTimeout(self.c._timeout_message(rid))
+
+    def _drain(self) -> None:
+        pipe = self.c._redis.pipeline(transaction=True)
+        pipe.lrange(self.key, 0, -1)
+        pipe.delete(self.key)
+        try:
+            elements, _ = pipe.execute()
+        except redis.ResponseError as e:
+            raise self.c._corrupt(self.key, str(e)) from e
+        for element in reversed(elements):  # LPUSHed: the oldest is last
+            self._apply(element)
+
+    def _apply(self, element: bytes | str) -> None:
+        text = _text(element)
+        try:
+            if text.startswith("S "):
+                self._steady(text)
+            elif text == "F" or text.startswith("F\n"):
+                for line in text.split("\n")[1:]:
+                    rid, _, answer = line.partition(" ")
+                    if rid in self.open:
+                        self.out[rid] = scripts.parse_answer(answer)
+                        self.open.discard(rid)
+            else:
+                raise ValueError(text)
+        except (ValueError, IndexError) as e:
+            raise self.c._corrupt(self.key, f"{text[:80]!r}") from e
+
+    def _steady(self, text: str) -> None:
+        _, rnd, qid, version, count, max_step, epoch = text.split(" ")
+        done = [r for r in self.open if self.sent.get(r, 1 << 62) <= int(rnd)]
+        if not done:
+            return
+        ranks = self.c._ranks(epoch, int(version))
+        for rid in done:
+            self.open.discard(rid)
+            rank = None if ranks is None else ranks.get(rid)
+            if rank is None or len(ranks or ()) != int(count):
+                self.out[rid] = QuorumError(
+                    f"replica {rid}: the quorum's membership changed before its answer was "
+                    "read; ask again"
+                )
+                continue
+            self.out[rid] = Answer(
+                quorum_id=int(qid),
+                replica_rank=rank,
+                replica_count=int(count),
+                max_step=int(max_step),
+                heal_from=None,
+                roster_version=int(version),
+                commit_failures=0,
+                epoch=epoch,
+            )
