@@ -23,10 +23,9 @@ from typing import Any, Protocol
 import grpc
 
 from spottrain.quorum.errors import QuorumError, QuorumGone
-from spottrain.quorum.model import Answer, Member, QuorumConfig, Roster
+from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig, Roster
 
 from . import relay as r
-from .relay import BatchItem
 from .server import QuorumApi, _DaemonPool
 
 log = logging.getLogger("spottrain.agent.quorum_shim.relay")

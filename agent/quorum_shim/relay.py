@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -32,27 +31,17 @@ import redis
 from spottrain.protocol.keys import RunKeys
 from spottrain.quorum import scripts
 from spottrain.quorum.errors import QuorumError, QuorumGone
-from spottrain.quorum.model import Answer
+from spottrain.quorum.model import Answer, BatchItem
 
 log = logging.getLogger("spottrain.agent.quorum_shim.relay")
 
 RELAY_SERVICE = "spottrain.QuorumRelay"
 RELAY_METHOD = f"/{RELAY_SERVICE}/Request"
-DEFAULT_RELAY_PORT = 29513
 # The largest batch one script call carries (RCORE's request_batch splits above 500 too).
 MAX_BATCH = 500
 # Requests arriving this soon after a batch left join the next one (the order of one
 # RELAY_REQUEST script call on the wire and in Redis: ~0.2 ms of Redis, plus the RTT).
 GATHER_S = 0.002
-
-
-@dataclass(frozen=True)
-class BatchItem:  # TEMPORARY: RCORE's spottrain.quorum.model.BatchItem replaces it at merge
-    replica_id: str
-    step: int
-    held_qid: int = 0
-    commit_failures: int = 0
-    shrink_only: bool = False
 
 
 class BatchApi(Protocol):

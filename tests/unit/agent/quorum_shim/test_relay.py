@@ -16,7 +16,7 @@ from spottrain.ports import free_port
 from spottrain.protocol.keys import RunKeys
 from spottrain.quorum import scripts
 from spottrain.quorum.errors import QuorumError, QuorumGone
-from spottrain.quorum.model import Answer, Member, QuorumConfig, Roster
+from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig, Roster
 
 CONFIG = QuorumConfig(heartbeat_timeout_ms=600, join_timeout_ms=150)
 
@@ -37,7 +37,7 @@ class FakeDirect:
         self.in_flight = threading.Event()
 
     def request_batch(
-        self, relay_id: str, items: Sequence[r.BatchItem], timeout: float
+        self, relay_id: str, items: Sequence[BatchItem], timeout: float
     ) -> dict[str, Answer | QuorumError]:
         self.batches.append((relay_id, [i.replica_id for i in items]))
         self.in_flight.set()
@@ -64,7 +64,7 @@ class FakeDirect:
 
 
 def test_wire_format_and_groups() -> None:
-    item = r.BatchItem("replica-3:ab-c", 12, 5, 1, True)
+    item = BatchItem("replica-3:ab-c", 12, 5, 1, True)
     assert r.decode_request(r.encode_request(item, 1.25)) == (item, 1.25)
     with pytest.raises(ValueError):
         r.decode_request(b"a b c")
@@ -79,10 +79,10 @@ def test_batches_are_nagle_style_and_never_share_a_relay_id() -> None:
     fake.hold.clear()
     b = r.Batcher(fake, "0-r", gather_s=0.05)
     try:
-        first = b.submit(r.BatchItem("m0", 40), 5)
+        first = b.submit(BatchItem("m0", 40), 5)
         assert fake.in_flight.wait(5)
-        rest = [b.submit(r.BatchItem(f"m{j}", 40), 5) for j in range(1, 6)]
-        again = b.submit(r.BatchItem("m1", 40), 5)  # a retry joins its pending item
+        rest = [b.submit(BatchItem(f"m{j}", 40), 5) for j in range(1, 6)]
+        again = b.submit(BatchItem("m1", 40), 5)  # a retry joins its pending item
         for _ in range(200):
             if len(fake.batches) == 2:
                 break
