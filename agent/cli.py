@@ -35,8 +35,6 @@ from spottrain.protocol.env import (
     ENV_QUORUM,
     ENV_QUORUM_HEARTBEAT_TIMEOUT,
     ENV_QUORUM_JOIN_TIMEOUT,
-    ENV_QUORUM_RELAY_GROUP,
-    ENV_QUORUM_RELAY_PORT,
     ENV_QUORUM_WAIT_REPLICAS,
     ENV_REDIS,
     ENV_REDIS_PASSWORD_FILE,
@@ -228,6 +226,7 @@ def _add_run_fleet_args(run: argparse.ArgumentParser) -> None:
 def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
     """Replica mode: each replica of --nodes-per-replica nodes runs its own torchrun and
     takes part in a fault-tolerant quorum across replicas."""
+    from spottrain.protocol.env import ENV_QUORUM_RELAY_GROUP, ENV_QUORUM_RELAY_PORT
     from spottrain.quorum.model import DEFAULT_JOIN_TIMEOUT_MS
 
     from .config import DEFAULT_RELAY_PORT
@@ -290,14 +289,12 @@ def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--quorum-relay-group",
         default=env(ENV_QUORUM_RELAY_GROUP, "0"),
-        help="with --quorum redis: replicas per quorum relay (the spec's "
-        "train.replica.relay_group_size, resolved; 0: none, each VM asks Redis itself)",
+        help="with --quorum redis: replicas per quorum relay (0: none; relay_group_size)",
     )
     run.add_argument(
         "--quorum-relay-port",
         default=env(ENV_QUORUM_RELAY_PORT, str(DEFAULT_RELAY_PORT)),
-        help="the port a quorum relay listens on, on --address, for its group's VMs (0, "
-        "and on the local cloud always: a free port)",
+        help="a relay's port on --address (0, and on the local cloud always: a free port)",
     )
 
 

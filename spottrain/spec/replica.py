@@ -11,11 +11,11 @@ from spottrain.catalog import Catalog
 from spottrain.protocol import env as env_names
 
 from .code import ImageCode
+from .relay import RELAY_GROUP_AUTO
 from .sections import (
     DEFAULT_QUORUM_HEARTBEAT_S,
     JOIN_TIMEOUT_AUTO,
     JOIN_TIMEOUT_MS_RANGE,
-    RELAY_GROUP_AUTO,
     FaultTolerance,
     Placement,
     QuorumKind,

@@ -31,6 +31,7 @@ from .fields import (
     _Model,
     parse_count,
 )
+from .relay import RELAY_GROUP_AUTO, RELAY_GROUP_DOC, check_relay_group
 
 
 class FaultTolerance(StrEnum):
@@ -54,11 +55,6 @@ DEFAULT_QUORUM_HEARTBEAT_S = 1.0
 JOIN_TIMEOUT_AUTO: Literal["auto"] = "auto"
 # A join timeout at or past the workers' 120 s quorum timeout would fail every changed round.
 JOIN_TIMEOUT_MS_RANGE = (50, 60_000)
-# train.replica.relay_group_size's default: relays from 1,000 replicas on (spottrain.spec.replica).
-RELAY_GROUP_AUTO: Literal["auto"] = "auto"
-# Replicas one relay may batch (a group of 1 would relay nothing; past 1,000 one relay VM's
-# threads and one script call's ARGV grow large).
-RELAY_GROUP_RANGE = (2, 1000)
 
 
 class ReplicaSpec(_Model):
@@ -123,23 +119,8 @@ class ReplicaSpec(_Model):
             )
         return v
 
-    relay_group_size: int | Literal["auto"] = Field(
-        RELAY_GROUP_AUTO,
-        description="with quorum: redis, replicas per quorum relay: one VM of each group "
-        "batches the group's per-step requests into one Redis call (0: off, every replica "
-        "asks Redis itself; 2..1000); auto (the default) is off below 1,000 replicas at "
-        "nodes.max and 100 from there",
-    )
-
-    @field_validator("relay_group_size", mode="before")
-    @classmethod
-    def _relay_group(cls, v: Any) -> Any:
-        lo, hi = RELAY_GROUP_RANGE
-        if v == RELAY_GROUP_AUTO:
-            return v
-        if isinstance(v, bool) or not isinstance(v, int) or not (v == 0 or lo <= v <= hi):
-            raise ValueError(f"use auto, 0 (no relays) or a whole number of replicas {lo}..{hi}")
-        return v
+    relay_group_size: int | Literal["auto"] = Field(RELAY_GROUP_AUTO, description=RELAY_GROUP_DOC)
+    _relay_group = field_validator("relay_group_size", mode="before")(check_relay_group)
 
 
 class TrainSpec(_Model):
