@@ -123,15 +123,25 @@ def test_members_relay_fall_back_directly_and_the_lease_moves(
             b.request("m2", 40, timeout=5)
         assert "m2" not in member_fake.direct
 
-        a._server.stop(0)  # the relay dies (its lease stays until its TTL)
+        relay_fake.hold.clear()  # the relay freezes: B waits out its hop deadline
         assert b.request("m1", 41, timeout=5) == _answer("m1")
+        relay_fake.hold.set()
         assert member_fake.direct == ["m1"] and b.fallbacks == 1
+        # Avoided while its lease could still be a dead relay's...
         assert b.request("m1", 42, timeout=5) and member_fake.direct == ["m1", "m1"]
+        # ...and used again once it still holds the lease a whole TTL later (it renewed it).
+        b._avoid, b._next_read = (a.address, time.monotonic() - b.ttl_s), 0.0
+        relayed = b.relayed
+        assert b.request("m1", 43, timeout=5) and b.relayed == relayed + 1
+
+        a._server.stop(0)  # the relay dies (its lease stays until its TTL)
+        assert b.request("m1", 44, timeout=5) == _answer("m1")
+        assert member_fake.direct == ["m1"] * 3 and b.fallbacks == 3
         lease_redis.delete(a.lease.key)  # its TTL ran out
         b._next_read = 0.0
-        assert b.request("m1", 43, timeout=5) == _answer("m1")
+        assert b.request("m1", 45, timeout=5) == _answer("m1")
         assert b.holding and lease_redis.get(b.lease.key) == b.address.encode()
-        assert member_fake.batches and member_fake.direct == ["m1", "m1"]
+        assert member_fake.batches and member_fake.direct == ["m1"] * 3
     finally:
         a.stop()
         b.stop()
