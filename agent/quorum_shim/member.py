@@ -60,7 +60,8 @@ class RelayedQuorum:
         self.hop_s = (config.join_timeout_ms + config.heartbeat_timeout_ms) / 1000.0
         self.ttl_s = lease.ttl_ms / 1000.0
         relay_id = f"{lease.key.rpartition(':')[2]}-{secrets.token_hex(3)}"
-        self.batcher = r.Batcher(direct, relay_id, gather_s=gather_s)
+        window = config.heartbeat_timeout_ms / 1000.0  # a member silent this long is not waited for
+        self.batcher = r.Batcher(direct, relay_id, gather_s=gather_s, window_s=window)
         self._lock = threading.Lock()
         self._holder: str | None = None
         self._avoid: tuple[str, float] | None = None  # (address, when it failed)

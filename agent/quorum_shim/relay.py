@@ -42,6 +42,9 @@ MAX_BATCH = 500
 # Requests arriving this soon after a batch left join the next one (the order of one
 # RELAY_REQUEST script call on the wire and in Redis: ~0.2 ms of Redis, plus the RTT).
 GATHER_S = 0.002
+# A batch waits at most this long for its expected members (see Batcher): a round missing
+# one is not steady and waits on Redis's join or heartbeat timeout (>= 250 ms) anyway.
+MAX_WAIT_S = 0.05
 
 
 class BatchApi(Protocol):
@@ -92,12 +95,32 @@ def answer_line(a: Answer) -> bytes:
 
 class Batcher:
     """A group's requests, batched into ``request_batch`` calls under relay ids
-    ``<relay_id>.<n>`` (``n``: the smallest not in flight)."""
+    ``<relay_id>.<n>`` (``n``: the smallest not in flight).
 
-    def __init__(self, client: BatchApi, relay_id: str, *, gather_s: float = GATHER_S) -> None:
+    When to send: a steady round forms only once every member asked, so sending early
+    gains nothing but script calls. Members answered within ``window_s`` are *expected*: a
+    batch leaves the moment every expected member is pending or in flight (the last arrival
+    sends it: one script call per round, not one per arrival), or ``max_wait_s`` after its
+    first request (a member that left, or a new one). With nobody expected (the first
+    rounds), Nagle: the first request at once, the next ones ``gather_s`` later.
+    """
+
+    def __init__(
+        self,
+        client: BatchApi,
+        relay_id: str,
+        *,
+        gather_s: float = GATHER_S,
+        max_wait_s: float = MAX_WAIT_S,
+        window_s: float = 1.0,
+    ) -> None:
         self.client, self.relay_id, self.gather_s = client, relay_id, gather_s
+        self.max_wait_s, self.window_s = max_wait_s, window_s
         self._cond = threading.Condition()
         self._pending: dict[str, tuple[BatchItem, float, list[Future[Answer]]]] = {}
+        self._first = 0.0  # when the oldest pending request arrived
+        self._answered: dict[str, float] = {}  # member -> when it was last answered
+        self._flying: set[str] = set()
         self._busy: set[int] = set()
         self._stop = False
         self.batches = 0  # request_batch calls made (tests, logs)
@@ -111,6 +134,8 @@ class Batcher:
         with self._cond:
             if self._stop:
                 raise QuorumError("this relay stopped: ask the quorum directly")
+            if not self._pending:
+                self._first = time.monotonic()
             old = self._pending.get(item.replica_id)
             waiters = old[2] if old else []
             self._pending[item.replica_id] = (item, max(deadline, old[1] if old else 0), waiters)
@@ -130,15 +155,34 @@ class Batcher:
             for f in waiters:
                 f.set_exception(QuorumError("this relay stopped: ask the quorum directly"))
 
+    def _wait_s(self) -> float | None:
+        """Seconds until the pending requests should leave (0: now; None: nothing pending)."""
+        if self._stop:
+            return 0.0
+        if not self._pending:
+            return None
+        now = time.monotonic()
+        late = self.max_wait_s - (now - self._first)
+        expected = [r for r, t in self._answered.items() if now - t < self.window_s]
+        if (
+            late <= 0
+            or len(self._pending) >= MAX_BATCH
+            or all(r in self._pending or r in self._flying for r in expected)
+        ):
+            return 0.0
+        return late
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._stop:
-                    self._cond.wait()
+                while (wait := self._wait_s()) != 0.0:
+                    self._cond.wait(wait)
                 if self._stop:
                     return
                 take = list(itertools.islice(self._pending, MAX_BATCH))
                 batch = [self._pending.pop(r) for r in take]
+                self._first = time.monotonic()
+                self._flying.update(take)
                 sub = next(n for n in itertools.count() if n not in self._busy)
                 self._busy.add(sub)
             threading.Thread(
@@ -151,7 +195,7 @@ class Batcher:
         timeout = max(0.05, max(d for _, d, _ in batch) - time.monotonic())
         self.batches += 1
         self.items += len(batch)
-        results: dict[str, Answer | QuorumError] | dict[str, Exception]
+        results: dict[str, Answer | QuorumError] | dict[str, Exception] = {}
         try:
             results = self.client.request_batch(
                 f"{self.relay_id}.{sub}", [i for i, _, _ in batch], timeout
@@ -161,6 +205,14 @@ class Batcher:
         finally:
             with self._cond:
                 self._busy.discard(sub)
+                now = time.monotonic()
+                for item, _, _ in batch:
+                    self._flying.discard(item.replica_id)
+                    if isinstance(results.get(item.replica_id), Answer):
+                        self._answered[item.replica_id] = now
+                    else:  # refused, or asked directly now: not expected here
+                        self._answered.pop(item.replica_id, None)
+                self._cond.notify()
         for item, _, waiters in batch:
             got = results.get(item.replica_id)
             for f in waiters:

@@ -97,6 +97,32 @@ def test_batches_are_nagle_style_and_never_share_a_relay_id() -> None:
         b.stop()
 
 
+def test_a_steady_group_leaves_in_one_batch_when_its_last_member_asks() -> None:
+    fake = FakeDirect()
+    b = r.Batcher(fake, "0-r", gather_s=0.0, max_wait_s=30.0)
+    try:
+        first = [b.submit(BatchItem(f"m{j}", 40), 5) for j in range(3)]
+        assert [f.result(5) for f in first] == [_answer(f"m{j}") for j in range(3)]
+        fake.batches.clear()
+        # m0..m2 are expected now: two of them wait (no wall clock: the max wait is 30 s)...
+        nxt = [b.submit(BatchItem(f"m{j}", 41), 5) for j in range(2)]
+        time.sleep(0.05)
+        assert fake.batches == [] and not any(f.done() for f in nxt)
+        nxt.append(b.submit(BatchItem("m2", 41), 5))  # ...until the last one asks
+        assert [f.result(5) for f in nxt] == [_answer(f"m{j}") for j in range(3)]
+        assert fake.batches == [("0-r.0", ["m0", "m1", "m2"])]
+        # A refused member is no longer expected: the others leave without it.
+        fake.gone.add("m2")
+        refused = [b.submit(BatchItem(f"m{j}", 42), 5) for j in range(3)]
+        with pytest.raises(QuorumGone):
+            refused[2].result(5)
+        fake.batches.clear()
+        assert all(f.result(5) for f in [b.submit(BatchItem(f"m{j}", 43), 5) for j in (0, 1)])
+        assert fake.batches == [("0-r.0", ["m0", "m1"])]
+    finally:
+        b.stop()
+
+
 def _node(fake: FakeDirect, client: redis.Redis, keys: RunKeys) -> RelayedQuorum:
     port = free_port()
     lease = r.Lease(client, r.lease_key(keys, 0), f"127.0.0.1:{port}", 1800)
