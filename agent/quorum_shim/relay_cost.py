@@ -201,7 +201,8 @@ class _Counting:
     """A real client's ``request_batch``, counted (batches, rounds formed)."""
 
     def __init__(self, client: Any) -> None:
-        self.client, self.batches, self._qids = client, 0, set()
+        self.client, self.batches = client, 0
+        self._qids: set[tuple[int, int]] = set()
 
     @property
     def rounds(self) -> int:
