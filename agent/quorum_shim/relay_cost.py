@@ -69,11 +69,16 @@ def _one_round(calls: list[Callable[[int, int], int]], step: int) -> tuple[list[
     start = threading.Barrier(len(calls) + 1)
     begins, ends = [0.0] * len(calls), [0.0] * len(calls)
     counts = [0.0] * len(calls)
+    errors: list[str] = []
 
     def member(j: int) -> None:
         start.wait()
         begins[j] = time.perf_counter()
-        counts[j] = calls[j](j, step)
+        try:
+            counts[j] = calls[j](j, step)
+        except Exception as exc:  # reported, not a traceback per member
+            counts[j] = -1
+            errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
         ends[j] = time.perf_counter()
 
     threads = [threading.Thread(target=member, args=(j,)) for j in range(len(calls))]
@@ -82,6 +87,8 @@ def _one_round(calls: list[Callable[[int, int], int]], step: int) -> tuple[list[
     start.wait()
     for t in threads:
         t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} member(s) failed in round {step}: {errors[0]}")
     return begins, ends, [min(counts)]
 
 
@@ -133,13 +140,16 @@ def _measure(
 
 
 def _members(port: int, members: int, rounds: int, direct: Any, conn: Any) -> None:
-    conn.send(_measure(port, members, rounds, direct))
+    try:
+        conn.send(_measure(port, members, rounds, direct))
+    except Exception as exc:  # the parent raises it
+        conn.send(f"{type(exc).__name__}: {exc}")
 
 
 def _client(redis_port: int, run_id: str, members: int) -> Any:
     """A quorum client of run ``run_id`` with ``members`` joined (Redis on ``redis_port``):
-    a 5 s heartbeat timeout and a 1 s join timeout, so this machine's lag leaves nobody out
-    (a steady round forms the moment every member asked, waiting on neither)."""
+    a 30 s heartbeat timeout and a 1 s join timeout, so this machine's lag drops nobody (a
+    steady round forms the moment every member asked, waiting on neither)."""
     import redis
 
     from spottrain.protocol.keys import RunKeys
@@ -147,7 +157,7 @@ def _client(redis_port: int, run_id: str, members: int) -> Any:
     from spottrain.quorum.model import Member, QuorumConfig
 
     r = redis.Redis(port=redis_port, max_connections=members + 8)
-    config = QuorumConfig(heartbeat_timeout_ms=5000, join_timeout_ms=1000)
+    config = QuorumConfig(heartbeat_timeout_ms=30_000, join_timeout_ms=1000)
     client = QuorumClient(r, RunKeys(run_id), config)
     for j in range(members):
         client.join(Member(f"m{j}"))
@@ -179,7 +189,10 @@ def hop_cost(
         child = ctx.Process(target=_members, args=args)
         cpu = time.process_time()
         child.start()
-        round_ms, rtt_ms = here.recv()
+        got = here.recv()
+        if isinstance(got, str):
+            raise RuntimeError(f"the members failed: {got}")
+        round_ms, rtt_ms = got
         cpu = time.process_time() - cpu
         child.join()
     finally:
