@@ -212,6 +212,9 @@ class Batcher:
                         self._answered[item.replica_id] = now
                     else:  # refused, or asked directly now: not expected here
                         self._answered.pop(item.replica_id, None)
+                # Restarted managers join under new ids: forget the silent ones.
+                for rid in [r for r, t in self._answered.items() if now - t > self.window_s]:
+                    del self._answered[rid]
                 self._cond.notify()
         for item, _, waiters in batch:
             got = results.get(item.replica_id)
