@@ -183,6 +183,17 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         help="at most this long per size once 5 rounds are in (20)",
     )
     ap.add_argument("--procs", type=int, default=4, help="Redis client processes (4)")
+    ap.add_argument(
+        "--relay-group",
+        type=int,
+        default=100,
+        help="also measure rounds through relays of this many replicas; 0: off (100)",
+    )
+    ap.add_argument(
+        "--relay-only",
+        action="store_true",
+        help="Redis: only the relayed rounds (no direct rounds, leave, loss or false drops)",
+    )
     ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000, help="(1000)")
     ap.add_argument("--join-timeout-ms", type=int, default=30_000, help="(30000; see above)")
     ap.add_argument(
@@ -277,15 +288,21 @@ def run_redis(args: argparse.Namespace, counts: list[int], out: dict[str, object
             steady_hb = args.steady_heartbeat_timeout_ms
             sizes.append(
                 measure_size(
-                    n, args.procs, config, args.redis_rounds, args.redis_seconds, steady_hb
+                    n, args.procs, config, args.redis_rounds, args.redis_seconds, steady_hb,
+                    relay_group=args.relay_group, direct=not args.relay_only,
                 )
-            )
+            )  # fmt: skip
         except RuntimeError as e:
             print(f"[redis] {n:,} replicas: null, {e}", flush=True)
             failed[str(n)] = str(e)
     if not sizes:
         raise SystemExit(f"the Redis quorum could not be measured at any size: {failed}")
     faults = None
+    if args.relay_only:
+        redis_report.print_relays(sizes)
+        out["redis"] = {"config": asdict(config), "sizes": sizes, "null_reasons": failed}
+        out.update(redis_report.flat_relays(sizes))
+        return
     if args.fault_replicas > 0:
         pause_s = (
             args.pause_s if args.pause_s is not None else 0.6 * config.heartbeat_timeout_ms / 1000
@@ -293,6 +310,7 @@ def run_redis(args: argparse.Namespace, counts: list[int], out: dict[str, object
         print(f"[redis] false drops at {args.fault_replicas:,} replicas ...", flush=True)
         faults = false_drops(args.fault_replicas, args.procs, config, args.fill_mib, pause_s)
     redis_report.print_sizes(sizes)
+    redis_report.print_relays(sizes)
     extra = redis_report.extrapolate(sizes)
     if faults is not None:
         redis_report.print_faults(faults)
@@ -304,6 +322,7 @@ def run_redis(args: argparse.Namespace, counts: list[int], out: dict[str, object
         "null_reasons": failed,
     }
     out.update(redis_report.flat(sizes, extra, faults))
+    out.update(redis_report.flat_relays(sizes))
     for n in failed:
         for key in ("round_ms_p50", "round_ms_p99", "bytes_per_replica_step", "leave_to_quorum_s"):
             out[f"redis_{key}_{n}"] = None

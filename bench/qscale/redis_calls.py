@@ -9,7 +9,7 @@ from typing import Any
 
 from spottrain.protocol.keys import RunKeys
 from spottrain.quorum import scripts
-from spottrain.quorum.model import Answer, Member, QuorumConfig
+from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig
 
 
 def sources() -> dict[str, str]:
@@ -42,6 +42,18 @@ class Calls:
         return self._eval(
             "REQUEST", *scripts.request_args(replica_id, step, held_qid, 0, False, token)
         )
+
+    def relay_request(
+        self, batch: str, ids: list[str], step: int, held_qid: int
+    ) -> tuple[Any, ...]:
+        items = [BatchItem(rid, step) for rid in ids]
+        return self._eval("RELAY_REQUEST", *scripts.relay_args(batch, items, [held_qid] * len(ids)))
+
+    def relay_tick(self, batch: str, ids: list[str]) -> tuple[Any, ...]:
+        return self._eval("RELAY_TICK", batch, "wait", *ids)
+
+    def relay_key(self, batch: str) -> str:
+        return scripts.relay_key(self.keys, batch)
 
     def reply_key(self, replica_id: str) -> str:
         return scripts.reply_key(self.keys, replica_id)

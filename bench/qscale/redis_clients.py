@@ -26,6 +26,7 @@ from spottrain.protocol.keys import RunKeys
 from spottrain.quorum.model import Member, QuorumConfig
 
 from .redis_calls import Calls, parse_reply
+from .redis_relays import relay_round
 from .redis_server import raise_fd_limit
 
 
@@ -57,6 +58,7 @@ class Replicas:
         self.shared: Connection | None = None
         self.calls: Calls | None = None
         self.silent: set[str] = set()  # no requests (a silent loss or a leave)
+        self.relay_conns: list[Connection] = []  # one per relay (qscale/redis_relays.py)
 
     def _conn(self) -> Connection:
         return Connection(port=self.port, socket_timeout=None, socket_connect_timeout=60)
@@ -157,6 +159,8 @@ async def _serve(pipe: Pipe, reps: Replicas) -> None:
             pipe.send(done)
         elif cmd == "round":
             await reps.round(*args, pipe)
+        elif cmd == "relay_round":
+            await relay_round(reps, *args, pipe)
         elif cmd == "silence":
             reps.silent.update(args[0])
             pipe.send({"silenced": time.monotonic()})
@@ -165,7 +169,7 @@ async def _serve(pipe: Pipe, reps: Replicas) -> None:
             reps.calls.config = args[0]  # type: ignore[union-attr]
             pipe.send({})
         elif cmd == "stop":
-            for conn in [*reps.conns.values(), reps.shared]:
+            for conn in [*reps.conns.values(), *reps.relay_conns, reps.shared]:
                 if conn is not None:
                     await conn.disconnect()
             pipe.send({})

@@ -124,19 +124,35 @@ def leave_and_loss(q: RedisQuorum, spread_ms: float, chosen: QuorumConfig) -> di
     return out
 
 
+def _said(what: str, n: int, out: dict[str, Any]) -> None:
+    print(
+        f"  {n:,} {what}: round p50 {out['round_ms_p50']} ms, p99 {out['round_ms_p99']} ms, "
+        f"Redis CPU {out['redis_cpu_ms_per_round_p50']} ms a round, the clients' send "
+        f"{out['send_spread_ms_p50']} ms",
+        flush=True,
+    )
+
+
 def measure_size(
-    n: int, procs: int, config: QuorumConfig, rounds: int, seconds: float, steady_hb_ms: int
-) -> dict[str, Any]:
-    """The steady rounds and the leave at ``steady_hb_ms`` (above this machine's own
-    scheduling lag), the silent loss at ``config``'s heartbeat timeout."""
-    with RedisQuorum(n, procs, replace(config, heartbeat_timeout_ms=steady_hb_ms)) as q:
-        out = steady(q, rounds, seconds)
-        print(
-            f"  {n:,}: round p50 {out['round_ms_p50']} ms, p99 {out['round_ms_p99']} ms, "
-            f"Redis CPU {out['redis_cpu_ms_per_round_p50']} ms a round, the clients' send "
-            f"{out['send_spread_ms_p50']} ms",
-            flush=True,
-        )
+    n: int, procs: int, config: QuorumConfig, rounds: int, seconds: float, steady_hb_ms: int,
+    relay_group: int = 0, direct: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """The steady rounds (direct, then through relays of ``relay_group`` when > 0) and the
+    leave at ``steady_hb_ms`` (above this machine's own scheduling lag), the silent loss at
+    ``config``'s heartbeat timeout."""
+    steady_config = replace(config, heartbeat_timeout_ms=steady_hb_ms)
+    with RedisQuorum(n, procs, steady_config, block=relay_group) as q:
+        out = steady(q, rounds, seconds) if direct else {"n": n}
+        if direct:
+            _said("direct", n, out)
+        if relay_group > 0:
+            q.relay_group = relay_group
+            out["relay"] = steady(q, rounds, seconds)
+            out["relay"]["relay_group"] = relay_group
+            q.relay_group = 0
+            _said(f"through relays of {relay_group}", n, out["relay"])
+        if not direct:
+            return out
         out.update(leave_and_loss(q, out["send_spread_ms_p50"], config))
         out["processes"] = q.nprocs
         out["maxclients"] = q.server.maxclients

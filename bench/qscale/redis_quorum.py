@@ -67,7 +67,7 @@ class RedisQuorum:
 
     name = "Redis quorum (spottrain.quorum)"
 
-    def __init__(self, n: int, procs: int, config: QuorumConfig) -> None:
+    def __init__(self, n: int, procs: int, config: QuorumConfig, block: int = 1) -> None:
         self.n = n
         self.config = config
         self.nprocs = max(1, min(procs, n))
@@ -78,6 +78,8 @@ class RedisQuorum:
         self.step = 0
         self.qid = 0
         self.live = list(self.ids)
+        self.relay_group = 0  # > 0: rounds go through relays of this many replicas
+        self.block = max(1, block)  # ids dealt to the processes in blocks: whole relay groups
 
     def __enter__(self) -> RedisQuorum:
         self.server.__enter__()
@@ -94,7 +96,7 @@ class RedisQuorum:
         shas = {name: self.server.r.script_load(src) for name, src in sources().items()}
         self.calls = Calls(RunKeys(RUN), self.config, shas)
         for k in range(self.nprocs):
-            mine = self.ids[k :: self.nprocs]
+            mine = [r for i, r in enumerate(self.ids) if (i // self.block) % self.nprocs == k]
             self._spawn(worker, mine, self.p.pipes, self.p.procs)
             self.p.owner.update(dict.fromkeys(mine, k))
             self._spawn(beater, mine, self.p.beat_pipes, self.p.beat_procs)
@@ -161,7 +163,10 @@ class RedisQuorum:
         self.step += 1
         before = self.server.snapshot()
         for pipe in self.p.pipes:
-            pipe.send(("round", self.step, self.qid, timeout_s))
+            if self.relay_group > 0:
+                pipe.send(("relay_round", self.step, self.qid, timeout_s, self.relay_group))
+            else:
+                pipe.send(("round", self.step, self.qid, timeout_s))
         sent = [self._recv(pipe, ROUND_TIMEOUT_S)["sent"] for pipe in self.p.pipes]
         if between is not None:
             between()

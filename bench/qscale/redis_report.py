@@ -52,6 +52,59 @@ def print_sizes(sizes: list[dict[str, Any]]) -> None:
         )
 
 
+def print_relays(sizes: list[dict[str, Any]]) -> None:
+    """The relayed rounds beside the direct ones of the same run."""
+    rows = [s for s in sizes if "relay" in s]
+    if not rows:
+        return
+    print(
+        f"\nRedis quorum through relays of {rows[0]['relay']['relay_group']} replicas "
+        "(one RELAY_REQUEST + one BLPOP per relay; last batch sent -> every relay's answer "
+        "delivered), beside the direct round of the same run, measured"
+    )
+    print(
+        f"{'replicas':>9} {'rounds':>6} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms':>7} "
+        f"{'B/rep/step':>10} {'direct p50':>10} {'direct CPU':>10}"
+    )
+    for s in rows:
+        r = s["relay"]
+        wire = r["bytes_sent_per_replica_step"] + r["bytes_recv_per_replica_step"]
+        print(
+            f"{s['n']:>9,} {r['rounds']:>6} {r['round_ms_p50']:>8.1f} {r['round_ms_p99']:>8.1f} "
+            f"{r['redis_cpu_ms_per_round_p50']:>7.1f} {wire:>10.1f} "
+            f"{_num(s.get('round_ms_p50'), 10, 1)} "
+            f"{_num(s.get('redis_cpu_ms_per_round_p50'), 10, 1)}"
+        )
+    print(
+        "B/rep/step: the relays' bytes to and from Redis per replica per step (the "
+        "member <-> relay hop is not in it). CPU ms: Redis's CPU per round (INFO cpu)."
+    )
+    for s in rows:
+        cmds = ", ".join(
+            f"{name} {c['calls_per_round']:g}/round at {c['usec_per_call']:.1f} us"
+            for name, c in s["relay"]["commands"].items()
+        )
+        print(f"  Redis side at {s['n']:,} (relayed): {cmds}")
+
+
+def flat_relays(sizes: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for s in sizes:
+        if "relay" not in s:
+            continue
+        n, r = s["n"], s["relay"]
+        out[f"redis_relay_round_ms_p50_{n}"] = r["round_ms_p50"]
+        out[f"redis_relay_round_ms_p99_{n}"] = r["round_ms_p99"]
+        out[f"redis_relay_cpu_ms_round_{n}"] = r["redis_cpu_ms_per_round_p50"]
+        out[f"redis_relay_bytes_per_replica_step_{n}"] = round(
+            r["bytes_sent_per_replica_step"] + r["bytes_recv_per_replica_step"], 1
+        )
+        out[f"redis_relay_evalsha_us_round_{n}"] = (
+            r["commands"].get("evalsha", {}).get("usec_per_round")
+        )
+    return out
+
+
 def extrapolate(sizes: list[dict[str, Any]]) -> dict[str, Any]:
     """Fits over the sizes and what 12,500 replicas cost Redis: Redis is single-threaded, so
     when a fleet's requests arrive together a round takes at least its CPU for all of them."""

@@ -23,6 +23,7 @@ local P = KEYS[1]
 local K_STATE, K_PREV, K_REQ, K_HB = P .. 'state', P .. 'prev', P .. 'req', P .. 'hb'
 local K_INFO, K_GONE, REPLY = P .. 'info', P .. 'gone', P .. 'reply:'
 local K_RDIRECT, K_RRELAYS, RRELAY = P .. 'rdirect', P .. 'rrelays', P .. 'relayreply:'
+local K_LASTREQ, K_RANKS = P .. 'lastreq', P .. 'ranks'
 local HB_TIMEOUT, JOIN_TIMEOUT = tonumber(ARGV[1]), tonumber(ARGV[2])
 local MIN_REPLICAS, EPOCH_NEW = tonumber(ARGV[3]), ARGV[4]
 local CHUNK = 1000
@@ -54,7 +55,7 @@ local NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local S = {}
 local DIRTY_FIELDS = {}
 local HOT = {'round', 'qid', 'opened', 'joined_prev', 'active', 'grace_until', 'nreq', 'nprev',
-  'nhb', 'steady', 'rstep'}
+  'nhb', 'steady', 'rstep', 'relayed'}
 local COLD = {'epoch', 'version', 'max_step', 'formed', 'dirty', 'held', 'ranks_v'}
 
 local function set(field, v) S[field] = v; DIRTY_FIELDS[field] = true end
@@ -329,8 +330,6 @@ lib = function()
   -- R, Pn: the real HLEN req and SCARD prev. The membership is unchanged when nothing was
   -- dropped from prev and every formed id is a member of prev (joined_prev counts them) and
   -- as many as prev holds: no per-member check.
-  local K_RANKS = P .. 'ranks'
-
   -- The ranks of the last quorum's members (for the steady FORM's direct waiters), rewritten
   -- when its membership changed.
   local function write_ranks(ids)
@@ -346,10 +345,19 @@ lib = function()
   end
 
   -- The round is over: the next one opens (left: requesters left out wait on in it).
-  local function next_round(max_step, left)
+  local function next_round(max_step, left, relayed)
+    set('relayed', relayed and 1 or 0)
     set('round', S.round + 1); set('joined_prev', 0); set('held', 0)
     set('formed', NOW); set('max_step', max_step); set('nreq', left)
     set('opened', left > 0 and NOW or ''); set('steady', left > 0 and 0 or 2)
+  end
+
+  -- The formed round's requests stay as lastreq until the next FORM: a member whose relay
+  -- died before passing its answer on finds it through them (REQUEST).
+  local function keep_requests()
+    rc(K_LASTREQ, 'UNLINK')
+    rc(K_REQ, 'RENAME', K_LASTREQ)
+    rc(K_RDIRECT, 'DEL'); rc(K_RRELAYS, 'DEL')
   end
 
   -- The answers go to each direct requester's own list ("<token> <line>") and, for the
@@ -375,7 +383,7 @@ lib = function()
       if byte(tok, 1) == 64 then  -- '@': asked through a relay batch
         local rk = sub(tok, 2)
         local lines = batches[rk]
-        if not lines then lines = {'F'}; batches[rk] = lines end
+        if not lines then lines = {'F ' .. fmt(S.round)}; batches[rk] = lines end
         lines[#lines + 1] = id .. answer
       else
         local x = pcall_('LPUSH', REPLY .. id, tok .. answer)
@@ -384,12 +392,13 @@ lib = function()
     end
     for rk, lines in pairs(batches) do relay_push(rk, table.concat(lines, '\n')) end
     if n == R then
-      rc(K_REQ, 'DEL'); rc(K_RDIRECT, 'DEL'); rc(K_RRELAYS, 'DEL')
+      keep_requests()
     else
+      rc(K_LASTREQ, 'UNLINK')
       chunked(K_REQ, 'HDEL', ids, add_one)
       chunked(K_RDIRECT, 'SREM', ids, add_one)
     end
-    next_round(max_step, R - n)
+    next_round(max_step, R - n, next(batches) ~= nil)
   end
 
   -- The steady FORM: the last quorum again, every member at the round's step, so every
@@ -415,9 +424,10 @@ lib = function()
     end
     local line = 'S ' .. fmt(S.round) .. head .. fmt(S.version) .. ' ' .. fmt(n) .. ' ' ..
       fmt(S.rstep) .. ' ' .. S.epoch
-    for _, rk in ipairs(rc(K_RRELAYS, 'SMEMBERS')) do relay_push(rk, line) end
-    rc(K_REQ, 'UNLINK'); rc(K_RDIRECT, 'DEL'); rc(K_RRELAYS, 'DEL')
-    next_round(S.rstep, 0)
+    local relays = rc(K_RRELAYS, 'SMEMBERS')
+    for _, rk in ipairs(relays) do relay_push(rk, line) end
+    keep_requests()
+    next_round(S.rstep, 0, #relays > 0)
   end
 
   -- TRY-FORM on the real counts (and they are written back for cannot_form).

@@ -16,6 +16,34 @@ return 1
 
 # ARGV[5..]: replica id, step, held quorum id, commit failures, shrink_only (0/1), token.
 REQUEST_BODY = r"""
+-- The answer line the last FORM gave member ``id`` in the list of the relay batch that
+-- asked for it (``last``: its request in that round), or nil when the list holds none.
+local function relayed_answer(id, last)
+  local rk = string.match(last, ' @(%S+)$')
+  if not rk then return nil end
+  for _, el in ipairs(rc(RRELAY .. rk, 'LRANGE', 0, -1)) do
+    local kind, rnd = string.match(el, '^([SF]) (%d+)')
+    if tonumber(rnd) == S.round - 1 then
+      if kind == 'F' then
+        local i = string.find(el, '\n' .. id .. ' ', 1, true)
+        if i then
+          local j = string.find(el, '\n', i + 1, true)
+          return string.sub(el, i + #id + 2, (j or 0) - 1)
+        end
+      else
+        local qid, version, count, max_step, epoch =
+          string.match(el, '^S %d+ (%d+) (%d+) (%d+) (%-?%d+) (%S+)$')
+        local rank = rc(K_RANKS, 'HGET', id)
+        if qid and rank then
+          return qid .. ' ' .. rank .. ' ' .. count .. ' ' .. max_step .. ' -1 ' .. version ..
+            ' 0 ' .. epoch
+        end
+      end
+    end
+  end
+  return nil
+end
+
 load_state(true)
 local id, step, held = ARGV[5], ARGV[6], tonumber(ARGV[7])
 local cf, shrink, tok = ARGV[8], ARGV[9], ARGV[10]
@@ -32,6 +60,19 @@ local waiting = rc(REPLY .. id, 'LRANGE', 0, -1)
 for _, line in ipairs(waiting) do
   if string.sub(line, 1, #tok + 1) == tok .. ' ' then save(); return S.round - 1 end
 end
+-- A member that a relay asked for in the round that formed last, at this step, and whose
+-- answer still waits in that relay batch's list: the relay died before passing it on. It is
+-- answered from there (once), not counted in the next round.
+local last = member and S.relayed == 1 and rc(K_LASTREQ, 'HGET', id)
+if last and string.find(last, step .. ' ', 1, true) == 1 then
+  local line = relayed_answer(id, last)
+  if line then
+    rc(K_LASTREQ, 'HDEL', id)
+    rc(REPLY .. id, 'LPUSH', tok .. ' ' .. line)
+    save()
+    return S.round - 1
+  end
+end
 if held > S.qid then lib().floor(held) end  -- seq >= qid always: only a larger id counts
 if rc(K_HB, 'ZADD', NOW, id) == 1 then set('nhb', S.nhb + 1) end
 if rc(K_REQ, 'HSET', id, step .. ' ' .. cf .. ' ' .. shrink .. ' ' .. tok) == 1 then
@@ -39,9 +80,15 @@ if rc(K_REQ, 'HSET', id, step .. ' ' .. cf .. ' ' .. shrink .. ' ' .. tok) == 1 
   if #waiting > 0 then rc(REPLY .. id, 'DEL') end  -- answers to requests it gave up on
   if member then set('joined_prev', S.joined_prev + 1) end
 end
-note_steady(member, step, cf, shrink)
--- The steady FORM answers a direct requester from this set (a relay's from its batch).
-if S.steady ~= 0 then rc(K_RDIRECT, 'SADD', id) end
+-- The steady FORM answers a direct requester from rdirect (a relay's from its batch), kept
+-- only while relays ask (the last round had some): a fleet that asks only directly forms
+-- with the full FORM, which reads every request anyway, and spares each request the call.
+if S.relayed == 1 then
+  note_steady(member, step, cf, shrink)
+  rc(K_RDIRECT, 'SADD', id)
+elseif S.steady ~= 0 then
+  set('steady', 0)
+end
 if S.opened == '' then set('opened', NOW) end
 local round = S.round
 if not (complete and cannot_form()) then lib().try_form() end

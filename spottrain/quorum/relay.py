@@ -6,7 +6,8 @@ registers up to 500 replicas' requests, and the batch's answers come back on one
   of the batch registered in rounds up to ``<round>`` is answered with the last quorum's
   membership at ``max_step``, nobody behind; a member's rank is its index in the roster at
   ``<version>`` (sorted by replica id, as the FORM ranks them).
-- ``F`` then one ``<replica id> <answer line>`` line per member of the batch (a full FORM).
+- ``F <round>`` then one ``<replica id> <answer line>`` line per member of the batch that
+  round answered (a full FORM).
 
 Retries are idempotent: the batch keeps its token, a request already registered is not
 counted again, and a batch whose answer already waits reads it before sending again.
@@ -58,7 +59,8 @@ class RelayBatch:
         self.key = scripts.relay_key(client._keys, self.batch)
         self.deadline = time.monotonic() + timeout
         self.open = set(self.items)  # not answered yet
-        self.sent: dict[str, int] = {}  # registered: id -> the round it joined
+        self.sent: dict[str, int] = {}  # registered: id -> the round it joined last
+        self.unsent = set(self.items)  # to send (again: after a connection error or a loss)
         self.out: dict[str, Answer | QuorumError] = {}
 
     def run(self) -> dict[str, Answer | QuorumError]:
@@ -74,7 +76,7 @@ class RelayBatch:
             except _TRANSIENT as e:
                 failures += 1
                 self.c._back_off(failures, self.deadline, e)
-                self.sent.clear()  # send every open request again: idempotent
+                self.unsent = set(self.open)  # send every open request again: idempotent
         answers = [a for a in self.out.values() if isinstance(a, Answer)]
         with self.c._lock:
             for rid, a in self.out.items():
@@ -87,7 +89,7 @@ class RelayBatch:
     # -- sending --------------------------------------------------------------------------
     def _send(self) -> None:
         while True:
-            unsent = sorted(r for r in self.open if r not in self.sent)
+            unsent = sorted(self.unsent & self.open)
             if not unsent:
                 return
             for i in range(0, len(unsent), CHUNK):
@@ -103,6 +105,7 @@ class RelayBatch:
                 refused = {_text(k): _text(v) for k, v in zip(got[1::2], got[2::2], strict=True)}
                 for x in chunk:
                     why = refused.get(x.replica_id)
+                    self.unsent.discard(x.replica_id)
                     if why is None:
                         self.sent[x.replica_id] = int(got[0])
                     else:
@@ -157,7 +160,7 @@ class RelayBatch:
             return
         for rid, state in zip(ids, got, strict=True):
             if state == "lost":
-                self.sent.pop(rid, None)  # Redis lost it (restarted): send it again
+                self.unsent.add(rid)  # Redis lost it (restarted): send it again
             elif state == "withdrawn":
                 self.open.discard(rid)
                 self.out[rid] = QuorumTimeout(self.c._timeout_message(rid))
@@ -188,7 +191,7 @@ class RelayBatch:
         try:
             if text.startswith("S "):
                 self._steady(text)
-            elif text == "F" or text.startswith("F\n"):
+            elif text.startswith("F "):
                 for line in text.split("\n")[1:]:
                     rid, _, answer = line.partition(" ")
                     if rid in self.open:

@@ -16,6 +16,13 @@ arguments:
   request, e.g. restarted: send it again) or ``withdrawn``. Without a token: ``ticked``.
 - ``HEARTBEAT``: replica ids. -> the ids among them that are gone.
 - ``LEAVE``: replica id. -> 1 if it left now, 0 if it was gone already.
+- ``RELAY_REQUEST``: a relay batch ``"<relay id>:<batch token>"``, then its items as
+  ``relay_args`` lays them out. -> ``[round, id, why,
+  ...]`` (the refused: ``gone <why> <ms>``, ``join``, ``direct``) or ``[-1]`` when the
+  batch's answer already waits (read it first). The answers arrive on
+  ``relayreply:<batch>`` (see :mod:`.relay`).
+- ``RELAY_TICK``: the batch, ``wait`` or ``withdraw``, the ids still open. -> ``["drain"]``
+  or per id ``pending``, ``lost``, ``gone <why> <ms>``, ``direct``, ``withdrawn``.
 
 Error replies: ``QGONE <id> <left|dropped> <ms>``, ``QJOIN <id>`` (not joined: call JOIN,
 e.g. after Redis lost its data), ``QCORRUPT <key> <what>``.
@@ -27,9 +34,15 @@ calls; sorts replica ids by bytes only when Redis runs in a non-C collation loca
 ``rlog`` (hash: the roster version a membership change started from -> the JSON delta
 ``{"version", "from", "add": [entries], "del": [ids]}``; the last 64, their order in the
 list ``rlog_vs``) and ``pdrop`` (set: members of the last quorum dropped or left since, which
-the next delta removes). ``state``
+the next delta removes); for relays and the steady FORM: ``ranks`` (hash: member -> rank in
+the last quorum, rewritten with the membership), ``rdirect`` and ``rrelays`` (sets: this
+round's direct requesters and relay batches), ``lastreq`` (the last formed round's requests:
+a member whose relay died finds its answer through them) and ``relayreply:<batch>`` (list,
+expires a minute after its last answer). ``state``
 also holds ``grace_until`` (the stall guard), ``dirty`` (a member of the last quorum was
 dropped or left), ``held`` (the largest quorum id held by this round's requesters) and
+``steady`` and ``rstep`` (the open round is steady so far, at that step: see
+:data:`.lua.PRELUDE`'s ``note_steady``), ``ranks_v`` (the version ``ranks`` holds) and
 ``nreq``, ``nprev``, ``nhb`` (the sizes of ``req``, ``prev``, ``hb``, kept by the scripts so a
 REQUEST that cannot form a round needs no call to know it; a round forms only on the keys'
 real counts, which every such check writes back).
@@ -53,7 +66,7 @@ from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig
 
 KEY_PARTS = (
     "seq", "state", "prev", "req", "hb", "info", "roster", "gone", "gone_at", "sort", "rlog",
-    "rlog_vs", "pdrop", "ranks", "rdirect", "rrelays",
+    "rlog_vs", "pdrop", "ranks", "rdirect", "rrelays", "lastreq",
 )  # fmt: skip
 REPLY_PART = "reply:"
 RELAY_REPLY_PART = "relayreply:"
@@ -131,9 +144,15 @@ def relay_key(keys: RunKeys, batch: str) -> str:
 
 
 def relay_args(batch: str, items: Sequence[BatchItem], held: Sequence[int]) -> list[str]:
-    """RELAY_REQUEST's own ARGV: the batch, then five per item (``held``: each item's held
-    quorum id, the client's own record included)."""
-    args = [batch]
+    """RELAY_REQUEST's own ARGV (``held``: each item's held quorum id, the client's own
+    record included): the batch, then "U", the step, the largest held id and the ids when
+    every item is at one step with no commit failure and no shrink_only (a steady round's
+    batch: a fifth of the arguments), else "V" and five per item."""
+    steps = {int(x.step) for x in items}
+    if len(steps) == 1 and not any(x.commit_failures > 0 or x.shrink_only for x in items):
+        top = max(0, *(int(h) for h in held))
+        return [batch, "U", str(steps.pop()), str(top), *(x.replica_id for x in items)]
+    args = [batch, "V"]
     for item, h in zip(items, held, strict=True):
         args += [
             item.replica_id,
