@@ -66,7 +66,7 @@ class RelayedQuorum:
         self._holder: str | None = None
         self._avoid: tuple[str, float] | None = None  # (address, when it failed)
         self._next_read = 0.0
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, tuple[grpc.Channel, Any]] = {}  # address -> (it, its call)
         self.holding = False
         self.relayed = 0  # requests answered through a relay (tests, logs)
         self.fallbacks = 0  # requests asked directly after a relay failed or was absent
@@ -97,7 +97,7 @@ class RelayedQuorum:
                 self.lease.release()
             except Exception as exc:
                 log.warning("could not release the relay lease (it expires): %s", exc)
-        for ch in self._channels.values():
+        for ch, _ in self._channels.values():
             ch.close()
 
     # -- the lease --------------------------------------------------------------------------
@@ -183,10 +183,11 @@ class RelayedQuorum:
 
     def _remote(self, address: str, item: BatchItem, timeout: float) -> Answer:
         with self._lock:
-            channel = self._channels.get(address)
-            if channel is None:
-                channel = self._channels[address] = grpc.insecure_channel(address)
-        call = channel.unary_unary(r.RELAY_METHOD)
+            got = self._channels.get(address)
+            if got is None:
+                channel = grpc.insecure_channel(address)
+                got = self._channels[address] = (channel, channel.unary_unary(r.RELAY_METHOD))
+        call = got[1]
         try:
             body = call(r.encode_request(item, timeout), timeout=timeout)
         except grpc.RpcError as exc:
