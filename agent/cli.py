@@ -226,8 +226,10 @@ def _add_run_fleet_args(run: argparse.ArgumentParser) -> None:
 def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
     """Replica mode: each replica of --nodes-per-replica nodes runs its own torchrun and
     takes part in a fault-tolerant quorum across replicas."""
+    from spottrain.protocol.env import ENV_QUORUM_RELAY_GROUP, ENV_QUORUM_RELAY_PORT
     from spottrain.quorum.model import DEFAULT_JOIN_TIMEOUT_MS
 
+    from .config import DEFAULT_RELAY_PORT
     from .replica_launch import DEFAULT_MANAGER_PORT, DEFAULT_SHIM_PORT
 
     env = _env
@@ -283,6 +285,16 @@ def _add_run_replica_args(run: argparse.ArgumentParser) -> None:
         default=str(DEFAULT_SHIM_PORT),
         help="the local lighthouse shim's port with --quorum redis (0, and on the local "
         "cloud always: a free port)",
+    )
+    run.add_argument(
+        "--quorum-relay-group",
+        default=env(ENV_QUORUM_RELAY_GROUP, "0"),
+        help="with --quorum redis: replicas per quorum relay (0: none; relay_group_size)",
+    )
+    run.add_argument(
+        "--quorum-relay-port",
+        default=env(ENV_QUORUM_RELAY_PORT, str(DEFAULT_RELAY_PORT)),
+        help="a relay's port on --address (0, and on the local cloud always: a free port)",
     )
 
 
@@ -381,6 +393,8 @@ def _run(args: argparse.Namespace) -> int:
         quorum_wait_replicas=int(_number(args, "quorum_wait_replicas", int)),
         quorum_heartbeat_timeout_s=float(_number(args, "quorum_heartbeat_timeout", float)),
         quorum_join_timeout_ms=int(_number(args, "quorum_join_timeout", int)),
+        quorum_relay_group=int(_number(args, "quorum_relay_group", int)),
+        quorum_relay_port=int(_number(args, "quorum_relay_port", int)),
     )
     logs = ship_settings(args)
     logging.basicConfig(

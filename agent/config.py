@@ -8,12 +8,18 @@ from dataclasses import dataclass, field
 from spottrain.protocol.env import (
     ENV_QUORUM_HEARTBEAT_TIMEOUT,
     ENV_QUORUM_JOIN_TIMEOUT,
+    ENV_QUORUM_RELAY_GROUP,
+    ENV_QUORUM_RELAY_PORT,
     ENV_QUORUM_WAIT_REPLICAS,
 )
 from spottrain.protocol.keys import DEFAULT_PREFIX
 from spottrain.quorum.model import DEFAULT_JOIN_TIMEOUT_MS
 
 from .replica_launch import DEFAULT_MANAGER_PORT, DEFAULT_SHIM_PORT, QUORUMS, check_lighthouse
+
+# Where a quorum relay listens on the agent's address for its group's VMs (next to the
+# shim's 29511 and the manager's 29512).
+DEFAULT_RELAY_PORT = 29513
 
 EXIT_OK, EXIT_TORCHRUN_FAILED, EXIT_CONFIG, EXIT_UNHEALTHY = 0, 1, 2, 3
 
@@ -87,6 +93,10 @@ class AgentConfig:
     # Milliseconds a changed Redis quorum waits for late replicas (the spec's resolved
     # train.replica.join_timeout_ms).
     quorum_join_timeout_ms: int = DEFAULT_JOIN_TIMEOUT_MS
+    # Replicas per quorum relay (the spec's train.replica.relay_group_size, resolved); 0:
+    # none. The relay listens on address:quorum_relay_port (0: a free port).
+    quorum_relay_group: int = 0
+    quorum_relay_port: int = DEFAULT_RELAY_PORT
 
     @property
     def replica_mode(self) -> bool:
@@ -166,6 +176,16 @@ class AgentConfig:
             raise AgentConfigError(
                 f"quorum wait replicas {self.quorum_wait_replicas} (--quorum-wait-replicas, "
                 f"{ENV_QUORUM_WAIT_REPLICAS}) must be in 0..16 (Redis replicas to WAIT for)"
+            )
+        if not (self.quorum_relay_group == 0 or 2 <= self.quorum_relay_group <= 1000):
+            raise AgentConfigError(
+                f"quorum relay group {self.quorum_relay_group} (--quorum-relay-group, "
+                f"{ENV_QUORUM_RELAY_GROUP}) must be 0 (no relays) or 2..1000 replicas"
+            )
+        if not 0 <= self.quorum_relay_port < 65536:
+            raise AgentConfigError(
+                f"quorum relay port {self.quorum_relay_port} (--quorum-relay-port, "
+                f"{ENV_QUORUM_RELAY_PORT}) must be in 0..65535 (0: a free port)"
             )
         if not 0 <= self.quorum_port < 65536:
             raise AgentConfigError(

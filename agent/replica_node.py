@@ -18,6 +18,7 @@ and is replaced like any failed node; the claim after it starts a new generation
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ from .replica_launch import ReplicaLaunch, plan_launch
 from .replica_slots import SlotClaim, claim_slot, release_slot
 
 if TYPE_CHECKING:
+    from .quorum_shim.local import RelayPlan
     from .quorum_shim.server import LighthouseShim
 
 log = logging.getLogger("spottrain.agent")
@@ -128,6 +130,7 @@ class ReplicaNode:
 
         port = 0 if self.cfg.cloud == "local" else self.cfg.quorum_port
         try:
+            relay = self._relay_plan()
             settings = self.settings or settings_from_url(
                 self.cfg.redis_url, password_file=self.cfg.password_file
             )
@@ -141,14 +144,38 @@ class ReplicaNode:
                 ),
                 port=port,
                 wait_replicas=self.cfg.quorum_wait_replicas,
+                relay=relay,
             )
         except (OSError, ValueError, redis.RedisError, RuntimeError) as exc:
             return (
-                f"cannot start the Redis quorum's lighthouse shim on 127.0.0.1:{port}: {exc} "
-                "(free the port, or give --quorum-port)"
+                f"cannot start the Redis quorum's lighthouse shim on 127.0.0.1:{port} (relay "
+                f"port {self.cfg.quorum_relay_port}): {exc} (free the port, or give "
+                "--quorum-port / --quorum-relay-port)"
             )
-        self.record.event("quorum-shim-started", address=self.shim.address)
+        relayed = {"relay_group": relay.group, "relay": relay.address} if relay else {}
+        self.record.event("quorum-shim-started", address=self.shim.address, **relayed)
         return None
+
+    def _relay_plan(self) -> RelayPlan | None:
+        """This node's relay group and relay address (--quorum-relay-group), or None."""
+        size = self.cfg.quorum_relay_group
+        if not size or self.slot is None:
+            return None
+        from spottrain.ports import free_port
+
+        from .quorum_shim.local import RelayPlan
+        from .quorum_shim.relay import relay_group
+
+        local = self.cfg.cloud == "local"  # the local "VMs" share one host: any free port
+        host = "127.0.0.1" if local else self.cfg.address or socket.gethostname()
+        port = 0 if local else self.cfg.quorum_relay_port
+        port = port or free_port("127.0.0.1" if local else "0.0.0.0")
+        return RelayPlan(
+            group=relay_group(self.slot.slot, size),
+            bind=f"{'127.0.0.1' if local else '0.0.0.0'}:{port}",
+            address=f"{host}:{port}",
+            workers=min(1024, size + 16),
+        )
 
     def quorum_leave(self, now: bool) -> None:
         """A notice: this node's replica leaves the Redis quorum, stall-free (see

@@ -232,6 +232,9 @@ class LighthouseShim:
         self._server.stop(grace).wait(grace + 1)
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        stop_relay = getattr(self.blocking, "stop", None)  # a RelayedQuorum: its server, lease
+        if callable(stop_relay):
+            stop_relay()
 
     # -- Quorum -----------------------------------------------------------------------------
     def _quorum(self, request: Any, context: grpc.ServicerContext) -> bytes:

@@ -76,6 +76,10 @@ ENV_QUORUM_HEARTBEAT_TIMEOUT = "SPOTTRAIN_QUORUM_HEARTBEAT_TIMEOUT"
 # With the Redis quorum: milliseconds a changed quorum waits for late replicas
 # (train.replica.join_timeout_ms, resolved; unset: 250).
 ENV_QUORUM_JOIN_TIMEOUT = "SPOTTRAIN_QUORUM_JOIN_TIMEOUT"
+# With the Redis quorum: replicas per quorum relay (train.replica.relay_group_size, resolved;
+# unset or 0: no relays, each VM asks Redis itself) and the port the relays listen on.
+ENV_QUORUM_RELAY_GROUP = "SPOTTRAIN_QUORUM_RELAY_GROUP"
+ENV_QUORUM_RELAY_PORT = "SPOTTRAIN_QUORUM_RELAY_PORT"
 # The workers', set by the agent for one replica: its slot ("replica-<j>"), the manager's
 # fixed port on the replica's first node.
 ENV_REPLICA_ID = "SPOTTRAIN_REPLICA_ID"

@@ -11,6 +11,7 @@ from spottrain.catalog import Catalog
 from spottrain.protocol import env as env_names
 
 from .code import ImageCode
+from .relay import RELAY_GROUP_AUTO
 from .sections import (
     DEFAULT_QUORUM_HEARTBEAT_S,
     JOIN_TIMEOUT_AUTO,
@@ -52,6 +53,24 @@ def join_timeout_ms(spec: JobSpec) -> int:
     return auto_join_timeout_ms(spec.nodes.max // r.nodes_per_replica)
 
 
+# Relays pay off from here (bench/quorum_scale.py: ~54 µs of Redis per direct request, so
+# 1,000 replicas already cost a 54 ms round) and the automatic group size.
+RELAY_AUTO_FROM_REPLICAS = 1000
+RELAY_AUTO_GROUP = 100
+
+
+def relay_group_size(spec: JobSpec) -> int:
+    """Replicas per quorum relay for ``spec`` (0: no relays): ``train.replica.
+    relay_group_size``, or for ``auto`` 100 from 1,000 replicas at ``nodes.max`` on."""
+    r = spec.train.replica
+    if r.quorum is not QuorumKind.REDIS:
+        return 0
+    if r.relay_group_size != RELAY_GROUP_AUTO:
+        return int(r.relay_group_size)
+    replicas = spec.nodes.max // r.nodes_per_replica
+    return RELAY_AUTO_GROUP if replicas >= RELAY_AUTO_FROM_REPLICAS else 0
+
+
 def replica_problem(spec: JobSpec) -> str | None:
     """The first thing in ``spec`` that replica mode cannot run, or None (also for an elastic
     job). The catalog's part is :func:`replica_gpu_types_problem`."""
@@ -63,6 +82,7 @@ def replica_problem(spec: JobSpec) -> str | None:
         "wait_replicas": bool(r.wait_replicas),
         "heartbeat_timeout_s": r.heartbeat_timeout_s != DEFAULT_QUORUM_HEARTBEAT_S,
         "join_timeout_ms": r.join_timeout_ms != JOIN_TIMEOUT_AUTO,
+        "relay_group_size": r.relay_group_size != RELAY_GROUP_AUTO,
     }
     key = next((name for name, set_ in redis_only.items() if set_), None)
     if r.quorum is QuorumKind.LIGHTHOUSE and key:
@@ -120,6 +140,11 @@ def replica_agent_env(spec: JobSpec) -> dict[str, str]:
             if redis and join_timeout_ms(spec) != DEFAULT_JOIN_TIMEOUT_MS
             else {}
         ),
+        **(
+            {env_names.ENV_QUORUM_RELAY_GROUP: str(relay_group_size(spec))}
+            if relay_group_size(spec)
+            else {}
+        ),
     }
 
 
@@ -135,6 +160,8 @@ def describe_replica(spec: JobSpec) -> str | None:
     if r.quorum is QuorumKind.REDIS:
         how = " (auto)" if r.join_timeout_ms == JOIN_TIMEOUT_AUTO else ""
         join = f" with a {join_timeout_ms(spec)} ms join timeout{how}"
+        group = relay_group_size(spec)
+        join += f", relayed by one VM per {group} replicas" if group else ""
     if isinstance(spec.code, ImageCode):
         source = (
             "the image must hold torchft (pip install 'spottrain[agent,replica]'): nothing "

@@ -31,6 +31,7 @@ from .fields import (
     _Model,
     parse_count,
 )
+from .relay import RELAY_GROUP_AUTO, RELAY_GROUP_DOC, check_relay_group
 
 
 class FaultTolerance(StrEnum):
@@ -118,6 +119,9 @@ class ReplicaSpec(_Model):
             )
         return v
 
+    relay_group_size: int | Literal["auto"] = Field(RELAY_GROUP_AUTO, description=RELAY_GROUP_DOC)
+    _relay_group = field_validator("relay_group_size", mode="before")(check_relay_group)
+
 
 class TrainSpec(_Model):
     """What each worker runs (torchrun starts it once per worker)."""
@@ -202,6 +206,11 @@ class TrainSpec(_Model):
             quorum += (
                 f", join_timeout_ms {r.join_timeout_ms}"
                 if r.join_timeout_ms != JOIN_TIMEOUT_AUTO
+                else ""
+            )
+            quorum += (
+                f", relay_group_size {r.relay_group_size}"
+                if r.relay_group_size != RELAY_GROUP_AUTO
                 else ""
             )
             raise ValueError(

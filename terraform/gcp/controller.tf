@@ -86,9 +86,10 @@ resource "google_compute_instance" "controller" {
         try(yamldecode(var.controller_job_spec).train.replica.quorum, "redis") == var.replica_quorum &&
         try(yamldecode(var.controller_job_spec).train.replica.wait_replicas, 0) == var.replica_wait_replicas &&
         try(yamldecode(var.controller_job_spec).train.replica.heartbeat_timeout_s, 1) == var.replica_heartbeat_timeout_s &&
-        try(tostring(yamldecode(var.controller_job_spec).train.replica.join_timeout_ms), "auto") == var.replica_join_timeout_ms
+        try(tostring(yamldecode(var.controller_job_spec).train.replica.join_timeout_ms), "auto") == var.replica_join_timeout_ms &&
+        try(tostring(yamldecode(var.controller_job_spec).train.replica.relay_group_size), "auto") == var.replica_relay_group_size
       )
-      error_message = "controller_job_spec: its train.fault_tolerance and train.replica must match fault_tolerance (${var.fault_tolerance}), nodes_per_replica (${var.nodes_per_replica}), min_replicas (${var.min_replicas}), replica_quorum (${var.replica_quorum}), replica_wait_replicas (${var.replica_wait_replicas}), replica_heartbeat_timeout_s (${var.replica_heartbeat_timeout_s}) and replica_join_timeout_ms (${var.replica_join_timeout_ms}); change whichever is wrong."
+      error_message = "controller_job_spec: its train.fault_tolerance and train.replica must match fault_tolerance (${var.fault_tolerance}), nodes_per_replica (${var.nodes_per_replica}), min_replicas (${var.min_replicas}), replica_quorum (${var.replica_quorum}), replica_wait_replicas (${var.replica_wait_replicas}), replica_heartbeat_timeout_s (${var.replica_heartbeat_timeout_s}), replica_join_timeout_ms (${var.replica_join_timeout_ms}) and replica_relay_group_size (${var.replica_relay_group_size}); change whichever is wrong."
     }
   }
 }

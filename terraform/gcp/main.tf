@@ -113,11 +113,15 @@ locals {
     "SPOTTRAIN_QUORUM_WAIT_REPLICAS=\"${var.replica_wait_replicas}\"",
     "SPOTTRAIN_QUORUM_HEARTBEAT_TIMEOUT=\"${var.replica_heartbeat_timeout_s}\"",
     "SPOTTRAIN_QUORUM_JOIN_TIMEOUT=\"${local.replica_join_timeout_ms}\"",
+    "SPOTTRAIN_QUORUM_RELAY_GROUP=\"${local.replica_relay_group_size}\"",
   ]) : "${line}\n"]) : ""
   # The Redis quorum's join timeout in ms, "auto" resolved as the spec does
   # (spottrain.spec.replica.auto_join_timeout_ms): twice Redis's ~54 µs per replica per round
   # (bench/quorum_scale.py) for the largest fleet, never below 250 ms nor above 60 s.
   replica_join_timeout_ms = var.replica_join_timeout_ms == "auto" ? min(60000, max(250, ceil(2 * floor(var.nnodes_max / var.nodes_per_replica) * 54 / 1000))) : tonumber(var.replica_join_timeout_ms)
+  # Replicas per quorum relay, "auto" resolved as the spec does
+  # (spottrain.spec.replica.relay_group_size): 100 from 1,000 replicas, else 0 (no relays).
+  replica_relay_group_size = var.replica_relay_group_size == "auto" ? (floor(var.nnodes_max / var.nodes_per_replica) >= 1000 ? 100 : 0) : tonumber(var.replica_relay_group_size)
   # torchft, for the workers' managers: a second requirement of the same pinned release,
   # whose extras pip merges with the first's.
   replica_requirement = local.replica ? " 'spottrain[replica]==${var.spottrain_version}'" : ""

@@ -279,6 +279,18 @@ variable "replica_join_timeout_ms" {
   }
 }
 
+variable "replica_relay_group_size" {
+  type        = string
+  description = "Replica mode with replica_quorum = \"redis\": replicas per quorum relay (the spec's train.replica.relay_group_size): one VM of each group batches the group's per-step quorum requests into one Redis call and fans the answer out. \"auto\" (the default) is 0 (no relays) below 1,000 replicas (nnodes_max / nodes_per_replica) and 100 from there, as the spec resolves it; \"0\" turns relays off; or a whole number from 2 to 1000. Relays listen on port 29513, open among the fleet's VMs like every port."
+  default     = "auto"
+  nullable    = false
+
+  validation {
+    condition     = var.replica_relay_group_size == "auto" || var.replica_relay_group_size == "0" || (can(regex("^[0-9]{1,4}$", var.replica_relay_group_size)) && try(tonumber(var.replica_relay_group_size) >= 2 && tonumber(var.replica_relay_group_size) <= 1000, false))
+    error_message = "replica_relay_group_size must be \"auto\", \"0\" (no relays) or a whole number of replicas from 2 to 1000."
+  }
+}
+
 variable "lighthouse_port" {
   type        = number
   description = "Replica mode with replica_quorum = \"lighthouse\": the TCP port of the torchft lighthouse on the controller VM; the fleet, and only the fleet, may reach it there."

@@ -157,6 +157,14 @@ def _cfg(**kw: object) -> AgentConfig:
             {"quorum_join_timeout_ms": 10},
             "quorum join timeout 10 ms (--quorum-join-timeout, SPOTTRAIN_QUORUM_JOIN_TIMEOUT)",
         ),
+        (
+            {"quorum_relay_group": 1},
+            "quorum relay group 1 (--quorum-relay-group, SPOTTRAIN_QUORUM_RELAY_GROUP)",
+        ),
+        (
+            {"quorum_relay_port": 65536},
+            "quorum relay port 65536 (--quorum-relay-port, SPOTTRAIN_QUORUM_RELAY_PORT)",
+        ),
     ],
 )
 def test_bad_replica_settings_are_refused_in_one_line(kw: dict, names: str) -> None:
@@ -190,3 +198,27 @@ def test_the_quorum_wait_flag_reaches_the_config(monkeypatch: pytest.MonkeyPatch
     args = build_parser().parse_args(["run", "--redis=127.0.0.1:1", "--quorum-join-timeout=400"])
     assert args.quorum_join_timeout == "400"
     assert _cfg().quorum_join_timeout_ms == 250
+    # Relays: the spec's resolved group size through the env (0: none), and their port.
+    args = build_parser().parse_args(["run", "--redis=127.0.0.1:1"])
+    assert (args.quorum_relay_group, args.quorum_relay_port) == ("0", "29513")
+    monkeypatch.setenv("SPOTTRAIN_QUORUM_RELAY_GROUP", "100")
+    monkeypatch.setenv("SPOTTRAIN_QUORUM_RELAY_PORT", "29600")
+    args = build_parser().parse_args(["run", "--redis=127.0.0.1:1"])
+    assert (args.quorum_relay_group, args.quorum_relay_port) == ("100", "29600")
+
+
+def test_a_nodes_relay_plan_follows_its_slot_and_its_cloud() -> None:
+    from spottrain.agent.replica_node import ReplicaNode
+    from spottrain.agent.replica_slots import SlotClaim
+
+    def plan(**kw: object) -> object:
+        node = ReplicaNode(None, None, _cfg(fault_tolerance="replica", **kw), None)  # type: ignore[arg-type]
+        node.slot = SlotClaim("replica-5", ("n",))
+        return node._relay_plan()
+
+    assert plan() is None  # no relays unless a group size is given
+    aws = plan(quorum_relay_group=2, cloud="aws", address="10.0.0.7")
+    assert (aws.group, aws.bind, aws.address) == (2, "0.0.0.0:29513", "10.0.0.7:29513")  # type: ignore[attr-defined]
+    local = plan(quorum_relay_group=100, cloud="local")
+    assert local.group == 0 and local.bind == local.address  # type: ignore[attr-defined]
+    assert local.address.startswith("127.0.0.1:") and not local.address.endswith(":29513")  # type: ignore[attr-defined]

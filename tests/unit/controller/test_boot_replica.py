@@ -138,6 +138,12 @@ def test_the_local_clouds_agent_gets_the_same_replica_settings() -> None:
     assert boot["env"][env_names.ENV_NODES_PER_REPLICA] == "1"
     assert boot["env"][env_names.ENV_MIN_REPLICAS] == "2"
     assert boot["env"][env_names.ENV_QUORUM] == "redis"
+    assert env_names.ENV_QUORUM_RELAY_GROUP not in boot["env"]  # auto: none at 4 replicas
+    relayed = _replica_spec(
+        _with(LOCAL, "nodes", {"min": 2, "max": 4, "gpus": 0}), relay_group_size=2
+    )
+    boot = json.loads(render_local_boot(relayed, node, "redis://127.0.0.1:7000", workdir="/w"))
+    assert boot["env"][env_names.ENV_QUORUM_RELAY_GROUP] == "2"
     elastic = json.loads(
         render_local_boot(_spec(LOCAL), node, "redis://127.0.0.1:7000", workdir="/w")
     )

@@ -24,7 +24,12 @@ from spottrain.spec import (
     parse_spec,
     replica_agent_env,
 )
-from spottrain.spec.replica import allowed_gpu_types, auto_join_timeout_ms, join_timeout_ms
+from spottrain.spec.replica import (
+    allowed_gpu_types,
+    auto_join_timeout_ms,
+    join_timeout_ms,
+    relay_group_size,
+)
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 
@@ -101,7 +106,8 @@ def test_replica_mode_parses_with_its_settings() -> None:
         (
             _replica(LOCAL, nodes=2),
             "train.replica.nodes (line 9): unknown key; allowed here: nodes_per_replica, "
-            "min_replicas, quorum, heartbeat_timeout_s, wait_replicas, join_timeout_ms",
+            "min_replicas, quorum, heartbeat_timeout_s, wait_replicas, join_timeout_ms, "
+            "relay_group_size",
         ),
         (
             _replica(LOCAL, quorum="etcd"),
@@ -130,6 +136,23 @@ def test_replica_mode_parses_with_its_settings() -> None:
             "(top level): train.replica.join_timeout_ms: applies to the Redis quorum only "
             "(quorum: redis); torchft's lighthouse runs with its own fixed settings: remove it "
             "or use quorum: redis",
+        ),
+        (
+            _replica(LOCAL, quorum="lighthouse", relay_group_size=0),
+            "(top level): train.replica.relay_group_size: applies to the Redis quorum only "
+            "(quorum: redis); torchft's lighthouse runs with its own fixed settings: remove it "
+            "or use quorum: redis",
+        ),
+        (
+            _replica(LOCAL, relay_group_size=1),
+            "train.replica.relay_group_size (line 9): use auto, 0 (no relays) or a whole "
+            "number of replicas 2..1000 (got 1)",
+        ),
+        (
+            _with(LOCAL, "train.replica", {"relay_group_size": 50}),
+            "train (line 5): replica (nodes_per_replica 1, min_replicas 1, relay_group_size "
+            "50) applies only in replica mode: set fault_tolerance: replica, or drop the "
+            "replica block",
         ),
         (
             _replica(LOCAL, join_timeout_ms=10),
@@ -256,9 +279,20 @@ def test_the_agent_settings_of_a_replica_job() -> None:
     assert replica_agent_env(patient)[env_names.ENV_QUORUM_JOIN_TIMEOUT] == "800"
     big = _parse(_replica(VALID, {"min": 16, "max": 10_000, "gpus": 8}))
     assert replica_agent_env(big)[env_names.ENV_QUORUM_JOIN_TIMEOUT] == "1080"
-    assert "with a 1080 ms join timeout (auto);" in str(describe_replica(big))
+    assert "with a 1080 ms join timeout (auto), relayed by one VM per 100 replicas;" in str(
+        describe_replica(big)
+    )
+    # Relays: auto is 100 from 1,000 replicas at nodes.max, off below; 0 turns them off.
+    assert replica_agent_env(big)[env_names.ENV_QUORUM_RELAY_GROUP] == "100"
+    assert env_names.ENV_QUORUM_RELAY_GROUP not in replica_agent_env(spec)
+    below = _parse(_replica(VALID, {"min": 16, "max": 999, "gpus": 8}))
+    assert relay_group_size(below) == 0 and "relayed" not in str(describe_replica(below))
+    off = _parse(_replica(VALID, {"min": 16, "max": 10_000, "gpus": 8}, relay_group_size=0))
+    assert env_names.ENV_QUORUM_RELAY_GROUP not in replica_agent_env(off)
+    small = _parse(_replica(LOCAL, relay_group_size=2))
+    assert replica_agent_env(small)[env_names.ENV_QUORUM_RELAY_GROUP] == "2"
     fixed = _parse(_replica(VALID, {"min": 16, "max": 10_000, "gpus": 8}, join_timeout_ms=300))
-    assert "with a 300 ms join timeout;" in str(describe_replica(fixed))
+    assert "with a 300 ms join timeout, relayed" in str(describe_replica(fixed))
 
 
 def test_the_automatic_join_timeout_grows_with_the_fleet_past_250_ms() -> None:

@@ -30,6 +30,11 @@ JOIN_TIMEOUT = (
     '${var.replica_join_timeout_ms == "auto" ? min(60000, max(250, ceil(2 * floor(var.NODES '
     "/ var.nodes_per_replica) * 54 / 1000))) : tonumber(var.replica_join_timeout_ms)}"
 )
+# Replicas per quorum relay, "auto" resolved as the spec does.
+RELAY_GROUP = (
+    '${var.replica_relay_group_size == "auto" ? (floor(var.NODES / var.nodes_per_replica) >= '
+    "1000 ? 100 : 0) : tonumber(var.replica_relay_group_size)}"
+)
 NODES_MAX = ("nodes_max", "nnodes_max")
 _STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _REF = re.compile(r"\$\{(var|local)\.([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -67,6 +72,8 @@ def replica_values(
         kind, name = m.groups()
         if kind == "local" and name == "replica_join_timeout_ms":
             return str(join_timeout_ms(locals_, inputs))
+        if kind == "local" and name == "replica_relay_group_size":
+            return str(relay_group_size(locals_, inputs))
         if kind == "local":
             assert name == "lighthouse_address", f"cannot evaluate local.{name}"
             return lighthouse
@@ -90,3 +97,15 @@ def join_timeout_ms(locals_: dict[str, Any], inputs: dict[str, Any]) -> int:
         return int(raw)
     replicas = math.floor(int(inputs[nodes[0]]) / int(inputs["nodes_per_replica"]))
     return min(60000, max(250, math.ceil(2 * replicas * 54 / 1000)))
+
+
+def relay_group_size(locals_: dict[str, Any], inputs: dict[str, Any]) -> int:
+    """``local.replica_relay_group_size`` as Terraform evaluates it for ``inputs``."""
+    expr = str(locals_["replica_relay_group_size"])
+    nodes = [n for n in NODES_MAX if expr == RELAY_GROUP.replace("NODES", n)]
+    assert nodes, f"local.replica_relay_group_size changed shape: {expr}"
+    raw = str(inputs.get("replica_relay_group_size", "auto"))
+    if raw != "auto":
+        return int(raw)
+    replicas = math.floor(int(inputs[nodes[0]]) / int(inputs["nodes_per_replica"]))
+    return 100 if replicas >= 1000 else 0

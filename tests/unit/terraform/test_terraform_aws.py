@@ -91,6 +91,7 @@ VARIABLES = {
     "replica_wait_replicas": "0",
     "replica_heartbeat_timeout_s": "1",
     "replica_join_timeout_ms": "auto",
+    "replica_relay_group_size": "auto",
 }
 # The controller VM's private address, as AWS would give it.
 CONTROLLER_IP = "10.0.3.21"

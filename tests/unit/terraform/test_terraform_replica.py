@@ -34,6 +34,7 @@ from spottrain.protocol.env import (
     ENV_QUORUM,
     ENV_QUORUM_HEARTBEAT_TIMEOUT,
     ENV_QUORUM_JOIN_TIMEOUT,
+    ENV_QUORUM_RELAY_GROUP,
     ENV_QUORUM_WAIT_REPLICAS,
 )
 from spottrain.spec.replica import auto_join_timeout_ms
@@ -49,6 +50,7 @@ REPLICA_VARIABLES = {
     "replica_wait_replicas": 0,
     "replica_heartbeat_timeout_s": 1,
     "replica_join_timeout_ms": "auto",
+    "replica_relay_group_size": "auto",
 }
 # A replica-mode fleet: 3 replicas of 2 nodes at most, a quorum of at least 2, in Redis.
 REPLICA = {
@@ -61,6 +63,7 @@ REPLICA = {
     "replica_wait_replicas": 1,
     "replica_heartbeat_timeout_s": 2.5,
     "replica_join_timeout_ms": "auto",
+    "replica_relay_group_size": "auto",
 }
 # The same with torchft's lighthouse on the controller VM (whose settings are its own).
 REDIS_SETTINGS = {"replica_wait_replicas": 0, "replica_heartbeat_timeout_s": 1}
@@ -181,6 +184,11 @@ def test_replica_variables_are_declared_with_their_defaults(
             ["auto", "50", "1350", "60000"],
             ["", "Auto", "49", "1e3", "60001", "250.5", "-250"],
         ),
+        (
+            "replica_relay_group_size",
+            ["auto", "0", "2", "100", "1000"],
+            ["", "Auto", "1", "1001", "1e2", "10.5", "-2", "off"],
+        ),
     ],
 )
 def test_replica_variables_refuse_what_cannot_work(
@@ -217,6 +225,7 @@ def test_fleet_refuses_a_replica_mode_that_cannot_form_a_quorum(
         ("replica_wait_replicas", 1),
         ("replica_heartbeat_timeout_s", 5),
         ("replica_join_timeout_ms", "500"),
+        ("replica_relay_group_size", "0"),
     ):
         (own,) = _fleet_accepts(mod, cloud, **{**LIGHTHOUSE, name: value}, lo=4, hi=6)
         assert own.startswith("replica_wait_replicas (${var.replica_wait_replicas}), ")
@@ -245,6 +254,9 @@ def test_controller_refuses_a_job_spec_in_another_mode(mods: dict[str, Module], 
     assert f"{join} == var.replica_join_timeout_ms" in condition
     assert check["error_message"].startswith(f"{spec}: ")
     assert "replica_join_timeout_ms (${var.replica_join_timeout_ms})" in check["error_message"]
+    relay = f'try(tostring(yamldecode(var.{spec}).train.replica.relay_group_size), "auto")'
+    assert f"{relay} == var.replica_relay_group_size" in condition
+    assert "replica_relay_group_size (${var.replica_relay_group_size})" in check["error_message"]
 
 
 # --- the agent's environment and packages -------------------------------------------------
@@ -267,7 +279,12 @@ def _replica_env(
     return script, env, address
 
 
-REDIS_NAMES = {ENV_QUORUM_WAIT_REPLICAS, ENV_QUORUM_HEARTBEAT_TIMEOUT, ENV_QUORUM_JOIN_TIMEOUT}
+REDIS_NAMES = {
+    ENV_QUORUM_WAIT_REPLICAS,
+    ENV_QUORUM_HEARTBEAT_TIMEOUT,
+    ENV_QUORUM_JOIN_TIMEOUT,
+    ENV_QUORUM_RELAY_GROUP,
+}
 REPLICA_NAMES = {
     ENV_FAULT_TOLERANCE,
     ENV_NODES_PER_REPLICA,
@@ -293,6 +310,7 @@ def test_replica_mode_gives_the_agent_its_replica_settings(
         ENV_QUORUM_HEARTBEAT_TIMEOUT: "2.5",
         # "auto" at 4 replicas (8 nodes of 2): the spec's own rule, resolved here.
         ENV_QUORUM_JOIN_TIMEOUT: str(auto_join_timeout_ms(4)),
+        ENV_QUORUM_RELAY_GROUP: "0",  # "auto" at 4 replicas: no relays
     }
     assert ENV_LIGHTHOUSE not in env  # the Redis quorum has no address of its own
     (tmp_path / "lighthouse").mkdir()
@@ -349,6 +367,8 @@ def test_the_agent_reads_the_replica_settings(
         assert float(args.quorum_heartbeat_timeout) == heartbeat
         join = int(args.quorum_join_timeout)
         assert join == {0: 250, 1: 250, 2: auto_join_timeout_ms(5000), 3: 700}[n]
+        # Relays from 1,000 replicas on ("auto"), as the spec resolves it.
+        assert int(args.quorum_relay_group) == {0: 0, 1: 0, 2: 100, 3: 0}[n]
     assert auto_join_timeout_ms(5000) == 540
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spottrain.agent.quorum_shim.local import start_local_shim
+from spottrain.agent.quorum_shim.local import RelayPlan, start_local_shim
+from spottrain.agent.quorum_shim.relay import relay_group
 from spottrain.agent.quorum_shim.server import LighthouseShim
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.ports import free_port
@@ -158,6 +159,7 @@ class Cluster:
     redis: RedisServer | None = None
     shims: dict[str, LighthouseShim] = field(default_factory=dict)  # per launch (a "VM")
     last_shim: LighthouseShim | None = None
+    relay_group: int = 0  # replicas per quorum relay (0: none); a replica's group: its index
 
     @classmethod
     def with_lighthouse(cls, tmp: Path, lighthouse: Lighthouse) -> Cluster:
@@ -190,7 +192,14 @@ class Cluster:
             min_replicas=self.min_replicas,
         )
         self.last_shim = None
-        shim = start_local_shim(settings_from_url(self.redis_url), RunKeys(self.run_id), config)
+        relay = None
+        if self.relay_group:
+            port = free_port()
+            group = relay_group(name, self.relay_group)
+            relay = RelayPlan(group, f"127.0.0.1:{port}", f"127.0.0.1:{port}")
+        shim = start_local_shim(
+            settings_from_url(self.redis_url), RunKeys(self.run_id), config, relay=relay
+        )
         self.shims[f"{name}-{len(self.shims)}"] = self.last_shim = shim
         return {
             ENV_LIGHTHOUSE: shim.address,

@@ -1,0 +1,216 @@
+"""The shim's quorum backend with relays (see :mod:`.relay`): each shim serves the relay
+method for its group, and its requests go through the group's relay (its own batches when it
+holds the lease), falling back to Redis directly on any failure.
+
+- A request goes to the relay with a deadline of the join timeout plus the heartbeat
+  timeout. On any failure (refused, reset, deadline) it is asked directly
+  (``QuorumClient.request``, idempotent: Redis re-marks it direct, so the relay's line no
+  longer counts it) and that relay is avoided until the lease names another, or until a
+  whole lease TTL later it still holds it (then it renewed the lease: it is alive).
+- Joins, heartbeats, leaves, rosters and ages stay direct (one variadic heartbeat per VM).
+- A refusal (QuorumGone) from the relay is final, as it is directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import grpc
+
+from spottrain.quorum.errors import QuorumError, QuorumGone
+from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig, Roster
+
+from . import relay as r
+from .server import QuorumApi, _DaemonPool
+
+log = logging.getLogger("spottrain.agent.quorum_shim.relay")
+
+
+class DirectApi(QuorumApi, r.BatchApi, Protocol):
+    """CORE's ``QuorumClient``: the shim's backend plus ``request_batch``."""
+
+
+class RelayedQuorum:
+    """A :class:`.server.QuorumApi` whose requests travel through the group's relay.
+
+    Args:
+        direct: The blocking client (requests, batches, joins).
+        lease: The group's lease, valued with this shim's relay address.
+        config: The run's quorum settings (the hop deadline and the lease TTL derive from it).
+        bind: host:port the relay method listens on (other VMs reach it at ``lease.me``).
+        workers: Relay server threads (each member's call holds one for its round).
+    """
+
+    def __init__(
+        self,
+        direct: DirectApi,
+        lease: r.Lease,
+        config: QuorumConfig,
+        *,
+        bind: str,
+        workers: int = 128,
+        gather_s: float = r.GATHER_S,
+    ) -> None:
+        self.direct, self.lease, self.config = direct, lease, config
+        self.hop_s = (config.join_timeout_ms + config.heartbeat_timeout_ms) / 1000.0
+        self.ttl_s = lease.ttl_ms / 1000.0
+        relay_id = f"{lease.key.rpartition(':')[2]}-{secrets.token_hex(3)}"
+        window = config.heartbeat_timeout_ms / 1000.0  # a member silent this long is not waited for
+        self.batcher = r.Batcher(direct, relay_id, gather_s=gather_s, window_s=window)
+        self._lock = threading.Lock()
+        self._holder: str | None = None
+        self._avoid: tuple[str, float] | None = None  # (address, when it failed)
+        self._next_read = 0.0
+        self._channels: dict[str, tuple[grpc.Channel, Any]] = {}  # address -> (it, its call)
+        self.holding = False
+        self.relayed = 0  # requests answered through a relay (tests, logs)
+        self.fallbacks = 0  # requests asked directly after a relay failed or was absent
+        self._stop = threading.Event()
+        self._server = grpc.server(_DaemonPool(workers))
+        self._server.add_generic_rpc_handlers((r.relay_handler(self._serve),))
+        if self._server.add_insecure_port(bind) == 0:
+            raise OSError(f"the quorum relay cannot listen on {bind}: is the port taken?")
+        self._thread = threading.Thread(target=self._renew_loop, name="spottrain-lease")
+
+    @property
+    def address(self) -> str:
+        return self.lease.me
+
+    def start(self) -> RelayedQuorum:
+        self._server.start()
+        self._thread.daemon = True
+        self._thread.start()
+        self.relay()  # members read the lease at start (and take it when absent)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.batcher.stop()
+        self._server.stop(0.5)
+        if self.holding:  # the next member takes it at once, not a TTL later
+            try:
+                self.lease.release()
+            except Exception as exc:
+                log.warning("could not release the relay lease (it expires): %s", exc)
+        for ch, _ in self._channels.values():
+            ch.close()
+
+    # -- the lease --------------------------------------------------------------------------
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            if not self.holding:
+                continue
+            try:
+                held = self.lease.renew()
+            except Exception as exc:
+                log.warning("cannot renew the relay lease %s: %s", self.lease.key, exc)
+                continue
+            if not held:
+                log.warning("lost the relay lease %s: members go to its new holder", self.lease.key)
+                with self._lock:
+                    self.holding, self._holder = False, None
+
+    def relay(self) -> str | None:
+        """The group's relay address to use now; None: ask directly."""
+        now = time.monotonic()
+        with self._lock:
+            holder, avoid = self._holder, self._avoid
+            if holder is not None and (avoid is None or avoid[0] != holder):
+                return holder
+            if now < self._next_read:
+                return None
+            self._next_read = now + self.ttl_s / 3
+        holder = self.lease.take()
+        with self._lock:
+            self.holding = holder == self.address
+            if holder is not None and avoid is not None and avoid[0] == holder:
+                if now - avoid[1] < self.ttl_s:
+                    return None  # the failed relay may be dead: its lease has not lapsed yet
+                self._avoid = None  # it renewed the lease a whole TTL on: alive
+            self._holder = holder
+            return holder
+
+    # -- requests ---------------------------------------------------------------------------
+    def _serve(self, item: BatchItem, timeout: float) -> Answer:
+        return self.batcher.ask(item, timeout)
+
+    def request(
+        self,
+        replica_id: str,
+        step: int,
+        *,
+        held_quorum_id: int = 0,
+        commit_failures: int = 0,
+        shrink_only: bool = False,
+        timeout: float = 60.0,
+    ) -> Answer:
+        deadline = time.monotonic() + timeout
+        item = BatchItem(replica_id, step, held_quorum_id, commit_failures, shrink_only)
+        relay = self.relay()
+        if relay is not None:
+            hop = min(timeout, self.hop_s)
+            try:
+                if relay == self.address:
+                    answer = self.batcher.ask(item, hop)
+                else:
+                    answer = self._remote(relay, item, hop)
+                self.relayed += 1
+                return answer
+            except QuorumGone:
+                raise
+            except Exception as exc:
+                log.warning(
+                    "quorum relay %s failed for %s (asking directly): %s", relay, replica_id, exc
+                )
+                if relay != self.address:
+                    with self._lock:
+                        self._avoid, self._holder = (relay, time.monotonic()), None
+                        self._next_read = 0.0
+        self.fallbacks += 1
+        return self.direct.request(
+            replica_id,
+            step,
+            held_quorum_id=held_quorum_id,
+            commit_failures=commit_failures,
+            shrink_only=shrink_only,
+            timeout=max(0.05, deadline - time.monotonic()),
+        )
+
+    def _remote(self, address: str, item: BatchItem, timeout: float) -> Answer:
+        with self._lock:
+            got = self._channels.get(address)
+            if got is None:
+                channel = grpc.insecure_channel(address)
+                got = self._channels[address] = (channel, channel.unary_unary(r.RELAY_METHOD))
+        call = got[1]
+        try:
+            body = call(r.encode_request(item, timeout), timeout=timeout)
+        except grpc.RpcError as exc:
+            code: Any = exc.code() if hasattr(exc, "code") else None
+            if code == grpc.StatusCode.NOT_FOUND:
+                raise QuorumGone(exc.details() if hasattr(exc, "details") else str(exc)) from exc
+            raise QuorumError(f"the relay at {address} failed: {code}") from exc
+        from spottrain.quorum.scripts import parse_answer
+
+        return parse_answer(body)
+
+    # -- direct -----------------------------------------------------------------------------
+    def join(self, member: Member) -> None:
+        self.direct.join(member)
+
+    def heartbeat(self, replica_ids: Sequence[str]) -> list[str]:
+        return self.direct.heartbeat(replica_ids)
+
+    def leave(self, replica_id: str) -> None:
+        self.direct.leave(replica_id)
+
+    def roster(self) -> Roster:
+        return self.direct.roster()
+
+    def heartbeat_ages(self, replica_ids: Sequence[str]) -> dict[str, float | None]:
+        return self.direct.heartbeat_ages(replica_ids)
