@@ -66,8 +66,10 @@ Defaults, and where each comes from
   joiner's start to its first full step); ``--quorum redis`` (default: each step waits for
   the Redis quorum's round, ``--redis-quorum-a-s`` + ``--redis-quorum-b-s`` N, fitted by
   ``bench/quorum_scale.py`` up to 12,500 simulated replicas, and a noticed loss costs one
-  round: the leave) or ``--quorum lighthouse`` (``--quorum-a-s``/``--quorum-b-s``: a round
-  of N replicas is a N + b N^2, fitted on the stock lighthouse up to 1,000 replicas);
+  round: the leave; from ``--relay-from 1000`` replicas on, through relays:
+  ``--relay-hop-s`` + ``--relay-redis-b-s`` N) or ``--quorum lighthouse``
+  (``--quorum-a-s``/``--quorum-b-s``: a round of N replicas is a N + b N^2, fitted on the
+  stock lighthouse up to 1,000 replicas);
   ``--pg-base-s``/``--pg-per-replica-s`` (a process-group rebuild at every quorum change,
   c0 + c1 n, fitted on gloo at 2..16 ranks).
 
@@ -250,6 +252,19 @@ def _replica_options(p: argparse.ArgumentParser) -> None:
     )
     rep.add_argument(
         "--redis-quorum-b-s", type=float, help=f"Redis quorum round: b ({d.redis_b_s:.3g})"
+    )
+    rep.add_argument(
+        "--relay-from",
+        type=int,
+        help=f"replicas from which the Redis quorum goes through relays ({d.relay_from}; 0: never)",
+    )
+    rep.add_argument(
+        "--relay-redis-b-s",
+        type=float,
+        help=f"a relayed round: hop + b N: b ({d.relay_b_s:.3g})",
+    )
+    rep.add_argument(
+        "--relay-hop-s", type=float, help=f"a relayed round: the hop ({d.relay_hop_s:.3g} s)"
     )
     rep.add_argument(
         "--pg-base-s", type=float, help=f"process-group rebuild c0 + c1 n: c0 ({d.pg_c0_s:.3g})"

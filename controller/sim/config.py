@@ -184,6 +184,9 @@ _REPLICA_OPTIONS = {
     "quorum": "quorum",
     "redis_quorum_a_s": "redis_a_s",
     "redis_quorum_b_s": "redis_b_s",
+    "relay_from": "relay_from",
+    "relay_redis_b_s": "relay_b_s",
+    "relay_hop_s": "relay_hop_s",
     "pg_base_s": "pg_c0_s",
     "pg_per_replica_s": "pg_c1_s",
 }

@@ -20,6 +20,11 @@
   every member): ``quorum_a_s * n + quorum_b_s * n^2``, fitted on 10..1,000 fake replicas;
   beyond that it is extrapolated. A step then takes ``step_s + quorum``, so the fleet trains
   at ``step_s / (step_s + quorum)`` of its rate.
+- From ``relay_from`` replicas on (the spec's ``relay_group_size: auto``: 1,000), the Redis
+  quorum's requests go through relays of 100: a round is then ``relay_hop_s + relay_b_s *
+  n``, the relays' hop (member -> relay -> member, in parallel on their own VMs) plus
+  Redis's CPU for the batches and the steady FORM, fitted by ``bench/quorum_scale.py`` on
+  100..12,500 relayed replicas.
 - A noticed loss with the Redis quorum: the leaver's explicit leave lands within one round
   (measured), so the survivors stop for one quorum round, not the heartbeat timeout.
 - A **joiner** takes ``join_start_s`` from its start to its first full step (measured 3.6-4.9
@@ -48,6 +53,13 @@ QUORUM_B_S = 1.494e-6
 REDIS_MEASURED_UP_TO = 12_500
 REDIS_A_S = 0.0
 REDIS_B_S = 5.389e-5
+# Through relays of 100 (issue 16's relays, bench/quorum_scale.py, load average 2-6): Redis's
+# CPU per round 0.56, 3.6, 12.8 and 42 ms at 100, 1,000, 4,000 and 12,500 replicas (all
+# Redis did in the round, heartbeats included; rounds' p50 0.66, 2.5, 7.1 and 27 ms): 3.36e-6
+# N. The hop member -> relay -> member: relay_cost.py, 100 members on one machine.
+RELAY_FROM = 1000
+RELAY_B_S = 3.36e-6
+RELAY_HOP_S = 0.035
 # The same run: 0.020, 0.041, 0.091 and 0.20 s at 2, 4, 8 and 16 ranks (one process each).
 PG_C0_S = 0.0
 PG_C1_S = 0.01217
@@ -67,6 +79,9 @@ class ReplicaParams:
     pg_c1_s: float = PG_C1_S
     redis_a_s: float = REDIS_A_S
     redis_b_s: float = REDIS_B_S
+    relay_from: int = RELAY_FROM  # replicas from which the Redis quorum uses relays (0: never)
+    relay_b_s: float = RELAY_B_S
+    relay_hop_s: float = RELAY_HOP_S
     quorum: str = "redis"  # or "lighthouse": which quorum's costs the policy pays
 
     def __post_init__(self) -> None:
@@ -76,6 +91,8 @@ class ReplicaParams:
     def quorum_s(self, replicas: int) -> float:
         """One quorum round of ``replicas`` live replicas."""
         if self.quorum == "redis":
+            if self.relay_from and replicas >= self.relay_from:
+                return self.relay_hop_s + self.relay_b_s * replicas
             return self.redis_a_s + self.redis_b_s * replicas
         return self.quorum_a_s * replicas + self.quorum_b_s * replicas * replicas
 
@@ -148,6 +165,21 @@ SOURCES: dict[str, tuple[str, str]] = {
         "bench/quorum_scale.py, the same fit: 54 us of Redis CPU per replica on one core, "
         "the least a fleet's round can take when its requests arrive together",
     ),
+    "relay_from": (
+        "setting",
+        "train.replica.relay_group_size: auto turns relays of 100 on from 1,000 replicas "
+        "(nodes.max / nodes_per_replica); 0 here: never",
+    ),
+    "relay_b_s": (
+        "measured",
+        "bench/quorum_scale.py through relays of 100: Redis's CPU per round 0.56, 3.6, 12.8 "
+        "and 42 ms at 100, 1,000, 4,000 and 12,500 replicas (heartbeats included), 3.36e-6 N",
+    ),
+    "relay_hop_s": (
+        "measured",
+        "spottrain.agent.quorum_shim.relay_cost: a relay's round trip for 100 members on "
+        "one 2-core machine (relays run in parallel on their own VMs)",
+    ),
     "pg_c0_s": (
         "measured",
         "bench/quorum_scale.py: torchft ProcessGroupGloo.configure + an all-reduce = c0 + "
@@ -178,6 +210,7 @@ def describe(params: ReplicaParams, replicas: int, catch_up_s: float) -> dict[st
     out["at_replicas"] = {
         "replicas": replicas,
         "quorum": params.quorum,
+        "relayed": params.quorum == "redis" and 0 < params.relay_from <= replicas,
         "quorum_s_per_step": round(params.quorum_s(replicas), 4),
         "quorum_kind": quorum_note,
         "step_share": round(params.step_share(replicas), 5),

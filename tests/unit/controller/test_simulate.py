@@ -272,6 +272,12 @@ def test_replica_quorum_per_step_costs_its_share_without_preemptions() -> None:
     # quadratic, so at 12,500 replicas (100,000 GPUs) their rounds are far apart.
     d = ReplicaParams()
     assert d.quorum_s(12_500) < 0.1 * replace(d, quorum="lighthouse").quorum_s(12_500)
+    # From 1,000 replicas the Redis quorum goes through relays (the spec's auto): the round
+    # is the relays' hop plus Redis's batches, far below a request per replica at 12,500.
+    relayed, direct = d.quorum_s(12_500), replace(d, relay_from=0).quorum_s(12_500)
+    assert relayed == pytest.approx(d.relay_hop_s + d.relay_b_s * 12_500)
+    assert direct == pytest.approx(d.redis_b_s * 12_500) and relayed < 0.2 * direct
+    assert d.quorum_s(999) == pytest.approx(d.redis_b_s * 999)
     with pytest.raises(ValueError, match="quorum 'zk'"):
         ReplicaParams(quorum="zk")
 
