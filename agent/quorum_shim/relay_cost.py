@@ -1,5 +1,6 @@
 """What the relay hop costs: ``members`` members on this machine each send one step's
-request to one relay over gRPC (each on its own channel, as each VM has), the relay batches
+request to one relay over its wire (:mod:`.wire`: each member on its own TCP connection,
+as each VM has), the relay batches
 them Nagle-style into ``request_batch`` calls on a stand-in quorum that forms the round the
 moment every member asked (so Redis's part is zero), and fans the answers back.
 
@@ -21,15 +22,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import grpc
-
 from spottrain.ports import free_port
 from spottrain.quorum.errors import QuorumError
 from spottrain.quorum.model import Answer, BatchItem
-from spottrain.quorum.scripts import parse_answer
 
-from .relay import RELAY_METHOD, Batcher, encode_request, relay_handler
-from .server import _DaemonPool
+from .relay import Batcher
+from .wire import RelayClient, RelayServer
 
 
 class _InstantQuorum:
@@ -93,18 +91,12 @@ def _one_round(calls: list[Callable[[int, int], int]], step: int) -> tuple[list[
 
 
 def _relayed(port: int, members: int) -> tuple[list[Callable[[int, int], int]], list[Any]]:
-    opts = [("grpc.use_local_subchannel_pool", 1)]  # one connection per member, as per VM
-    channels = [grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) for _ in range(members)]
+    conns = [RelayClient(f"127.0.0.1:{port}", 20) for _ in range(members)]
 
-    def call(ch: grpc.Channel) -> Callable[[int, int], int]:
-        stub = ch.unary_unary(RELAY_METHOD)
-        return lambda j, step: (
-            parse_answer(
-                stub(encode_request(BatchItem(f"m{j}", step), 10.0), timeout=20)
-            ).replica_count
-        )
+    def call(c: RelayClient) -> Callable[[int, int], int]:
+        return lambda j, step: c.ask(BatchItem(f"m{j}", step), 10.0).replica_count
 
-    return [call(ch) for ch in channels], channels
+    return [call(c) for c in conns], conns
 
 
 def _direct(redis_port: int, run_id: str, members: int) -> list[Callable[[int, int], int]]:
@@ -117,9 +109,9 @@ def _measure(
 ) -> tuple[list[float], list[float]]:
     """``rounds`` rounds once every member is in the quorum (through the relay on ``port``,
     or with ``direct`` = (Redis port, run id) straight to Redis)."""
-    channels: list[Any] = []
+    conns: list[Any] = []
     if direct is None:
-        calls, channels = _relayed(port, members)
+        calls, conns = _relayed(port, members)
     else:
         calls = _direct(*direct, members)
     round_ms: list[float] = []
@@ -134,8 +126,8 @@ def _measure(
             round_ms.append((max(ends) - min(begins)) * 1e3)
             rtt_ms += [(e - b) * 1e3 for b, e in zip(begins, ends, strict=True)]
     finally:
-        for ch in channels:
-            ch.close()
+        for c in conns:
+            c.close()
     return round_ms, rtt_ms
 
 
@@ -177,11 +169,8 @@ def hop_cost(
     if redis_port:
         quorum = _Counting(_client(redis_port, run_id, members))
     batcher = Batcher(quorum, "cost")
-    server = grpc.server(_DaemonPool(members + 8))
-    server.add_generic_rpc_handlers((relay_handler(batcher.ask),))
     port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
+    server = RelayServer(f"127.0.0.1:{port}", batcher.submit).start()
     try:
         ctx = multiprocessing.get_context("spawn")
         here, there = ctx.Pipe()
@@ -196,7 +185,7 @@ def hop_cost(
         cpu = time.process_time() - cpu
         child.join()
     finally:
-        server.stop(0)
+        server.stop()
         batcher.stop()
     q = statistics.quantiles
     total = quorum.batches / max(1, quorum.rounds)

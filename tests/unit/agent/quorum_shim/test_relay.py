@@ -160,7 +160,7 @@ def test_members_relay_fall_back_directly_and_the_lease_moves(
         relayed = b.relayed
         assert b.request("m1", 43, timeout=5) and b.relayed == relayed + 1
 
-        a._server.stop(0)  # the relay dies (its lease stays until its TTL)
+        a._server.stop()  # the relay dies (its lease stays until its TTL)
         assert b.request("m1", 44, timeout=5) == _answer("m1")
         assert member_fake.direct == ["m1"] * 3 and b.fallbacks == 3
         lease_redis.delete(a.lease.key)  # its TTL ran out
