@@ -45,6 +45,8 @@ HELLO = b"STQR" + bytes([VERSION])
 MAX_REQUEST = 1024
 # An answer lists every member behind (``<id>=<step>``): 12,500 of them fit many times.
 MAX_ANSWER = 16 << 20
+# A connection that has not said hello by then is not a member.
+HELLO_TIMEOUT_S = 10.0
 _HEAD = struct.Struct(">I")
 _MSG = struct.Struct(">IB")
 REQUEST, ANSWER, GONE, ERROR = b"QAGE"
@@ -149,7 +151,7 @@ class RelayServer:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._writers.add(writer)
         try:
-            hello = await self._read(reader)
+            hello = await asyncio.wait_for(self._read(reader), HELLO_TIMEOUT_S)
             writer.write(frame(HELLO))
             if hello != HELLO:
                 raise FrameError(f"hello {hello[:16]!r}, this relay speaks {HELLO!r}")
@@ -167,7 +169,7 @@ class RelayServer:
         except FrameError as exc:
             self.bad_frames += 1
             log.warning("quorum relay: closing the connection from %s: %s", peer, exc)
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass  # the member went (or cut a frame short): its requests fall back directly
         finally:
             self._writers.discard(writer)
@@ -190,8 +192,13 @@ class RelayServer:
             out = message(request_id, GONE, str(exc).encode())
         except Exception as exc:  # the member asks directly
             out = message(request_id, ERROR, f"{type(exc).__name__}: {exc}".encode())
-        if not writer.is_closing():
-            writer.write(out)
+        if writer.is_closing():
+            return
+        if writer.transport.get_write_buffer_size() > MAX_ANSWER:
+            log.warning("quorum relay: a member reads no answers; closing its connection")
+            writer.close()
+            return
+        writer.write(out)
 
 
 class RelayClient:
@@ -236,7 +243,9 @@ class RelayClient:
             request_id = next(self._ids) & 0xFFFFFFFF
             self._waiting[request_id] = future
             try:
-                self._sock.sendall(message(request_id, REQUEST, r.encode_request(item, timeout)))
+                # The relay's own deadline ends first, so it answers (or gives up) in time.
+                body = r.encode_request(item, max(0.01, timeout - 0.05))
+                self._sock.sendall(message(request_id, REQUEST, body))
             except OSError as exc:
                 self._close_locked(exc)
         try:
