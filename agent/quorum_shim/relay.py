@@ -150,7 +150,8 @@ class Batcher:
             self._cond.notify_all()
         for _, _, waiters in pending.values():
             for f in waiters:
-                f.set_exception(QuorumError("this relay stopped: ask the quorum directly"))
+                if not f.done():
+                    f.set_exception(QuorumError("this relay stopped: ask the quorum directly"))
 
     def _wait_s(self) -> float | None:
         """Seconds until the pending requests should leave (0: now; None: nothing pending)."""
@@ -216,6 +217,8 @@ class Batcher:
         for item, _, waiters in batch:
             got = results.get(item.replica_id)
             for f in waiters:
+                if f.done():  # its asker gave up (a cancelled wait on the wire)
+                    continue
                 if isinstance(got, Answer):
                     f.set_result(got)
                 else:

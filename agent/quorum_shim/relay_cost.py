@@ -29,6 +29,13 @@ from spottrain.quorum.model import Answer, BatchItem
 from .relay import Batcher
 from .wire import RelayClient, RelayServer
 
+# (member index, step, timeout) -> the quorum's size it was answered with
+Call = Callable[[int, int, float], int]
+# A warm-up round can split the members (some formed a first quorum, the others wait for
+# them in the next round, which they never ask while they wait at the barrier: up to the
+# heartbeat timeout): those give up this soon and ask again in the next warm-up round.
+WARM_UP_S = 3.0
+
 
 class _InstantQuorum:
     """Forms a round the moment ``members`` requests arrived (any number of batches)."""
@@ -61,9 +68,9 @@ class _InstantQuorum:
         return {i.replica_id: a for i in items}
 
 
-def _one_round(calls: list[Callable[[int, int], int]], step: int) -> tuple[list[float], ...]:
+def _one_round(calls: list[Call], step: int, warm_up: bool = False) -> tuple[list[float], ...]:
     """Every member asks at once (a barrier); when each asked and was answered, and the
-    smallest quorum any was answered with."""
+    smallest quorum any was answered with (-1 in a warm-up round where one failed)."""
     start = threading.Barrier(len(calls) + 1)
     begins, ends = [0.0] * len(calls), [0.0] * len(calls)
     counts = [0.0] * len(calls)
@@ -73,7 +80,7 @@ def _one_round(calls: list[Callable[[int, int], int]], step: int) -> tuple[list[
         start.wait()
         begins[j] = time.perf_counter()
         try:
-            counts[j] = calls[j](j, step)
+            counts[j] = calls[j](j, step, WARM_UP_S if warm_up else 30.0)
         except Exception as exc:  # reported, not a traceback per member
             counts[j] = -1
             errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -85,23 +92,28 @@ def _one_round(calls: list[Callable[[int, int], int]], step: int) -> tuple[list[
     start.wait()
     for t in threads:
         t.join()
-    if errors:
+    if errors and not warm_up:
         raise RuntimeError(f"{len(errors)} member(s) failed in round {step}: {errors[0]}")
     return begins, ends, [min(counts)]
 
 
-def _relayed(port: int, members: int) -> tuple[list[Callable[[int, int], int]], list[Any]]:
-    conns = [RelayClient(f"127.0.0.1:{port}", 20) for _ in range(members)]
+def _relayed(port: int, members: int) -> tuple[list[Call], list[Any]]:
+    address = f"127.0.0.1:{port}"
+    conns = [RelayClient(address, 20) for _ in range(members)]
 
-    def call(c: RelayClient) -> Callable[[int, int], int]:
-        return lambda j, step: c.ask(BatchItem(f"m{j}", step), 10.0).replica_count
+    def call(j: int, step: int, timeout: float) -> int:
+        if conns[j].closed:  # a warm-up deadline closed it: reconnect, as a member does
+            conns[j] = RelayClient(address, 20)
+        return conns[j].ask(BatchItem(f"m{j}", step), timeout).replica_count
 
-    return [call(c) for c in conns], conns
+    return [call] * members, conns
 
 
-def _direct(redis_port: int, run_id: str, members: int) -> list[Callable[[int, int], int]]:
+def _direct(redis_port: int, run_id: str, members: int) -> list[Call]:
     client = _client(redis_port, run_id, members)
-    return [lambda j, step: client.request(f"m{j}", step, timeout=20).replica_count] * members
+    return [
+        lambda j, step, timeout: client.request(f"m{j}", step, timeout=timeout).replica_count
+    ] * members
 
 
 def _measure(
@@ -119,7 +131,7 @@ def _measure(
     try:
         step = 0
         for step in range(1, 40):  # warm-up: until every member is in (and connected)
-            if _one_round(calls, step)[2][0] == members and step > 2:
+            if _one_round(calls, step, warm_up=True)[2][0] == members and step > 2:
                 break
         for n in range(step + 1, step + 1 + rounds):
             begins, ends, _ = _one_round(calls, n)

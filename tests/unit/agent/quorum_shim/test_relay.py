@@ -83,6 +83,7 @@ def test_batches_are_nagle_style_and_never_share_a_relay_id() -> None:
         assert fake.in_flight.wait(5)
         rest = [b.submit(BatchItem(f"m{j}", 40), 5) for j in range(1, 6)]
         again = b.submit(BatchItem("m1", 40), 5)  # a retry joins its pending item
+        assert b.submit(BatchItem("m2", 40), 5).cancel()  # its asker gave up: the rest still
         for _ in range(200):
             if len(fake.batches) == 2:
                 break
