@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import socket
@@ -108,7 +109,8 @@ class RelayServer:
             ) from exc
         self._loop = asyncio.new_event_loop()
         self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._answered: list[tuple[asyncio.StreamWriter, int, Future[Answer]]] = []
+        self._answered_lock = threading.Lock()
         self._server: asyncio.Server | None = None
         self._thread = threading.Thread(target=self._run, name="spottrain-relay-wire", daemon=True)
         self.bad_frames = 0  # connections closed for breaking the protocol (tests, logs)
@@ -137,8 +139,6 @@ class RelayServer:
                 self._server.close()
             for w in list(self._writers):
                 w.close()
-            for t in list(self._tasks):
-                t.cancel()
             self._loop.call_later(0.05, self._loop.stop)
 
         self._loop.call_soon_threadsafe(close)
@@ -163,9 +163,12 @@ class RelayServer:
                     item, timeout = r.decode_request(payload)
                 except (ValueError, UnicodeDecodeError) as exc:
                     raise FrameError(str(exc)) from exc
-                task = asyncio.create_task(self._answer(writer, request_id, item, timeout))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                try:
+                    future = self.submit(item, timeout)
+                except Exception as exc:  # a stopped relay: the member asks directly
+                    future = Future()
+                    future.set_exception(exc)
+                future.add_done_callback(functools.partial(self._done, writer, request_id))
         except FrameError as exc:
             self.bad_frames += 1
             log.warning("quorum relay: closing the connection from %s: %s", peer, exc)
@@ -180,25 +183,35 @@ class RelayServer:
         length = check_length(_HEAD.unpack(await reader.readexactly(_HEAD.size))[0], MAX_REQUEST)
         return await reader.readexactly(length)
 
-    async def _answer(
-        self, writer: asyncio.StreamWriter, request_id: int, item: BatchItem, timeout: float
-    ) -> None:
+    def _done(self, writer: asyncio.StreamWriter, request_id: int, future: Future[Answer]) -> None:
+        """A batch answered (in its thread): queue the answer; one loop wake-up per batch,
+        not per member (each wake-up is a write to the loop's self-pipe)."""
+        with self._answered_lock:
+            first = not self._answered
+            self._answered.append((writer, request_id, future))
+        if first and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._answered_lock:
+            answered, self._answered = self._answered, []
+        for writer, request_id, future in answered:
+            if writer.is_closing():
+                continue  # the member went: it asked directly
+            if writer.transport.get_write_buffer_size() > MAX_ANSWER:
+                log.warning("quorum relay: a member reads no answers; closing its connection")
+                writer.close()
+                continue
+            writer.write(self._answer_frame(request_id, future))
+
+    @staticmethod
+    def _answer_frame(request_id: int, future: Future[Answer]) -> bytes:
         try:
-            got = await asyncio.wait_for(
-                asyncio.wrap_future(self.submit(item, timeout)), timeout + 1
-            )
-            out = message(request_id, ANSWER, r.answer_line(got))
+            return message(request_id, ANSWER, r.answer_line(future.result()))
         except QuorumGone as exc:
-            out = message(request_id, GONE, str(exc).encode())
-        except Exception as exc:  # the member asks directly
-            out = message(request_id, ERROR, f"{type(exc).__name__}: {exc}".encode())
-        if writer.is_closing():
-            return
-        if writer.transport.get_write_buffer_size() > MAX_ANSWER:
-            log.warning("quorum relay: a member reads no answers; closing its connection")
-            writer.close()
-            return
-        writer.write(out)
+            return message(request_id, GONE, str(exc).encode())
+        except BaseException as exc:  # the member asks directly
+            return message(request_id, ERROR, f"{type(exc).__name__}: {exc}".encode())
 
 
 class RelayClient:
