@@ -127,11 +127,14 @@ class RelayServer:
 
         self._loop.run_until_complete(serve())
         self._loop.run_forever()
+        self._loop.close()
 
     def stop(self) -> None:
         """Close the listener and every member's connection (they fall back directly)."""
         if not self._thread.is_alive():
             self._sock.close()
+            if not self._thread.ident:  # never started
+                self._loop.close()
             return
 
         def close() -> None:
@@ -189,8 +192,9 @@ class RelayServer:
         with self._answered_lock:
             first = not self._answered
             self._answered.append((writer, request_id, future))
-        if first and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._flush)
+        if first:
+            with contextlib.suppress(RuntimeError):  # the relay stopped: nobody to answer
+                self._loop.call_soon_threadsafe(self._flush)
 
     def _flush(self) -> None:
         with self._answered_lock:
