@@ -4,9 +4,9 @@ and its requests go through the group's relay (its own batches when it holds the
 falling back to Redis directly on any failure.
 
 - A request goes to the relay with a deadline of the join timeout plus the heartbeat
-  timeout. On any failure (refused, reset, deadline) it is asked directly
-  (``QuorumClient.request``, idempotent: Redis re-marks it direct, so the relay's line no
-  longer counts it) and that relay is avoided until the lease names another, or until a
+  timeout. On any failure (refused, reset, deadline, a bad frame or hello) it is asked
+  directly (``QuorumClient.request``, idempotent: Redis re-marks it direct, so the relay's
+  line no longer counts it) and that relay is avoided until the lease names another, or until a
   whole lease TTL later it still holds it (then it renewed the lease: it is alive).
 - Joins, heartbeats, leaves, rosters and ages stay direct (one variadic heartbeat per VM).
 - A refusal (QuorumGone) from the relay is final, as it is directly.
