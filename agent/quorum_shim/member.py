@@ -1,11 +1,12 @@
 """The shim's quorum backend with relays (see :mod:`.relay`): each shim serves the relay
-method for its group, and its requests go through the group's relay (its own batches when it
-holds the lease), falling back to Redis directly on any failure.
+(:mod:`.wire`: framed requests over one plain TCP connection per member VM) for its group,
+and its requests go through the group's relay (its own batches when it holds the lease),
+falling back to Redis directly on any failure.
 
 - A request goes to the relay with a deadline of the join timeout plus the heartbeat
-  timeout. On any failure (refused, reset, deadline) it is asked directly
-  (``QuorumClient.request``, idempotent: Redis re-marks it direct, so the relay's line no
-  longer counts it) and that relay is avoided until the lease names another, or until a
+  timeout. On any failure (refused, reset, deadline, a bad frame or hello) it is asked
+  directly (``QuorumClient.request``, idempotent: Redis re-marks it direct, so the relay's
+  line no longer counts it) and that relay is avoided until the lease names another, or until a
   whole lease TTL later it still holds it (then it renewed the lease: it is alive).
 - Joins, heartbeats, leaves, rosters and ages stay direct (one variadic heartbeat per VM).
 - A refusal (QuorumGone) from the relay is final, as it is directly.
@@ -18,15 +19,14 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
-import grpc
-
-from spottrain.quorum.errors import QuorumError, QuorumGone
+from spottrain.quorum.errors import QuorumGone
 from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig, Roster
 
 from . import relay as r
-from .server import QuorumApi, _DaemonPool
+from . import wire
+from .server import QuorumApi
 
 log = logging.getLogger("spottrain.agent.quorum_shim.relay")
 
@@ -42,8 +42,9 @@ class RelayedQuorum:
         direct: The blocking client (requests, batches, joins).
         lease: The group's lease, valued with this shim's relay address.
         config: The run's quorum settings (the hop deadline and the lease TTL derive from it).
-        bind: host:port the relay method listens on (other VMs reach it at ``lease.me``).
-        workers: Relay server threads (each member's call holds one for its round).
+        bind: host:port the relay listens on (other VMs reach it at ``lease.me``).
+        workers: Unused (the relay serves every member from one asyncio thread); kept so
+            callers that size it still work.
     """
 
     def __init__(
@@ -66,15 +67,13 @@ class RelayedQuorum:
         self._holder: str | None = None
         self._avoid: tuple[str, float] | None = None  # (address, when it failed)
         self._next_read = 0.0
-        self._channels: dict[str, tuple[grpc.Channel, Any]] = {}  # address -> (it, its call)
+        self._connecting = threading.Lock()
+        self._conns: dict[str, wire.RelayClient] = {}  # relay address -> our connection
         self.holding = False
         self.relayed = 0  # requests answered through a relay (tests, logs)
         self.fallbacks = 0  # requests asked directly after a relay failed or was absent
         self._stop = threading.Event()
-        self._server = grpc.server(_DaemonPool(workers))
-        self._server.add_generic_rpc_handlers((r.relay_handler(self._serve),))
-        if self._server.add_insecure_port(bind) == 0:
-            raise OSError(f"the quorum relay cannot listen on {bind}: is the port taken?")
+        self._server = wire.RelayServer(bind, self.batcher.submit)
         self._thread = threading.Thread(target=self._renew_loop, name="spottrain-lease")
 
     @property
@@ -91,14 +90,16 @@ class RelayedQuorum:
     def stop(self) -> None:
         self._stop.set()
         self.batcher.stop()
-        self._server.stop(0.5)
+        self._server.stop()
         if self.holding:  # the next member takes it at once, not a TTL later
             try:
                 self.lease.release()
             except Exception as exc:
                 log.warning("could not release the relay lease (it expires): %s", exc)
-        for ch, _ in self._channels.values():
-            ch.close()
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for c in conns:
+            c.close()
 
     # -- the lease --------------------------------------------------------------------------
     def _renew_loop(self) -> None:
@@ -136,9 +137,6 @@ class RelayedQuorum:
             return holder
 
     # -- requests ---------------------------------------------------------------------------
-    def _serve(self, item: BatchItem, timeout: float) -> Answer:
-        return self.batcher.ask(item, timeout)
-
     def request(
         self,
         replica_id: str,
@@ -182,22 +180,19 @@ class RelayedQuorum:
         )
 
     def _remote(self, address: str, item: BatchItem, timeout: float) -> Answer:
-        with self._lock:
-            got = self._channels.get(address)
-            if got is None:
-                channel = grpc.insecure_channel(address)
-                got = self._channels[address] = (channel, channel.unary_unary(r.RELAY_METHOD))
-        call = got[1]
+        with self._connecting:  # one connection per relay, however many replicas ask
+            conn = self._conns.get(address)
+            if conn is None or conn.closed:
+                conn = wire.RelayClient(address, timeout)  # OSError, QuorumError: fall back
+                with self._lock:
+                    self._conns[address] = conn
         try:
-            body = call(r.encode_request(item, timeout), timeout=timeout)
-        except grpc.RpcError as exc:
-            code: Any = exc.code() if hasattr(exc, "code") else None
-            if code == grpc.StatusCode.NOT_FOUND:
-                raise QuorumGone(exc.details() if hasattr(exc, "details") else str(exc)) from exc
-            raise QuorumError(f"the relay at {address} failed: {code}") from exc
-        from spottrain.quorum.scripts import parse_answer
-
-        return parse_answer(body)
+            return conn.ask(item, timeout)
+        except QuorumGone:
+            raise
+        except Exception:
+            conn.close()  # a fresh connection next time (or another relay)
+            raise
 
     # -- direct -----------------------------------------------------------------------------
     def join(self, member: Member) -> None:

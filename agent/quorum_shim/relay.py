@@ -10,9 +10,9 @@ round costs Redis per relay, not per replica.
   arriving while a batch is being sent (a window of ``gather_s``) go in the next one. A
   batch blocks until its round forms, so several may be in flight in one round; each uses a
   relay id of its own (``<relay>.<n>``): one reply list per batch, never two waiters on one.
-- **Wire** (``/spottrain.QuorumRelay/Request``, raw bytes): the request is
-  ``"<replica id> <step> <held qid> <commit failures> <shrink 0|1> <timeout ms>"``, the
-  answer the quorum's own answer line (:func:`answer_line`).
+- **Wire** (:mod:`.wire`: length-prefixed frames on one plain TCP connection per member
+  VM): the request is ``"<replica id> <step> <held qid> <commit failures> <shrink 0|1>
+  <timeout ms>"``, the answer the quorum's own answer line (:func:`answer_line`).
 """
 
 from __future__ import annotations
@@ -21,22 +21,19 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Protocol
 
-import grpc
 import redis
 
 from spottrain.protocol.keys import RunKeys
 from spottrain.quorum import scripts
-from spottrain.quorum.errors import QuorumError, QuorumGone
+from spottrain.quorum.errors import QuorumError
 from spottrain.quorum.model import Answer, BatchItem
 
 log = logging.getLogger("spottrain.agent.quorum_shim.relay")
 
-RELAY_SERVICE = "spottrain.QuorumRelay"
-RELAY_METHOD = f"/{RELAY_SERVICE}/Request"
 # The largest batch one script call carries (RCORE's request_batch splits above 500 too).
 MAX_BATCH = 500
 # Requests arriving this soon after a batch left join the next one (the order of one
@@ -153,7 +150,8 @@ class Batcher:
             self._cond.notify_all()
         for _, _, waiters in pending.values():
             for f in waiters:
-                f.set_exception(QuorumError("this relay stopped: ask the quorum directly"))
+                if not f.done():
+                    f.set_exception(QuorumError("this relay stopped: ask the quorum directly"))
 
     def _wait_s(self) -> float | None:
         """Seconds until the pending requests should leave (0: now; None: nothing pending)."""
@@ -219,6 +217,8 @@ class Batcher:
         for item, _, waiters in batch:
             got = results.get(item.replica_id)
             for f in waiters:
+                if f.done():  # its asker gave up (a cancelled wait on the wire)
+                    continue
                 if isinstance(got, Answer):
                     f.set_result(got)
                 else:
@@ -262,32 +262,3 @@ class Lease:
     def renew(self) -> bool:
         """Whether this relay still holds the lease (and it was extended)."""
         return bool(self._renew(keys=[self.key], args=[self.me, self.ttl_ms]))
-
-
-def relay_handler(answer: Callable[[BatchItem, float], Answer]) -> Any:
-    """The gRPC handler of :data:`RELAY_METHOD`, answering each request with ``answer``."""
-
-    def handle(body: bytes, context: grpc.ServicerContext) -> bytes:
-        try:
-            item, timeout = decode_request(body)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        remaining = context.time_remaining()
-        if remaining is not None:
-            timeout = min(timeout, max(0.0, remaining - 0.05))
-        try:
-            return answer_line(answer(item, timeout))
-        except QuorumGone as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except Exception as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"{type(exc).__name__}: {exc}")
-        raise AssertionError("unreachable")
-
-    return grpc.method_handlers_generic_handler(
-        RELAY_SERVICE,
-        {
-            "Request": grpc.unary_unary_rpc_method_handler(
-                handle, request_deserializer=bytes, response_serializer=bytes
-            )
-        },
-    )

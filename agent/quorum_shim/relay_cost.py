@@ -1,5 +1,6 @@
 """What the relay hop costs: ``members`` members on this machine each send one step's
-request to one relay over gRPC (each on its own channel, as each VM has), the relay batches
+request to one relay over its wire (:mod:`.wire`: each member on its own TCP connection,
+as each VM has), the relay batches
 them Nagle-style into ``request_batch`` calls on a stand-in quorum that forms the round the
 moment every member asked (so Redis's part is zero), and fans the answers back.
 
@@ -21,15 +22,19 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import grpc
-
 from spottrain.ports import free_port
 from spottrain.quorum.errors import QuorumError
 from spottrain.quorum.model import Answer, BatchItem
-from spottrain.quorum.scripts import parse_answer
 
-from .relay import RELAY_METHOD, Batcher, encode_request, relay_handler
-from .server import _DaemonPool
+from .relay import Batcher
+from .wire import RelayClient, RelayServer
+
+# (member index, step, timeout) -> the quorum's size it was answered with
+Call = Callable[[int, int, float], int]
+# A warm-up round can split the members (some formed a first quorum, the others wait for
+# them in the next round, which they never ask while they wait at the barrier: up to the
+# heartbeat timeout): those give up this soon and ask again in the next warm-up round.
+WARM_UP_S = 3.0
 
 
 class _InstantQuorum:
@@ -63,9 +68,9 @@ class _InstantQuorum:
         return {i.replica_id: a for i in items}
 
 
-def _one_round(calls: list[Callable[[int, int], int]], step: int) -> tuple[list[float], ...]:
+def _one_round(calls: list[Call], step: int, warm_up: bool = False) -> tuple[list[float], ...]:
     """Every member asks at once (a barrier); when each asked and was answered, and the
-    smallest quorum any was answered with."""
+    smallest quorum any was answered with (-1 in a warm-up round where one failed)."""
     start = threading.Barrier(len(calls) + 1)
     begins, ends = [0.0] * len(calls), [0.0] * len(calls)
     counts = [0.0] * len(calls)
@@ -75,7 +80,7 @@ def _one_round(calls: list[Callable[[int, int], int]], step: int) -> tuple[list[
         start.wait()
         begins[j] = time.perf_counter()
         try:
-            counts[j] = calls[j](j, step)
+            counts[j] = calls[j](j, step, WARM_UP_S if warm_up else 30.0)
         except Exception as exc:  # reported, not a traceback per member
             counts[j] = -1
             errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -87,29 +92,28 @@ def _one_round(calls: list[Callable[[int, int], int]], step: int) -> tuple[list[
     start.wait()
     for t in threads:
         t.join()
-    if errors:
+    if errors and not warm_up:
         raise RuntimeError(f"{len(errors)} member(s) failed in round {step}: {errors[0]}")
     return begins, ends, [min(counts)]
 
 
-def _relayed(port: int, members: int) -> tuple[list[Callable[[int, int], int]], list[Any]]:
-    opts = [("grpc.use_local_subchannel_pool", 1)]  # one connection per member, as per VM
-    channels = [grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) for _ in range(members)]
+def _relayed(port: int, members: int) -> tuple[list[Call], list[Any]]:
+    address = f"127.0.0.1:{port}"
+    conns = [RelayClient(address, 20) for _ in range(members)]
 
-    def call(ch: grpc.Channel) -> Callable[[int, int], int]:
-        stub = ch.unary_unary(RELAY_METHOD)
-        return lambda j, step: (
-            parse_answer(
-                stub(encode_request(BatchItem(f"m{j}", step), 10.0), timeout=20)
-            ).replica_count
-        )
+    def call(j: int, step: int, timeout: float) -> int:
+        if conns[j].closed:  # a warm-up deadline closed it: reconnect, as a member does
+            conns[j] = RelayClient(address, 20)
+        return conns[j].ask(BatchItem(f"m{j}", step), timeout).replica_count
 
-    return [call(ch) for ch in channels], channels
+    return [call] * members, conns
 
 
-def _direct(redis_port: int, run_id: str, members: int) -> list[Callable[[int, int], int]]:
+def _direct(redis_port: int, run_id: str, members: int) -> list[Call]:
     client = _client(redis_port, run_id, members)
-    return [lambda j, step: client.request(f"m{j}", step, timeout=20).replica_count] * members
+    return [
+        lambda j, step, timeout: client.request(f"m{j}", step, timeout=timeout).replica_count
+    ] * members
 
 
 def _measure(
@@ -117,9 +121,9 @@ def _measure(
 ) -> tuple[list[float], list[float]]:
     """``rounds`` rounds once every member is in the quorum (through the relay on ``port``,
     or with ``direct`` = (Redis port, run id) straight to Redis)."""
-    channels: list[Any] = []
+    conns: list[Any] = []
     if direct is None:
-        calls, channels = _relayed(port, members)
+        calls, conns = _relayed(port, members)
     else:
         calls = _direct(*direct, members)
     round_ms: list[float] = []
@@ -127,15 +131,15 @@ def _measure(
     try:
         step = 0
         for step in range(1, 40):  # warm-up: until every member is in (and connected)
-            if _one_round(calls, step)[2][0] == members and step > 2:
+            if _one_round(calls, step, warm_up=True)[2][0] == members and step > 2:
                 break
         for n in range(step + 1, step + 1 + rounds):
             begins, ends, _ = _one_round(calls, n)
             round_ms.append((max(ends) - min(begins)) * 1e3)
             rtt_ms += [(e - b) * 1e3 for b, e in zip(begins, ends, strict=True)]
     finally:
-        for ch in channels:
-            ch.close()
+        for c in conns:
+            c.close()
     return round_ms, rtt_ms
 
 
@@ -177,11 +181,8 @@ def hop_cost(
     if redis_port:
         quorum = _Counting(_client(redis_port, run_id, members))
     batcher = Batcher(quorum, "cost")
-    server = grpc.server(_DaemonPool(members + 8))
-    server.add_generic_rpc_handlers((relay_handler(batcher.ask),))
     port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
+    server = RelayServer(f"127.0.0.1:{port}", batcher.submit).start()
     try:
         ctx = multiprocessing.get_context("spawn")
         here, there = ctx.Pipe()
@@ -196,7 +197,7 @@ def hop_cost(
         cpu = time.process_time() - cpu
         child.join()
     finally:
-        server.stop(0)
+        server.stop()
         batcher.stop()
     q = statistics.quantiles
     total = quorum.batches / max(1, quorum.rounds)

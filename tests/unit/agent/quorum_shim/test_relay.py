@@ -83,6 +83,7 @@ def test_batches_are_nagle_style_and_never_share_a_relay_id() -> None:
         assert fake.in_flight.wait(5)
         rest = [b.submit(BatchItem(f"m{j}", 40), 5) for j in range(1, 6)]
         again = b.submit(BatchItem("m1", 40), 5)  # a retry joins its pending item
+        assert b.submit(BatchItem("m2", 40), 5).cancel()  # its asker gave up: the rest still
         for _ in range(200):
             if len(fake.batches) == 2:
                 break
@@ -160,7 +161,7 @@ def test_members_relay_fall_back_directly_and_the_lease_moves(
         relayed = b.relayed
         assert b.request("m1", 43, timeout=5) and b.relayed == relayed + 1
 
-        a._server.stop(0)  # the relay dies (its lease stays until its TTL)
+        a._server.stop()  # the relay dies (its lease stays until its TTL)
         assert b.request("m1", 44, timeout=5) == _answer("m1")
         assert member_fake.direct == ["m1"] * 3 and b.fallbacks == 3
         lease_redis.delete(a.lease.key)  # its TTL ran out

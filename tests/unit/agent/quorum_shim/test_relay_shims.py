@@ -151,3 +151,5 @@ def test_a_killed_relay_costs_a_fallback_not_a_replica(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+        if proc.stdout is not None:
+            proc.stdout.close()
