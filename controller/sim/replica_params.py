@@ -56,10 +56,11 @@ REDIS_B_S = 5.389e-5
 # Through relays of 100 (issue 16's relays, bench/quorum_scale.py, load average 2-6): Redis's
 # CPU per round 0.56, 3.6, 12.8 and 42 ms at 100, 1,000, 4,000 and 12,500 replicas (all
 # Redis did in the round, heartbeats included; rounds' p50 0.66, 2.5, 7.1 and 27 ms): 3.36e-6
-# N. The hop member -> relay -> member: relay_cost.py, 100 members on one machine.
+# N. The hop member -> relay -> member: relay_cost.py, 100 members on one machine, a
+# stand-in quorum: 19-27 ms a round p50 (the relay's CPU 6.5-9.1 ms of it).
 RELAY_FROM = 1000
 RELAY_B_S = 3.36e-6
-RELAY_HOP_S = 0.035
+RELAY_HOP_S = 0.023
 # The same run: 0.020, 0.041, 0.091 and 0.20 s at 2, 4, 8 and 16 ranks (one process each).
 PG_C0_S = 0.0
 PG_C1_S = 0.01217
@@ -177,8 +178,9 @@ SOURCES: dict[str, tuple[str, str]] = {
     ),
     "relay_hop_s": (
         "measured",
-        "spottrain.agent.quorum_shim.relay_cost: a relay's round trip for 100 members on "
-        "one 2-core machine (relays run in parallel on their own VMs)",
+        "spottrain.agent.quorum_shim.relay_cost: a relay's round for 100 members over its "
+        "framed TCP wire, 19-27 ms p50 on one 2-core machine shared by the members (relay "
+        "CPU 6.5-9.1 ms); relays run in parallel on their own VMs",
     ),
     "pg_c0_s": (
         "measured",
