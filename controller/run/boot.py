@@ -40,6 +40,7 @@ PASSWORD_PATH = "/etc/spottrain/redis-password"
 GIT_TOKEN_PATH = "/etc/spottrain/git-token"
 GIT_ASKPASS_PATH = "/etc/spottrain/git-askpass"
 DOCKER_ENV_PATH = "/etc/spottrain/agent.docker.env"
+AGENT_LOG = "/var/log/spottrain-agent.log"
 VOLUME_ROOT = "/mnt/spottrain"
 JOB_DIR = "/opt/job"
 VENV = "/opt/spottrain/venv"
@@ -326,8 +327,7 @@ def worker_user_lines() -> str:
 def _unit_lines(spec: JobSpec, ckpt_dir: str) -> str:
     """Install the packaged unit, plus a drop-in for what differs per job."""
     # The run's checkpoint directory is made once the volume is mounted (ExecStartPre runs
-    # after RequiresMountsFor's mounts); the agent refuses a missing one rather than write
-    # where a mount belongs.
+    # after RequiresMountsFor's mounts); the agent refuses a missing one.
     drop = ["[Service]", f"ExecStartPre=/bin/mkdir -p {shlex.quote(ckpt_dir)}"]
     volume = spec.checkpoint.volume.path
     unit_lines = ""
@@ -341,6 +341,9 @@ def _unit_lines(spec: JobSpec, ckpt_dir: str) -> str:
             "/usr/bin/docker run --rm --init --name spottrain-agent --gpus all --network host "
             "--ipc host --ulimit memlock=-1 --stop-timeout 170 "
             f"-v {VOLUME_ROOT}:{VOLUME_ROOT} -v /etc/spottrain:/etc/spottrain:ro "
+            # It ships the host file the unit appends its output to (-e: the unit's values).
+            f"-v {AGENT_LOG}:{AGENT_LOG} -e {env_names.ENV_LOGS_FILE} "
+            f"-e {env_names.ENV_LOGS_FILE_MAX_MB} "
             f"--env-file /etc/spottrain/agent.docker.env {image} spottrain-agent run"
         )
         drop += ["ExecStart=", f"ExecStart={docker}"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+from importlib.resources import files
 from typing import Any
 
 import pytest
@@ -118,6 +119,19 @@ def test_image_code_runs_the_agent_in_the_pinned_image() -> None:
     assert f"docker pull {image}" in script
     exec_start = next(line for line in script.splitlines() if line.startswith("ExecStart=/"))
     assert "--init" in exec_start and exec_start.endswith(f"{image} spottrain-agent run")
+    # The agent in the container ships the host file the packaged unit appends its output
+    # to: mounted at the same path, with the unit's path and cap passed through.
+    unit = files("spottrain.agent.systemd") / "spottrain-agent.service"
+    unit_env = dict(
+        line.removeprefix("Environment=").split("=", 1)
+        for line in unit.read_text().splitlines()
+        if line.startswith("Environment=SPOTTRAIN_LOGS_FILE")
+    )
+    log_file = unit_env["SPOTTRAIN_LOGS_FILE"]
+    words = shlex.split(exec_start.removeprefix("ExecStart="))
+    assert f"{log_file}:{log_file}" in words
+    for name in unit_env:
+        assert words[words.index(name) - 1] == "-e"
     # docker takes --env-file values literally: that file has no quotes.
     assert "SPOTTRAIN_NNODES=2:4\n" in script
 
