@@ -174,7 +174,6 @@ class ReplicaNode:
             group=relay_group(self.slot.slot, size),
             bind=f"{'127.0.0.1' if local else '0.0.0.0'}:{port}",
             address=f"{host}:{port}",
-            workers=min(1024, size + 16),
         )
 
     def quorum_leave(self, now: bool) -> None:

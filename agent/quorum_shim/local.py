@@ -20,7 +20,6 @@ class RelayPlan:
     group: int  # slot index // group size
     bind: str  # host:port the relay method listens on ("0.0.0.0:29513")
     address: str  # host:port other VMs dial: the lease's value
-    workers: int = 128  # server threads: each member's call holds one for its round
 
 
 def start_local_shim(
@@ -53,7 +52,7 @@ def start_local_shim(
     lease = Lease(
         control_redis, lease_key(keys, relay.group), relay.address, 3 * config.heartbeat_timeout_ms
     )
-    backend = RelayedQuorum(blocking, lease, config, bind=relay.bind, workers=relay.workers)
+    backend = RelayedQuorum(blocking, lease, config, bind=relay.bind)
     try:
         shim = LighthouseShim(backend, control, config, bind=f"127.0.0.1:{port}")
     except BaseException:

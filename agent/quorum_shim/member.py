@@ -43,8 +43,6 @@ class RelayedQuorum:
         lease: The group's lease, valued with this shim's relay address.
         config: The run's quorum settings (the hop deadline and the lease TTL derive from it).
         bind: host:port the relay listens on (other VMs reach it at ``lease.me``).
-        workers: Unused (the relay serves every member from one asyncio thread); kept so
-            callers that size it still work.
     """
 
     def __init__(
@@ -54,7 +52,6 @@ class RelayedQuorum:
         config: QuorumConfig,
         *,
         bind: str,
-        workers: int = 128,
         gather_s: float = r.GATHER_S,
     ) -> None:
         self.direct, self.lease, self.config = direct, lease, config

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from qscale.script_cost import PIPE, Fleet, _cpu_us, _evalsha, _start_redis
+from qscale.script_cost import PIPE, Fleet, _cpu_us, _evalsha, scratch_redis
 from spottrain.quorum import scripts
 from spottrain.quorum.model import BatchItem
 
@@ -125,15 +124,10 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=9)
     a = ap.parse_args()
-    proc, r, workdir = _start_redis()
-    try:
+    with scratch_redis() as r:
         for n in (int(s) for s in a.sizes.split(",")):
             print(json.dumps(measure(r, n, a.group, a.rounds)), flush=True)
             r.flushall()
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ Redis). The machine's load moves single figures a lot: compare medians taken in 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -31,6 +32,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 
 import redis
 
@@ -45,7 +47,9 @@ CONFIG = QuorumConfig(heartbeat_timeout_ms=60_000, join_timeout_ms=60_000, min_r
 PIPE = 1000  # calls per pipeline flush
 
 
-def _start_redis() -> tuple[subprocess.Popen[bytes], redis.Redis, str]:
+@contextlib.contextmanager
+def scratch_redis() -> Iterator[redis.Redis]:
+    """A throwaway redis-server with no persistence on a free port, gone on exit."""
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="qcost-")
     proc = subprocess.Popen(
@@ -53,13 +57,18 @@ def _start_redis() -> tuple[subprocess.Popen[bytes], redis.Redis, str]:
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
     r = redis.Redis(port=port, decode_responses=True)
-    for _ in range(200):
-        try:
-            r.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    return proc, r, workdir
+    try:
+        for _ in range(200):
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        yield r
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _evalsha(r: redis.Redis) -> tuple[int, int]:
@@ -213,18 +222,13 @@ def main() -> None:
         "--ref", help="also measure the scripts of this git ref (e.g. main), size by size"
     )
     a = ap.parse_args()
-    proc, r, workdir = _start_redis()
-    try:
+    with scratch_redis() as r:
         for n in (int(s) for s in a.sizes.split(",")):
             print(json.dumps(measure(r, n, a.rounds, scripts.ALL)), flush=True)
             if a.ref:
                 ref = {"ref": a.ref, **measure(r, n, a.rounds, git_scripts(a.ref), "-ref")}
                 print(json.dumps(ref), flush=True)
             r.flushall()
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

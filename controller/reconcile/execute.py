@@ -225,6 +225,8 @@ class Executor:
         if offer.market is Market.SPOT:
             self.state.client.hdel(self.state.keys.ctl, "spot_short_since")
         crash_point("after-launch-record")
+        # Who a replacement stands in for, so the event log alone tells a handover's story.
+        handover = {"replaces": rec.replaces} if rec.replaces else {}
         self.state.event(
             "launched",
             node_name=rec.node,
@@ -233,6 +235,7 @@ class Executor:
             itype=offer.instance_type,
             market=offer.market.value,
             price=round(offer.price_per_hour, 4),
+            **handover,
         )
 
     def _capacity(self, rec: LaunchRecord, block_s: float, message: str) -> None:

@@ -218,15 +218,9 @@ def test_a_rebalance_recommendation_hands_the_node_over_before_it_is_preempted(
     client = open_redis(info, info.spec())
     inject_notice(client, RunKeys(run_id), "n1", "rebalance", 120)
     client.close()
-    # First "no replacement launched yet" (the agent marked it), then the controller's pass.
-    wait(
-        lambda: any(
-            a.startswith("n1 at risk (rebalance recommendation): replacement n3")
-            for a in cli.status(run_id)["at_risk"]
-        ),
-        "status to show n1 at risk with its replacement",
-        120,
-    )
+    # The at-risk line in status lasts only until n3 joins, too short to catch reliably with
+    # a status process per poll on a loaded machine (test_controller_loop checks that line);
+    # the event log keeps the whole handover.
     events = wait(
         lambda: (
             (ev := cli.events(run_id))
@@ -236,6 +230,8 @@ def test_a_rebalance_recommendation_hands_the_node_over_before_it_is_preempted(
         "n1 drained and ended",
         240,
     )
+    launched = next(e for e in events if " launched " in e and "node_name=n3" in e)
+    assert "replaces=n1" in launched, launched
     drain = next(e for e in events if " drain " in e and "node_name=n1" in e)
     assert "replacement n3 joined; draining n1" in drain
     drained = next(e for e in events if " drained " in e and " n1 " in e)

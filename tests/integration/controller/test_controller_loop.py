@@ -285,7 +285,9 @@ def test_an_at_risk_node_gets_a_replacement_then_drains(
     assert "n1 at risk: launching replacement n3" in p.reason
     records = ctl.state.ledger().records
     assert records["n3"].status == LedgerStatus.LAUNCHED and records["n3"].replaces == "n1"
-    assert [e["node_name"] for e in _events(redis_client, run_keys, "launched")][-1] == "n3"
+    launched = _events(redis_client, run_keys, "launched")
+    assert launched[-1]["node_name"] == "n3" and launched[-1]["replaces"] == "n1"
+    assert all("replaces" not in e for e in launched[:-1])
     status = summarize(ctl.state, time.time())
     assert status.at_risk == ["n1 at risk (rebalance recommendation): replacement n3 launching"]
     assert "  n1 at risk (rebalance recommendation): replacement n3 launching" in (
