@@ -145,6 +145,7 @@ class ReplicaNode:
                 port=port,
                 wait_replicas=self.cfg.quorum_wait_replicas,
                 relay=relay,
+                on_lease=self._relay_lease(relay),
             )
         except (OSError, ValueError, redis.RedisError, RuntimeError) as exc:
             return (
@@ -155,6 +156,18 @@ class ReplicaNode:
         relayed = {"relay_group": relay.group, "relay": relay.address} if relay else {}
         self.record.event("quorum-shim-started", address=self.shim.address, **relayed)
         return None
+
+    def _relay_lease(self, relay: RelayPlan | None) -> Callable[[bool], None] | None:
+        """Where a relay lease taken or lost is told: the run's events, so an operator sees
+        where each group's relay moved (``status`` shows where they are now)."""
+        if relay is None:
+            return None
+
+        def told(holding: bool) -> None:
+            what = "quorum-relay-taken" if holding else "quorum-relay-lost"
+            self.record.event(what, relay_group=relay.group, relay=relay.address)
+
+        return told
 
     def _relay_plan(self) -> RelayPlan | None:
         """This node's relay group and relay address (--quorum-relay-group), or None."""

@@ -4,6 +4,7 @@ with a relay group, it also serves the group's relay method (:mod:`.relay`) to o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from spottrain.protocol.keys import RunKeys
@@ -30,10 +31,12 @@ def start_local_shim(
     port: int = 0,
     wait_replicas: int = 0,
     relay: RelayPlan | None = None,
+    on_lease: Callable[[bool], None] | None = None,
 ) -> LighthouseShim:
     """A started shim for the run ``keys`` on ``127.0.0.1:port`` (0: a free port); with
     ``wait_replicas``, each formed round is on that many Redis replicas before it is used;
-    with ``relay``, its requests travel through the group's relay.
+    with ``relay``, its requests travel through the group's relay (``on_lease`` hears when
+    this shim takes or loses the group's lease).
 
     Raises:
         OSError: the port (or the relay's) is taken.
@@ -52,7 +55,7 @@ def start_local_shim(
     lease = Lease(
         control_redis, lease_key(keys, relay.group), relay.address, 3 * config.heartbeat_timeout_ms
     )
-    backend = RelayedQuorum(blocking, lease, config, bind=relay.bind)
+    backend = RelayedQuorum(blocking, lease, config, bind=relay.bind, on_lease=on_lease)
     try:
         shim = LighthouseShim(backend, control, config, bind=f"127.0.0.1:{port}")
     except BaseException:

@@ -18,7 +18,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from spottrain.quorum.errors import QuorumGone
@@ -43,6 +43,8 @@ class RelayedQuorum:
         lease: The group's lease, valued with this shim's relay address.
         config: The run's quorum settings (the hop deadline and the lease TTL derive from it).
         bind: host:port the relay listens on (other VMs reach it at ``lease.me``).
+        on_lease: Called with True when this shim takes the group's lease and with False when
+            it loses it (the agent's ``quorum-relay`` event); never under a lock.
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class RelayedQuorum:
         *,
         bind: str,
         gather_s: float = r.GATHER_S,
+        on_lease: Callable[[bool], None] | None = None,
     ) -> None:
         self.direct, self.lease, self.config = direct, lease, config
         self.hop_s = (config.join_timeout_ms + config.heartbeat_timeout_ms) / 1000.0
@@ -67,6 +70,7 @@ class RelayedQuorum:
         self._connecting = threading.Lock()
         self._conns: dict[str, wire.RelayClient] = {}  # relay address -> our connection
         self.holding = False
+        self._on_lease = on_lease
         self.relayed = 0  # requests answered through a relay (tests, logs)
         self.fallbacks = 0  # requests asked directly after a relay failed or was absent
         self._stop = threading.Event()
@@ -112,6 +116,15 @@ class RelayedQuorum:
                 log.warning("lost the relay lease %s: members go to its new holder", self.lease.key)
                 with self._lock:
                     self.holding, self._holder = False, None
+                self._tell(False)
+
+    def _tell(self, holding: bool) -> None:
+        if self._on_lease is None:
+            return
+        try:
+            self._on_lease(holding)
+        except Exception as exc:  # an event that cannot be written must not stop the relay
+            log.warning("cannot report the relay lease %s: %s", self.lease.key, exc)
 
     def relay(self) -> str | None:
         """The group's relay address to use now; None: ask directly."""
@@ -125,13 +138,18 @@ class RelayedQuorum:
             self._next_read = now + self.ttl_s / 3
         holder = self.lease.take()
         with self._lock:
-            self.holding = holder == self.address
+            was, self.holding = self.holding, holder == self.address
+            answer: str | None = holder
             if holder is not None and avoid is not None and avoid[0] == holder:
                 if now - avoid[1] < self.ttl_s:
-                    return None  # the failed relay may be dead: its lease has not lapsed yet
-                self._avoid = None  # it renewed the lease a whole TTL on: alive
-            self._holder = holder
-            return holder
+                    answer = None  # the failed relay may be dead: its lease has not lapsed yet
+                else:
+                    self._avoid = None  # it renewed the lease a whole TTL on: alive
+            if answer is not None or holder is None:
+                self._holder = answer
+        if self.holding != was:
+            self._tell(self.holding)
+        return answer
 
     # -- requests ---------------------------------------------------------------------------
     def request(

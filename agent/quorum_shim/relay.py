@@ -59,7 +59,7 @@ def relay_group(slot: str, group_size: int) -> int:
 
 
 def lease_key(keys: RunKeys, group: int) -> str:
-    return keys.quorum_key(f"relay:{group}")
+    return keys.quorum_relay(group)
 
 
 def encode_request(item: BatchItem, timeout: float) -> bytes:

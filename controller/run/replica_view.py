@@ -21,6 +21,7 @@ from spottrain.quorum.client import QuorumClient, QuorumStatus
 from spottrain.quorum.errors import QuorumError
 from spottrain.quorum.model import QuorumConfig
 from spottrain.spec import FaultTolerance
+from spottrain.spec.replica import relay_group_size
 
 # A holder row older than this is a replica that stopped without leaving (the engine's rule,
 # agent/replica/holders.py, which the controller may not import).
@@ -110,6 +111,46 @@ def _newest_quorum(rows: list[ReplicaRow]) -> int | None:
     return max((r.quorum_id for r in rows if r.quorum_id is not None), default=None)
 
 
+@dataclass(frozen=True)
+class Relays:
+    """The quorum relays of a run with ``relay_group_size``: who holds each group's lease.
+    ``unheld``: groups with a replica slot and no relay; their members ask Redis directly
+    (correct, at a direct request's cost) until one of them takes the lease."""
+
+    group_size: int
+    held: dict[int, str]
+    unheld: list[int]
+
+
+def read_relays(
+    client: redis.Redis, keys: RunKeys, group_size: int, slots: list[str | bytes]
+) -> Relays:
+    """One MGET of the leases of the groups the claimed slots fall in (125 keys at 12,500
+    replicas in groups of 100)."""
+    index = (_text(s).rpartition("-")[2] for s in slots)
+    groups = sorted({int(i) // group_size for i in index if i.isdigit()})
+    values = client.mget([keys.quorum_relay(g) for g in groups]) if groups else []
+    held = {g: _text(v) for g, v in zip(groups, values, strict=True) if v is not None}
+    return Relays(group_size, held, [g for g in groups if g not in held])
+
+
+def _some(items: list[str], most: int = 4) -> str:
+    more = f" (+{len(items) - most} more)" if len(items) > most else ""
+    return ", ".join(items[:most]) + more
+
+
+def relay_line(relays: Relays) -> str:
+    """``status``'s line for the relays, e.g. ``relays: 2 of 3 groups held (100 replicas a
+    group): 0 at 10.0.0.4:29513, 1 at 10.0.0.9:29513; direct: group 2``."""
+    total = len(relays.held) + len(relays.unheld)
+    line = f"relays: {len(relays.held)} of {total} group(s) held ({relays.group_size} a group)"
+    if relays.held:
+        line += ": " + _some([f"{g} at {a}" for g, a in sorted(relays.held.items())])
+    if relays.unheld:
+        line += "; asking Redis directly: group " + _some([str(g) for g in relays.unheld])
+    return line
+
+
 def quorum_line(quorum: QuorumStatus | None, error: str = "") -> str:
     """``status``'s line for the Redis quorum: its id (and the id at which its membership
     last changed), members, heartbeating replicas, the open round and the state's epoch (a
@@ -169,16 +210,19 @@ class ReplicaStatus:
     kind: str = "lighthouse"
     quorum: QuorumStatus | None = None
     quorum_error: str = ""
+    relays: Relays | None = None
 
     def lines(self, now: float) -> list[str]:
         head = quorum_line(self.quorum, self.quorum_error) if self.kind == "redis" else None
-        return format_replicas(self.replicas, self.lighthouse, self.lighthouse_up, now, head=head)
+        lines = format_replicas(self.replicas, self.lighthouse, self.lighthouse_up, now, head=head)
+        return [*lines[:1], relay_line(self.relays), *lines[1:]] if self.relays else lines
 
     def to_json(self) -> dict[str, Any]:
         rows = {"replicas": [asdict(r) for r in self.replicas]}
         if self.kind == "redis":
             figures = asdict(self.quorum) if self.quorum else {"error": self.quorum_error}
-            return {"quorum": {"kind": "redis", **figures}, **rows}
+            relays = {"relays": asdict(self.relays)} if self.relays else {}
+            return {"quorum": {"kind": "redis", **figures}, **relays, **rows}
         return {
             "quorum": {"kind": "lighthouse"},
             "lighthouse": {"address": self.lighthouse, "up": self.lighthouse_up},
@@ -186,16 +230,16 @@ class ReplicaStatus:
         }
 
 
-def _replica_run(info: RunInfo) -> int | None:
-    """The quorum's floor (``min_replicas``) of a replica run, None for an elastic one (or a
-    record whose spec no longer parses)."""
+def _replica_run(info: RunInfo) -> tuple[int, int] | None:
+    """The quorum's floor (``min_replicas``) and relay group size (0: no relays) of a replica
+    run, None for an elastic one (or a record whose spec no longer parses)."""
     try:
         spec = info.spec()
     except Exception:
         return None
     if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
         return None
-    return spec.train.replica.min_replicas
+    return spec.train.replica.min_replicas, relay_group_size(spec)
 
 
 def read_quorum(
@@ -215,10 +259,15 @@ def replica_status(info: RunInfo, client: redis.Redis) -> ReplicaStatus | None:
     replica rows). A run records a lighthouse only with ``quorum: lighthouse``; any other
     replica run uses the Redis quorum."""
     keys = RunKeys(info.run_id)
-    rows = replica_rows(client.hgetall(keys.replica_slots), client.hgetall(keys.replica_holders))
-    if not info.lighthouse and (floor := _replica_run(info)) is not None:
+    slots = client.hgetall(keys.replica_slots)
+    rows = replica_rows(slots, client.hgetall(keys.replica_holders))
+    if not info.lighthouse and (run := _replica_run(info)) is not None:
+        floor, group_size = run
         quorum, error = read_quorum(client, keys, floor)
-        return ReplicaStatus("", False, rows, kind="redis", quorum=quorum, quorum_error=error)
+        relays = read_relays(client, keys, group_size, list(slots)) if group_size else None
+        return ReplicaStatus(
+            "", False, rows, kind="redis", quorum=quorum, quorum_error=error, relays=relays
+        )
     published = client.get(keys.replica_lighthouse)
     address = _text(published) if published else info.lighthouse
     if not address and not rows:

@@ -165,6 +165,11 @@ class RunKeys:
         """One key of the Redis quorum, e.g. ``quorum_key("seq")``."""
         return f"{self.quorum_base}:{part}"
 
+    def quorum_relay(self, group: int) -> str:
+        """String: the address of the agent relaying relay group ``group``'s quorum requests
+        (its lease, SET NX with a TTL; ``agent/quorum_shim/relay.py``)."""
+        return self.quorum_key(f"relay:{group}")
+
     # -- checkpoints --------------------------------------------------------------------------
     @property
     def ckpt_requests(self) -> str:

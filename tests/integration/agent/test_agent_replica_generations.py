@@ -88,9 +88,11 @@ def test_a_backfill_of_a_slot_whose_replica_left_starts_a_new_rendezvous(
     redis_server: RedisServer, redis_client: redis.Redis, run_id: str, script: Path
 ) -> None:
     keys = RunKeys(run_id)
-    # The Redis quorum (the default) needs no lighthouse: each agent serves its own shim.
+    # The Redis quorum (the default) needs no lighthouse: each agent serves its own shim;
+    # with a relay group, its shim also relays the group's requests.
     flags = ("--fault-tolerance=replica", "--poll-interval=0.2", "--sigterm-grace=60")
-    [a] = start_agents(redis_server, run_id, script, ["a"], *flags)
+    relayed = ("--quorum-relay-group=2",)
+    [a] = start_agents(redis_server, run_id, script, ["a"], *flags, *relayed)
     try:
         wait_for("a to join", lambda: redis_client.hget(keys.node("a"), "state") == b"joined")
         notify(redis_server, run_id, "a")
@@ -102,7 +104,12 @@ def test_a_backfill_of_a_slot_whose_replica_left_starts_a_new_rendezvous(
     first = replica_rdzv_id(run_id, "replica-0", 1)
     env = dumps(script)["a-0"]
     assert env["TORCHELASTIC_RUN_ID"] == first
-    shim = of(redis_client, run_id, "quorum-shim-started", "a")["address"]
+    started = of(redis_client, run_id, "quorum-shim-started", "a")
+    shim = started["address"]
+    # The one member of relay group 0 took its lease at start and said where it relays.
+    taken = of(redis_client, run_id, "quorum-relay-taken", "a")
+    assert taken["relay_group"] == started["relay_group"] == "0"
+    assert taken["relay"] == started["relay"] and taken["relay"].startswith("127.0.0.1:")
     assert shim.startswith("127.0.0.1:") and env["SPOTTRAIN_QUORUM"] == "redis"
     assert env["TORCHFT_LIGHTHOUSE"] == f"http://{shim}" and env["SPOTTRAIN_LIGHTHOUSE"] == shim
     assert of(redis_client, run_id, "torchrun-exited", "a")["code"] == "0"

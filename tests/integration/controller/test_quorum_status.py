@@ -49,6 +49,7 @@ def test_status_shows_the_redis_quorum(
     out = capsys.readouterr().out
     assert "  quorum redis: none formed yet; 0 heartbeating, round 0\n" in out
     assert "lighthouse" not in out
+    assert "relays:" not in out  # auto: no relays below 1,000 replicas
 
     # Two replicas form a quorum, as their shims would.
     quorum = QuorumClient(
@@ -94,3 +95,48 @@ def test_status_shows_the_redis_quorum(
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if "quorum redis" in ln]
     assert line.startswith("  quorum redis: cannot read it: Redis key ")
     assert f"delete the keys `{run_keys.quorum_base}:*`" in line
+
+
+def test_status_shows_where_each_relay_group_is_relayed(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_server: Any,
+    redis_client: redis.Redis,
+    run_keys: RunKeys,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Relay groups of 2 over five claimed slots: groups 0 and 2 hold a lease (as the shims
+    write it), group 1 has none, so its members ask Redis directly; status names both."""
+    from spottrain.controller.cli import main as cli
+
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
+    replica = {"relay_group_size": 2}
+    job = {**LOCAL, "train": {**LOCAL["train"], "fault_tolerance": "replica", "replica": replica}}
+    info = RunInfo(
+        run_id=run_keys.run_id,
+        spec_text=yaml.safe_dump(job),
+        spec_source="job.yaml",
+        base_dir=str(tmp_path),
+        redis_url=redis_server.endpoint,
+        embedded_redis=False,
+        created_at=time.time(),
+    )
+    info.save()
+    for j in range(5):
+        redis_client.hset(run_keys.replica_slots, f"replica-{j}", json.dumps({"nodes": [f"n{j}"]}))
+    redis_client.set(run_keys.quorum_relay(0), "10.0.0.4:29513", px=60_000)
+    redis_client.set(run_keys.quorum_relay(2), "10.0.0.9:29513", px=60_000)
+    assert cli.main(["status", info.run_id]) == 0
+    out = capsys.readouterr().out.splitlines()
+    (at,) = [i for i, line in enumerate(out) if line.startswith("  quorum redis:")]
+    assert out[at + 1] == (
+        "  relays: 2 of 3 group(s) held (2 a group): 0 at 10.0.0.4:29513, 2 at "
+        "10.0.0.9:29513; asking Redis directly: group 1"
+    )
+    assert cli.main(["status", info.run_id, "--json"]) == 0
+    relays = json.loads(capsys.readouterr().out)["relays"]
+    assert relays == {
+        "group_size": 2,
+        "held": {"0": "10.0.0.4:29513", "2": "10.0.0.9:29513"},
+        "unheld": [1],
+    }

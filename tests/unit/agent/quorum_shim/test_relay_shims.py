@@ -112,14 +112,18 @@ def test_a_killed_relay_costs_a_fallback_not_a_replica(
         key0 = lease_key(run_keys, 0)
         assert redis_client.get(key0) == f"127.0.0.1:{a_relay}".encode()  # A is group 0's relay
         settings = RedisSettings(host="127.0.0.1", port=port)
-        for group in (0, 1, 1):  # B joins group 0; C and D are group 1
+        told: dict[str, list[bool]] = {"b": [], "c": [], "d": []}
+        for name, group in zip("bcd", (0, 1, 1), strict=True):  # B in group 0; C, D in 1
             relay = free_port()
             plan = RelayPlan(group, f"127.0.0.1:{relay}", f"127.0.0.1:{relay}")
-            shims.append(start_local_shim(settings, run_keys, CONFIG, relay=plan))
+            shims.append(
+                start_local_shim(settings, run_keys, CONFIG, relay=plan, on_lease=told[name].append)
+            )
         b, c, d = (s.blocking for s in shims)
         assert isinstance(b, RelayedQuorum) and isinstance(c, RelayedQuorum)
         assert isinstance(d, RelayedQuorum)
         assert not b.holding and c.holding and not d.holding
+        assert told == {"b": [], "c": [True], "d": []}  # the agent's quorum-relay-taken
         managers = [Manager(f"{n}:1", s.address) for n, s in zip("bcd", shims, strict=True)]
         a = Manager("a:1", a_address)  # A's own replica, through A's shim
         _until(lambda: all(len(m.rounds) >= 5 for m in [a, *managers]))
@@ -141,6 +145,13 @@ def test_a_killed_relay_costs_a_fallback_not_a_replica(
             assert [r[0] for r in m.rounds] == sorted(r[0] for r in m.rounds)
         assert a.error is not None  # A's replica went with its VM
         assert managers[0].rounds[-1][2] == ["b:1", "c:1", "d:1"]
+        assert told["b"] == [True]
+
+        # Group 1's lease taken from C (as a lapse and another member's SET NX would): C
+        # stops relaying and says so.
+        redis_client.set(lease_key(run_keys, 1), "127.0.0.1:1", px=60_000)
+        _until(lambda: not c.holding, timeout=10)
+        assert told["c"] == [True, False] and told["d"] == []
     finally:
         for m in managers:
             m.stop.set()
