@@ -16,31 +16,24 @@ chunk that arrives after that is printed with a note that it is late.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import io
 import json
 import math
 import os
 import sys
-import tempfile
 import time
-import zlib
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
 
 from spottrain.agent.logship.settings import vm_name
 from spottrain.cloud.storage.errors import (
     BucketNotFound,
-    CorruptObject,
-    ObjectNotFound,
     StorageError,
 )
 from spottrain.cloud.storage.interface import ObjectStore
 from spottrain.cloud.stores import open_store
 from spottrain.controller.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, err, run_state
+from spottrain.controller.cli.node_log_reader import Reader, Session, write_out
 from spottrain.controller.run.code import local_copy_to
 from spottrain.controller.run.records import RunInfo
 from spottrain.protocol.node_logs import ChunkName, default_logs_url, node_prefix, parse_chunk_key
@@ -49,15 +42,11 @@ from spottrain.spec import JobSpec
 
 # How often `-f` lists the followed VM's new chunks (two small LIST requests a poll).
 POLL_S = 3.0
-# Chunks fetched at once: a day of a VM is thousands of chunks, each GET a round trip.
-_FETCHERS = 8
 # Following a run that ended: stop once this long brought no chunk. A VM's agent ships its
 # last chunk within FINAL_FLUSH_S (5 s) of its drain, which may come after the run's end.
 _END_QUIET_S = 10.0
 # Following, every this many polls the whole node is listed, to find a replacement VM.
 _WHOLE_EVERY = 10
-# Chunks fetched before printing them: the header's byte count covers this many.
-_WINDOW = 256
 # Above this many nodes, naming the nodes that did ship would list every chunk of the run
 # (the store lists flat, without a delimiter): the error names the pattern instead.
 _LIST_NODES_MAX = 64
@@ -116,7 +105,7 @@ def node_log(
             return _nothing_shipped(store, info, node, url)
         err(f"node {node!r} has shipped nothing yet to {_where(store, info.run_id, node)}")
         err("waiting for its first chunk (Ctrl-C to stop)")
-    reader = _Reader(store, node)
+    reader = Reader(store, node)
     reader.add(found)
     if vm is not None and vm not in reader.vm_ids() and vm_name(vm) in reader.vm_ids():
         vm = vm_name(vm)  # the id as the cloud spells it; chunk names replace odd characters
@@ -145,7 +134,7 @@ def _quiet_stdout() -> None:
 
 
 def _list_node(
-    store: ObjectStore, run_id: str, node: str, newest: _Session | None = None
+    store: ObjectStore, run_id: str, node: str, newest: Session | None = None
 ) -> list[ChunkName]:
     """The node's chunks; with ``newest``, only that VM's from its next chunk on: two
     listings of at most 100 keys (seq is zero-padded, so a key prefix is a seq range),
@@ -161,7 +150,7 @@ def _list_node(
 
 
 def _follow(
-    reader: _Reader,
+    reader: Reader,
     store: ObjectStore,
     run_id: str,
     node: str,
@@ -211,195 +200,6 @@ def _ended_probe(info: RunInfo) -> Callable[[], bool]:
         return phase in (RunPhase.DONE, RunPhase.FAILED, RunPhase.DOWN)
 
     return ended
-
-
-# --- reading chunks ---------------------------------------------------------------------------
-
-
-@dataclass
-class _Session:
-    """One VM's shipping, from its agent's start: its chunks by seq and what was printed."""
-
-    vm: str
-    started_ms: int
-    keys: dict[int, str] = field(default_factory=dict)
-    next_seq: int = 0
-    held_gap: int | None = None  # the next_seq at which a gap was first seen, following
-    skipped: set[int] = field(default_factory=set)  # called missing; late if they arrive
-    headed: bool = False
-
-    def started(self) -> str:
-        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started_ms / 1000))
-
-
-@dataclass(frozen=True)
-class _Item:
-    """A line of the plan for one session: a chunk to print (late or not) or a gap."""
-
-    seq: int
-    key: str = ""
-    late: bool = False
-    gap_end: int = 0  # for a gap: one past its last missing seq
-
-
-class _Reader:
-    def __init__(self, store: ObjectStore, node: str, only_vm: str | None = None) -> None:
-        self.store = store
-        self.node = node
-        self.only_vm = only_vm
-        self.sessions: dict[tuple[str, int], _Session] = {}
-        self.unreadable = 0
-        self._last: tuple[str, int] | None = None
-
-    def vm_ids(self) -> set[str]:
-        return {s.vm for s in self.sessions.values()}
-
-    def listing(self) -> str:
-        return ", ".join(
-            f"{s.vm} (started {s.started()}, {len(s.keys)} chunks)" for s in self._ordered()
-        )
-
-    def newest(self) -> _Session | None:
-        """The VM being followed: the newest one (of ``only_vm``'s, when given)."""
-        mine = [s for s in self._ordered() if self.only_vm is None or s.vm == self.only_vm]
-        return mine[-1] if mine else None
-
-    def add(self, names: Iterable[ChunkName]) -> bool:
-        """Take in a listing; returns whether it named a chunk not seen before."""
-        fresh = False
-        for n in names:
-            s = self.sessions.setdefault((n.vm, n.started_ms), _Session(n.vm, n.started_ms))
-            if n.seq not in s.keys:
-                s.keys[n.seq] = n.key()
-                fresh = True
-        return fresh
-
-    def _ordered(self) -> list[_Session]:
-        return [self.sessions[k] for k in sorted(self.sessions, key=lambda k: (k[1], k[0]))]
-
-    def drain(self, *, final: bool) -> None:
-        """Print every session's chunks not printed yet, in order; ``final``: a gap is called
-        missing now rather than held for the next poll."""
-        for s in self._ordered():
-            if self.only_vm is None or s.vm == self.only_vm:
-                plan = _plan(s, final)
-                if plan:
-                    self._print(s, plan)
-
-    def _print(self, s: _Session, plan: list[_Item]) -> None:
-        """Fetch a window of chunks at a time (in parallel), then print it: output starts
-        after one window however long the VM ran, and the spool on disk stays bounded."""
-        total = sum(1 for i in plan if i.key)
-        start = 0
-        while start < len(plan):
-            end, n = start, 0
-            while end < len(plan) and (n < _WINDOW or not plan[end].key):
-                n += bool(plan[end].key)
-                end += 1
-            with tempfile.TemporaryDirectory(prefix="spottrain-logs-") as tmp:
-                got = self._fetch_all([i for i in plan[start:end] if i.key], Path(tmp))
-                if start == 0:
-                    stored = sum(p.stat().st_size for p in got.values() if isinstance(p, Path))
-                    self._header(s, total, stored, complete=end == len(plan))
-                for item in plan[start:end]:
-                    self._emit(s, item, got.get(item))
-            start = end
-
-    def _fetch_all(self, chunks: list[_Item], tmp: Path) -> dict[_Item, Path | str]:
-        with ThreadPoolExecutor(min(_FETCHERS, max(1, len(chunks)))) as pool:
-            fetched = pool.map(lambda i: self._fetch(i, tmp), chunks)
-            return dict(zip(chunks, fetched, strict=True))
-
-    def _emit(self, s: _Session, item: _Item, got: Path | str | None) -> None:
-        if got is None:
-            self._gap(s, item)
-            return
-        data = _unzip(got) if isinstance(got, Path) else got
-        if isinstance(data, str):
-            self.unreadable += 1
-            self.note(f"chunk {item.seq} of vm {s.vm} ({self.store.url(item.key)}) {data}")
-            return
-        if item.late:
-            self.note(f"chunk {item.seq} of vm {s.vm} arrived late, out of order:")
-        _write(data)
-
-    def _fetch(self, item: _Item, tmp: Path) -> Path | str:
-        """The chunk downloaded (checked against its recorded sha256), or why not."""
-        dest = tmp / f"{item.seq:08d}{'-late' if item.late else ''}.gz"
-        try:
-            # get_bytes is one GET (get_file adds a HEAD and fsyncs): a read-back is mostly
-            # round trips. The spool keeps memory to the chunks in flight.
-            dest.write_bytes(self.store.get_bytes(item.key))
-        except CorruptObject as e:
-            return f"is corrupt ({e}); skipped"
-        except ObjectNotFound:
-            return "was listed but is gone (deleted since?); skipped"
-        except StorageError as e:
-            return f"could not be read ({e}); skipped"
-        return dest
-
-    def _header(self, s: _Session, chunks: int, stored: int, *, complete: bool) -> None:
-        again = " (continued)" if s.headed and self._last != (s.vm, s.started_ms) else ""
-        if s.headed and not again:
-            return
-        s.headed = True
-        self._last = (s.vm, s.started_ms)
-        size = f"{stored:,} bytes gzip" + ("" if complete else f" in the first {_WINDOW}")
-        self.note(
-            f"node {self.node}, vm {s.vm}{again}: started {s.started()}, "
-            f"{chunks} chunk{'s' * (chunks != 1)}, {size}"
-        )
-
-    def _gap(self, s: _Session, item: _Item) -> None:
-        if item.gap_end - item.seq == 1:
-            what = f"chunk {item.seq} of vm {s.vm} is missing"
-        else:
-            what = f"chunks {item.seq}-{item.gap_end - 1} of vm {s.vm} are missing"
-        self.note(f"{what} (lost or not yet shipped)")
-
-    def note(self, line: str) -> None:
-        sys.stdout.flush()  # a terminal shows the note where it falls in the output
-        print(f"[spottrain] {line}", file=sys.stderr, flush=True)
-
-
-def _plan(s: _Session, final: bool) -> list[_Item]:
-    """What to print next for a session, updating what it has printed."""
-    plan = [_Item(q, s.keys[q], late=True) for q in sorted(s.skipped & s.keys.keys())]
-    s.skipped.difference_update(s.keys)
-    while True:
-        while s.next_seq in s.keys:
-            plan.append(_Item(s.next_seq, s.keys[s.next_seq]))
-            s.next_seq += 1
-        after = [q for q in s.keys if q > s.next_seq]
-        if not after:
-            s.held_gap = None
-            return plan
-        if not final and s.held_gap != s.next_seq:
-            s.held_gap = s.next_seq  # give an out-of-order upload one more poll
-            return plan
-        end = min(after)
-        plan.append(_Item(s.next_seq, gap_end=end))
-        s.skipped.update(range(s.next_seq, end))
-        s.next_seq, s.held_gap = end, None
-
-
-def _write(data: bytes) -> None:
-    """The node's bytes as they are; a stdout without bytes (redirected to a StringIO)
-    gets them decoded."""
-    out: BinaryIO | None = getattr(sys.stdout, "buffer", None)
-    if out is None:
-        sys.stdout.write(data.decode(errors="replace"))
-        sys.stdout.flush()
-        return
-    out.write(data)
-    out.flush()
-
-
-def _unzip(path: Path) -> bytes | str:
-    try:
-        return gzip.decompress(path.read_bytes())
-    except (OSError, EOFError, zlib.error) as e:
-        return f"is corrupt (not a whole gzip member: {e}); skipped"
 
 
 # --- when nothing was shipped ------------------------------------------------------------------
@@ -484,7 +284,7 @@ def _tail(path: Path, follow: bool) -> int:
     with open(path, "rb") as f:
         try:
             while True:
-                _write(f.read())
+                write_out(f.read())
                 if not follow:
                     return EXIT_OK
                 _pause(0.5)

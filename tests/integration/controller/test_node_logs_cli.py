@@ -24,7 +24,7 @@ from spottrain.agent.logship.shipper import LogShipper
 from spottrain.cloud.storage import SHA256_METADATA, LocalStore, ObjectStore
 from spottrain.cloud.stores import open_store
 from spottrain.controller.cli import main as cli
-from spottrain.controller.cli import node_logs
+from spottrain.controller.cli import node_log_reader, node_logs
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.run.records import RunInfo
 from spottrain.protocol.node_logs import ChunkName
@@ -164,7 +164,7 @@ def test_a_nodes_vms_read_back_in_order_with_gaps_and_corruption_reported(
     corrupt = [ln for ln in lines if "chunk 1 of vm i-0aaa" in ln]
     assert len(corrupt) == 1 and "is corrupt" in corrupt[0] and "00000001-" in corrupt[0]
 
-    monkeypatch.setattr(node_logs, "_WINDOW", 2)  # fetched and printed 2 chunks at a time
+    monkeypatch.setattr(node_log_reader, "WINDOW", 2)  # fetched and printed 2 chunks at a time
     code, out, err = _logs(capsys, "n0", "--vm", OLD[0])
     assert (code, out) == (0, (a0 + a1 + a3).decode()) and NEW[0] not in err
     assert "3 chunks, " in err and " bytes gzip in the first 2\n" in err and "chunk 2 " in err
