@@ -32,7 +32,6 @@ from spottrain.controller.view.collect import refused_line
 from spottrain.controller.view.follow import follow, status_doc, summary_of
 from spottrain.controller.view.live import LiveView
 from spottrain.protocol import events as stream
-from spottrain.protocol.states import RunPhase
 from spottrain.spec import JobSpec, SpecError, WindowCheck, check_notice_windows, load_spec
 
 
@@ -184,30 +183,40 @@ def logs(args: argparse.Namespace) -> int:
         from spottrain.controller.cli import node_logs
 
         return node_logs.node_log(
-            info, args.node, vm=args.vm, follow=args.follow, interval=args.interval
+            info,
+            args.node,
+            vm=args.vm,
+            follow=args.follow,
+            interval=args.interval,
+            tail=args.tail,
         )
+    if args.tail is not None and args.tail < 0:
+        err(f"--tail {args.tail} must be a number of events, 0 or more")
+        return EXIT_BAD_INPUT
+    # Slicing what was read: the stream is capped (``EVENTS_MAXLEN``), so a run's whole
+    # event log is one bounded read.
+    keep = (lambda rows: rows[max(0, len(rows) - args.tail) :]) if args.tail is not None else list
     state = run_state(info)
     if state is None:
         archived = info.dir / "events.jsonl"
         if not archived.exists():
             err(f"run {info.run_id}: its Redis does not answer and it left no event log")
             return EXIT_FAILED
-        for line in archived.read_text().splitlines():
+        for line in keep(archived.read_text().splitlines()):
             say(_format_event(stream.from_archive_line(line)))
         return EXIT_OK
-    last = stream.START
+    last, rows = stream.START, keep(stream.read(state.client, state.keys.events))
     while True:
-        for row in stream.read(state.client, state.keys.events, after=last):
+        for row in rows:
             last = row["id"]
             say(_format_event(row))
         if not args.follow:
             return EXIT_OK
         try:
             time.sleep(1.0)
-            if state.ctl().get("phase") in (RunPhase.DONE, RunPhase.FAILED) and not args.follow:
-                return EXIT_OK
         except KeyboardInterrupt:
             return EXIT_OK
+        rows = stream.read(state.client, state.keys.events, after=last)
 
 
 def scale(args: argparse.Namespace) -> int:

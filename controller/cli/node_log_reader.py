@@ -62,6 +62,8 @@ class Reader:
         self.sessions: dict[tuple[str, int], Session] = {}
         self.unreadable = 0
         self._last: tuple[str, int] | None = None
+        self._trim: dict[str, int] = {}  # chunk key -> its leading lines not to print
+        self._tail_said = ""  # for the next header: where --tail started
 
     def vm_ids(self) -> set[str]:
         return {s.vm for s in self.sessions.values()}
@@ -88,6 +90,43 @@ class Reader:
 
     def _ordered(self) -> list[Session]:
         return [self.sessions[k] for k in sorted(self.sessions, key=lambda k: (k[1], k[0]))]
+
+    def start_at_tail(self, lines: int) -> None:
+        """Print only the last ``lines`` lines of what is listed now (and everything that
+        comes after): chunks are read newest first, eight at a time, until they hold that
+        many lines; the chunks before are marked printed without being fetched, and the
+        first one printed loses its leading lines. Those chunks are fetched again to print
+        them, which keeps memory to a batch."""
+        mine = [s for s in self._ordered() if self.only_vm is None or s.vm == self.only_vm]
+        newest_first = [(s, q) for s in reversed(mine) for q in sorted(s.keys, reverse=True)]
+        need, at = lines, 0
+        start: tuple[Session, int] | None = None
+        with tempfile.TemporaryDirectory(prefix="spottrain-logs-") as tmp:
+            while need > 0 and at < len(newest_first):
+                batch = newest_first[at : at + FETCHERS]
+                at += len(batch)
+                items = [_Item(q, s.keys[q]) for s, q in batch]
+                got = self._fetch_all(items, Path(tmp))
+                for (s, q), item in zip(batch, items, strict=True):
+                    fetched = got[item]
+                    data = _unzip(fetched) if isinstance(fetched, Path) else fetched
+                    count = _lines_in(data) if isinstance(data, bytes) else 0
+                    start = (s, q)
+                    if count >= need:
+                        self._trim[item.key] = count - need
+                        need = 0
+                        break
+                    need -= count
+        if need > 0 and lines > 0:
+            return  # fewer lines than asked for: everything prints
+        self._tail_said = f"; its last {lines} line{'s' * (lines != 1)} follow" if lines else ""
+        for s in mine:
+            if start is not None and s is start[0]:
+                s.next_seq = start[1]
+                s.skipped.clear()
+                return
+            s.next_seq, s.held_gap = max(s.keys, default=-1) + 1, None
+            s.skipped.clear()
 
     def drain(self, *, final: bool) -> None:
         """Print every session's chunks not printed yet, in order; ``final``: a gap is called
@@ -133,11 +172,14 @@ class Reader:
             return
         if item.late:
             self.note(f"chunk {item.seq} of vm {s.vm} arrived late, out of order:")
+        if trim := self._trim.pop(item.key, 0):
+            data = data.split(b"\n", trim)[-1]
         write_out(data)
 
     def _fetch(self, item: _Item, tmp: Path) -> Path | str:
         """The chunk downloaded (checked against its recorded sha256), or why not."""
-        dest = tmp / f"{item.seq:08d}{'-late' if item.late else ''}.gz"
+        # Named by the whole key: a batch read for --tail spans VMs, whose seqs repeat.
+        dest = tmp / item.key.replace("/", "_")
         try:
             # get_bytes is one GET (get_file adds a HEAD and fsyncs): a read-back is mostly
             # round trips. The spool keeps memory to the chunks in flight.
@@ -157,9 +199,10 @@ class Reader:
         s.headed = True
         self._last = (s.vm, s.started_ms)
         size = f"{stored:,} bytes gzip" + ("" if complete else f" in the first {WINDOW}")
+        tail, self._tail_said = self._tail_said, ""
         self.note(
             f"node {self.node}, vm {s.vm}{again}: started {s.started()}, "
-            f"{chunks} chunk{'s' * (chunks != 1)}, {size}"
+            f"{chunks} chunk{'s' * (chunks != 1)}, {size}{tail}"
         )
 
     def _gap(self, s: Session, item: _Item) -> None:
@@ -205,6 +248,11 @@ def write_out(data: bytes) -> None:
         return
     out.write(data)
     out.flush()
+
+
+def _lines_in(data: bytes) -> int:
+    """Lines in a chunk; a last line without its newline (a final flush) counts."""
+    return data.count(b"\n") + (bool(data) and not data.endswith(b"\n"))
 
 
 def _unzip(path: Path) -> bytes | str:

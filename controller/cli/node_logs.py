@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from spottrain.agent.logship.settings import vm_name
 from spottrain.cloud.storage.errors import (
@@ -74,12 +75,17 @@ def node_log(
     vm: str | None = None,
     follow: bool = False,
     interval: float = POLL_S,
+    tail: int | None = None,
 ) -> int:
-    """Print ``node``'s shipped output (only ``vm``'s, when given); ``follow`` keeps polling
-    for new chunks and new VMs until Ctrl-C or the run's end. Returns the exit code: 1 when a
-    chunk could not be read (the rest is still printed) or nothing was found."""
+    """Print ``node``'s shipped output (only ``vm``'s, when given; only its last ``tail``
+    lines, when given); ``follow`` keeps polling for new chunks and new VMs until Ctrl-C or
+    the run's end. Returns the exit code: 1 when a chunk could not be read (the rest is still
+    printed) or nothing was found."""
     if not interval > 0:
         err(f"--interval {interval:g} must be a positive number of seconds")
+        return EXIT_BAD_INPUT
+    if tail is not None and tail < 0:
+        err(f"--tail {tail} must be a number of lines, 0 or more")
         return EXIT_BAD_INPUT
     spec = info.spec()
     url = logs_url(info, spec)
@@ -93,14 +99,14 @@ def node_log(
             err(f"cannot read node {node!r}'s logs from {url}: {e}")
             return EXIT_FAILED
         # A local run none of whose nodes shipped: its console files still hold the output.
-        return console_log(info, node, vm=vm, follow=follow)
+        return console_log(info, node, vm=vm, follow=follow, tail=tail)
     except (StorageError, ValueError) as e:
         err(f"cannot read node {node!r}'s logs from {url}: {e}")
         return EXIT_FAILED
     ended = _ended_probe(info) if follow else None
     if not found:
         if info.local_state_dir:
-            return console_log(info, node, vm=vm, follow=follow)
+            return console_log(info, node, vm=vm, follow=follow, tail=tail)
         if ended is None or ended():
             return _nothing_shipped(store, info, node, url)
         err(f"node {node!r} has shipped nothing yet to {_where(store, info.run_id, node)}")
@@ -112,9 +118,11 @@ def node_log(
     reader.only_vm = vm
     if vm is not None and found and vm not in reader.vm_ids():
         if info.local_state_dir:  # a local VM that shipped nothing still has its console
-            return console_log(info, node, vm=vm, follow=follow)
+            return console_log(info, node, vm=vm, follow=follow, tail=tail)
         err(f"node {node!r} of run {info.run_id} has no VM {vm!r}; its VMs: {reader.listing()}")
         return EXIT_BAD_INPUT
+    if tail is not None:
+        reader.start_at_tail(tail)
     try:
         if ended is not None:
             _follow(reader, store, info.run_id, node, interval, ended)
@@ -246,7 +254,14 @@ def _node_order(node: str) -> tuple[int, str]:
 # --- the local cloud's console files ---------------------------------------------------------
 
 
-def console_log(info: RunInfo, node: str, *, vm: str | None = None, follow: bool = False) -> int:
+def console_log(
+    info: RunInfo,
+    node: str,
+    *,
+    vm: str | None = None,
+    follow: bool = False,
+    tail: int | None = None,
+) -> int:
     """A node's output from the local cloud's console log of its VM, kept on this machine."""
     if vm is None:
         vm = _local_vm(info, node)
@@ -261,7 +276,7 @@ def console_log(info: RunInfo, node: str, *, vm: str | None = None, follow: bool
     if not path.exists():
         err(f"no console log of vm {vm!r} of node {node!r}: {path} does not exist")
         return EXIT_FAILED
-    return _tail(path, follow)
+    return _tail(path, follow, tail)
 
 
 def _local_vm(info: RunInfo, node: str) -> str:
@@ -280,8 +295,10 @@ def _local_vm(info: RunInfo, node: str) -> str:
     return ""
 
 
-def _tail(path: Path, follow: bool) -> int:
+def _tail(path: Path, follow: bool, lines: int | None = None) -> int:
     with open(path, "rb") as f:
+        if lines is not None:
+            f.seek(last_lines_offset(f, lines))
         try:
             while True:
                 write_out(f.read())
@@ -293,3 +310,25 @@ def _tail(path: Path, follow: bool) -> int:
         except BrokenPipeError:
             _quiet_stdout()
             return EXIT_OK
+
+
+def last_lines_offset(f: BinaryIO, lines: int, block: int = 1 << 16) -> int:
+    """Where the last ``lines`` lines of ``f`` start, read backwards a block at a time (a
+    console file may be gigabytes); a last line without its newline counts."""
+    end = f.seek(0, os.SEEK_END)
+    if lines == 0:
+        return end
+    pos, found = end, 0
+    while pos > 0:
+        step = min(block, pos)
+        f.seek(pos - step)
+        data = f.read(step)
+        # Each newline starts the line after it, but for the one that ends the file.
+        scan = data[:-1] if pos == end else data
+        at = len(scan)
+        while (at := scan.rfind(b"\n", 0, at)) >= 0:
+            found += 1
+            if found == lines:
+                return pos - step + at + 1
+        pos -= step
+    return 0

@@ -108,6 +108,13 @@ def _add_run_commands(sub: Any) -> None:
     logs.add_argument(
         "--interval", type=float, default=3.0, help="with --node -f: seconds between polls"
     )
+    logs.add_argument(
+        "--tail",
+        type=int,
+        metavar="N",
+        help="only the last N events (with --node: the node's last N lines), then with -f "
+        "what comes after",
+    )
 
 
 def _add_down(sub: Any) -> None:
