@@ -11,6 +11,8 @@ import redis
 from spottrain.controller.groups.controller import GroupController
 from spottrain.controller.reconcile.controller import Controller
 from spottrain.controller.reconcile.drive import ControllerError, drive_passes
+from spottrain.controller.reconcile.records import Ledger
+from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import (
     ReplicaFigures,
     Summary,
@@ -23,6 +25,7 @@ from spottrain.controller.run.lighthouse import LighthouseSupervisor
 from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.run_lighthouse import end_lighthouse, supervise_lighthouse
 from spottrain.controller.run.run_redis import stop_embedded_redis
+from spottrain.controller.run.shortfall import LEDGER_EVERY_S, Shortfall, ShortWatch
 from spottrain.controller.run.wiring import build_controller
 from spottrain.controller.tracking import FleetTracker
 from spottrain.protocol.states import RunPhase
@@ -31,6 +34,9 @@ if TYPE_CHECKING:
     from spottrain.controller.view.live import LiveView
 
 EXIT_OK, EXIT_FAILED = 0, 1
+# The plain lines say a fleet is short once it has been for this long: a node replaced
+# after a preemption is short for a moment, which its block of lines says already.
+SHORT_AFTER_S = 10.0
 
 
 def format_summary(s: Summary) -> list[str]:
@@ -50,23 +56,66 @@ def format_summary(s: Summary) -> list[str]:
 class PlainLines:
     """The plain view (a pipe, a file, ``--detach``'s log): a stamped block of
     :func:`format_summary` lines when something changed (dollars always do), or every 30 s
-    as a sign of life."""
+    as a sign of life. With the run's ``state``, a fleet short of nodes for
+    :data:`SHORT_AFTER_S` adds the live view's line (``fleet short: 1 of 2 nodes for 3m05s,
+    waiting for capacity; last refusal: ...``) after the nodes: a block is printed when it
+    appears and when it goes, and in between at the pace of the others.
 
-    def __init__(self, view: Callable[[str], Any]) -> None:
+    Args:
+        view: where each line goes.
+        state: the run's Redis (None until it answers); read each call when given.
+        target: the nodes the run keeps when ``spottrain scale`` set none (``nodes.max``).
+        clock: the wall clock the shortfall is dated by.
+    """
+
+    def __init__(
+        self,
+        view: Callable[[str], Any],
+        state: Callable[[], RunState | None] | None = None,
+        target: int = 0,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.view = view
         self._last: list[Any] = []
         self._last_at = 0.0
+        self._state, self._clock = state, clock
+        self._watch = ShortWatch(target)
+        self._ledger, self._ledger_at = Ledger(), float("-inf")
 
     def __call__(self, s: Summary) -> None:
         lines = format_summary(s)
+        short = self._shortfall(s)
+        if short is not None:
+            lines.insert(2, f"  {short.line()}")
         now = time.monotonic()
         key = [s.step // 25, s.nodes, s.preemptions, s.world_size, s.reason, s.phase]
+        key.append(short.target if short is not None else None)
         if key != self._last or now - self._last_at > 30:
             stamp = time.strftime("%H:%M:%S")
             self.view(f"[{stamp}] {lines[0]}")
             for line in lines[1:]:
                 self.view(f"           {line}")
             self._last, self._last_at = key, now
+
+    def _shortfall(self, s: Summary) -> Shortfall | None:
+        """The fleet's shortfall once it has lasted :data:`SHORT_AFTER_S`; None without a
+        state or while its Redis does not answer (the pass rides that out, and says so)."""
+        state = self._state() if self._state is not None else None
+        if state is None:
+            return None
+        now = self._clock()
+
+        def ledger() -> Ledger:  # a big fleet's ledger is thousands of records
+            if now - self._ledger_at >= LEDGER_EVERY_S:
+                self._ledger, self._ledger_at = state.ledger(), now
+            return self._ledger
+
+        try:
+            short = self._watch.check(now, s, state.ctl(), ledger)
+        except redis.RedisError:
+            return None
+        return short if short is not None and short.seconds >= SHORT_AFTER_S else None
 
 
 def final_report(s: Summary, replica: ReplicaFigures | None = None) -> list[str]:
@@ -125,7 +174,7 @@ def _drive(
     live: LiveView | None = None,
 ) -> int:
     fleet = FleetTracker.start(info.run_id, ctl.spec, ctl.state)
-    plain = PlainLines(view)
+    plain = PlainLines(view, lambda: ctl.state, ctl.spec.nodes.max)
     show = live.passes(info, ctl.state, ctl.spec.nodes.max, plain) if live else plain
 
     def on_pass(s: Summary) -> None:

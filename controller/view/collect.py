@@ -12,17 +12,14 @@ from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import Summary, summarize
 from spottrain.controller.run.records import RunInfo
 from spottrain.controller.run.replica_view import replica_status
+from spottrain.controller.run.shortfall import LEDGER_EVERY_S, ShortWatch
 from spottrain.protocol import events as stream
-from spottrain.protocol.states import LedgerStatus, RunPhase
 from spottrain.spec import FaultTolerance
 
 from .model import EventRow, NodeRow, ViewData
 
 # The step rate is the steps made over about this many seconds.
 RATE_WINDOW_S = 30.0
-# The ledger (one record per launch: thousands on a big fleet) is read again only when a
-# node the view has not placed appears, or the fleet is short, at most this often.
-LEDGER_EVERY_S = 10.0
 # Events the view leaves out: the trainers' progress is the step line already.
 QUIET_EVENTS = frozenset({"progress"})
 EVENTS_READ = 60
@@ -52,11 +49,6 @@ def event_row(row: Mapping[str, str]) -> EventRow:
     )
 
 
-def _duration(seconds: float) -> str:
-    s = max(0, int(seconds))
-    return f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
 class Collector:
     """Reads frames of one run's live view.
 
@@ -76,7 +68,7 @@ class Collector:
     ) -> None:
         self.info, self.state, self.target, self.clock = info, state, target, clock
         self._steps: deque[tuple[float, int]] = deque()
-        self._short_since: float | None = None
+        self._short = ShortWatch(target)
         self._ledger = Ledger()
         self._ledger_at = float("-inf")
         self._replica = bool(info.lighthouse) or _replica_spec(info)
@@ -115,13 +107,15 @@ class Collector:
             nodes=nodes,
             step_rate=self._rate(now, s.step),
             elapsed_s=now - started if started is not None else None,
-            short=self._short(now, s, ctl),
+            short=self._shortfall(now, s, ctl),
             replica=replicas.lines(now) if replicas else [],
             events=self._events(),
             notes=[refused_line(refused)] if refused else [],
         )
 
     def _read_ledger(self, now: float, *, force: bool = False) -> None:
+        # Again when a node the view has not placed appears, or (the fleet short) at most
+        # every LEDGER_EVERY_S.
         if force or now - self._ledger_at >= LEDGER_EVERY_S:
             self._ledger, self._ledger_at = self.state.ledger(), now
 
@@ -134,27 +128,15 @@ class Collector:
         (t0, s0), (t1, s1) = self._steps[0], self._steps[-1]
         return (s1 - s0) / (t1 - t0) if t1 - t0 >= 1.0 and s1 > s0 else None
 
-    def _short(self, now: float, s: Summary, ctl: Mapping[str, str]) -> str:
+    def _shortfall(self, now: float, s: Summary, ctl: Mapping[str, str]) -> str:
         """How long the fleet has had fewer nodes than it keeps, and what it waits for."""
-        wanted = _float(ctl.get("target_nodes"))
-        target = int(wanted) if wanted is not None else self.target
-        if s.phase != RunPhase.RUNNING or ctl.get("stopping") or len(s.nodes) >= target:
-            self._short_since = None
-            return ""
-        if self._short_since is None:
-            self._short_since = now
-        since = _float(ctl.get("spot_short_since")) or self._short_since
-        self._read_ledger(now)
-        refused = [r for r in self._ledger.records.values() if r.status == LedgerStatus.FAILED]
-        why = ""
-        if refused:
-            last = max(refused, key=lambda r: r.launched_at)
-            o = last.offer
-            why = f"; last refusal: {o.instance_type} {o.market.value} in {o.zone}: {last.reason}"
-        return (
-            f"fleet short: {len(s.nodes)} of {target} nodes for "
-            f"{_duration(now - since)}, waiting for capacity{why}"
-        )
+
+        def ledger() -> Ledger:
+            self._read_ledger(now)
+            return self._ledger
+
+        short = self._short.check(now, s, ctl, ledger)
+        return short.line() if short is not None else ""
 
     def _events(self) -> list[EventRow]:
         rows = self.state.client.xrevrange(self.state.keys.events, count=EVENTS_READ)

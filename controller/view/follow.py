@@ -67,6 +67,15 @@ def _open(info: RunInfo) -> RunState | None:
         return None
 
 
+def _nodes_max(info: RunInfo) -> int:
+    """The nodes the run keeps unless scaled; 0 (never short) for a spec that no longer
+    parses: an archived run's record still prints."""
+    try:
+        return info.spec().nodes.max
+    except Exception:
+        return 0
+
+
 def _print(line: str) -> None:
     print(line, flush=True)
 
@@ -86,8 +95,8 @@ def follow(
     """
     live = None if as_json else LiveView.for_stdout()
     speak = live.say if live is not None else say
-    plain = PlainLines(speak)
     state: RunState | None = None
+    plain = PlainLines(speak, lambda: state, _nodes_max(info))
     collector: Collector | None = None
     told_down = False
     if live is None and not as_json:

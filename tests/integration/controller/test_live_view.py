@@ -163,6 +163,35 @@ def test_status_follow_through_a_pipe_prints_plain_lines_and_json(run: FakeRun) 
     assert docs[-1]["run_id"] == run.info.run_id and "ckpt_refused" in docs[-1]
 
 
+def test_status_follow_through_a_pipe_says_a_short_fleet_waits_for_capacity(run: FakeRun) -> None:
+    """The plain lines of ``status -f`` read the run's Redis for the shortfall, as the live
+    view does: `scale 3` on two nodes, with a capacity refusal on record."""
+    offer = Offer("local", "local", "local-c", "local-cpu", 0, "", Market.SPOT, 0.1, 0.05)
+    run.state.put_launch(
+        LaunchRecord("n2", "r2", offer, time.time(), LedgerStatus.FAILED, reason="capacity: none")
+    )
+    run.state.set_ctl(target_nodes="3", spot_short_since=str(time.time() - 185))
+    run.step(10, 2.5)
+    proc = subprocess.Popen(
+        _cmd(run.info.run_id, "--interval", "0.2"), stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "fleet short" in line:
+            run.finish(10)
+    assert proc.wait(30) == 0
+    short = [line for line in lines if "fleet short" in line]
+    assert short and re.fullmatch(
+        r" {13}fleet short: 2 of 3 nodes for 3m0\ds, waiting for capacity; "
+        r"last refusal: local-cpu spot in local-c: capacity: none\n",
+        short[0],
+    )
+    at = lines.index(short[0])
+    assert lines[at - 1] == "             nodes: n0 training, n1 training\n"
+
+
 def test_a_replica_runs_view_shows_its_quorum(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
