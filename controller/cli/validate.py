@@ -84,19 +84,26 @@ def validate(args: argparse.Namespace) -> int:
     return EXIT_OK if fits else EXIT_WINDOW
 
 
-def _replica_json(spec: JobSpec) -> dict[str, int | str] | None:
+def _replica_json(spec: JobSpec) -> dict[str, int | float | str] | None:
     """``--json``'s ``replica``: the replica's size, the range of replicas, the quorum's
-    floor and where it forms; null for an elastic job."""
+    floor and where it forms, and in Redis the join and heartbeat timeouts as resolved
+    (``auto`` depends on the fleet); null for an elastic job."""
+    from spottrain.spec.replica import heartbeat_timeout_s, join_timeout_ms
+
     if spec.train.fault_tolerance.value != "replica":
         return None
     k = spec.train.replica.nodes_per_replica
-    return {
+    out: dict[str, int | float | str] = {
         "nodes_per_replica": k,
         "min_replicas": spec.train.replica.min_replicas,
         "replicas_min": spec.nodes.min // k,
         "replicas_max": spec.nodes.max // k,
         "quorum": spec.train.replica.quorum.value,
     }
+    if spec.train.replica.quorum.value == "redis":
+        out["join_timeout_ms"] = join_timeout_ms(spec)
+        out["heartbeat_timeout_s"] = heartbeat_timeout_s(spec)
+    return out
 
 
 def _check_clouds(spec: JobSpec, *, quiet: bool) -> bool:

@@ -8,7 +8,14 @@ from typing import Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
-from .fields import _KMS_KEY_RE, GCP_SCOPE_PREFIX, PER_NODE_HOUR, SECONDS_AFTER_START, _Model
+from .fields import (
+    _KMS_KEY_RE,
+    GCP_SCOPE_PREFIX,
+    MAX_NODES,
+    PER_NODE_HOUR,
+    SECONDS_AFTER_START,
+    _Model,
+)
 
 
 class PreemptionTraceRow(_Model):
@@ -29,7 +36,7 @@ class LocalPreemptions(_Model):
 
 
 class LocalZone(_Model):
-    capacity: int = Field(ge=0, le=10_000, description="nodes this zone can hold")
+    capacity: int = Field(ge=0, le=MAX_NODES, description="nodes this zone can hold")
 
 
 class LocalCloudSpec(_Model):

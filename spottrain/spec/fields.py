@@ -135,6 +135,12 @@ PER_NODE_HOUR = Annotated[
 ]
 # Parameters a checkpoint may hold: far past any model trained (about 2T).
 MAX_PARAMS = 1e15
+# The most nodes (VMs) any count in a spec may name: nodes.max, a replica's nodes, the
+# quorum's floor, a local zone. The design's scale is 12,500 VMs of 8 GPUs (100,000 GPUs);
+# this cap lets the same 100,000 GPUs run one per VM, and only catches typos (a stray zero):
+# any fleet one run's Redis could serve is below it (at ~4 Redis connections per VM, 100,000
+# VMs already need 400,000 clients, six times ElastiCache's maxclients).
+MAX_NODES = 100_000
 
 
 def parse_count(text: str) -> float:

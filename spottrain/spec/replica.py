@@ -11,9 +11,9 @@ from spottrain.catalog import Catalog
 from spottrain.protocol import env as env_names
 
 from .code import ImageCode
+from .heartbeat import DEFAULT_QUORUM_HEARTBEAT_S, HEARTBEAT_AUTO, auto_heartbeat_timeout_s
 from .relay import RELAY_GROUP_AUTO
 from .sections import (
-    DEFAULT_QUORUM_HEARTBEAT_S,
     JOIN_TIMEOUT_AUTO,
     JOIN_TIMEOUT_MS_RANGE,
     FaultTolerance,
@@ -53,6 +53,16 @@ def join_timeout_ms(spec: JobSpec) -> int:
     return auto_join_timeout_ms(spec.nodes.max // r.nodes_per_replica)
 
 
+def heartbeat_timeout_s(spec: JobSpec) -> float:
+    """The Redis quorum's heartbeat timeout for ``spec``: ``train.replica.
+    heartbeat_timeout_s``, or for ``auto`` :func:`.heartbeat.auto_heartbeat_timeout_s` of
+    ``nodes.max / nodes_per_replica``."""
+    r = spec.train.replica
+    if r.heartbeat_timeout_s != HEARTBEAT_AUTO:
+        return float(r.heartbeat_timeout_s)
+    return auto_heartbeat_timeout_s(spec.nodes.max // r.nodes_per_replica)
+
+
 # Relays pay off from here (bench/quorum_scale.py: ~54 µs of Redis per direct request, so
 # 1,000 replicas already cost a 54 ms round) and the automatic group size.
 RELAY_AUTO_FROM_REPLICAS = 1000
@@ -80,7 +90,7 @@ def replica_problem(spec: JobSpec) -> str | None:
     k, least = r.nodes_per_replica, r.min_replicas
     redis_only = {
         "wait_replicas": bool(r.wait_replicas),
-        "heartbeat_timeout_s": r.heartbeat_timeout_s != DEFAULT_QUORUM_HEARTBEAT_S,
+        "heartbeat_timeout_s": r.heartbeat_timeout_s != HEARTBEAT_AUTO,
         "join_timeout_ms": r.join_timeout_ms != JOIN_TIMEOUT_AUTO,
         "relay_group_size": r.relay_group_size != RELAY_GROUP_AUTO,
     }
@@ -131,8 +141,8 @@ def replica_agent_env(spec: JobSpec) -> dict[str, str]:
             else {}
         ),
         **(
-            {env_names.ENV_QUORUM_HEARTBEAT_TIMEOUT: f"{spec.train.replica.heartbeat_timeout_s:g}"}
-            if spec.train.replica.heartbeat_timeout_s != DEFAULT_QUORUM_HEARTBEAT_S
+            {env_names.ENV_QUORUM_HEARTBEAT_TIMEOUT: f"{heartbeat_timeout_s(spec):g}"}
+            if redis and heartbeat_timeout_s(spec) != DEFAULT_QUORUM_HEARTBEAT_S
             else {}
         ),
         **(
@@ -150,8 +160,9 @@ def replica_agent_env(spec: JobSpec) -> dict[str, str]:
 
 def describe_replica(spec: JobSpec) -> str | None:
     """``validate``'s line for a replica-mode job (None for an elastic one): the replica's
-    size, how many replicas the node range gives, the quorum's floor and where it forms, and
-    where torchft comes from."""
+    size, how many replicas the node range gives, the quorum's floor and where it forms (in
+    Redis: with the join and heartbeat timeouts it resolved, since ``auto`` depends on the
+    fleet), and where torchft comes from."""
     if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
         return None
     r = spec.train.replica
@@ -160,6 +171,8 @@ def describe_replica(spec: JobSpec) -> str | None:
     if r.quorum is QuorumKind.REDIS:
         how = " (auto)" if r.join_timeout_ms == JOIN_TIMEOUT_AUTO else ""
         join = f" with a {join_timeout_ms(spec)} ms join timeout{how}"
+        how = " (auto)" if r.heartbeat_timeout_s == HEARTBEAT_AUTO else ""
+        join += f" and a {heartbeat_timeout_s(spec):g} s heartbeat timeout{how}"
         group = relay_group_size(spec)
         join += f", relayed by one VM per {group} replicas" if group else ""
     if isinstance(spec.code, ImageCode):

@@ -21,6 +21,7 @@ from .fields import (
     BYTES_PER_PARAM,
     GB,
     GB_PER_S,
+    MAX_NODES,
     MAX_PARAMS,
     MINUTES,
     SECRET_STORE_HINT,
@@ -31,6 +32,7 @@ from .fields import (
     _Model,
     parse_count,
 )
+from .heartbeat import HEARTBEAT_AUTO, HEARTBEAT_DOC, check_heartbeat_timeout
 from .relay import RELAY_GROUP_AUTO, RELAY_GROUP_DOC, check_relay_group
 
 
@@ -49,8 +51,6 @@ class QuorumKind(StrEnum):
     LIGHTHOUSE = "lighthouse"
 
 
-# The Redis quorum's heartbeat timeout unless the spec says otherwise: the lighthouse's own.
-DEFAULT_QUORUM_HEARTBEAT_S = 1.0
 # train.replica.join_timeout_ms's default: scaled with the fleet (spottrain.spec.replica).
 JOIN_TIMEOUT_AUTO: Literal["auto"] = "auto"
 # A join timeout at or past the workers' 120 s quorum timeout would fail every changed round.
@@ -65,13 +65,13 @@ class ReplicaSpec(_Model):
     nodes_per_replica: int = Field(
         1,
         ge=1,
-        le=10_000,
+        le=MAX_NODES,
         description="nodes in one replica (it shards the model inside, replicates across)",
     )
     min_replicas: int = Field(
         1,
         ge=1,
-        le=10_000,
+        le=MAX_NODES,
         description="fewest whole replicas a step may commit with (the quorum's floor)",
     )
     quorum: QuorumKind = Field(
@@ -79,15 +79,8 @@ class ReplicaSpec(_Model):
         description="where each step's quorum forms: redis (in the run's Redis, the default) "
         "or lighthouse (torchft's lighthouse, which the controller runs)",
     )
-    heartbeat_timeout_s: float = Field(
-        DEFAULT_QUORUM_HEARTBEAT_S,
-        ge=0.2,
-        le=300.0,
-        description="with quorum: redis, seconds without a heartbeat before a replica is "
-        "dropped (a silent loss costs the survivors about this): 1 s up to ~1,500 replicas; "
-        "heartbeats cost Redis about replicas x 5 / timeout script calls a second, so raise "
-        "it for more (5 s at 12,500)",
-    )
+    heartbeat_timeout_s: float | Literal["auto"] = Field(HEARTBEAT_AUTO, description=HEARTBEAT_DOC)
+    _heartbeat = field_validator("heartbeat_timeout_s", mode="before")(check_heartbeat_timeout)
     wait_replicas: int = Field(
         0,
         ge=0,
@@ -200,7 +193,7 @@ class TrainSpec(_Model):
             quorum += f", wait_replicas {r.wait_replicas}" if r.wait_replicas else ""
             quorum += (
                 f", heartbeat_timeout_s {r.heartbeat_timeout_s:g}"
-                if r.heartbeat_timeout_s != DEFAULT_QUORUM_HEARTBEAT_S
+                if r.heartbeat_timeout_s != HEARTBEAT_AUTO
                 else ""
             )
             quorum += (
@@ -225,7 +218,7 @@ class NodesSpec(_Model):
     """How many VMs, and what each runs."""
 
     min: int = Field(ge=1, description="fewest nodes training may continue with")
-    max: int = Field(ge=1, le=10_000, description="most nodes the controller runs")
+    max: int = Field(ge=1, le=MAX_NODES, description="most nodes the controller runs")
     gpus: int = Field(8, ge=0, le=16, description="GPUs each node must have (0: CPU job)")
     workers: int | None = Field(
         None, ge=1, le=64, description="workers per node (default: one per GPU, or 1)"

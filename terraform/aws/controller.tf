@@ -142,7 +142,7 @@ resource "aws_instance" "controller" {
         try(yamldecode(var.controller_job_spec_yaml).train.replica.min_replicas, 1) == var.min_replicas &&
         try(yamldecode(var.controller_job_spec_yaml).train.replica.quorum, "redis") == var.replica_quorum &&
         try(yamldecode(var.controller_job_spec_yaml).train.replica.wait_replicas, 0) == var.replica_wait_replicas &&
-        try(yamldecode(var.controller_job_spec_yaml).train.replica.heartbeat_timeout_s, 1) == var.replica_heartbeat_timeout_s &&
+        try(tostring(yamldecode(var.controller_job_spec_yaml).train.replica.heartbeat_timeout_s), "auto") == var.replica_heartbeat_timeout_s &&
         try(tostring(yamldecode(var.controller_job_spec_yaml).train.replica.join_timeout_ms), "auto") == var.replica_join_timeout_ms &&
         try(tostring(yamldecode(var.controller_job_spec_yaml).train.replica.relay_group_size), "auto") == var.replica_relay_group_size
       )

@@ -43,10 +43,10 @@ create_controller = true
 # min_replicas      = 2
 # replica_quorum    = "redis"
 # With the Redis quorum (the spec's train.replica.wait_replicas, heartbeat_timeout_s,
-# join_timeout_ms, relay_group_size; "auto" scales the join timeout with the fleet and turns
-# relays on from 1,000 replicas):
+# join_timeout_ms, relay_group_size; "auto" scales the heartbeat and join timeouts with the
+# fleet and turns relays on from 1,000 replicas):
 # replica_wait_replicas       = 0
-# replica_heartbeat_timeout_s = 1
+# replica_heartbeat_timeout_s = "auto"
 # replica_join_timeout_ms     = "auto"
 # replica_relay_group_size    = "auto"
 enable_ssm        = true

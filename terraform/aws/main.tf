@@ -120,7 +120,7 @@ locals {
     "SPOTTRAIN_MANAGER_PORT=\"${var.manager_port}\"",
   ], local.lighthouse ? ["SPOTTRAIN_LIGHTHOUSE=\"${local.lighthouse_address}\""] : [], local.lighthouse ? [] : [
     "SPOTTRAIN_QUORUM_WAIT_REPLICAS=\"${var.replica_wait_replicas}\"",
-    "SPOTTRAIN_QUORUM_HEARTBEAT_TIMEOUT=\"${var.replica_heartbeat_timeout_s}\"",
+    "SPOTTRAIN_QUORUM_HEARTBEAT_TIMEOUT=\"${local.replica_heartbeat_timeout_s}\"",
     "SPOTTRAIN_QUORUM_JOIN_TIMEOUT=\"${local.replica_join_timeout_ms}\"",
     "SPOTTRAIN_QUORUM_RELAY_GROUP=\"${local.replica_relay_group_size}\"",
   ]) : "${line}\n"]) : ""
@@ -128,6 +128,11 @@ locals {
   # (spottrain.spec.replica.auto_join_timeout_ms): twice Redis's ~54 µs per replica per round
   # (bench/quorum_scale.py) for the largest fleet, never below 250 ms nor above 60 s.
   replica_join_timeout_ms = var.replica_join_timeout_ms == "auto" ? min(60000, max(250, ceil(2 * floor(var.nodes_max / var.nodes_per_replica) * 54 / 1000))) : tonumber(var.replica_join_timeout_ms)
+  # The Redis quorum's heartbeat timeout in s, "auto" resolved as the spec does
+  # (spottrain.spec.heartbeat.auto_heartbeat_timeout_s): the whole half-second at which the
+  # replicas' heartbeats (5 per timeout, ~28 µs of Redis each) take at most 35 % of a Redis
+  # core, never below 1 s nor above 300 s.
+  replica_heartbeat_timeout_s = var.replica_heartbeat_timeout_s == "auto" ? min(300, max(1, ceil(2 * floor(var.nodes_max / var.nodes_per_replica) * 5 * 28 / 350000) / 2)) : tonumber(var.replica_heartbeat_timeout_s)
   # Replicas per quorum relay, "auto" resolved as the spec does
   # (spottrain.spec.replica.relay_group_size): 100 from 1,000 replicas, else 0 (no relays).
   replica_relay_group_size = var.replica_relay_group_size == "auto" ? (floor(var.nodes_max / var.nodes_per_replica) >= 1000 ? 100 : 0) : tonumber(var.replica_relay_group_size)

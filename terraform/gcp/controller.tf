@@ -85,7 +85,7 @@ resource "google_compute_instance" "controller" {
         try(yamldecode(var.controller_job_spec).train.replica.min_replicas, 1) == var.min_replicas &&
         try(yamldecode(var.controller_job_spec).train.replica.quorum, "redis") == var.replica_quorum &&
         try(yamldecode(var.controller_job_spec).train.replica.wait_replicas, 0) == var.replica_wait_replicas &&
-        try(yamldecode(var.controller_job_spec).train.replica.heartbeat_timeout_s, 1) == var.replica_heartbeat_timeout_s &&
+        try(tostring(yamldecode(var.controller_job_spec).train.replica.heartbeat_timeout_s), "auto") == var.replica_heartbeat_timeout_s &&
         try(tostring(yamldecode(var.controller_job_spec).train.replica.join_timeout_ms), "auto") == var.replica_join_timeout_ms &&
         try(tostring(yamldecode(var.controller_job_spec).train.replica.relay_group_size), "auto") == var.replica_relay_group_size
       )

@@ -92,8 +92,8 @@ resource "google_compute_instance_template" "fleet" {
       error_message = "nodes_per_replica (${var.nodes_per_replica}), min_replicas (${var.min_replicas}) and replica_quorum (${var.replica_quorum}) apply only with fault_tolerance = \"replica\": set it, or leave them at 1, 1 and \"redis\"."
     }
     precondition {
-      condition     = !local.replica || var.replica_quorum != "lighthouse" || (var.replica_wait_replicas == 0 && var.replica_heartbeat_timeout_s == 1 && var.replica_join_timeout_ms == "auto" && var.replica_relay_group_size == "auto")
-      error_message = "replica_wait_replicas (${var.replica_wait_replicas}), replica_heartbeat_timeout_s (${var.replica_heartbeat_timeout_s}), replica_join_timeout_ms (${var.replica_join_timeout_ms}) and replica_relay_group_size (${var.replica_relay_group_size}) apply to the Redis quorum only: torchft's lighthouse runs with its own fixed settings; leave them at 0, 1, \"auto\" and \"auto\", or use replica_quorum = \"redis\"."
+      condition     = !local.replica || var.replica_quorum != "lighthouse" || (var.replica_wait_replicas == 0 && var.replica_heartbeat_timeout_s == "auto" && var.replica_join_timeout_ms == "auto" && var.replica_relay_group_size == "auto")
+      error_message = "replica_wait_replicas (${var.replica_wait_replicas}), replica_heartbeat_timeout_s (${var.replica_heartbeat_timeout_s}), replica_join_timeout_ms (${var.replica_join_timeout_ms}) and replica_relay_group_size (${var.replica_relay_group_size}) apply to the Redis quorum only: torchft's lighthouse runs with its own fixed settings; leave them at 0, \"auto\", \"auto\" and \"auto\", or use replica_quorum = \"redis\"."
     }
     precondition {
       condition     = var.nnodes_min >= var.min_replicas * var.nodes_per_replica

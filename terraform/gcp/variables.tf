@@ -256,14 +256,14 @@ variable "replica_wait_replicas" {
 }
 
 variable "replica_heartbeat_timeout_s" {
-  type        = number
-  description = "Replica mode with replica_quorum = \"redis\": seconds without a heartbeat before the quorum drops a replica (the spec's train.replica.heartbeat_timeout_s). 1 s up to ~1,500 replicas; heartbeats cost Redis about replicas x 5 / timeout script calls a second, so raise it for more (5 s at 12,500)."
-  default     = 1
+  type        = string
+  description = "Replica mode with replica_quorum = \"redis\": seconds without a heartbeat before the quorum drops a replica (the spec's train.replica.heartbeat_timeout_s; a silent loss costs the survivors about this). \"auto\" (the default) grows it with the fleet as the spec does, so heartbeats (replicas x 5 / timeout Redis calls a second, ~28 us each) take at most ~35 % of a Redis core: max(1, replicas / 2500) s rounded up to 0.5 s, with replicas = nnodes_max / nodes_per_replica (1 s up to 2,500 replicas, 5 s at 12,500); or a number of seconds from 0.2 to 300."
+  default     = "auto"
   nullable    = false
 
   validation {
-    condition     = var.replica_heartbeat_timeout_s >= 0.2 && var.replica_heartbeat_timeout_s <= 300
-    error_message = "replica_heartbeat_timeout_s must be from 0.2 to 300 seconds."
+    condition     = var.replica_heartbeat_timeout_s == "auto" || (can(regex("^[0-9]{1,3}([.][0-9]{1,3})?$", var.replica_heartbeat_timeout_s)) && try(tonumber(var.replica_heartbeat_timeout_s) >= 0.2 && tonumber(var.replica_heartbeat_timeout_s) <= 300, false))
+    error_message = "replica_heartbeat_timeout_s must be \"auto\" or a number of seconds from 0.2 to 300."
   }
 }
 

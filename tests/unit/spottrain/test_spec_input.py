@@ -107,7 +107,7 @@ def _problems_of(text: str) -> list[str]:
         (
             "nodes.max",
             float("inf"),
-            "nodes.max (line 12): must be a finite number from 1 to 10,000 (got inf)",
+            "nodes.max (line 12): must be a finite number from 1 to 100,000 (got inf)",
         ),
     ],
 )
@@ -125,7 +125,7 @@ def test_local_cloud_numbers_are_bounded_too() -> None:
     ]
     data = _with(LOCAL, "local.zones", {"local-a": {"capacity": 10**12}})
     assert _problems(data) == [
-        "local.zones.local-a.capacity (line 25): must be less than or equal to 10000 "
+        "local.zones.local-a.capacity (line 25): must be less than or equal to 100000 "
         "(got 1000000000000)"
     ]
 

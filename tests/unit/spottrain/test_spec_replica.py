@@ -279,8 +279,9 @@ def test_the_agent_settings_of_a_replica_job() -> None:
     assert replica_agent_env(patient)[env_names.ENV_QUORUM_JOIN_TIMEOUT] == "800"
     big = _parse(_replica(VALID, {"min": 16, "max": 10_000, "gpus": 8}))
     assert replica_agent_env(big)[env_names.ENV_QUORUM_JOIN_TIMEOUT] == "1080"
-    assert "with a 1080 ms join timeout (auto), relayed by one VM per 100 replicas;" in str(
-        describe_replica(big)
+    assert (
+        "with a 1080 ms join timeout (auto) and a 4 s heartbeat timeout (auto), relayed by one "
+        "VM per 100 replicas;" in str(describe_replica(big))
     )
     # Relays: auto is 100 from 1,000 replicas at nodes.max, off below; 0 turns them off.
     assert replica_agent_env(big)[env_names.ENV_QUORUM_RELAY_GROUP] == "100"
@@ -292,7 +293,9 @@ def test_the_agent_settings_of_a_replica_job() -> None:
     small = _parse(_replica(LOCAL, relay_group_size=2))
     assert replica_agent_env(small)[env_names.ENV_QUORUM_RELAY_GROUP] == "2"
     fixed = _parse(_replica(VALID, {"min": 16, "max": 10_000, "gpus": 8}, join_timeout_ms=300))
-    assert "with a 300 ms join timeout, relayed" in str(describe_replica(fixed))
+    assert "with a 300 ms join timeout and a 4 s heartbeat timeout (auto), relayed" in str(
+        describe_replica(fixed)
+    )
 
 
 def test_the_automatic_join_timeout_grows_with_the_fleet_past_250_ms() -> None:
@@ -313,14 +316,15 @@ def test_validates_line_names_the_mode_the_replicas_and_where_torchft_comes_from
     )
     assert describe_replica(local) == (
         "fault tolerance replica: 2 node(s) per replica, 2-4 replicas, a step commits with at "
-        "least 2 replica(s), its quorum in the run's Redis with a 250 ms join "
-        "timeout (auto); the local VMs run in this venv, which needs spottrain[replica] (torchft)"
+        "least 2 replica(s), its quorum in the run's Redis with a 250 ms join timeout (auto) "
+        "and a 1 s heartbeat timeout (auto); the local VMs run in this venv, which needs "
+        "spottrain[replica] (torchft)"
     )
     image = _parse(_replica(VALID))
     assert describe_replica(image) == (
         "fault tolerance replica: 1 node(s) per replica, 2-4 replicas, a step commits with at "
-        "least 1 replica(s), its quorum in the run's Redis with a 250 ms join "
-        "timeout (auto); the image must hold torchft (pip install "
+        "least 1 replica(s), its quorum in the run's Redis with a 250 ms join timeout (auto) "
+        "and a 1 s heartbeat timeout (auto); the image must hold torchft (pip install "
         "'spottrain[agent,replica]'): nothing installs it at boot"
     )
     lighthouse = _parse(_replica(VALID, quorum="lighthouse"))

@@ -30,6 +30,11 @@ JOIN_TIMEOUT = (
     '${var.replica_join_timeout_ms == "auto" ? min(60000, max(250, ceil(2 * floor(var.NODES '
     "/ var.nodes_per_replica) * 54 / 1000))) : tonumber(var.replica_join_timeout_ms)}"
 )
+# The Redis quorum's heartbeat timeout in s, "auto" resolved as the spec does.
+HEARTBEAT_TIMEOUT = (
+    '${var.replica_heartbeat_timeout_s == "auto" ? min(300, max(1, ceil(2 * floor(var.NODES / '
+    "var.nodes_per_replica) * 5 * 28 / 350000) / 2)) : tonumber(var.replica_heartbeat_timeout_s)}"
+)
 # Replicas per quorum relay, "auto" resolved as the spec does.
 RELAY_GROUP = (
     '${var.replica_relay_group_size == "auto" ? (floor(var.NODES / var.nodes_per_replica) >= '
@@ -72,6 +77,8 @@ def replica_values(
         kind, name = m.groups()
         if kind == "local" and name == "replica_join_timeout_ms":
             return str(join_timeout_ms(locals_, inputs))
+        if kind == "local" and name == "replica_heartbeat_timeout_s":
+            return f"{heartbeat_timeout_s(locals_, inputs):g}"  # Terraform's 1, 2.5
         if kind == "local" and name == "replica_relay_group_size":
             return str(relay_group_size(locals_, inputs))
         if kind == "local":
@@ -97,6 +104,18 @@ def join_timeout_ms(locals_: dict[str, Any], inputs: dict[str, Any]) -> int:
         return int(raw)
     replicas = math.floor(int(inputs[nodes[0]]) / int(inputs["nodes_per_replica"]))
     return min(60000, max(250, math.ceil(2 * replicas * 54 / 1000)))
+
+
+def heartbeat_timeout_s(locals_: dict[str, Any], inputs: dict[str, Any]) -> float:
+    """``local.replica_heartbeat_timeout_s`` as Terraform evaluates it for ``inputs``."""
+    expr = str(locals_["replica_heartbeat_timeout_s"])
+    nodes = [n for n in NODES_MAX if expr == HEARTBEAT_TIMEOUT.replace("NODES", n)]
+    assert nodes, f"local.replica_heartbeat_timeout_s changed shape: {expr}"
+    raw = str(inputs.get("replica_heartbeat_timeout_s", "auto"))
+    if raw != "auto":
+        return float(raw)
+    replicas = math.floor(int(inputs[nodes[0]]) / int(inputs["nodes_per_replica"]))
+    return min(300, max(1, math.ceil(2 * replicas * 5 * 28 / 350000) / 2))
 
 
 def relay_group_size(locals_: dict[str, Any], inputs: dict[str, Any]) -> int:

@@ -89,7 +89,7 @@ VARIABLES = {
     "lighthouse_port": "29510",
     "manager_port": "29512",
     "replica_wait_replicas": "0",
-    "replica_heartbeat_timeout_s": "1",
+    "replica_heartbeat_timeout_s": "auto",
     "replica_join_timeout_ms": "auto",
     "replica_relay_group_size": "auto",
 }

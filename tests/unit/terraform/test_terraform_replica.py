@@ -20,7 +20,7 @@ import pytest
 import test_terraform_aws as aws_t
 import test_terraform_gcp as gcp_t
 from packaging.requirements import Requirement
-from replica_values import LIGHTHOUSE_ADDRESS, env_line_templates
+from replica_values import LIGHTHOUSE_ADDRESS, env_line_templates, heartbeat_timeout_s
 from terraform_hcl import TERRAFORM, Module, load_module, render_template
 
 from spottrain.agent import cli as agent_cli
@@ -37,6 +37,8 @@ from spottrain.protocol.env import (
     ENV_QUORUM_RELAY_GROUP,
     ENV_QUORUM_WAIT_REPLICAS,
 )
+from spottrain.spec.fields import MAX_NODES
+from spottrain.spec.heartbeat import auto_heartbeat_timeout_s
 from spottrain.spec.replica import auto_join_timeout_ms
 
 CLOUDS = ["aws", "gcp"]
@@ -48,7 +50,7 @@ REPLICA_VARIABLES = {
     "lighthouse_port": 29510,
     "manager_port": 29512,
     "replica_wait_replicas": 0,
-    "replica_heartbeat_timeout_s": 1,
+    "replica_heartbeat_timeout_s": "auto",
     "replica_join_timeout_ms": "auto",
     "replica_relay_group_size": "auto",
 }
@@ -61,12 +63,12 @@ REPLICA = {
     "lighthouse_port": 29610,
     "manager_port": 29612,
     "replica_wait_replicas": 1,
-    "replica_heartbeat_timeout_s": 2.5,
+    "replica_heartbeat_timeout_s": "2.5",
     "replica_join_timeout_ms": "auto",
     "replica_relay_group_size": "auto",
 }
 # The same with torchft's lighthouse on the controller VM (whose settings are its own).
-REDIS_SETTINGS = {"replica_wait_replicas": 0, "replica_heartbeat_timeout_s": 1}
+REDIS_SETTINGS = {"replica_wait_replicas": 0, "replica_heartbeat_timeout_s": "auto"}
 LIGHTHOUSE = {**REPLICA, **REDIS_SETTINGS, "replica_quorum": "lighthouse"}
 # Each module names the fleet's size its own way.
 NODES = {"aws": ("nodes_min", "nodes_max"), "gcp": ("nnodes_min", "nnodes_max")}
@@ -178,7 +180,11 @@ def test_replica_variables_are_declared_with_their_defaults(
         ("lighthouse_port", [29510, 1024, 65535], [80, 0, 65536, 29510.5]),
         ("manager_port", [29512], [22, 70000]),
         ("replica_wait_replicas", [0, 1, 16], [-1, 17, 0.5]),
-        ("replica_heartbeat_timeout_s", [0.2, 1, 5, 300], [0.1, 0, 301]),
+        (
+            "replica_heartbeat_timeout_s",
+            ["auto", "0.2", "1", "2.5", "5", "300"],
+            ["", "Auto", "0.1", "0", "301", "300.5", "1e3", "-1", "5s"],
+        ),
         (
             "replica_join_timeout_ms",
             ["auto", "50", "1350", "60000"],
@@ -198,6 +204,18 @@ def test_replica_variables_refuse_what_cannot_work(
         assert _validation_accepts(mods[cloud], name, value), (name, value)
     for value in bad:
         assert not _validation_accepts(mods[cloud], name, value), (name, value)
+
+
+def test_the_aws_module_takes_the_specs_largest_fleet(mods: dict[str, Module]) -> None:
+    # 12,500 one-node replicas (100,000 GPUs at 8 a node), up to the spec's own cap; one Auto
+    # Scaling group has no size limit of its own. (GCP's module is one zonal MIG: 256 VMs.)
+    mod = mods["aws"]
+    for name in ("nodes_max", "nodes_per_replica", "min_replicas"):
+        assert _validation_accepts(mod, name, 12_500), name
+        assert _validation_accepts(mod, name, MAX_NODES), name
+        assert not _validation_accepts(mod, name, MAX_NODES + 1), name
+    big = {**REPLICA, "nodes_per_replica": 1, "min_replicas": 6_250}
+    assert _fleet_accepts(mod, "aws", **big, lo=12_500, hi=12_500) == []
 
 
 def test_fleet_refuses_a_replica_mode_that_cannot_form_a_quorum(
@@ -223,7 +241,7 @@ def test_fleet_refuses_a_replica_mode_that_cannot_form_a_quorum(
     # The Redis quorum's own settings mean nothing to the lighthouse: refused, as the spec does.
     for name, value in (
         ("replica_wait_replicas", 1),
-        ("replica_heartbeat_timeout_s", 5),
+        ("replica_heartbeat_timeout_s", "5"),
         ("replica_join_timeout_ms", "500"),
         ("replica_relay_group_size", "0"),
     ):
@@ -245,13 +263,14 @@ def test_controller_refuses_a_job_spec_in_another_mode(mods: dict[str, Module], 
         ("train.replica.min_replicas", "1", "min_replicas"),
         ("train.replica.quorum", '"redis"', "replica_quorum"),
         ("train.replica.wait_replicas", "0", "replica_wait_replicas"),
-        ("train.replica.heartbeat_timeout_s", "1", "replica_heartbeat_timeout_s"),
     ]:
         # The spec's defaults are the job spec's own (spottrain/spec/sections.py).
         assert f"try(yamldecode(var.{spec}).{key}, {default}) == var.{variable}" in condition
     # "auto" or a number in the spec; the variable is text either way.
     join = f'try(tostring(yamldecode(var.{spec}).train.replica.join_timeout_ms), "auto")'
     assert f"{join} == var.replica_join_timeout_ms" in condition
+    beat = f'try(tostring(yamldecode(var.{spec}).train.replica.heartbeat_timeout_s), "auto")'
+    assert f"{beat} == var.replica_heartbeat_timeout_s" in condition
     assert check["error_message"].startswith(f"{spec}: ")
     assert "replica_join_timeout_ms (${var.replica_join_timeout_ms})" in check["error_message"]
     relay = f'try(tostring(yamldecode(var.{spec}).train.replica.relay_group_size), "auto")'
@@ -340,8 +359,13 @@ def test_the_agent_reads_the_replica_settings(
     mods: dict[str, Module], cloud: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agent_cli.build_parser()  # fills RUN_ENV_VARS
-    # A fleet of 5,000 replicas, where "auto" is past 250 ms, and a join timeout given.
-    big = {**REPLICA, NODES[cloud][1]: 10_000, "nodes_per_replica": 2}
+    # A fleet of 5,000 replicas, where "auto" is past 250 ms and 1 s, and a join timeout given.
+    big = {
+        **REPLICA,
+        NODES[cloud][1]: 10_000,
+        "nodes_per_replica": 2,
+        "replica_heartbeat_timeout_s": "auto",
+    }
     given = {**REPLICA, "replica_join_timeout_ms": "700"}
     for n, variables in enumerate((REPLICA, LIGHTHOUSE, big, given)):
         (tmp_path / str(n)).mkdir()
@@ -363,13 +387,36 @@ def test_the_agent_reads_the_replica_settings(
         # lighthouse, which the module writes none of).
         redis = variables["replica_quorum"] == "redis"
         wait, heartbeat = (1, 2.5) if redis else (0, 1.0)
+        heartbeat = auto_heartbeat_timeout_s(5000) if n == 2 else heartbeat
         assert int(args.quorum_wait_replicas) == wait
         assert float(args.quorum_heartbeat_timeout) == heartbeat
         join = int(args.quorum_join_timeout)
         assert join == {0: 250, 1: 250, 2: auto_join_timeout_ms(5000), 3: 700}[n]
         # Relays from 1,000 replicas on ("auto"), as the spec resolves it.
         assert int(args.quorum_relay_group) == {0: 0, 1: 0, 2: 100, 3: 0}[n]
-    assert auto_join_timeout_ms(5000) == 540
+    assert (auto_join_timeout_ms(5000), auto_heartbeat_timeout_s(5000)) == (540, 2.0)
+
+
+def test_the_modules_resolve_the_heartbeat_timeout_as_the_spec_does(
+    mods: dict[str, Module], cloud: str, tmp_path: Path
+) -> None:
+    locals_ = aws_t._locals(mods[cloud])
+    sizes = [(1, 1), (256, 1), (1000, 1), (2500, 1), (2501, 1), (3751, 1), (12_500, 1)]
+    for nodes, k in [*sizes, (25_000, 2), (100_000, 1), (10_000_000, 1)]:
+        inputs = {NODES[cloud][1]: nodes, "nodes_per_replica": k}
+        auto = heartbeat_timeout_s(locals_, {**inputs, "replica_heartbeat_timeout_s": "auto"})
+        assert auto == auto_heartbeat_timeout_s(nodes // k), (nodes, k)
+    # A number given wins, and reaches the agent as Terraform prints it.
+    given = {**REPLICA, "replica_heartbeat_timeout_s": "7.50"}
+    assert heartbeat_timeout_s(locals_, given) == 7.5
+    _, env, _ = _replica_env(mods, cloud, tmp_path, **given)
+    assert env[ENV_QUORUM_HEARTBEAT_TIMEOUT] == "7.5"
+    # 12,500 replicas: the README's 5 s, past the modules' own nodes_max caps today.
+    (tmp_path / "big").mkdir()
+    big = {**REPLICA, NODES[cloud][1]: 12_500, "nodes_per_replica": 1, "min_replicas": 1}
+    big["replica_heartbeat_timeout_s"] = "auto"
+    _, env, _ = _replica_env(mods, cloud, tmp_path / "big", **big)
+    assert env[ENV_QUORUM_HEARTBEAT_TIMEOUT] == "5"
 
 
 def _pip_requirements(script: str) -> list[Requirement]:
