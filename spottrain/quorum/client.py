@@ -3,6 +3,13 @@
 A request is one script call (O(1) bytes: the step and the quorum id held) and one BLPOP
 for the answer line computed for this replica in Lua; the full membership is fetched with
 ``roster()`` only when an answer's ``roster_version`` changed.
+
+With ``wait_replicas`` an answer is used only once that many Redis replicas hold it: the
+client writes the marker key ``quorum_key("waited")`` and runs ``WAIT`` on the same connection
+(``WAIT`` counts the acknowledgements of its own connection's last write, and a connection
+that wrote nothing counts every connected replica at once), again until the request's
+deadline. A Redis with ``min-replicas-to-write`` refuses the quorum's writes (``NOREPLICAS``)
+while too few replicas are connected: a request rides that out like a lost connection.
 """
 
 from __future__ import annotations
@@ -19,12 +26,23 @@ from typing import Any
 import redis
 
 from spottrain.protocol.keys import RunKeys
-from spottrain.quorum import scripts
-from spottrain.quorum.errors import QuorumCorrupt, QuorumError, QuorumGone, QuorumTimeout
+from spottrain.quorum import errors, scripts
+from spottrain.quorum.errors import (
+    QuorumCorrupt,
+    QuorumError,
+    QuorumGone,
+    QuorumNotReplicated,
+    QuorumTimeout,
+)
 from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig, Roster
 
 # Connection errors a request rides out (reconnect, re-send: requests are idempotent).
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+# ... and what else it rides out until its deadline: a Redis refusing writes (NOREPLICAS).
+_RETRIED = (*_TRANSIENT, QuorumNotReplicated)
+# A WAIT at (or past) the deadline still gets this long: an answer that formed at the last
+# moment is not thrown away for want of a replica's round trip.
+_LAST_WAIT_S = 0.1
 
 
 class _RequestLost(Exception):
@@ -59,8 +77,8 @@ class QuorumClient:
             20 %).
         keys: The run's keys.
         config: The quorum's settings, the same for every replica of the run.
-        wait_replicas: After an answer, ``WAIT wait_replicas 1000`` so that many Redis
-            replicas hold the quorum before it is used (0: do not wait).
+        wait_replicas: An answer is returned only once this many Redis replicas hold it
+            (``WAIT``, repeated until the request's deadline; 0: do not wait).
     """
 
     def __init__(
@@ -103,10 +121,18 @@ class QuorumClient:
             )
         if head == "QCORRUPT":
             key, _, what = rest.partition(" ")
+            if errors.is_noreplicas(what):  # the scripts report any refused write this way
+                return errors.not_enough_replicas(what)
             return self._corrupt(key, what.split(" script: ")[0])
         if head == "WRONGTYPE":
             return self._corrupt("(one of the quorum's keys)", message)
-        return e
+        return errors.not_enough_replicas(message) if errors.is_noreplicas(message) else e
+
+    def _refusal(self, key: str, e: redis.ResponseError) -> QuorumError:
+        """What an error reply to a plain command on ``key`` means."""
+        if errors.is_noreplicas(str(e)):
+            return errors.not_enough_replicas(str(e))
+        return self._corrupt(key, str(e))
 
     def _corrupt(self, key: str, what: str) -> QuorumCorrupt:
         return QuorumCorrupt(
@@ -154,6 +180,9 @@ class QuorumClient:
 
         Raises:
             QuorumGone: this replica id left or was dropped.
+            QuorumNotReplicated: (a QuorumTimeout) with ``wait_replicas``, the answer was not
+                on that many Redis replicas by the deadline; or Redis refused writes
+                (``min-replicas-to-write``) until it.
             QuorumTimeout: no quorum within ``timeout`` (too few replicas, or Redis
                 unreachable the whole time).
             QuorumCorrupt: a quorum key holds garbage.
@@ -172,17 +201,61 @@ class QuorumClient:
                 self._send_request(replica_id, args)
                 answer = self._await_answer(replica_id, token, deadline)
                 break
-            except _TRANSIENT as e:
+            except _RETRIED as e:
                 failures += 1
                 self._back_off(failures, deadline, e)
             except _RequestLost:
                 continue
+        # Held even if unconfirmed: should a failover lose this round, the next request
+        # floors the counter past its id.
         with self._lock:
             if answer.quorum_id > self._held.get(replica_id, 0):
                 self._held[replica_id] = answer.quorum_id
-        if self._wait_replicas > 0:
-            self._redis.execute_command("WAIT", self._wait_replicas, 1000)
+        self._confirm(deadline, f"quorum {answer.quorum_id} for replica {replica_id}")
         return answer
+
+    def _confirm(self, deadline: float, what: str) -> None:
+        """Return once ``wait_replicas`` Redis replicas hold every write Redis made before
+        this call (the answers just read included), WAITing again until ``deadline``.
+
+        Raises:
+            QuorumNotReplicated: fewer acknowledged (or writes were refused) by then; the
+                message says how many and what to check.
+            QuorumTimeout: Redis was unreachable until the deadline.
+        """
+        need = self._wait_replicas
+        failures, acked = 0, 0
+        while need > 0:
+            wait_s = max(_LAST_WAIT_S, min(self._slice_s(), deadline - time.monotonic()))
+            try:
+                acked = self._wait_once(need, wait_s)
+            except _RETRIED as e:
+                failures += 1
+                self._back_off(failures, deadline, e)
+                continue
+            if acked >= need:
+                return
+            if time.monotonic() >= deadline:
+                raise errors.unacknowledged(what, acked, need, self._connected_replicas())
+
+    def _wait_once(self, need: int, wait_s: float) -> int:
+        # One connection for both: WAIT counts the acknowledgements of its own connection's
+        # last write, and every write before the marker (the FORM's) is on the replica
+        # before the marker is.
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(self._keys.quorum_key("waited"), "1")
+        pipe.execute_command("WAIT", need, max(1, int(wait_s * 1000)))
+        marked, acked = pipe.execute(raise_on_error=False)
+        for got in (marked, acked):
+            if isinstance(got, redis.ResponseError):
+                raise self._error(got)
+        return int(acked)
+
+    def _connected_replicas(self) -> int | None:
+        try:
+            return int(self._redis.info("replication").get("connected_slaves", 0))
+        except (redis.RedisError, ValueError):
+            return None  # the message goes without it
 
     def request_batch(
         self, relay_id: str, items: Sequence[BatchItem], timeout: float = 60.0
@@ -194,7 +267,8 @@ class QuorumClient:
 
         Returns:
             replica id -> its Answer, or the QuorumGone / QuorumTimeout / QuorumError
-            ``request`` would have raised for it.
+            ``request`` would have raised for it (QuorumNotReplicated for every answer when,
+            with ``wait_replicas``, the batch's one WAIT fell short by the deadline).
 
         Raises:
             QuorumCorrupt: a quorum key holds garbage.
@@ -239,10 +313,7 @@ class QuorumClient:
 
     def _await_answer(self, replica_id: str, token: str, deadline: float) -> Answer:
         reply = scripts.reply_key(self._keys, replica_id)
-        # Wake to TICK at the join timeout's scale, and at least twice per heartbeat timeout
-        # so a silent loss is swept within the timeout plus a round.
-        hb_ms = self._config.heartbeat_timeout_ms
-        slice_s = min(max(self._config.join_timeout_ms, hb_ms / 4), hb_ms / 2) / 1000
+        slice_s = self._slice_s()
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -251,7 +322,7 @@ class QuorumClient:
             try:
                 got = self._redis.blpop([reply], timeout=max(wait, 0.01))
             except redis.ResponseError as e:
-                raise self._corrupt(reply, str(e)) from e
+                raise self._refusal(reply, e) from e
             if got is None:
                 if self._tick(replica_id, token) == "lost":
                     raise _RequestLost
@@ -275,12 +346,20 @@ class QuorumClient:
                     return scripts.parse_answer(line)
         raise QuorumTimeout(self._timeout_message(replica_id))
 
+    def _slice_s(self) -> float:
+        # Wake to TICK at the join timeout's scale, and at least twice per heartbeat timeout
+        # so a silent loss is swept within the timeout plus a round.
+        hb_ms = self._config.heartbeat_timeout_ms
+        return min(max(self._config.join_timeout_ms, hb_ms / 4), hb_ms / 2) / 1000
+
     def _tick(self, replica_id: str, token: str, *withdraw: str) -> str:
         result = self._call("TICK", replica_id, token, *withdraw)
         return result.decode() if isinstance(result, bytes) else str(result)
 
     def _back_off(self, failures: int, deadline: float, error: Exception) -> None:
         remaining = deadline - time.monotonic()
+        if remaining <= 0 and isinstance(error, QuorumNotReplicated):
+            raise error
         if remaining <= 0:
             raise QuorumTimeout(
                 f"Redis was unreachable until the quorum request's deadline ({error}); check "

@@ -11,6 +11,10 @@ registers up to 500 replicas' requests, and the batch's answers come back on one
 
 Retries are idempotent: the batch keeps its token, a request already registered is not
 counted again, and a batch whose answer already waits reads it before sending again.
+
+With ``wait_replicas`` the batch's answers are confirmed together, by one ``WAIT`` (again
+until the deadline); when that fails, or Redis refused writes (``NOREPLICAS``) until the
+deadline, every member not refused otherwise gets the QuorumNotReplicated.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from spottrain.quorum import scripts
-from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumTimeout
+from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumNotReplicated, QuorumTimeout
 from spottrain.quorum.model import Answer, BatchItem
 
 if TYPE_CHECKING:
@@ -32,6 +36,8 @@ if TYPE_CHECKING:
 
 CHUNK = 500  # items per script call: bounds one call's time on Redis's thread
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+# ... ridden out until the deadline, as a refusal for want of Redis replicas is.
+_RETRIED = (*_TRANSIENT, QuorumNotReplicated)
 
 
 def _text(x: Any) -> str:
@@ -64,27 +70,44 @@ class RelayBatch:
         self.out: dict[str, Answer | QuorumError] = {}
 
     def run(self) -> dict[str, Answer | QuorumError]:
+        try:
+            self._collect()
+        except QuorumNotReplicated as e:  # Redis refused writes until the deadline
+            self._fail(sorted(self.open), e)
+        # Held even if unconfirmed: should a failover lose a round, the next request floors
+        # the counter past its id.
+        answered = {r: a for r, a in self.out.items() if isinstance(a, Answer)}
+        with self.c._lock:
+            for rid, a in answered.items():
+                if a.quorum_id > self.c._held.get(rid, 0):
+                    self.c._held[rid] = a.quorum_id
+        if answered and self.c._wait_replicas > 0:
+            qids = ", ".join(str(q) for q in sorted({a.quorum_id for a in answered.values()}))
+            try:
+                self.c._confirm(self.deadline, f"quorum {qids} for relay batch {self.batch}")
+            except QuorumNotReplicated as e:
+                self._fail(sorted(answered), e)
+        return self.out
+
+    def _collect(self) -> None:
         failures = 0
         while self.open:
             if time.monotonic() >= self.deadline:
                 self._give_up()
-                break
+                return
             try:
                 self._send()
                 if self.open:
                     self._wait()
-            except _TRANSIENT as e:
+            except _RETRIED as e:
                 failures += 1
                 self.c._back_off(failures, self.deadline, e)
                 self.unsent = set(self.open)  # send every open request again: idempotent
-        answers = [a for a in self.out.values() if isinstance(a, Answer)]
-        with self.c._lock:
-            for rid, a in self.out.items():
-                if isinstance(a, Answer) and a.quorum_id > self.c._held.get(rid, 0):
-                    self.c._held[rid] = a.quorum_id
-        if answers and self.c._wait_replicas > 0:
-            self.c._redis.execute_command("WAIT", self.c._wait_replicas, 1000)
-        return self.out
+
+    def _fail(self, ids: list[str], error: QuorumNotReplicated) -> None:
+        for rid in ids:  # one each: the relay hands them to different threads
+            self.open.discard(rid)
+            self.out[rid] = QuorumNotReplicated(f"replica {rid}: {error}")
 
     # -- sending --------------------------------------------------------------------------
     def _send(self) -> None:
@@ -144,7 +167,7 @@ class RelayBatch:
         try:
             got = self.c._redis.blpop([self.key], timeout=max(wait, 0.01))
         except redis.ResponseError as e:
-            raise self.c._corrupt(self.key, str(e)) from e
+            raise self.c._refusal(self.key, e) from e
         if got is not None:
             self._apply(got[1])
         else:
@@ -182,7 +205,7 @@ class RelayBatch:
         try:
             elements, _ = pipe.execute()
         except redis.ResponseError as e:
-            raise self.c._corrupt(self.key, str(e)) from e
+            raise self.c._refusal(self.key, e) from e
         for element in reversed(elements):  # LPUSHed: the oldest is last
             self._apply(element)
 

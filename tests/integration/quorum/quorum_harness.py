@@ -14,6 +14,7 @@ import redis
 
 from spottrain.ports import free_port
 from spottrain.quorum.client import QuorumClient
+from spottrain.quorum.errors import QuorumNotReplicated
 from spottrain.quorum.model import Answer, Member, QuorumConfig
 from spottrain.redis_conn import RedisSettings, connect
 
@@ -54,8 +55,8 @@ class Heartbeater:
             ids = sorted(self.ids - self.paused - self.gone)
             try:
                 self.gone.update(self.client.heartbeat(ids))
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                self.errors.append(e)
+            except (redis.ConnectionError, redis.TimeoutError, QuorumNotReplicated) as e:
+                self.errors.append(e)  # as the shim's: Redis down or refusing writes
 
     def stop(self) -> None:
         self._stop.set()
