@@ -65,6 +65,7 @@ class LogShipper:
         ChunkName(self.started_ms, self.vm or "vm", 0, settings.run_id, settings.node).key()
         self.seq = 0
         self.shipped_bytes = 0  # compressed, this VM's total (the cap)
+        self._in_flight = 0  # bytes of the chunk being put, for the close's count
         self.capped = False
         self._store = store
         self._reported: set[str] = set()
@@ -93,7 +94,8 @@ class LogShipper:
 
     def close(self, timeout: float) -> bool:
         """Read the file to its end, cut what is held, and upload it within ``timeout``
-        seconds. Returns whether everything was shipped."""
+        seconds, however long the store takes. Returns whether everything was shipped (a
+        put that has not returned by then counts as not shipped)."""
         deadline = time.monotonic() + timeout
         self._stop_reading.set()
         if self._threads:
@@ -110,14 +112,17 @@ class LogShipper:
             while self.ship_one() and time.monotonic() < deadline:
                 pass
         self._give_up.set()
-        left = self.chunker.held
+        # An upload thread still alive past the deadline is inside a put that has not
+        # returned: its chunk is in neither the chunker nor (as far as we know) the store.
         uploading = len(self._threads) > 1 and self._threads[1].is_alive()
-        if left == 0 and not uploading:
+        left = self.chunker.held + (self._in_flight if uploading else 0)
+        shipped = left == 0 and not uploading
+        if shipped:
             self.tail.mark_shipped()
         self.tail.close()
-        if left and not self.capped:
+        if not shipped and not self.capped:
             log.warning("log shipping: %d bytes of this node's output were not shipped", left)
-        return left == 0 or self.capped
+        return shipped or self.capped
 
     def _read_loop(self) -> None:
         while not self._stop_reading.is_set():
@@ -169,11 +174,13 @@ class LogShipper:
             marker = CAP_MARKER.format(mb=self.s.max_bytes / MB, file=self.s.file)
             body = gzip.compress(marker.encode(), mtime=0)
             log.warning("log shipping: this VM reached its cap; nothing more is shipped")
-        if not self._put(body):
+        self._in_flight = len(data)
+        stored = self._put(body)
+        if not stored:
             self.chunker.put_back(data)
             self.capped = False
-            return False
-        return True
+        self._in_flight = 0
+        return stored
 
     def _put(self, body: bytes) -> bool:
         attempt = 0
