@@ -19,9 +19,9 @@ from spottrain.controller.run.records import RunInfo
 from spottrain.protocol.keys import RunKeys
 from spottrain.quorum.client import QuorumClient, QuorumStatus
 from spottrain.quorum.errors import QuorumError
-from spottrain.quorum.model import QuorumConfig
+from spottrain.quorum.model import DEFAULT_HEARTBEAT_TIMEOUT_MS, QuorumConfig
 from spottrain.spec import FaultTolerance
-from spottrain.spec.replica import relay_group_size
+from spottrain.spec.replica import heartbeat_timeout_s, relay_group_size
 
 # A holder row older than this is a replica that stopped without leaving (the engine's rule,
 # agent/replica/holders.py, which the controller may not import).
@@ -230,25 +230,46 @@ class ReplicaStatus:
         }
 
 
-def _replica_run(info: RunInfo) -> tuple[int, int] | None:
-    """The quorum's floor (``min_replicas``) and relay group size (0: no relays) of a replica
-    run, None for an elastic one (or a record whose spec no longer parses)."""
+@dataclass(frozen=True)
+class _ReplicaRun:
+    """What ``status`` reads a replica run's quorum with, from its spec: the quorum's floor
+    (``min_replicas``), the heartbeat timeout its shims run at (the spec's, ``auto``
+    resolved for the fleet) and the relay group size (0: no relays)."""
+
+    min_replicas: int
+    heartbeat_timeout_ms: int
+    relay_group_size: int
+
+
+def _replica_run(info: RunInfo) -> _ReplicaRun | None:
+    """The quorum settings of a replica run; None for an elastic one (or a record whose spec
+    no longer parses)."""
     try:
         spec = info.spec()
     except Exception:
         return None
     if spec.train.fault_tolerance is not FaultTolerance.REPLICA:
         return None
-    return spec.train.replica.min_replicas, relay_group_size(spec)
+    return _ReplicaRun(
+        min_replicas=spec.train.replica.min_replicas,
+        heartbeat_timeout_ms=round(heartbeat_timeout_s(spec) * 1000),
+        relay_group_size=relay_group_size(spec),
+    )
 
 
 def read_quorum(
-    client: redis.Redis, keys: RunKeys, min_replicas: int = 1
+    client: redis.Redis,
+    keys: RunKeys,
+    min_replicas: int = 1,
+    heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS,
 ) -> tuple[QuorumStatus | None, str]:
     """The Redis quorum's figures, or None and why they cannot be read (garbage in its keys,
-    Redis refusing): ``status`` shows the reason instead of failing."""
+    Redis refusing): ``status`` shows the reason instead of failing. A replica counts as
+    heartbeating while its last heartbeat is younger than ``heartbeat_timeout_ms``: give
+    the run's own (its spec's), the one its shims drop replicas at."""
+    config = QuorumConfig(heartbeat_timeout_ms=heartbeat_timeout_ms, min_replicas=min_replicas)
     try:
-        quorum = QuorumClient(client, keys, QuorumConfig(min_replicas=min_replicas)).status()
+        quorum = QuorumClient(client, keys, config).status()
     except (QuorumError, redis.RedisError) as e:
         return None, str(e)
     return quorum, ""
@@ -262,8 +283,8 @@ def replica_status(info: RunInfo, client: redis.Redis) -> ReplicaStatus | None:
     slots = client.hgetall(keys.replica_slots)
     rows = replica_rows(slots, client.hgetall(keys.replica_holders))
     if not info.lighthouse and (run := _replica_run(info)) is not None:
-        floor, group_size = run
-        quorum, error = read_quorum(client, keys, floor)
+        quorum, error = read_quorum(client, keys, run.min_replicas, run.heartbeat_timeout_ms)
+        group_size = run.relay_group_size
         relays = read_relays(client, keys, group_size, list(slots)) if group_size else None
         return ReplicaStatus(
             "", False, rows, kind="redis", quorum=quorum, quorum_error=error, relays=relays

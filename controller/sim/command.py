@@ -60,9 +60,13 @@ Defaults, and where each comes from
 - The ``replica`` policy's costs (:mod:`spottrain.controller.sim.replica_params`, where each
   source is given; the text output and ``--json`` print them beside the result, marked
   measured or modelled): ``--step-s 6`` (modelled: Llama 3 405B's 16M-token step on H100 at
-  about 40% MFU); ``--heartbeat-s 1.0`` (the lighthouse timeout; a noticed loss stalls the
-  survivors for it plus a step until the explicit leave lands); ``--kill-stall-s 1.1``
-  (measured with torchft, plus the step redone); ``--join-start-s 4.9`` (measured: a
+  about 40% MFU); ``--heartbeat-s`` (the quorum's heartbeat timeout: with the Redis quorum
+  the spec's ``auto`` for the simulated replicas, 1 s up to 2,500 and 5 s at 12,500, or a
+  ``--spec``'s own number; with the lighthouse the controller's 1 s, and a noticed loss
+  stalls its survivors for it plus a step, as it has no leave); ``--kill-stall-s`` (a loss
+  without notice, before the step redone: 1.08 x the heartbeat timeout with the Redis
+  quorum, measured by ``bench/quorum_scale.py``, 5.40 s at 5 s; the timeout + 0.1 s with
+  the lighthouse, measured with torchft); ``--join-start-s 4.9`` (measured: a
   joiner's start to its first full step); ``--quorum redis`` (default: each step waits for
   the Redis quorum's round, ``--redis-quorum-a-s`` + ``--redis-quorum-b-s`` N, fitted by
   ``bench/quorum_scale.py`` up to 12,500 simulated replicas, and a noticed loss costs one
@@ -107,7 +111,13 @@ from spottrain.controller.sim.config import (
 )
 from spottrain.controller.sim.engine import simulate
 from spottrain.controller.sim.model import SimConfig, SimResult
-from spottrain.controller.sim.replica_params import QUORUMS, ReplicaParams
+from spottrain.controller.sim.replica_params import (
+    LIGHTHOUSE_HEARTBEAT_S,
+    LIGHTHOUSE_KILL_OVERHEAD_S,
+    QUORUMS,
+    REDIS_KILL_STALL_PER_HEARTBEAT,
+    ReplicaParams,
+)
 from spottrain.controller.sim.replica_policy import POLICIES
 from spottrain.controller.sim.report import figures, plot, table
 from spottrain.spec import SpotPolicy
@@ -225,10 +235,18 @@ def _replica_options(p: argparse.ArgumentParser) -> None:
     rep = p.add_argument_group("the replica policy (torchft 0.2.0, measured)")
     rep.add_argument("--step-s", type=float, help=f"one training step ({d.step_s:g} s)")
     rep.add_argument(
-        "--heartbeat-s", type=float, help=f"lighthouse heartbeat timeout ({d.heartbeat_s:g})"
+        "--heartbeat-s",
+        type=float,
+        help="the quorum's heartbeat timeout (default: the Redis quorum's auto for the "
+        "replicas, max(1, replicas / 2,500) s rounded up to 0.5 s, 5 s at 12,500; the "
+        f"lighthouse's {LIGHTHOUSE_HEARTBEAT_S:g} s)",
     )
     rep.add_argument(
-        "--kill-stall-s", type=float, help=f"survivors' stall at a SIGKILL ({d.kill_stall_s:g})"
+        "--kill-stall-s",
+        type=float,
+        help="survivors' stall at a SIGKILL, before the step redone (default: from the "
+        f"heartbeat timeout: x {REDIS_KILL_STALL_PER_HEARTBEAT:g} with the Redis quorum, "
+        f"+ {LIGHTHOUSE_KILL_OVERHEAD_S:g} s with the lighthouse)",
     )
     rep.add_argument(
         "--join-start-s", type=float, help=f"joiner start to first step ({d.join_start_s:g})"

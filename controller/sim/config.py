@@ -23,6 +23,7 @@ from spottrain.spec import (
     SpotPolicy,
     load_spec,
 )
+from spottrain.spec.heartbeat import HEARTBEAT_AUTO
 from spottrain.trace import TracedPreemption, load_trace
 
 DEFAULT_GPUS = 100_000
@@ -192,13 +193,18 @@ _REPLICA_OPTIONS = {
 }
 
 
-def replica_params(args: argparse.Namespace) -> ReplicaParams:
-    """The measured replica costs, with the options given in their place."""
+def replica_params(args: argparse.Namespace, spec: JobSpec | None = None) -> ReplicaParams:
+    """The measured replica costs, with the options given in their place; a spec's explicit
+    ``train.replica.heartbeat_timeout_s`` stands for ``--heartbeat-s`` (its ``auto`` is the
+    simulator's own default: the same formula, for the simulated replicas)."""
     given = {
         field: getattr(args, opt)
         for opt, field in _REPLICA_OPTIONS.items()
         if getattr(args, opt, None) is not None
     }
+    beat = spec.train.replica.heartbeat_timeout_s if spec is not None else HEARTBEAT_AUTO
+    if "heartbeat_s" not in given and beat != HEARTBEAT_AUTO:
+        given["heartbeat_s"] = float(beat)
     return replace(ReplicaParams(), **given)
 
 
@@ -272,7 +278,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         replica_nodes=replica_nodes,
         scaling=args.scaling if args.scaling is not None else 1.0,
         pass_s=args.pass_s if args.pass_s is not None else 1.0,
-        replica=replica_params(args),
+        replica=replica_params(args, spec),
         spot_policy=rec.spot_policy,
         fallback_after_s=rec.fallback_s,
         policies=policies,

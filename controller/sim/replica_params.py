@@ -1,12 +1,20 @@
 """What the ``replica`` policy's events cost, from measurements of torchft 0.2.0 (issue 15,
 ``bench/quorum_scale.py``), each with its source and whether it was measured or modelled.
 
-- A replica lost **with notice**: torchft 0.2.0's lighthouse has no leave, so the survivors
-  wait for the leaver's heartbeats to expire (``heartbeat_s``, the timeout the controller
-  gives its lighthouse) plus the step in flight, until the explicit leave lands.
-- A replica lost **without notice** (SIGKILL): the survivors' step gap measured with torchft
-  on 2 cores at a 1,000 ms heartbeat timeout (``kill_stall_s``), plus the step in flight,
-  discarded and redone.
+- A replica lost **with notice**: with the Redis quorum (the default) the leaver's explicit
+  leave lands within one round (``bench/quorum_scale.py``'s leave -> quorum: 0.006-0.64 s),
+  so the survivors stop for one quorum round, never a heartbeat timeout. torchft 0.2.0's
+  lighthouse has no leave: its survivors wait for the leaver's heartbeats to expire
+  (``heartbeat_s``) plus the step in flight.
+- A replica lost **without notice** (SIGKILL): the survivors wait for its heartbeats to
+  expire, then the step in flight is discarded and redone (``kill_stall_s`` + ``step_s``).
+  The heartbeat timeout (``heartbeat_s``) is the quorum's own unless given: the Redis
+  quorum's grows with the fleet as the spec's ``heartbeat_timeout_s: auto`` does
+  (:func:`spottrain.spec.heartbeat.auto_heartbeat_timeout_s`: 1 s up to 2,500 replicas, 5 s
+  at 12,500); the lighthouse's is the 1 s the controller gives it. ``kill_stall_s`` follows
+  it unless given: 1.08 x the timeout with the Redis quorum (``bench/quorum_scale.py``'s
+  silent loss -> quorum: 5.40 s at a 5 s timeout at 12,500 replicas, 1.01-1.11 s at 1 s),
+  the timeout + 0.1 s with the lighthouse (torchft 0.2.0 measured 1.1 s at 1 s).
 - **Every quorum change** (a leave or a join) makes every survivor rebuild the cross-replica
   process group: ``pg_c0_s + pg_c1_s * n`` for a group of ``n`` replicas, fitted on torchft's
   ``ProcessGroupGloo.configure`` at 2..16 ranks (``bench/quorum_scale.py``) and extrapolated
@@ -25,8 +33,6 @@
   n``, the relays' hop (member -> relay -> member, in parallel on their own VMs) plus
   Redis's CPU for the batches and the steady FORM, fitted by ``bench/quorum_scale.py`` on
   100..12,500 relayed replicas.
-- A noticed loss with the Redis quorum: the leaver's explicit leave lands within one round
-  (measured), so the survivors stop for one quorum round, not the heartbeat timeout.
 - A **joiner** takes ``join_start_s`` from its start to its first full step (measured 3.6-4.9
   s, mostly Python and torch imports), then one process-group rebuild, then the state
   from a live peer: the checkpoint's size / nodes per replica / ``--peer-gbps``.
@@ -36,6 +42,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from spottrain.controller.run.lighthouse import HEARTBEAT_TIMEOUT_MS
+from spottrain.spec.heartbeat import auto_heartbeat_timeout_s
 
 # bench/quorum_scale.py, 2 cores, torchft 0.2.0: 0.0017, 0.025, 0.16 and 1.58 s a round at
 # 10, 100, 300 and 1,000 replicas (the README's quorum table). The clients shared the
@@ -64,6 +73,15 @@ RELAY_HOP_S = 0.023
 # The same run: 0.020, 0.041, 0.091 and 0.20 s at 2, 4, 8 and 16 ranks (one process each).
 PG_C0_S = 0.0
 PG_C1_S = 0.01217
+# A silent loss to the quorum without it, over the heartbeat timeout. The Redis quorum
+# (bench/quorum_scale.py): 5.40 s at a 5 s timeout (12,500 replicas, run on its own), 1.01,
+# 1.03 and 1.11 s at 1 s (100, 1,000 and 4,000 replicas): the sweep lags the expiry by a
+# share of the timeout (a waiter TICKs every timeout / 4 or more), 8 % at 5 s, 1-11 % at 1 s.
+# torchft 0.2.0's lighthouse: a survivor's stall of 1.1 s at its 1 s timeout (issue 15).
+REDIS_KILL_STALL_PER_HEARTBEAT = 1.08
+LIGHTHOUSE_KILL_OVERHEAD_S = 0.1
+# The heartbeat timeout the controller gives torchft's lighthouse (fixed: 1 s).
+LIGHTHOUSE_HEARTBEAT_S = HEARTBEAT_TIMEOUT_MS / 1000
 
 
 @dataclass(frozen=True)
@@ -71,8 +89,8 @@ class ReplicaParams:
     """The measured replica costs; see the module's docstring for each."""
 
     step_s: float = 6.0
-    heartbeat_s: float = 1.0
-    kill_stall_s: float = 1.1
+    heartbeat_s: float | None = None  # None: the quorum's own (heartbeat_timeout_s)
+    kill_stall_s: float | None = None  # None: from the heartbeat timeout (kill_stall)
     join_start_s: float = 4.9
     quorum_a_s: float = QUORUM_A_S
     quorum_b_s: float = QUORUM_B_S
@@ -105,16 +123,38 @@ class ReplicaParams:
         """One cross-replica process-group rebuild for a group of ``replicas``."""
         return self.pg_c0_s + self.pg_c1_s * replicas
 
-    def notice_stall_s(self, replicas: int = 0) -> float:
-        """The survivors' stop on a noticed loss: the Redis quorum's explicit leave lands
-        within one round; torchft 0.2.0's lighthouse has none (the heartbeat timeout and
-        the step in flight)."""
+    def heartbeat_timeout_s(self, fleet: int) -> float:
+        """The quorum's heartbeat timeout for a fleet of ``fleet`` replicas (``nodes.max /
+        nodes_per_replica``): ``heartbeat_s`` where given, else the Redis quorum's automatic
+        one (the spec's ``auto``) or the lighthouse's fixed one."""
+        if self.heartbeat_s is not None:
+            return self.heartbeat_s
+        if self.quorum == "redis":
+            return auto_heartbeat_timeout_s(fleet)
+        return LIGHTHOUSE_HEARTBEAT_S
+
+    def kill_stall(self, fleet: int) -> float:
+        """A silent loss to the quorum without it: ``kill_stall_s`` where given, else the
+        measured overhead on the heartbeat timeout (the module's docstring)."""
+        if self.kill_stall_s is not None:
+            return self.kill_stall_s
+        timeout = self.heartbeat_timeout_s(fleet)
+        if self.quorum == "redis":
+            return REDIS_KILL_STALL_PER_HEARTBEAT * timeout
+        return timeout + LIGHTHOUSE_KILL_OVERHEAD_S
+
+    def notice_stall_s(self, replicas: int) -> float:
+        """The survivors' stop on a noticed loss among ``replicas`` live ones: the Redis
+        quorum's explicit leave lands within one round; torchft 0.2.0's lighthouse has none
+        (its fixed heartbeat timeout and the step in flight)."""
         if self.quorum == "redis":
             return self.quorum_s(replicas)
-        return self.heartbeat_s + self.step_s
+        return self.heartbeat_timeout_s(replicas) + self.step_s
 
-    def kill_stall_total_s(self) -> float:
-        return self.kill_stall_s + self.step_s
+    def kill_stall_total_s(self, fleet: int) -> float:
+        """The survivors' stop on a silent loss in a fleet of ``fleet`` replicas, the step
+        in flight redone included."""
+        return self.kill_stall(fleet) + self.step_s
 
 
 QUORUMS = ("redis", "lighthouse")
@@ -125,20 +165,6 @@ SOURCES: dict[str, tuple[str, str]] = {
         "Llama 3 405B (Llama 3 paper, 2024): 16M-token steps on 16,384 H100 at 38-43% MFU, "
         "6 x 405e9 x 16e6 / (16,384 x 989 TFLOP/s x 0.4) = 6.0 s; the batch grows with the "
         "GPUs to keep it",
-    ),
-    "heartbeat_s": (
-        "setting",
-        "the heartbeat timeout the controller gives its lighthouse (issue 15); a noticed loss "
-        "is modelled as it plus a step, the high bound: bench/replica.py measured the leave "
-        "of one of three replicas at one step + 0.2-0.3 s (0.43-0.59 s at 0.21-0.38 s steps, "
-        "2 cores), the lighthouse's join timeout, not its heartbeat",
-    ),
-    "kill_stall_s": (
-        "measured",
-        "survivor's stall after a SIGKILL at a 1,000 ms heartbeat timeout, torchft 0.2.0, "
-        "2 cores, two replicas (issue 15); plus the step in flight, redone (modelled). "
-        "bench/replica.py, three replicas: 0.58-1.37 s in all with the redone step (the "
-        "majority goes on after the join timeout); SIGSTOP 1.25-1.58 s",
     ),
     "join_start_s": (
         "measured",
@@ -195,14 +221,81 @@ SOURCES: dict[str, tuple[str, str]] = {
 }
 
 
+# The heartbeat timeouts at which a silent loss was measured, per quorum (the docstring).
+KILL_MEASURED_AT_S = {"redis": (1.0, 5.0), "lighthouse": (1.0,)}
+_LIGHTHOUSE_NOTICE = (
+    "a noticed loss is modelled as it plus a step (the lighthouse has no leave), the high "
+    "bound: bench/replica.py measured the leave of one of three replicas at one step + "
+    "0.2-0.3 s (0.43-0.59 s at 0.21-0.38 s steps, 2 cores), the lighthouse's join timeout, "
+    "not its heartbeat"
+)
+_REDONE = "; plus the step in flight, redone (modelled)"
+
+
+def _heartbeat_source(params: ReplicaParams, fleet: int) -> tuple[str, str]:
+    if params.heartbeat_s is not None:
+        return "setting", "given (--heartbeat-s, or --spec's train.replica.heartbeat_timeout_s)"
+    if params.quorum == "redis":
+        return "setting", (
+            f"train.replica.heartbeat_timeout_s: auto at {fleet:,} replicas (spottrain.spec."
+            "heartbeat: max(1, replicas / 2,500) s rounded up to 0.5 s, 1 s up to 2,500 "
+            "replicas, 5 s at 12,500; --heartbeat-s sets one); with the Redis quorum only a "
+            "loss without notice waits for it: a noticed one leaves, one round"
+        )
+    return "setting", (
+        f"the heartbeat timeout the controller gives torchft's lighthouse "
+        f"({HEARTBEAT_TIMEOUT_MS:,} ms, controller/run/lighthouse.py, issue 15); "
+        + _LIGHTHOUSE_NOTICE
+    )
+
+
+def _kill_source(params: ReplicaParams, fleet: int) -> tuple[str, str]:
+    if params.kill_stall_s is not None:
+        return "setting", "given (--kill-stall-s)" + _REDONE
+    timeout = params.heartbeat_timeout_s(fleet)
+    kind = "measured" if timeout in KILL_MEASURED_AT_S[params.quorum] else "modelled"
+    if params.quorum == "redis":
+        return kind, (
+            f"{REDIS_KILL_STALL_PER_HEARTBEAT:g} x the heartbeat timeout: bench/quorum_scale.py's "
+            "silent loss -> quorum, 5.40 s at a 5 s timeout (12,500 replicas) and 1.01-1.11 s "
+            "at 1 s (100-4,000 replicas), the sweep lagging the expiry by a share of the "
+            "timeout (a waiter TICKs every timeout / 4 or more); measured at 1 and 5 s only"
+            + _REDONE
+        )
+    return kind, (
+        f"the heartbeat timeout + {LIGHTHOUSE_KILL_OVERHEAD_S:g} s: survivor's stall after a "
+        "SIGKILL, 1.1 s at a 1,000 ms heartbeat timeout, torchft 0.2.0, 2 cores, two "
+        "replicas (issue 15)" + _REDONE + ". bench/replica.py, three replicas: 0.58-1.37 s "
+        "in all with the redone step (the majority goes on after the join timeout); "
+        "SIGSTOP 1.25-1.58 s"
+    )
+
+
+def timeout_sources(params: ReplicaParams, fleet: int) -> dict[str, dict[str, Any]]:
+    """``heartbeat_s`` and ``kill_stall_s`` for a fleet of ``fleet`` replicas, resolved,
+    each with its kind and source (they depend on the quorum, the fleet and what was
+    given)."""
+    values = {
+        "heartbeat_s": (params.heartbeat_timeout_s(fleet), _heartbeat_source(params, fleet)),
+        "kill_stall_s": (params.kill_stall(fleet), _kill_source(params, fleet)),
+    }
+    return {
+        name: {"value": round(value, 4), "kind": kind, "source": source}
+        for name, (value, (kind, source)) in values.items()
+    }
+
+
 def describe(params: ReplicaParams, replicas: int, catch_up_s: float) -> dict[str, Any]:
     """Every parameter with its source, and what they cost at ``replicas`` replicas (which
     of those figures are extrapolated beyond what was measured is said)."""
-    out: dict[str, Any] = {
-        name: {"value": value, "kind": SOURCES[name][0], "source": SOURCES[name][1]}
-        for name, value in asdict(params).items()
-        if name in SOURCES
-    }
+    timeouts = timeout_sources(params, replicas)
+    out: dict[str, Any] = {}
+    for name, value in asdict(params).items():
+        if name in timeouts:
+            out[name] = timeouts[name]
+        elif name in SOURCES:
+            kind, source = SOURCES[name]
+            out[name] = {"value": value, "kind": kind, "source": source}
     if params.quorum == "redis":
         top = REDIS_MEASURED_UP_TO
         quorum_note = "measured" if replicas <= top else f"extrapolated beyond {top:,}"
@@ -219,7 +312,7 @@ def describe(params: ReplicaParams, replicas: int, catch_up_s: float) -> dict[st
         "pg_rebuild_s": round(params.pg_rebuild_s(replicas), 3),
         "pg_kind": pg_note,
         "notice_stall_s": round(params.notice_stall_s(replicas), 4),
-        "kill_stall_s": params.kill_stall_total_s(),
+        "kill_stall_s": round(params.kill_stall_total_s(replicas), 4),
         "join_s": round(params.join_start_s + catch_up_s, 3),
         "catch_up_s": round(catch_up_s, 3),
     }

@@ -10,8 +10,9 @@ when none is up) and changes what the events cost
   waits for one quorum round of the ``n`` live replicas (the Redis quorum's, by default, or
   the stock lighthouse's);
 - a loss stops the survivors for the notice stall (the Redis quorum: one round, its leave
-  landing; the lighthouse: heartbeat timeout + a step) or the kill stall (+ the step
-  redone), then one process-group rebuild at the smaller size;
+  landing; the lighthouse: heartbeat timeout + a step) or the kill stall (about the
+  heartbeat timeout, the Redis quorum's growing with the fleet, + the step redone), then
+  one process-group rebuild at the smaller size;
 - a joiner enters the quorum ``join_start_s`` after its VM took the slot, which stops the
   survivors for one process-group rebuild at the larger size; it trains once the rebuild
   and its state fetch from a live peer are done. With no replica up it restores the
@@ -47,7 +48,10 @@ class TorchftReplica(Replica):
 
     def _survivors_stall(self, now: float, had_notice: bool) -> None:
         p = self.c.replica
-        stall = p.notice_stall_s(self.up_count) if had_notice else p.kill_stall_total_s()
+        if had_notice:
+            stall = p.notice_stall_s(self.up_count)
+        else:  # the heartbeat timeout is the whole fleet's, not the live replicas'
+            stall = p.kill_stall_total_s(self.c.replicas)
         self.rebuilds += 1
         self._stop_for(now, stall + p.pg_rebuild_s(self.up_count))
 

@@ -140,3 +140,60 @@ def test_status_shows_where_each_relay_group_is_relayed(
         "held": {"0": "10.0.0.4:29513", "2": "10.0.0.9:29513"},
         "unheld": [1],
     }
+
+
+@pytest.mark.parametrize(
+    ("nodes_max", "replica", "heartbeating"),
+    [
+        # auto at 12,500 one-node replicas: 5 s, so a 2 s old heartbeat counts
+        (12_500, {}, 1),
+        # an explicit 5 s on a small fleet, likewise
+        (2, {"heartbeat_timeout_s": 5}, 1),
+        # auto at 2 replicas: 1 s, so the 2 s old heartbeat has lapsed
+        (2, {}, 0),
+    ],
+)
+def test_status_counts_heartbeats_by_the_specs_own_timeout(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_server: Any,
+    redis_client: redis.Redis,
+    run_keys: RunKeys,
+    capsys: pytest.CaptureFixture[str],
+    nodes_max: int,
+    replica: dict[str, Any],
+    heartbeating: int,
+) -> None:
+    """A replica whose last heartbeat is 2 s old still heartbeats where the run's shims drop
+    a replica after 5 s (the spec's heartbeat timeout, auto resolved for its fleet), and not
+    where they drop it after 1 s; one 6 s old has lapsed at either."""
+    from spottrain.controller.cli import main as cli
+
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
+    train = {**LOCAL["train"], "fault_tolerance": "replica", "replica": replica}
+    job = {**LOCAL, "nodes": {**LOCAL["nodes"], "max": nodes_max}, "train": train}
+    info = RunInfo(
+        run_id=run_keys.run_id,
+        spec_text=yaml.safe_dump(job),
+        spec_source="job.yaml",
+        base_dir=str(tmp_path),
+        redis_url=redis_server.endpoint,
+        embedded_redis=False,
+        created_at=time.time(),
+    )
+    info.save()
+    quorum = QuorumClient(redis_server.client(), run_keys, QuorumConfig())
+    for rid in ("replica-0", "replica-1"):
+        quorum.join(Member(rid, address=f"http://{rid}", store_address=f"{rid}:1"))
+    quorum.heartbeat(["replica-0", "replica-1"])
+    # Their last heartbeats, aged as a shim's would be: by Redis's clock, as the quorum's.
+    sec, usec = redis_client.time()
+    now_ms = sec * 1000 + usec // 1000
+    aged = {"replica-0": now_ms - 2000, "replica-1": now_ms - 6000}
+    assert redis_client.zadd(run_keys.quorum_key("hb"), aged, xx=True, ch=True) == 2
+    assert cli.main(["status", info.run_id]) == 0
+    out = capsys.readouterr().out
+    beats = rf"\n  quorum redis: none formed yet; {heartbeating} heartbeating, round \d+\n"
+    assert re.search(beats, out)
+    assert cli.main(["status", info.run_id, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quorum"]["heartbeating"] == heartbeating

@@ -76,7 +76,11 @@ def test_replica_parameters_and_their_sources(capsys: pytest.CaptureFixture[str]
     for name in ("step_s", "heartbeat_s", "kill_stall_s", "join_start_s", "quorum_b_s"):
         assert params[name]["kind"] in {"measured", "modelled", "setting"}
         assert params[name]["source"]
-    assert params["kill_stall_s"] == {**params["kill_stall_s"], "value": 1.1, "kind": "measured"}
+    # 100 replicas on the Redis quorum: the spec's auto timeout, 1 s, and a silent loss
+    # 1.08 x it (bench/quorum_scale.py: 1.01-1.11 s at 1 s).
+    assert params["heartbeat_s"] == {**params["heartbeat_s"], "value": 1.0, "kind": "setting"}
+    assert "auto at 100 replicas" in params["heartbeat_s"]["source"]
+    assert params["kill_stall_s"] == {**params["kill_stall_s"], "value": 1.08, "kind": "measured"}
     at = params["at_replicas"]
     assert at["replicas"] == 100 and at["quorum_kind"] == "measured"
     assert 0 < at["step_share"] < 1
@@ -115,6 +119,31 @@ def test_replica_parameters_and_their_sources(capsys: pytest.CaptureFixture[str]
     text = capsys.readouterr().out
     assert "replica policy (torchft 0.2.0, quorum: redis): parameters and sources" in text
     assert "[measured] bench/quorum_scale.py" in text and "redis_b_s" in text
+
+
+def test_a_replica_specs_heartbeat_timeout_is_simulated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A spec's explicit train.replica.heartbeat_timeout_s is the simulated one (and a silent
+    loss scales with it); --heartbeat-s wins over it; its auto is the simulator's own."""
+    spec = yaml.safe_load((REPO / "examples/aws_job.yaml").read_text())
+    spec["train"]["fault_tolerance"] = "replica"
+    spec["train"]["replica"] = {"nodes_per_replica": 1, "min_replicas": 1}
+    auto = tmp_path / "auto.yaml"
+    auto.write_text(yaml.safe_dump(spec))
+    spec["train"]["replica"]["heartbeat_timeout_s"] = 3
+    given = tmp_path / "given.yaml"
+    given.write_text(yaml.safe_dump(spec))
+    cases = [
+        ((given,), 3.0, "given"),
+        ((given, "--heartbeat-s", "2"), 2.0, "given"),
+        ((auto,), 1.0, "auto at"),
+    ]
+    for (path, *more), timeout, said in cases:
+        data = _json(capsys, "--spec", str(path), "--hours", "1", *more)
+        params = data["replica_parameters"]
+        assert params["heartbeat_s"]["value"] == timeout and said in params["heartbeat_s"]["source"]
+        assert params["kill_stall_s"]["value"] == pytest.approx(1.08 * timeout)
 
 
 def test_default_rate_comes_from_the_catalog_band(capsys: pytest.CaptureFixture[str]) -> None:

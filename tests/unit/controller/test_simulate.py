@@ -232,7 +232,7 @@ def test_replica_pays_the_measured_stalls_rebuilds_and_quorum() -> None:
         m, lambda k: (nodes - k) / nodes * params.step_share(nodes - k) if k < nodes else 0.0
     )
     stall = (
-        params.heartbeat_s
+        params.heartbeat_timeout_s(nodes)
         + params.step_s
         + params.pg_rebuild_s(round(nodes - m - 1))
         + params.pg_rebuild_s(round(nodes - m))
