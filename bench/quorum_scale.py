@@ -18,8 +18,9 @@ answer parser. A round runs from the LAST request sent to the last answer delive
 and p99 of ``--redis-rounds``, at most ``--redis-seconds`` a size). Per size: the bytes one
 replica sends and receives per step, Redis's CPU per round (INFO cpu) and per command (INFO
 commandstats, LATENCY), the time from a leave and from a silent loss to a quorum without
-that replica. At ``--fault-replicas``: healthy replicas falsely dropped while Redis forks for
-BGREWRITEAOF with ``--fill-mib`` loaded and while a client process is SIGSTOPped.
+that replica. At each of ``--fault-replicas`` (1,000 and the largest size): healthy replicas
+falsely dropped while Redis forks for BGREWRITEAOF with ``--fill-mib`` loaded and while a
+client process is SIGSTOPped (for 0.6 x the heartbeat timeout unless ``--pause-s``).
 
 What the simulation leaves out: a fleet's network (here every byte crosses loopback), its
 replicas' own machines (here the clients share 2 cores with Redis, so the measured round is
@@ -34,9 +35,14 @@ timeout of the heartbeat timeout, or 3x the clients' send time where longer (the
 TICKs come every max(join, heartbeat / 4)). The steady rounds and the leave run at a
 heartbeat timeout of ``--steady-heartbeat-timeout-ms`` (5000): a heartbeat process starved
 for a second by this machine's load would otherwise leave its replicas out of a round (they
-are not late on a fleet); the silent loss and the false drops run at the chosen
-``--heartbeat-timeout-ms`` (1000), where such starvation is what they count. The heartbeat
-processes run at nice -10 where allowed. A size that fails is printed, and null.
+are not late on a fleet); the silent loss and the false drops run at the heartbeat timeout
+the product chooses for a fleet of that size (``spottrain.spec.heartbeat``'s
+``auto_heartbeat_timeout_s``: 1 s up to 2,500 replicas, 2 s at 4,000, 5 s at 12,500), or at
+``--heartbeat-timeout-ms`` for every size, where such starvation is what they count. A
+silent loss that fails at it (healthy replicas dropped) is measured again at the steady
+timeout where that is longer, once the replicas it dropped are back under new ids (a dropped
+id is refused for good). The heartbeat processes run at nice -10 where allowed. A size that
+fails is printed, and null.
 
 Relayed (``--relay-group``, default 100; 0: off): after the direct steady rounds, the same
 replicas ask through relays of that many (``qscale/redis_relays.py``: per relay one
@@ -53,11 +59,14 @@ quorum change) then one all-reduce, in 2..16 processes released at once; fitted 
 ``rebuild_s = c0 + c1 n`` (ranks queue for 2 cores at 16, so the slope is an upper bound).
 
     .venv/bin/python bench/quorum_scale.py [--sizes 100,1000,4000,12500] [--rounds 5]
-        [--impl lighthouse,redis] [--fault-replicas 1000] [--pg-ranks 2,4,8,16] [--no-pg]
+        [--impl lighthouse,redis] [--fault-replicas 1000,max] [--pg-ranks 2,4,8,16] [--no-pg]
         [--relay-group 100] [--relay-only]
 
 The last line is one JSON object of the figures: per implementation its own object, and
-flat ``redis_round_ms_p50_N``, ``lighthouse_round_ms_p50_N`` (null where not reached), ...
+flat ``redis_round_ms_p50_N``, ``lighthouse_round_ms_p50_N`` (null where not reached),
+``redis_silent_loss_heartbeat_timeout_ms_N`` (the timeout the silent loss ran at),
+``redis_false_drops_aof_rewrite_N``, ``redis_false_drops_paused_client_N``,
+``redis_false_drop_rate_N`` (and unsuffixed, the smallest fault size's), ...
 """
 
 from __future__ import annotations
@@ -65,15 +74,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import asdict
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("RUST_LOG", "warn")  # before torchft loads: see qscale/lighthouse.py
 
 from benchlib import parser, print_figures
 from qscale import redis_report
 from qscale.fit import fit_linear, fit_quadratic, quadratic
-from qscale.redis_measure import false_drops, measure_size
+from qscale.redis_measure import false_drops, heartbeat_timeout_ms, measure_size
 from qscale.rounds import QuorumServer, RoundFigures, measure
 
 from spottrain.quorum.model import QuorumConfig
@@ -163,6 +173,60 @@ def pg_figures(points: list[GroupFigures]) -> dict[str, object]:
     }
 
 
+def _redis_args(ap: argparse.ArgumentParser) -> None:
+    """The Redis quorum's options."""
+    ap.add_argument("--redis-rounds", type=int, default=100, help="Redis rounds per size (100)")
+    ap.add_argument(
+        "--redis-seconds",
+        type=float,
+        default=20.0,
+        help="at most this long per size once 5 rounds are in (20)",
+    )
+    ap.add_argument("--procs", type=int, default=4, help="Redis client processes (4)")
+    ap.add_argument(
+        "--relay-group",
+        type=int,
+        default=100,
+        help="also measure rounds through relays of this many replicas; 0: off (100)",
+    )
+    ap.add_argument(
+        "--relay-only",
+        action="store_true",
+        help="Redis: only the relayed rounds (no direct rounds, leave, loss or false drops)",
+    )
+    ap.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=None,
+        help="the silent loss's and the false drops' at every size (the product's auto "
+        "timeout for each size: 1000 up to 2,500 replicas, 5000 at 12,500)",
+    )
+    ap.add_argument("--join-timeout-ms", type=int, default=30_000, help="(30000; see above)")
+    ap.add_argument(
+        "--steady-heartbeat-timeout-ms",
+        type=int,
+        default=5000,
+        help="the steady rounds' and the leave's (5000; see above)",
+    )
+    ap.add_argument(
+        "--fault-replicas",
+        default="1000,max",
+        help="sizes of the false-drop runs, max: the largest of --sizes; 0 skips them (1000,max)",
+    )
+    ap.add_argument(
+        "--fill-mib",
+        type=int,
+        default=1024,
+        help="MiB loaded into Redis before the BGREWRITEAOF fork (1024)",
+    )
+    ap.add_argument(
+        "--pause-s",
+        type=float,
+        default=None,
+        help="SIGSTOP of a client process (0.6 x the heartbeat timeout)",
+    )
+
+
 def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = parser(__doc__)
     ap.add_argument(
@@ -186,51 +250,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         default=15_000,
         help="skip (null) a size needing more threads, 3 a client (15000)",
     )
-    ap.add_argument("--redis-rounds", type=int, default=100, help="Redis rounds per size (100)")
-    ap.add_argument(
-        "--redis-seconds",
-        type=float,
-        default=20.0,
-        help="at most this long per size once 5 rounds are in (20)",
-    )
-    ap.add_argument("--procs", type=int, default=4, help="Redis client processes (4)")
-    ap.add_argument(
-        "--relay-group",
-        type=int,
-        default=100,
-        help="also measure rounds through relays of this many replicas; 0: off (100)",
-    )
-    ap.add_argument(
-        "--relay-only",
-        action="store_true",
-        help="Redis: only the relayed rounds (no direct rounds, leave, loss or false drops)",
-    )
-    ap.add_argument("--heartbeat-timeout-ms", type=int, default=1000, help="(1000)")
-    ap.add_argument("--join-timeout-ms", type=int, default=30_000, help="(30000; see above)")
-    ap.add_argument(
-        "--steady-heartbeat-timeout-ms",
-        type=int,
-        default=5000,
-        help="the steady rounds' and the leave's (5000; see above)",
-    )
-    ap.add_argument(
-        "--fault-replicas",
-        type=int,
-        default=1000,
-        help="size of the false-drop runs; 0 skips them (1000)",
-    )
-    ap.add_argument(
-        "--fill-mib",
-        type=int,
-        default=1024,
-        help="MiB loaded into Redis before the BGREWRITEAOF fork (1024)",
-    )
-    ap.add_argument(
-        "--pause-s",
-        type=float,
-        default=None,
-        help="SIGSTOP of a client process (0.6 x the heartbeat timeout)",
-    )
+    _redis_args(ap)
     ap.add_argument("--pg-ranks", default="2,4,8,16", help="process-group sizes")
     ap.add_argument("--pg-reps", type=int, default=3, help="rebuilds per size (3)")
     ap.add_argument("--no-pg", action="store_true", help="skip the process-group rebuild")
@@ -287,10 +307,51 @@ def run_lighthouse(args: argparse.Namespace, counts: list[int], out: dict[str, o
         out[f"lighthouse_round_ms_p50_{n}"] = None if s is None else round(s * 1000, 2)
 
 
+def fault_sizes(text: str, counts: list[int]) -> list[int]:
+    """``--fault-replicas``: the sizes of the false-drop runs (``max``: the largest of
+    ``counts``; ``0``: none)."""
+    words = [x.strip() for x in text.split(",") if x.strip()]
+    if words == ["0"]:
+        return []
+    return _ints(",".join(str(max(counts)) if w == "max" else w for w in words), "--fault-replicas")
+
+
+def run_faults(
+    args: argparse.Namespace, counts: list[int], sized: Callable[[int], QuorumConfig]
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The false-drop runs, each at its size's heartbeat timeout; returns them and the
+    reasons of those that failed."""
+    faults: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
+    for n in fault_sizes(args.fault_replicas, counts):
+        config = sized(n)
+        hb_s = config.heartbeat_timeout_ms / 1000
+        pause_s = args.pause_s if args.pause_s is not None else 0.6 * hb_s
+        print(
+            f"[redis] false drops at {n:,} replicas, heartbeat timeout {hb_s:g} s ...", flush=True
+        )
+        try:
+            faults.append(false_drops(n, args.procs, config, args.fill_mib, pause_s))
+        except RuntimeError as e:
+            print(f"[redis] false drops at {n:,} replicas: null, {e}", flush=True)
+            failed[str(n)] = str(e)
+    return faults, failed
+
+
 def run_redis(args: argparse.Namespace, counts: list[int], out: dict[str, object]) -> None:
-    config = QuorumConfig(
-        heartbeat_timeout_ms=args.heartbeat_timeout_ms, join_timeout_ms=args.join_timeout_ms
-    )
+    base = QuorumConfig(join_timeout_ms=args.join_timeout_ms)
+
+    def sized(n: int) -> QuorumConfig:  # the silent loss's and the false drops' at n
+        return replace(
+            base, heartbeat_timeout_ms=heartbeat_timeout_ms(n, args.heartbeat_timeout_ms)
+        )
+
+    config = {
+        **asdict(base),
+        "heartbeat_timeout_ms": args.heartbeat_timeout_ms or "auto",
+        "heartbeat_timeout_ms_by_size": {str(n): sized(n).heartbeat_timeout_ms for n in counts},
+        "steady_heartbeat_timeout_ms": args.steady_heartbeat_timeout_ms,
+    }
     sizes = []
     failed: dict[str, str] = {}
     for n in counts:
@@ -299,7 +360,7 @@ def run_redis(args: argparse.Namespace, counts: list[int], out: dict[str, object
             steady_hb = args.steady_heartbeat_timeout_ms
             sizes.append(
                 measure_size(
-                    n, args.procs, config, args.redis_rounds, args.redis_seconds, steady_hb,
+                    n, args.procs, sized(n), args.redis_rounds, args.redis_seconds, steady_hb,
                     relay_group=args.relay_group, direct=not args.relay_only,
                 )
             )  # fmt: skip
@@ -308,35 +369,32 @@ def run_redis(args: argparse.Namespace, counts: list[int], out: dict[str, object
             failed[str(n)] = str(e)
     if not sizes:
         raise SystemExit(f"the Redis quorum could not be measured at any size: {failed}")
-    faults = None
     if args.relay_only:
         redis_report.print_relays(sizes)
-        out["redis"] = {"config": asdict(config), "sizes": sizes, "null_reasons": failed}
+        out["redis"] = {"config": config, "sizes": sizes, "null_reasons": failed}
         out.update(redis_report.flat_relays(sizes))
         return
-    if args.fault_replicas > 0:
-        pause_s = (
-            args.pause_s if args.pause_s is not None else 0.6 * config.heartbeat_timeout_ms / 1000
-        )
-        print(f"[redis] false drops at {args.fault_replicas:,} replicas ...", flush=True)
-        faults = false_drops(args.fault_replicas, args.procs, config, args.fill_mib, pause_s)
+    faults, faults_failed = run_faults(args, counts, sized)
     redis_report.print_sizes(sizes)
     redis_report.print_relays(sizes)
     extra = redis_report.extrapolate(sizes)
-    if faults is not None:
-        redis_report.print_faults(faults)
+    for f in faults:
+        redis_report.print_faults(f)
     out["redis"] = {
-        "config": asdict(config),
+        "config": config,
         "sizes": sizes,
         **extra,
-        "faults": faults,
+        "faults": faults[0] if faults else None,  # the first size's (1,000 by default)
+        "faults_by_size": {str(f["n"]): f for f in faults},
         "null_reasons": failed,
+        "faults_null_reasons": faults_failed,
     }
-    out.update(redis_report.flat(sizes, extra, faults))
+    out.update(redis_report.flat(sizes, extra, faults, [int(n) for n in faults_failed]))
     out.update(redis_report.flat_relays(sizes))
-    for n in failed:
+    for size in failed:
         for key in ("round_ms_p50", "round_ms_p99", "bytes_per_replica_step", "leave_to_quorum_s"):
-            out[f"redis_{key}_{n}"] = None
+            out[f"redis_{key}_{size}"] = None
+        out[f"redis_silent_loss_to_quorum_s_{size}"] = None
     out.update(redis_report.shim_costs(counts))
 
 

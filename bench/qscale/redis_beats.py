@@ -62,6 +62,9 @@ class Beats:
         if cmd == "silence":
             self.silent.update(args[0])
             return {"silenced": time.monotonic()}
+        if cmd == "rename":  # replicas back under new ids (RedisQuorum.rejoin_dropped)
+            self.ids = [args[0].get(rid, rid) for rid in self.ids]
+            return {}
         if cmd == "config":
             self.config = args[0]
             assert self.calls is not None
@@ -96,7 +99,7 @@ def beater(pipe: Pipe, port: int, run: str, ids: list[str], config: QuorumConfig
             interval = b.config.heartbeat_timeout_ms / 4000
             if cmd == "start":
                 next_beat = time.monotonic() + random.uniform(0, interval)
-            elif cmd == "config":  # a shorter timeout counts from a fresh beat
+            elif cmd in ("config", "rename"):  # a shorter timeout, new ids: a fresh beat
                 b.once()
                 next_beat = time.monotonic() + interval
             continue

@@ -72,12 +72,29 @@ class Replicas:
             conns = [self._conn() for _ in part]
             await asyncio.gather(*(c.connect() for c in conns))
             self.conns.update(zip(part, conns, strict=True))
-        for rid in self.ids:
+        await self._join(self.ids)
+        return {"connections": len(self.conns) + 1}
+
+    async def _join(self, ids: list[str]) -> None:
+        assert self.calls is not None and self.shared is not None
+        for rid in ids:
             i = int(rid.rsplit("-", 1)[1])
             member = Member(rid, f"10.0.{i // 250}.{i % 250}:29512", f"10.0.0.{i % 250}:29500", 8)
             await self.shared.send_command(*self.calls.join(member))
             await self.shared.read_response()
-        return {"connections": len(self.conns) + 1}
+
+    async def rename(self, new_ids: dict[str, str]) -> dict[str, Any]:
+        """Replicas of this process back under new ids (a dropped id is refused for good,
+        so a fleet's dropped replica restarts under a new one), each on a new connection
+        (the old one may still owe the refused request's BLPOP reply), and joined."""
+        mine = {old: new for old, new in new_ids.items() if old in self.conns}
+        for old, new in mine.items():
+            await self.conns.pop(old).disconnect()
+            self.conns[new] = self._conn()
+            await self.conns[new].connect()
+        self.ids = [mine.get(rid, rid) for rid in self.ids]
+        await self._join(list(mine.values()))
+        return {"renamed": len(mine)}
 
     def _blpop(self, rid: str, remaining: float) -> tuple[Any, ...]:
         c = self.config  # QuorumClient's slice: the join timeout's scale, <= heartbeat / 2
@@ -161,6 +178,8 @@ async def _serve(pipe: Pipe, reps: Replicas) -> None:
             await reps.round(*args, pipe)
         elif cmd == "relay_round":
             await relay_round(reps, *args, pipe)
+        elif cmd == "rename":
+            pipe.send(await reps.rename(args[0]))
         elif cmd == "silence":
             reps.silent.update(args[0])
             pipe.send({"silenced": time.monotonic()})

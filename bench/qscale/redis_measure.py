@@ -74,6 +74,18 @@ def steady(q: RedisQuorum, rounds: int, seconds: float, min_rounds: int = 5) -> 
     }
 
 
+def heartbeat_timeout_ms(n: int, explicit_ms: int | None = None) -> int:
+    """The heartbeat timeout the silent loss and the false drops run at with ``n`` replicas:
+    ``explicit_ms`` where given, else the one the product chooses for a fleet of ``n``
+    (``train.replica.heartbeat_timeout_s: auto``; 1 s up to 2,500 replicas, 5 s at 12,500)."""
+    if explicit_ms is not None:
+        return explicit_ms
+    from spottrain.spec.heartbeat import auto_heartbeat_timeout_s  # the spec: not in workers
+
+    ms: float = auto_heartbeat_timeout_s(n) * 1000
+    return round(ms)
+
+
 def leave_and_loss(q: RedisQuorum, spread_ms: float, chosen: QuorumConfig) -> dict[str, Any]:
     """The last replica leaves while the others wait in a round (time from its leave to every
     other replica's answer); then the first goes silent (no request, no heartbeat) at a step
@@ -82,7 +94,9 @@ def leave_and_loss(q: RedisQuorum, spread_ms: float, chosen: QuorumConfig) -> di
     send every request (``spread_ms``) where that is longer: the waiters' TICKs (every
     max(join timeout, heartbeat timeout / 4)) notice the loss about one join timeout after
     it. Where this machine's lag fails that round (a heartbeat process starved past the
-    timeout), another replica's silent loss is measured at the steady heartbeat timeout."""
+    timeout), another replica's silent loss is measured at the steady heartbeat timeout
+    when that is longer, from a fresh state: the healthy replicas the first try dropped
+    come back under new ids first, as a fleet's would."""
     n = len(q.live)
     leaver = q.live[-1]
     q.silence([leaver])
@@ -92,36 +106,50 @@ def leave_and_loss(q: RedisQuorum, spread_ms: float, chosen: QuorumConfig) -> di
     out: dict[str, Any] = {"leave_to_quorum_s": round(r.last_recv - sent["leave"], 4)}
     steady_config = q.config
     tries = [chosen.heartbeat_timeout_ms, steady_config.heartbeat_timeout_ms]
+    out["silent_loss_rejoined"] = 0
     for k, hb_ms in enumerate(tries):
-        lost = q.live[0]
         join_ms = max(hb_ms, math.ceil(3 * spread_ms))
         out["silent_loss_join_timeout_ms"] = join_ms
         out["silent_loss_heartbeat_timeout_ms"] = hb_ms
-        q.set_config(replace(chosen, heartbeat_timeout_ms=hb_ms, join_timeout_ms=join_ms))
-        expect = len(q.live) - 1
-        silenced = q.silence([lost])
-        r = q.round(timeout_s=max(10.0, 3 * join_ms / 1000))
-        q.set_config(steady_config)
-        try:
-            check(r, expect, f"{n} replicas, the round after a silent loss")
-            out["silent_loss_to_quorum_s"] = round(r.last_recv - silenced, 4)
+        config = replace(chosen, heartbeat_timeout_ms=hb_ms, join_timeout_ms=join_ms)
+        r, silenced, error = silent_loss(q, config, f"{n} replicas")
+        out["silent_loss_to_quorum_s"] = None if error else round(r.last_recv - silenced, 4)
+        if not error:
             break
-        except RuntimeError as e:  # this machine's lag beyond the timeouts: said, not hidden
-            again = k + 1 < len(tries) and tries[k + 1] > hb_ms
-            print(
-                f"  silent loss at {n:,}, heartbeat timeout {hb_ms} ms: not measured ({e})"
-                + (f"; again at {tries[k + 1]} ms" if again else ""),
-                flush=True,
-            )
-            out["silent_loss_to_quorum_s"] = None
-            if not again:
-                break
-            # The late replicas' requests left a round open since then: one round of every
-            # live replica (their retries, idempotent) closes it before the next try.
-            q.round(timeout_s=max(10.0, 3 * join_ms / 1000))
+        again = k + 1 < len(tries) and tries[k + 1] > hb_ms
+        print(
+            f"  silent loss at {n:,}, heartbeat timeout {hb_ms} ms: not measured ({error})"
+            + (f"; again at {tries[k + 1]} ms" if again else ""),
+            flush=True,
+        )
+        if not again:
+            break
+        # The late replicas' requests left a round open since then: one round of every live
+        # replica (their retries, idempotent) closes it; then the dropped ones rejoin.
+        q.round(timeout_s=max(10.0, 3 * join_ms / 1000))
+        rejoined = q.rejoin_dropped()
+        out["silent_loss_rejoined"] += len(rejoined)
+        if rejoined:
+            print(f"  {len(rejoined)} dropped replica(s) back under new ids", flush=True)
     out["silent_loss_ticks"] = r.ticks
     out["gone"] = q.gone()
     return out
+
+
+def silent_loss(q: RedisQuorum, config: QuorumConfig, what: str) -> tuple[Round, float, str]:
+    """The first live replica silenced at a step boundary and the round after it, at
+    ``config``: returns that round, when the replica went silent, and "" or what failed."""
+    steady_config = q.config
+    q.set_config(config)
+    expect = len(q.live) - 1
+    silenced = q.silence([q.live[0]])
+    r = q.round(timeout_s=max(10.0, 3 * config.join_timeout_ms / 1000))
+    q.set_config(steady_config)
+    try:
+        check(r, expect, f"{what}, the round after a silent loss")
+    except RuntimeError as e:  # this machine's lag beyond the timeouts: said, not hidden
+        return r, silenced, str(e)
+    return r, silenced, ""
 
 
 def _said(what: str, n: int, out: dict[str, Any]) -> None:
@@ -190,8 +218,10 @@ def false_drops(
     forks for BGREWRITEAOF with ``fill_mib`` MiB loaded, and while one client process (a
     VM's heartbeats and requests) is SIGSTOPped for ``pause_s``."""
     out: dict[str, Any] = {"n": n, "heartbeat_timeout_ms": config.heartbeat_timeout_ms}
+    started = time.monotonic()
     with RedisQuorum(n, procs, config) as q:
         check(q.round(), n, f"{n} replicas, the first round")
+        out["setup_s"] = round(time.monotonic() - started, 1)
         t0 = time.monotonic()
         q.server.populate(fill_mib)
         out["fill_mib"] = fill_mib
@@ -208,4 +238,5 @@ def false_drops(
         got = _rounds_during(q, pause, after_s=2 * config.heartbeat_timeout_ms / 1000)
         out["paused_client"] = {**_drops(q, got, n), "pause_s": pause_s}
         out["paused_client"]["replicas_paused"] = len(q.ids[0 :: q.nprocs])
+    out["took_s"] = round(time.monotonic() - started, 1)
     return out

@@ -79,6 +79,7 @@ class RedisQuorum:
         self.step = 0
         self.qid = 0
         self.live = list(self.ids)
+        self.next_id = n  # a dropped replica's new id (rejoin_dropped)
         self.relay_group = 0  # > 0: rounds go through relays of this many replicas
         self.block = max(1, block)  # ids dealt to the processes in blocks: whole relay groups
 
@@ -207,6 +208,29 @@ class RedisQuorum:
         assert self.calls is not None
         raw = self.server.r.hgetall(self.calls.keys.quorum_key("gone"))
         return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def rejoin_dropped(self) -> list[str]:
+        """Every live replica the quorum dropped back under a new id, as a fleet's dropped
+        replica restarts (its id is refused for good): renamed in its client and heartbeat
+        processes (``replica-<n + k>``, on a new connection), joined and heartbeating.
+        Returns the dropped ids."""
+        live = set(self.live)
+        dropped = sorted(
+            r for r, why in self.gone().items() if r in live and why.startswith("dropped")
+        )
+        new_ids = {old: f"replica-{self.next_id + k:05d}" for k, old in enumerate(dropped)}
+        self.next_id += len(dropped)
+        if not new_ids:
+            return []
+        self._all(self.p.pipes, ("rename", new_ids))
+        self._all(self.p.beat_pipes, ("rename", new_ids))
+        for old, new in new_ids.items():
+            self.p.owner[new] = self.p.owner.pop(old)
+        self.ids = [new_ids.get(r, r) for r in self.ids]
+        # Last: a round closes without a newcomer that asks after every member of the last
+        # quorum did (the fast path), so a silent loss is measured on a member (live[0]).
+        self.live = [r for r in self.live if r not in new_ids] + list(new_ids.values())
+        return dropped
 
     def worker_stats(self) -> list[dict[str, Any]]:
         return self._all(self.p.beat_pipes, ("stats",))

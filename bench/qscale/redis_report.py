@@ -3,6 +3,7 @@ and the flat figures of its last JSON line."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .fit import fit_linear
@@ -19,7 +20,7 @@ def print_sizes(sizes: list[dict[str, Any]]) -> None:
     print(
         f"{'replicas':>9} {'rounds':>6} {'p50 ms':>8} {'p99 ms':>8} {'send ms':>8} "
         f"{'B/rep/step':>10} {'Redis B':>8} {'CPU ms':>7} {'us/rep':>7} "
-        f"{'leave s':>8} {'silent s':>8}"
+        f"{'leave s':>8} {'silent s':>8} {'at hb s':>7}"
     )
     for s in sizes:
         wire = s["bytes_sent_per_replica_step"] + s["bytes_recv_per_replica_step"]
@@ -28,13 +29,16 @@ def print_sizes(sizes: list[dict[str, Any]]) -> None:
             f"{s['n']:>9,} {s['rounds']:>6} {s['round_ms_p50']:>8.1f} {s['round_ms_p99']:>8.1f} "
             f"{s['send_spread_ms_p50']:>8.1f} {wire:>10.0f} {red:>8.0f} "
             f"{s['redis_cpu_ms_per_round_p50']:>7.1f} {s['redis_cpu_us_per_replica']:>7.1f} "
-            f"{s['leave_to_quorum_s']:>8.3f} {_num(s['silent_loss_to_quorum_s'], 8, 3)}"
+            f"{s['leave_to_quorum_s']:>8.3f} {_num(s['silent_loss_to_quorum_s'], 8, 3)} "
+            f"{s['silent_loss_heartbeat_timeout_ms'] / 1000:>7g}"
         )
     print(
         "B/rep/step: bytes one replica sends + receives per step (its request, BLPOP and "
         "answer; counted by the clients); Redis B: Redis's own net in+out per replica per "
         "round (INFO stats; includes the heartbeats and the bench's INFO reads). send ms: "
-        "the clients' time to get all N requests out (not part of the round)."
+        "the clients' time to get all N requests out (not part of the round). silent s: "
+        "a silent loss -> a quorum without it, at the heartbeat timeout 'at hb s' (the "
+        "product's auto timeout for that fleet unless --heartbeat-timeout-ms)."
     )
     for s in sizes:
         cmds = ", ".join(
@@ -134,7 +138,8 @@ def extrapolate(sizes: list[dict[str, Any]]) -> dict[str, Any]:
 def print_faults(f: dict[str, Any]) -> None:
     print(
         f"\nfalse drops of healthy replicas at {f['n']:,} replicas, heartbeat timeout "
-        f"{f['heartbeat_timeout_ms']} ms (rounds back to back):"
+        f"{f['heartbeat_timeout_ms']} ms (rounds back to back; {f['took_s']} s with "
+        f"{f['setup_s']} s to start {f['n']:,} replicas):"
     )
     aof, paused = f["aof_rewrite"], f["paused_client"]
     print(
@@ -152,8 +157,14 @@ def print_faults(f: dict[str, Any]) -> None:
 
 
 def flat(
-    sizes: list[dict[str, Any]], extra: dict[str, Any], faults: dict[str, Any] | None
+    sizes: list[dict[str, Any]],
+    extra: dict[str, Any],
+    faults: list[dict[str, Any]],
+    faults_failed: Sequence[int] = (),
 ) -> dict[str, Any]:
+    """The flat figures; the false drops as ``redis_false_drops_*_N`` for each size run
+    (null for the ``faults_failed``), and unsuffixed for the smallest (the 1,000 replicas
+    of the default run)."""
     out: dict[str, Any] = {}
     for s in sizes:
         n = s["n"]
@@ -168,15 +179,30 @@ def flat(
         out[f"redis_cpu_ms_per_round_{n}"] = s["redis_cpu_ms_per_round_p50"]
         out[f"redis_cpu_us_per_replica_{n}"] = s["redis_cpu_us_per_replica"]
     out["redis_serial_round_ms_extrapolated_12500"] = extra["serial_ms_12500"]
-    if faults is not None:
-        aof, paused = faults["aof_rewrite"], faults["paused_client"]
-        out["redis_false_drops_aof_rewrite"] = aof["false_drops"]
-        out["redis_false_drops_paused_client"] = paused["false_drops"]
-        out["redis_false_drop_rate"] = round(
-            (aof["false_drops"] + paused["false_drops"]) / (2 * faults["n"]), 6
-        )
-        out["redis_false_drop_replicas"] = faults["n"]
+    runs: dict[int, dict[str, Any] | None] = {f["n"]: f for f in faults}
+    runs.update(dict.fromkeys(faults_failed))
+    for k, n in enumerate(sorted(runs)):
+        figures = _fault_figures(runs[n])
+        if k == 0:
+            out.update(figures)
+            out["redis_false_drop_replicas"] = n
+        out.update({f"{key}_{n}": v for key, v in figures.items()})
     return out
+
+
+def _fault_figures(f: dict[str, Any] | None) -> dict[str, Any]:
+    """One false-drop run's flat figures (``None``: its keys, each null)."""
+    keys = (
+        "redis_false_drops_aof_rewrite",
+        "redis_false_drops_paused_client",
+        "redis_false_drop_rate",
+        "redis_false_drop_heartbeat_timeout_ms",
+    )
+    if f is None:
+        return dict.fromkeys(keys)
+    aof, paused = f["aof_rewrite"]["false_drops"], f["paused_client"]["false_drops"]
+    rate = round((aof + paused) / (2 * f["n"]), 6)
+    return dict(zip(keys, (aof, paused, rate, f["heartbeat_timeout_ms"]), strict=True))
 
 
 def shim_costs(ns: list[int]) -> dict[str, Any]:

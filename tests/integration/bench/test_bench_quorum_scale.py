@@ -16,7 +16,11 @@ sys.path.insert(0, str(BENCH_DIR))
 
 from qscale.fit import fit_linear, fit_quadratic, quadratic  # noqa: E402
 from qscale.redis_clients import resp_len  # noqa: E402
-from qscale.redis_quorum import pct  # noqa: E402
+from qscale.redis_measure import heartbeat_timeout_ms, silent_loss  # noqa: E402
+from qscale.redis_quorum import RedisQuorum, check, pct  # noqa: E402
+from quorum_scale import fault_sizes  # noqa: E402
+
+from spottrain.quorum.model import QuorumConfig  # noqa: E402
 
 
 def test_fits_recover_the_coefficients_and_stay_non_negative() -> None:
@@ -42,7 +46,7 @@ def test_tiny_run_measures_the_redis_quorum() -> None:
             sys.executable,
             str(BENCH_DIR / "quorum_scale.py"),
             *("--impl", "redis", "--sizes", "3,6", "--redis-rounds", "3", "--procs", "1"),
-            *("--fault-replicas", "3", "--fill-mib", "1", "--pause-s", "0.2", "--no-pg"),
+            *("--fault-replicas", "3,max", "--fill-mib", "1", "--pause-s", "0.2", "--no-pg"),
             *("--heartbeat-timeout-ms", "600", "--steady-heartbeat-timeout-ms", "600"),
         ],
         capture_output=True,
@@ -68,9 +72,48 @@ def test_tiny_run_measures_the_redis_quorum() -> None:
     assert size["commands"]["evalsha"]["calls_per_round"] >= 6 and size["roster_bytes"] > 0
     # The leaver is tombstoned "left"; the silent one "dropped" only once its heartbeat expired.
     assert figures["redis"]["sizes"][0]["gone"]["replica-00002"].startswith("left ")
+    # The timeout given wins at every size; false drops at the smallest fault size
+    # unsuffixed (1,000 in the full run), and per size measured (here also the largest).
+    assert figures["redis_silent_loss_heartbeat_timeout_ms_6"] == 600
     assert figures["redis_false_drops_aof_rewrite"] == 0
     assert figures["redis_false_drops_paused_client"] == 0
+    assert figures["redis_false_drop_replicas"] == 3
+    for n in (3, 6):
+        assert figures[f"redis_false_drops_aof_rewrite_{n}"] == 0
+        assert figures[f"redis_false_drops_paused_client_{n}"] == 0
+        assert figures[f"redis_false_drop_rate_{n}"] == 0
+        assert figures[f"redis_false_drop_heartbeat_timeout_ms_{n}"] == 600
     assert figures["redis_serial_round_ms_extrapolated_12500"] > 0
+
+
+def test_silent_loss_and_false_drops_run_at_the_products_timeout_for_each_size() -> None:
+    assert [heartbeat_timeout_ms(n) for n in (100, 1000, 2500, 4000, 12_500)] == [
+        1000,
+        1000,
+        1000,
+        2000,
+        5000,
+    ]
+    assert heartbeat_timeout_ms(12_500, 1000) == 1000  # --heartbeat-timeout-ms wins
+    assert fault_sizes("1000,max", [100, 12_500]) == [1000, 12_500]
+    assert fault_sizes("3", [3, 6]) == [3] and fault_sizes("0", [3]) == []
+
+
+def test_a_silent_loss_retry_starts_with_the_dropped_replicas_under_new_ids() -> None:
+    """What a failed silent loss's retry starts from: the healthy replicas the quorum dropped
+    (here a client process frozen past the heartbeat timeout) are back under new ids, and the
+    round after the next silent loss holds every other replica, the rejoined ones too."""
+    config = QuorumConfig(heartbeat_timeout_ms=300, join_timeout_ms=300)
+    with RedisQuorum(4, 2, config) as q:
+        check(q.round(), 4, "the first round")
+        q.pause_worker(0, 1.2).join()
+        q.round(timeout_s=10)  # the frozen replicas' requests: refused, they were dropped
+        assert q.rejoin_dropped() == ["replica-00000", "replica-00002"]
+        assert q.live == ["replica-00001", "replica-00003", "replica-00004", "replica-00005"]
+        r, silenced, error = silent_loss(q, config, "4 replicas")
+        assert error == "" and r.counts == {3: 3} and r.last_recv > silenced
+        assert q.rejoin_dropped() == []
+        assert q.gone()["replica-00001"].startswith("dropped")
 
 
 @pytest.mark.slow
