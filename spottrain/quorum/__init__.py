@@ -7,7 +7,8 @@ O(1) bytes per replica on the wire (the full membership travels only when it cha
 Modules: :mod:`.model` (members, answers, the config), :mod:`.errors`, :mod:`.lua`,
 :mod:`.lua_bodies`, :mod:`.lua_relay` and :mod:`.scripts` (the Lua that owns every key, its
 argument layout and the key layout, the answer line's parser), :mod:`.client` (the blocking
-client the agent's lighthouse shim and the tests use) and :mod:`.relay` (its
+client the agent's lighthouse shim and the tests use), :mod:`.confirm` (``wait_replicas``'
+WAIT, and the deadlines of the client's blocking commands) and :mod:`.relay` (its
 ``request_batch``: a relay asking for a group of replicas in one call).
 
 Relays and the steady FORM: at thousands of replicas a script call per replica per step is
@@ -65,5 +66,12 @@ Durability: every request carries the quorum id its replica holds and the counte
 to it, so ids never go back for any id a live replica holds, even when Redis restarted empty
 or failed over to a replica that missed the last second (the state then gets a new ``epoch``
 and a grace of one heartbeat timeout for the replicas to come back). ``wait_replicas`` makes
-each answer wait (``WAIT n 1000``) until that many Redis replicas hold it.
+each answer wait until that many Redis replicas hold it (:mod:`.confirm`: a marker write and
+``WAIT n <slice>`` on one connection, repeated until the request's deadline; short of it the
+answer is not used and the request raises QuorumNotReplicated).
+
+Refusals: a Redis that refuses the quorum's writes for a reason of its own (a replica after a
+failover: ``READONLY``; ``LOADING``; ``BUSY``; ``OOM``; ``MISCONF``; ``NOREPLICAS``) is not
+corruption: the scripts pass its reply on, a request rides it out until its deadline, and the
+QuorumRedisRefused names the cause and the fix (:func:`.errors.refusal`).
 """

@@ -4,12 +4,15 @@ A request is one script call (O(1) bytes: the step and the quorum id held) and o
 for the answer line computed for this replica in Lua; the full membership is fetched with
 ``roster()`` only when an answer's ``roster_version`` changed.
 
-With ``wait_replicas`` an answer is used only once that many Redis replicas hold it: the
-client writes the marker key ``quorum_key("waited")`` and runs ``WAIT`` on the same connection
-(``WAIT`` counts the acknowledgements of its own connection's last write, and a connection
-that wrote nothing counts every connected replica at once), again until the request's
-deadline. A Redis with ``min-replicas-to-write`` refuses the quorum's writes (``NOREPLICAS``)
-while too few replicas are connected: a request rides that out like a lost connection.
+With ``wait_replicas`` an answer is used only once that many Redis replicas hold it
+(:mod:`.confirm`: a marker write and ``WAIT`` on one connection, again until the request's
+deadline, the last ``WAIT`` ending by it).
+
+A Redis that refuses the quorum's writes for a reason of its own (:func:`.errors.refusal`:
+a replica after a failover, loading its data, busy with a script, full memory, a disk error,
+``min-replicas-to-write``) is ridden out by a request like a lost connection, until its
+deadline; then the :class:`.errors.QuorumRedisRefused` names the cause and the fix. A join
+rides it out only when given a timeout; heartbeats, leaves and reads raise it at once.
 """
 
 from __future__ import annotations
@@ -21,28 +24,27 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 
 from spottrain.protocol.keys import RunKeys
-from spottrain.quorum import errors, scripts
+from spottrain.quorum import confirm, errors, scripts
 from spottrain.quorum.errors import (
     QuorumCorrupt,
     QuorumError,
     QuorumGone,
-    QuorumNotReplicated,
+    QuorumRedisRefused,
     QuorumTimeout,
 )
 from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig, Roster
 
 # Connection errors a request rides out (reconnect, re-send: requests are idempotent).
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
-# ... and what else it rides out until its deadline: a Redis refusing writes (NOREPLICAS).
-_RETRIED = (*_TRANSIENT, QuorumNotReplicated)
-# A WAIT at (or past) the deadline still gets this long: an answer that formed at the last
-# moment is not thrown away for want of a replica's round trip.
-_LAST_WAIT_S = 0.1
+# ... and what else it rides out until its deadline: a Redis refusing its writes.
+_RETRIED = (*_TRANSIENT, QuorumRedisRefused)
+# Refusals that mean the connection reaches a demoted primary: reconnect on the next try.
+_DEMOTED = ("READONLY", "UNBLOCKED")
 
 
 class _RequestLost(Exception):
@@ -78,7 +80,8 @@ class QuorumClient:
         keys: The run's keys.
         config: The quorum's settings, the same for every replica of the run.
         wait_replicas: An answer is returned only once this many Redis replicas hold it
-            (``WAIT``, repeated until the request's deadline; 0: do not wait).
+            (``WAIT``, repeated until the request's deadline and ending by it; 0: do not
+            wait).
     """
 
     def __init__(
@@ -119,20 +122,32 @@ class QuorumClient:
                 "it can never rejoin under this id; restart its manager, which joins under a "
                 "new id"
             )
+        refused = self._refused(e)  # the scripts pass these on (older ones as QCORRUPT)
+        if refused is not None:
+            return refused
         if head == "QCORRUPT":
             key, _, what = rest.partition(" ")
-            if errors.is_noreplicas(what):  # the scripts report any refused write this way
-                return errors.not_enough_replicas(what)
             return self._corrupt(key, what.split(" script: ")[0])
         if head == "WRONGTYPE":
             return self._corrupt("(one of the quorum's keys)", message)
-        return errors.not_enough_replicas(message) if errors.is_noreplicas(message) else e
+        return e
 
     def _refusal(self, key: str, e: redis.ResponseError) -> QuorumError:
         """What an error reply to a plain command on ``key`` means."""
-        if errors.is_noreplicas(str(e)):
-            return errors.not_enough_replicas(str(e))
-        return self._corrupt(key, str(e))
+        return self._refused(e) or self._corrupt(key, str(e))
+
+    def _refused(self, e: BaseException) -> QuorumRedisRefused | None:
+        """``e`` as a Redis refusal (:func:`.errors.refusal`), or None."""
+        refused = errors.refusal(e, self._where())
+        if refused is not None and refused.cause in _DEMOTED:
+            # A connection stays with the primary a failover demoted; a new one follows the
+            # run's address (a name the failover moved) on the next try.
+            self._redis.connection_pool.disconnect(inuse_connections=False)
+        return refused
+
+    def _where(self) -> str:
+        kwargs = self._redis.connection_pool.connection_kwargs
+        return f"{kwargs['host']}:{kwargs.get('port', 6379)}" if "host" in kwargs else ""
 
     def _corrupt(self, key: str, what: str) -> QuorumCorrupt:
         return QuorumCorrupt(
@@ -142,13 +157,31 @@ class QuorumClient:
         )
 
     # -- membership ---------------------------------------------------------------------------
-    def join(self, member: Member) -> None:
-        """Record ``member`` (idempotent). Raises QuorumGone for an id that left or was
-        dropped."""
+    def join(self, member: Member, *, timeout: float = 0.0) -> None:
+        """Record ``member`` (idempotent).
+
+        Args:
+            timeout: Ride out a Redis that is unreachable or refuses writes for this long,
+                as ``request`` does (0: raise at once).
+
+        Raises:
+            QuorumGone: an id that left or was dropped.
+            QuorumRedisRefused: Redis refused the write (until the deadline, with a timeout).
+            QuorumTimeout: with a timeout, Redis was unreachable until the deadline.
+        """
         scripts.check_replica_id(member.replica_id)
         with self._lock:
             self._members[member.replica_id] = member
-        self._call("JOIN", member.replica_id, scripts.member_json(member))
+        deadline, failures = time.monotonic() + timeout, 0
+        while True:
+            try:
+                self._call("JOIN", member.replica_id, scripts.member_json(member))
+                return
+            except _RETRIED as e:
+                if timeout <= 0:
+                    raise
+                failures += 1
+                self._back_off(failures, deadline, e)
 
     def heartbeat(self, replica_ids: Sequence[str]) -> list[str]:
         """Stamp a heartbeat (Redis clock) for each id in one call; returns the ids that are
@@ -183,6 +216,8 @@ class QuorumClient:
             QuorumNotReplicated: (a QuorumTimeout) with ``wait_replicas``, the answer was not
                 on that many Redis replicas by the deadline; or Redis refused writes
                 (``min-replicas-to-write``) until it.
+            QuorumRedisRefused: (a QuorumTimeout) Redis refused the quorum's writes until
+                the deadline (a replica, loading, busy, full memory, a disk error).
             QuorumTimeout: no quorum within ``timeout`` (too few replicas, or Redis
                 unreachable the whole time).
             QuorumCorrupt: a quorum key holds garbage.
@@ -195,15 +230,15 @@ class QuorumClient:
         args = scripts.request_args(
             replica_id, step, held, commit_failures, shrink_only, token
         )  # fmt: skip
-        failures = 0
+        failures, answer_by = 0, confirm.answer_by(deadline, timeout, self._wait_replicas)
         while True:
             try:
                 self._send_request(replica_id, args)
-                answer = self._await_answer(replica_id, token, deadline)
+                answer = self._await_answer(replica_id, token, answer_by)
                 break
             except _RETRIED as e:
                 failures += 1
-                self._back_off(failures, deadline, e)
+                self._back_off(failures, answer_by, e)
             except _RequestLost:
                 continue
         # Held even if unconfirmed: should a failover lose this round, the next request
@@ -215,47 +250,7 @@ class QuorumClient:
         return answer
 
     def _confirm(self, deadline: float, what: str) -> None:
-        """Return once ``wait_replicas`` Redis replicas hold every write Redis made before
-        this call (the answers just read included), WAITing again until ``deadline``.
-
-        Raises:
-            QuorumNotReplicated: fewer acknowledged (or writes were refused) by then; the
-                message says how many and what to check.
-            QuorumTimeout: Redis was unreachable until the deadline.
-        """
-        need = self._wait_replicas
-        failures, acked = 0, 0
-        while need > 0:
-            wait_s = max(_LAST_WAIT_S, min(self._slice_s(), deadline - time.monotonic()))
-            try:
-                acked = self._wait_once(need, wait_s)
-            except _RETRIED as e:
-                failures += 1
-                self._back_off(failures, deadline, e)
-                continue
-            if acked >= need:
-                return
-            if time.monotonic() >= deadline:
-                raise errors.unacknowledged(what, acked, need, self._connected_replicas())
-
-    def _wait_once(self, need: int, wait_s: float) -> int:
-        # One connection for both: WAIT counts the acknowledgements of its own connection's
-        # last write, and every write before the marker (the FORM's) is on the replica
-        # before the marker is.
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.set(self._keys.quorum_key("waited"), "1")
-        pipe.execute_command("WAIT", need, max(1, int(wait_s * 1000)))
-        marked, acked = pipe.execute(raise_on_error=False)
-        for got in (marked, acked):
-            if isinstance(got, redis.ResponseError):
-                raise self._error(got)
-        return int(acked)
-
-    def _connected_replicas(self) -> int | None:
-        try:
-            return int(self._redis.info("replication").get("connected_slaves", 0))
-        except (redis.RedisError, ValueError):
-            return None  # the message goes without it
+        confirm.confirm(self, deadline, what)
 
     def request_batch(
         self, relay_id: str, items: Sequence[BatchItem], timeout: float = 60.0
@@ -268,7 +263,8 @@ class QuorumClient:
         Returns:
             replica id -> its Answer, or the QuorumGone / QuorumTimeout / QuorumError
             ``request`` would have raised for it (QuorumNotReplicated for every answer when,
-            with ``wait_replicas``, the batch's one WAIT fell short by the deadline).
+            with ``wait_replicas``, the batch's one WAIT fell short by the deadline; the
+            QuorumRedisRefused for every open request when Redis refused until it).
 
         Raises:
             QuorumCorrupt: a quorum key holds garbage.
@@ -315,12 +311,11 @@ class QuorumClient:
         reply = scripts.reply_key(self._keys, replica_id)
         slice_s = self._slice_s()
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            wait = confirm.block_s(time.monotonic(), deadline, slice_s * random.uniform(0.8, 1.2))
+            if wait is None:
                 return self._give_up(replica_id, token, reply)
-            wait = min(remaining, slice_s) * random.uniform(0.8, 1.2)
             try:
-                got = self._redis.blpop([reply], timeout=max(wait, 0.01))
+                got = self._redis.blpop([reply], timeout=wait)
             except redis.ResponseError as e:
                 raise self._refusal(reply, e) from e
             if got is None:
@@ -357,15 +352,23 @@ class QuorumClient:
         return result.decode() if isinstance(result, bytes) else str(result)
 
     def _back_off(self, failures: int, deadline: float, error: Exception) -> None:
+        """Sleep before the next try; past ``deadline``, raise what ``error`` means."""
         remaining = deadline - time.monotonic()
-        if remaining <= 0 and isinstance(error, QuorumNotReplicated):
-            raise error
         if remaining <= 0:
-            raise QuorumTimeout(
-                f"Redis was unreachable until the quorum request's deadline ({error}); check "
-                "the run's Redis"
-            ) from error
+            self._raise_for(error)
         time.sleep(min(remaining, 0.05 * 2 ** min(failures, 4)) * random.uniform(0.5, 1.0))
+
+    def _raise_for(self, error: Exception) -> NoReturn:
+        """What ``error``, the last try's, means at a request's deadline."""
+        refused = errors.refusal(error, self._where())  # LOADING: a "lost connection"
+        if refused is error:
+            raise error
+        if refused is not None:
+            raise refused from error
+        raise QuorumTimeout(
+            f"Redis was unreachable until the quorum request's deadline ({error}); check "
+            "the run's Redis"
+        ) from error
 
     def _timeout_message(self, replica_id: str) -> str:
         return (
@@ -478,5 +481,5 @@ class QuorumClient:
     def _read(self, fn: Callable[[], Any], key: str) -> Any:
         try:
             return fn()
-        except redis.ResponseError as e:
-            raise self._corrupt(key, str(e)) from e
+        except redis.ResponseError as e:  # OOM refuses even a read in MULTI
+            raise self._refusal(key, e) from e

@@ -4,7 +4,10 @@ Every script starts with ``PRELUDE`` (keys, config, the Redis clock, the state w
 guard, the heartbeat sweep and TRY-FORM's check from counters) and ends with its own body.
 All reads and writes of a quorum key go through ``rc``, which turns a Redis error
 (WRONGTYPE, not an integer) into an error reply ``QCORRUPT <key> <what>``: garbage in a key
-is reported, never waited on.
+is reported, never waited on. A write Redis refuses for a reason of its own (``READONLY``,
+``OOM``, ``MISCONF``, ``NOREPLICAS``, ...) is passed on as Redis's own error reply: the keys
+are fine, and the client rides it out (Redis refuses only a script's first write, so nothing
+was written).
 
 Cost: Redis runs the whole prelude on every call, and at 12,500 replicas one Redis core runs
 12,500 REQUESTs a round, so the prelude defines only what the steady REQUEST needs; drops,
@@ -29,7 +32,12 @@ local MIN_REPLICAS, EPOCH_NEW = tonumber(ARGV[3]), ARGV[4]
 local CHUNK = 1000
 local pcall_ = redis.pcall
 
+-- Redis refusing a write is not the key's fault: its own reply goes back unwrapped.
+local REFUSALS = ' NOREPLICAS READONLY OOM MISCONF BUSY LOADING '
+
 local function corrupt(key, what)
+  local code = string.match(what, '^(%u+) ')
+  if code and string.find(REFUSALS, ' ' .. code .. ' ', 1, true) then error({err = what}) end
   error({err = 'QCORRUPT ' .. key .. ' ' .. what})
 end
 

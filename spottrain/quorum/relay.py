@@ -13,8 +13,10 @@ Retries are idempotent: the batch keeps its token, a request already registered 
 counted again, and a batch whose answer already waits reads it before sending again.
 
 With ``wait_replicas`` the batch's answers are confirmed together, by one ``WAIT`` (again
-until the deadline); when that fails, or Redis refused writes (``NOREPLICAS``) until the
-deadline, every member not refused otherwise gets the QuorumNotReplicated.
+until the deadline, ending by it); when that fails, every answered member gets the
+QuorumNotReplicated. When Redis refuses the batch's writes until the deadline (a replica,
+loading, full memory, a disk error, ``min-replicas-to-write``: the client's refusals), every
+member still open gets that QuorumRedisRefused.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from spottrain.quorum import scripts
-from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumNotReplicated, QuorumTimeout
+from spottrain.quorum import confirm, scripts
+from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumRedisRefused, QuorumTimeout
 from spottrain.quorum.model import Answer, BatchItem
 
 if TYPE_CHECKING:
@@ -36,8 +38,8 @@ if TYPE_CHECKING:
 
 CHUNK = 500  # items per script call: bounds one call's time on Redis's thread
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
-# ... ridden out until the deadline, as a refusal for want of Redis replicas is.
-_RETRIED = (*_TRANSIENT, QuorumNotReplicated)
+# ... ridden out until the deadline, as a Redis refusing the quorum's writes is.
+_RETRIED = (*_TRANSIENT, QuorumRedisRefused)
 
 
 def _text(x: Any) -> str:
@@ -64,6 +66,8 @@ class RelayBatch:
         self.batch = f"{relay_id}:{secrets.token_hex(6)}"
         self.key = scripts.relay_key(client._keys, self.batch)
         self.deadline = time.monotonic() + timeout
+        # Answers are collected until then: the batch's WAIT ends by the deadline.
+        self.answer_by = confirm.answer_by(self.deadline, timeout, client._wait_replicas)
         self.open = set(self.items)  # not answered yet
         self.sent: dict[str, int] = {}  # registered: id -> the round it joined last
         self.unsent = set(self.items)  # to send (again: after a connection error or a loss)
@@ -72,7 +76,7 @@ class RelayBatch:
     def run(self) -> dict[str, Answer | QuorumError]:
         try:
             self._collect()
-        except QuorumNotReplicated as e:  # Redis refused writes until the deadline
+        except QuorumRedisRefused as e:  # Redis refused writes until the deadline
             self._fail(sorted(self.open), e)
         # Held even if unconfirmed: should a failover lose a round, the next request floors
         # the counter past its id.
@@ -85,15 +89,15 @@ class RelayBatch:
             qids = ", ".join(str(q) for q in sorted({a.quorum_id for a in answered.values()}))
             try:
                 self.c._confirm(self.deadline, f"quorum {qids} for relay batch {self.batch}")
-            except QuorumNotReplicated as e:
+            except QuorumRedisRefused as e:
                 self._fail(sorted(answered), e)
         return self.out
 
     def _collect(self) -> None:
         failures = 0
         while self.open:
-            if time.monotonic() >= self.deadline:
-                self._give_up()
+            if confirm.block_s(time.monotonic(), self.answer_by, 1.0) is None:
+                self._give_up()  # no BLPOP fits before the deadline any more
                 return
             try:
                 self._send()
@@ -101,13 +105,13 @@ class RelayBatch:
                     self._wait()
             except _RETRIED as e:
                 failures += 1
-                self.c._back_off(failures, self.deadline, e)
+                self.c._back_off(failures, self.answer_by, e)
                 self.unsent = set(self.open)  # send every open request again: idempotent
 
-    def _fail(self, ids: list[str], error: QuorumNotReplicated) -> None:
-        for rid in ids:  # one each: the relay hands them to different threads
+    def _fail(self, ids: list[str], error: QuorumRedisRefused) -> None:
+        for rid in ids:
             self.open.discard(rid)
-            self.out[rid] = QuorumNotReplicated(f"replica {rid}: {error}")
+            self.out[rid] = error.for_replica(rid)
 
     # -- sending --------------------------------------------------------------------------
     def _send(self) -> None:
@@ -159,13 +163,12 @@ class RelayBatch:
 
     # -- waiting --------------------------------------------------------------------------
     def _wait(self) -> None:
-        cfg = self.c._config
-        hb_ms = cfg.heartbeat_timeout_ms
-        slice_s = min(max(cfg.join_timeout_ms, hb_ms / 4), hb_ms / 2) / 1000
-        remaining = self.deadline - time.monotonic()
-        wait = min(max(remaining, 0.0), slice_s) * random.uniform(0.8, 1.2)
+        slice_s = self.c._slice_s() * random.uniform(0.8, 1.2)
+        wait = confirm.block_s(time.monotonic(), self.answer_by, slice_s)
+        if wait is None:
+            return  # out of time: the next pass gives up
         try:
-            got = self.c._redis.blpop([self.key], timeout=max(wait, 0.01))
+            got = self.c._redis.blpop([self.key], timeout=wait)
         except redis.ResponseError as e:
             raise self.c._refusal(self.key, e) from e
         if got is not None:

@@ -1,5 +1,5 @@
-"""The quorum's Lua scripts (the only writers of its keys), their argument layout, and the
-answer line's parser.
+"""The quorum's Lua scripts (the writers of its keys, but for the client's ``waited``
+marker), their argument layout, and the answer line's parser.
 
 Every script is called as ``EVALSHA <sha> 1 <script_keys(keys)> <config_args(...)> <own
 args>``: one key, the prefix ``quorum_key("")`` of all the quorum's keys (they share the run's
@@ -25,7 +25,9 @@ arguments:
   or per id ``pending``, ``lost``, ``gone <why> <ms>``, ``direct``, ``withdrawn``.
 
 Error replies: ``QGONE <id> <left|dropped> <ms>``, ``QJOIN <id>`` (not joined: call JOIN,
-e.g. after Redis lost its data), ``QCORRUPT <key> <what>``.
+e.g. after Redis lost its data), ``QCORRUPT <key> <what>`` (garbage in a key). A write Redis
+refuses for a reason of its own (``NOREPLICAS``, ``READONLY``, ``OOM``, ``MISCONF``, ...)
+comes back as Redis's own error reply, not as QCORRUPT (:func:`.errors.refusal`).
 
 Keys (parts of ``RunKeys.quorum_key``): ``seq``, ``state``, ``prev``, ``req``, ``hb``,
 ``info``, ``roster``, ``gone``, ``reply:<id>`` as in the design, plus ``gone_at`` (zset id ->
@@ -38,7 +40,10 @@ the next delta removes); for relays and the steady FORM: ``ranks`` (hash: member
 the last quorum, rewritten with the membership), ``rdirect`` and ``rrelays`` (sets: this
 round's direct requesters and relay batches), ``lastreq`` (the last formed round's requests:
 a member whose relay died finds its answer through them) and ``relayreply:<batch>`` (list,
-expires a minute after its last answer). ``state``
+expires a minute after its last answer). One key is the client's, not the scripts':
+``waited`` (string ``1``), the marker it writes just before ``WAIT`` with ``wait_replicas``
+(WAIT counts its own connection's last write; see :mod:`.confirm`); nothing reads it, and
+deleting it is harmless. ``state``
 also holds ``grace_until`` (the stall guard), ``dirty`` (a member of the last quorum was
 dropped or left), ``held`` (the largest quorum id held by this round's requesters) and
 ``steady`` and ``rstep`` (the open round is steady so far, at that step: see

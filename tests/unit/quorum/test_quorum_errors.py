@@ -4,6 +4,7 @@ Redis replicas, and what the operator is told."""
 from __future__ import annotations
 
 import pytest
+import redis
 
 from spottrain.quorum import errors
 
@@ -39,3 +40,109 @@ def test_an_unacknowledged_round_says_how_many_and_how_to_fix_it() -> None:
     )
     assert "INFO replication" in str(err) and "to 0" in str(err)
     assert "connected;" not in str(errors.unacknowledged("q", 0, 1, connected=None))
+
+
+# Redis's replies, verbatim (Redis 7.0), as each path delivers them: a plain command, a
+# script's error (its " script: ..." suffix), a pipeline's (redis-py's prefix), the scripts'
+# older QCORRUPT wrapping, and redis-py's mapped classes (which drop the code).
+READONLY = "You can't write against a read only replica."
+OOM = "command not allowed when used memory > 'maxmemory'."
+MISCONF = (
+    "MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist "
+    "to disk. Commands that may modify the data set are disabled, because this instance is "
+    "configured to report errors during writes if RDB snapshotting fails "
+    "(stop-writes-on-bgsave-error option). Please check the Redis logs for details about the "
+    "RDB error."
+)
+BUSY = "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE."
+UNBLOCKED = (
+    "UNBLOCKED force unblock from blocking operation, instance state changed (master -> replica?)"
+)
+SCRIPT = " script: 1c8ddd8b218861969ed05ab539e0c27f08b25e78, on @user_script:1."
+PIPELINE = "Command # 1 (SET spottrain:{r}:quorum:waited 1) of pipeline caused error: "
+KEY = "spottrain:{r}:quorum:hb"
+
+
+@pytest.mark.parametrize(
+    ("error", "cause", "names"),
+    [
+        (redis.ReadOnlyError(READONLY), "READONLY", "new primary"),
+        (redis.ReadOnlyError(READONLY + SCRIPT), "READONLY", "REPLICAOF NO ONE"),
+        (redis.ReadOnlyError(PIPELINE + READONLY), "READONLY", "new primary"),
+        (f"QCORRUPT {KEY} READONLY {READONLY}{SCRIPT}", "READONLY", "new primary"),
+        (UNBLOCKED, "UNBLOCKED", "new primary"),
+        (redis.BusyLoadingError("Redis is loading the dataset in memory"), "LOADING", "load"),
+        (BUSY, "BUSY", "SCRIPT KILL"),
+        (redis.OutOfMemoryError(OOM), "OOM", "maxmemory"),
+        (redis.OutOfMemoryError(PIPELINE + OOM), "OOM", "maxmemory"),
+        (f"QCORRUPT {KEY} OOM {OOM}{SCRIPT}", "OOM", "noeviction"),
+        (MISCONF + SCRIPT, "MISCONF", "persist to disk"),
+        (f"QCORRUPT {KEY} {MISCONF}{SCRIPT}", "MISCONF", "rdb_last_bgsave_status"),
+        (PIPELINE + MISCONF, "MISCONF", "free space"),
+        ("MISCONF Errors writing to the AOF file: No space left on device", "MISCONF", "AOF"),
+        (f"QCORRUPT {KEY} {REFUSED}{SCRIPT}", "NOREPLICAS", "min-replicas-to-write"),
+    ],
+)
+def test_each_refusal_is_named_with_its_fix_and_never_called_corruption(
+    error: BaseException | str, cause: str, names: str
+) -> None:
+    refused = errors.refusal(error, "10.0.0.5:6379")
+    assert isinstance(refused, errors.QuorumRedisRefused)
+    assert isinstance(refused, errors.QuorumTimeout)  # ridden out, then asked again
+    assert refused.cause == cause
+    message = str(refused)
+    assert names in message
+    assert f"({cause} " in message  # Redis's own reply, its code restored
+    for wrong in ("QCORRUPT", "script:", "pipeline caused", "delete the keys"):
+        assert wrong not in message
+    if cause != "NOREPLICAS":
+        assert message.startswith("the run's Redis at 10.0.0.5:6379 ")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        f"QCORRUPT {KEY} WRONGTYPE Operation against a key holding the wrong kind of value",
+        f"QCORRUPT {KEY} field qid = x, not a number",
+        "ERR value is not an integer or out of range",
+        "BUSYKEY Target key name already exists.",
+        "QGONE a left 12",
+        redis.ResponseError("ERR NOREPLICAS"),
+    ],
+)
+def test_garbage_and_other_errors_are_not_refusals(error: BaseException | str) -> None:
+    assert errors.refusal(error) is None
+
+
+def test_the_exact_operator_messages() -> None:
+    oom = errors.refusal(redis.OutOfMemoryError(OOM), "10.0.0.5:6379")
+    assert str(oom) == (
+        "the run's Redis at 10.0.0.5:6379 refuses the quorum's writes because its memory is "
+        "full (OOM command not allowed when used memory > 'maxmemory'.): used_memory is "
+        "above maxmemory and the policy evicts nothing. Raise maxmemory (CONFIG SET "
+        "maxmemory, or a larger Redis) or free memory (INFO memory, MEMORY DOCTOR, "
+        "redis-cli --bigkeys); keep maxmemory-policy noeviction, since an evicting policy "
+        "could drop the quorum's keys. Not corruption: keep the quorum's keys"
+    )
+    readonly = errors.refusal(redis.ReadOnlyError(READONLY))
+    assert str(readonly) == (
+        "the run's Redis is a read-only replica, not the primary, and refuses the quorum's "
+        "writes (READONLY You can't write against a read only replica.): after a failover, "
+        "connections to the old primary get this. Point the run's Redis address at the new "
+        "primary (an address that follows failovers: the agents reconnect on every retry), "
+        "or promote this one (REPLICAOF NO ONE) if no primary is left"
+    )
+
+
+def test_a_refusal_keeps_its_kind_per_replica_and_across_the_relay_wire() -> None:
+    for refused in (
+        errors.refusal(MISCONF),
+        errors.not_enough_replicas(REFUSED),
+        errors.unacknowledged("quorum 3", 0, 1, connected=0),
+    ):
+        assert refused is not None
+        mine = refused.for_replica("m1")
+        assert type(mine) is type(refused) and mine.cause == refused.cause
+        assert str(mine) == f"replica m1: {refused}"
+        back = errors.from_wire(refused.cause, str(refused))
+        assert type(back) is type(refused) and str(back) == str(refused)
