@@ -4,10 +4,17 @@ and its requests go through the group's relay (its own batches when it holds the
 falling back to Redis directly on any failure.
 
 - A request goes to the relay with a deadline of the join timeout plus the heartbeat
-  timeout. On any failure (refused, reset, deadline, a bad frame or hello) it is asked
-  directly (``QuorumClient.request``, idempotent: Redis re-marks it direct, so the relay's
-  line no longer counts it) and that relay is avoided until the lease names another, or until a
-  whole lease TTL later it still holds it (then it renewed the lease: it is alive).
+  timeout. On a failure of the relay (refused, reset, deadline, a bad frame or hello) it is
+  asked directly (``QuorumClient.request``, idempotent: Redis re-marks it direct, so the
+  relay's line no longer counts it) and that relay is avoided until the lease names
+  another, or until a whole lease TTL later it still holds it (then it renewed the lease:
+  it is alive).
+- A Redis refusal the relay passes on (``QuorumRedisRefused``: Redis refused the batch's
+  writes, or too few Redis replicas acknowledged them, until the hop's deadline) is not the
+  relay's failure: the relay is kept and asked again until the request's deadline, then the
+  refusal is raised, as a direct request would raise it. Asking directly would meet the same
+  Redis, at one script call per replica instead of one per batch, just when Redis is
+  struggling (a relay's own connection to a demoted primary reconnects by itself).
 - Joins, heartbeats, leaves, rosters and ages stay direct (one variadic heartbeat per VM).
 - A refusal (QuorumGone) from the relay is final, as it is directly.
 """
@@ -21,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from spottrain.quorum.errors import QuorumGone
+from spottrain.quorum.errors import QuorumGone, QuorumRedisRefused
 from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig, Roster
 
 from . import relay as r
@@ -29,6 +36,11 @@ from . import wire
 from .server import QuorumApi
 
 log = logging.getLogger("spottrain.agent.quorum_shim.relay")
+
+# A refused request is not sent through the relay again with less time than this left: the
+# relay would have too little to ride the refusal out.
+_LAST_HOP_S = 0.1
+_PAUSE_S = 0.05
 
 
 class DirectApi(QuorumApi, r.BatchApi, Protocol):
@@ -164,26 +176,9 @@ class RelayedQuorum:
     ) -> Answer:
         deadline = time.monotonic() + timeout
         item = BatchItem(replica_id, step, held_quorum_id, commit_failures, shrink_only)
-        relay = self.relay()
-        if relay is not None:
-            hop = min(timeout, self.hop_s)
-            try:
-                if relay == self.address:
-                    answer = self.batcher.ask(item, hop)
-                else:
-                    answer = self._remote(relay, item, hop)
-                self.relayed += 1
-                return answer
-            except QuorumGone:
-                raise
-            except Exception as exc:
-                log.warning(
-                    "quorum relay %s failed for %s (asking directly): %s", relay, replica_id, exc
-                )
-                if relay != self.address:
-                    with self._lock:
-                        self._avoid, self._holder = (relay, time.monotonic()), None
-                        self._next_read = 0.0
+        answer = self._relayed(item, deadline)
+        if answer is not None:
+            return answer
         self.fallbacks += 1
         return self.direct.request(
             replica_id,
@@ -194,6 +189,46 @@ class RelayedQuorum:
             timeout=max(0.05, deadline - time.monotonic()),
         )
 
+    def _relayed(self, item: BatchItem, deadline: float) -> Answer | None:
+        """``item``'s answer through the group's relay; None: ask directly (no relay, or it
+        failed). Raises QuorumGone (final) and a Redis refusal the relay passed on until
+        ``deadline``."""
+        refused: QuorumRedisRefused | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if refused is not None and remaining < _LAST_HOP_S:
+                raise refused
+            relay = self.relay()
+            if relay is None:
+                return None
+            hop = min(remaining, self.hop_s)
+            try:
+                if relay == self.address:
+                    answer = self.batcher.ask(item, hop)
+                else:
+                    answer = self._remote(relay, item, hop)
+                self.relayed += 1
+                return answer
+            except QuorumGone:
+                raise
+            except QuorumRedisRefused as exc:
+                refused = exc  # Redis's refusal, not the relay's failure: ask it again
+                # (after a pause: a relay rides a refusal out to its deadline, so only a
+                # short hop comes back at once)
+                time.sleep(max(0.0, min(_PAUSE_S, deadline - time.monotonic() - _LAST_HOP_S)))
+            except Exception as exc:
+                log.warning(
+                    "quorum relay %s failed for %s (asking directly): %s",
+                    relay,
+                    item.replica_id,
+                    exc,
+                )
+                if relay != self.address:
+                    with self._lock:
+                        self._avoid, self._holder = (relay, time.monotonic()), None
+                        self._next_read = 0.0
+                return None
+
     def _remote(self, address: str, item: BatchItem, timeout: float) -> Answer:
         with self._connecting:  # one connection per relay, however many replicas ask
             conn = self._conns.get(address)
@@ -203,15 +238,15 @@ class RelayedQuorum:
                     self._conns[address] = conn
         try:
             return conn.ask(item, timeout)
-        except QuorumGone:
-            raise
+        except (QuorumGone, QuorumRedisRefused):
+            raise  # answers, passed on: the connection is fine
         except Exception:
             conn.close()  # a fresh connection next time (or another relay)
             raise
 
     # -- direct -----------------------------------------------------------------------------
-    def join(self, member: Member) -> None:
-        self.direct.join(member)
+    def join(self, member: Member, *, timeout: float = 0.0) -> None:
+        self.direct.join(member, timeout=timeout)
 
     def heartbeat(self, replica_ids: Sequence[str]) -> list[str]:
         return self.direct.heartbeat(replica_ids)

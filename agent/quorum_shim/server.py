@@ -3,9 +3,11 @@ answered from the run's Redis through :class:`spottrain.quorum.client.QuorumClie
 
 - **Quorum**: the requester joins (once per incarnation and Redis epoch), then one blocking
   ``request`` (a worker thread of the server waits on Redis, bounded by the call's gRPC
-  deadline); the answer and the cached roster become the full participant list the Rust
-  manager computes its ranks and healing from (:mod:`.roster`). The quorum id the shim last
-  saw travels with every request, so ids never go back even if Redis lost its last second.
+  deadline less :data:`ANSWER_MARGIN_S`; the join shares that deadline, so a Redis that
+  refuses writes is waited out, not reported at once); the answer and the cached roster
+  become the full participant list the Rust manager computes its ranks and healing from
+  (:mod:`.roster`). The quorum id the shim last saw travels with every request, so ids
+  never go back even if Redis lost its last second.
 - **Heartbeat**: recorded locally; one thread sends ONE Redis heartbeat per interval for
   every local replica heard from recently (a frozen manager stops beating here, so Redis
   drops it after its timeout as it would have dropped a silent VM).
@@ -52,6 +54,10 @@ log = logging.getLogger("spottrain.agent.quorum_shim")
 
 # A Quorum call without a deadline waits at most this long (torchft always sends one).
 DEFAULT_WAIT_S = 60.0
+# Kept from a Quorum call's gRPC deadline for what follows the quorum client's answer or
+# error (a changed roster's read, the reply): the client ends by its own deadline, its last
+# WAIT included, so the manager gets our message, not its own deadline's.
+ANSWER_MARGIN_S = 0.1
 AGES_METHOD = "/spottrain.QuorumShim/HeartbeatAges"
 # Polls of the same members this close together share one Redis read.
 _AGES_SHARE_S = 0.05
@@ -90,7 +96,7 @@ class _DaemonPool:
 class QuorumApi(Protocol):
     """What the shim uses of CORE's ``QuorumClient``."""
 
-    def join(self, member: Member) -> None: ...
+    def join(self, member: Member, *, timeout: float = 0.0) -> None: ...
     def request(
         self,
         replica_id: str,
@@ -247,7 +253,7 @@ class LighthouseShim:
             self.refused.append(rid)
             context.abort(grpc.StatusCode.NOT_FOUND, self._gone_message(rid, why))
         remaining = context.time_remaining()
-        timeout = DEFAULT_WAIT_S if remaining is None else max(0.0, remaining - 0.05)
+        timeout = DEFAULT_WAIT_S if remaining is None else max(0.0, remaining - ANSWER_MARGIN_S)
         try:
             answer = self._ask(m, timeout)
             with self._cache_lock:
@@ -262,6 +268,7 @@ class LighthouseShim:
         return body
 
     def _ask(self, m: Any, timeout: float) -> Answer:
+        deadline = time.monotonic() + timeout  # Redis's time, not the heartbeats' clock
         member = Member(
             replica_id=m.replica_id,
             address=m.address,
@@ -273,7 +280,9 @@ class LighthouseShim:
             joined = self._joined.get(m.replica_id)
             epoch = self._epoch
         if joined is None or joined != (member, epoch):
-            self.blocking.join(member)
+            # Under the request's deadline: a Redis refusing writes (a failover, a load) is
+            # waited out here too, rather than failing the manager's call at once.
+            self.blocking.join(member, timeout=timeout)
             with self._lock:
                 self._joined[m.replica_id] = (member, epoch)
         with self._lock:
@@ -284,7 +293,7 @@ class LighthouseShim:
             held_quorum_id=self.held_quorum_id,
             commit_failures=int(m.commit_failures),
             shrink_only=bool(m.shrink_only),
-            timeout=timeout,
+            timeout=max(0.0, deadline - time.monotonic()),
         )
         with self._lock:
             self.held_quorum_id = max(self.held_quorum_id, answer.quorum_id)

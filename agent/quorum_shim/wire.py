@@ -12,9 +12,13 @@ over this wire costs a fifth of it (relay_cost).
   spottrain version gets a clear error and asks the quorum directly.
 - **Messages**: ``<request id: 4 bytes BE><kind: 1 byte><payload>``. Members send ``Q``
   (payload: :func:`.relay.encode_request`); the relay answers under the same id with ``A``
-  (:func:`.relay.answer_line`), ``G`` (refused: the replica was dropped or left; final) or
-  ``E`` (any other failure: ask directly). One connection carries several replicas'
-  requests at once; answers come back in any order.
+  (:func:`.relay.answer_line`), ``G`` (refused: the replica was dropped or left; final),
+  ``R`` (the run's Redis refused the batch's writes or could not replicate them until the
+  deadline, a :class:`~spottrain.quorum.errors.QuorumRedisRefused`; payload ``<cause>
+  <message>``: the relay is fine, and the member keeps it) or ``E`` (any other failure:
+  ask directly). A member that predates ``R`` takes it for an ``E``, so the kind needs no
+  new version. One connection carries several replicas' requests at once; answers come
+  back in any order.
 - Anything else (a bad kind, a request that does not decode, a truncated frame) closes the
   connection: the member falls back to Redis directly, and the relay serves the others.
 """
@@ -32,7 +36,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from spottrain.quorum.errors import QuorumError, QuorumGone
+from spottrain.quorum import errors
+from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumRedisRefused
 from spottrain.quorum.model import Answer, BatchItem
 from spottrain.quorum.scripts import parse_answer
 
@@ -50,7 +55,7 @@ MAX_ANSWER = 16 << 20
 HELLO_TIMEOUT_S = 10.0
 _HEAD = struct.Struct(">I")
 _MSG = struct.Struct(">IB")
-REQUEST, ANSWER, GONE, ERROR = b"QAGE"
+REQUEST, ANSWER, GONE, ERROR, REFUSED = b"QAGER"
 
 
 class FrameError(ValueError):
@@ -214,6 +219,8 @@ class RelayServer:
             return message(request_id, ANSWER, r.answer_line(future.result()))
         except QuorumGone as exc:
             return message(request_id, GONE, str(exc).encode())
+        except QuorumRedisRefused as exc:  # Redis's, not the relay's: the member keeps it
+            return message(request_id, REFUSED, f"{exc.cause} {exc}".encode())
         except BaseException as exc:  # the member asks directly
             return message(request_id, ERROR, f"{type(exc).__name__}: {exc}".encode())
 
@@ -333,5 +340,8 @@ class RelayClient:
                 future.set_exception(QuorumError(f"the relay sent a bad answer: {exc}"))
         elif kind == GONE:
             future.set_exception(QuorumGone(text))
+        elif kind == REFUSED:
+            cause, _, why = text.partition(" ")
+            future.set_exception(errors.from_wire(cause, why))
         else:
             future.set_exception(QuorumError(f"the quorum relay failed: {text}"))

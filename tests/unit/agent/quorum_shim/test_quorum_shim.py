@@ -34,6 +34,7 @@ class FakeQuorum:
 
     def __init__(self) -> None:
         self.joins: list[Member] = []
+        self.join_timeouts: list[float] = []
         self.requests: list[tuple[str, int, int]] = []
         self.beats: list[list[str]] = []
         self.left: list[str] = []
@@ -46,8 +47,9 @@ class FakeQuorum:
             Member(f"{n}:u", f"http://h{n}:1", f"h{n}:2", 2, "") for n in ("a", "b", "c")
         )
 
-    def join(self, member: Member) -> None:
+    def join(self, member: Member, *, timeout: float = 0.0) -> None:
         self.joins.append(member)
+        self.join_timeouts.append(timeout)
 
     def request(
         self,

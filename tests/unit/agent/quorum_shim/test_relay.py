@@ -14,8 +14,8 @@ from spottrain.agent.quorum_shim import relay as r
 from spottrain.agent.quorum_shim.member import RelayedQuorum
 from spottrain.ports import free_port
 from spottrain.protocol.keys import RunKeys
-from spottrain.quorum import scripts
-from spottrain.quorum.errors import QuorumError, QuorumGone
+from spottrain.quorum import errors, scripts
+from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumRedisRefused
 from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig, Roster
 
 CONFIG = QuorumConfig(heartbeat_timeout_ms=600, join_timeout_ms=150)
@@ -25,6 +25,13 @@ def _answer(rid: str) -> Answer:
     return Answer(7, int(rid[1:]), 9, 40, None, 3, 0, "ep", {"x": 39} if rid == "m1" else {})
 
 
+def refused_for(rid: str) -> QuorumRedisRefused:
+    """What the quorum client gives a relay batch's member while Redis's memory is full."""
+    refused = errors.refusal(redis.OutOfMemoryError("command not allowed"), "10.0.0.5:6379")
+    assert refused is not None
+    return refused.for_replica(rid)
+
+
 class FakeDirect:
     """request_batch answers every item at once (``hold`` blocks the first call)."""
 
@@ -32,6 +39,7 @@ class FakeDirect:
         self.batches: list[tuple[str, list[str]]] = []
         self.direct: list[str] = []
         self.gone: set[str] = set()
+        self.refusals = 0  # the next this many batches: Redis refuses every item
         self.hold = threading.Event()
         self.hold.set()
         self.in_flight = threading.Event()
@@ -42,6 +50,9 @@ class FakeDirect:
         self.batches.append((relay_id, [i.replica_id for i in items]))
         self.in_flight.set()
         self.hold.wait(5)
+        if self.refusals > 0:
+            self.refusals -= 1
+            return {i.replica_id: refused_for(i.replica_id) for i in items}
         return {
             i.replica_id: QuorumGone("gone") if i.replica_id in self.gone else _answer(i.replica_id)
             for i in items
@@ -51,7 +62,7 @@ class FakeDirect:
         self.direct.append(replica_id)
         return _answer(replica_id)
 
-    def join(self, member: Member) -> None: ...
+    def join(self, member: Member, *, timeout: float = 0.0) -> None: ...
     def heartbeat(self, replica_ids: Sequence[str]) -> list[str]:
         return []
 
@@ -173,3 +184,35 @@ def test_members_relay_fall_back_directly_and_the_lease_moves(
         a.stop()
         b.stop()
     assert lease_redis.get(b.lease.key) is None  # released on a clean stop
+
+
+def test_a_redis_refusal_through_the_relay_keeps_the_relay(
+    redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    # The relay's batch failed because of Redis (full memory, a replica, NOREPLICAS, an
+    # unacknowledged WAIT): the member asks the relay again, never Redis directly, and does
+    # not avoid it; past its deadline it raises the refusal as a direct request would.
+    relay_fake, member_fake = FakeDirect(), FakeDirect()
+    a = _node(relay_fake, redis_client, run_keys).start()
+    b = _node(member_fake, redis_client, run_keys).start()
+    try:
+        assert b.relay() == a.address
+        relay_fake.refusals = 2
+        assert b.request("m1", 40, timeout=5) == _answer("m1")  # the third batch answers
+        assert [ids for _, ids in relay_fake.batches] == [["m1"]] * 3
+        relay_fake.refusals = 1
+        assert a.request("m0", 40, timeout=5) == _answer("m0")  # the relay's own member
+        assert (b.relayed, b.fallbacks, a.fallbacks) == (1, 0, 0)
+        assert b._avoid is None and member_fake.direct == relay_fake.direct == []
+
+        relay_fake.refusals = 1 << 30  # refused until the deadline
+        started = time.monotonic()
+        with pytest.raises(QuorumRedisRefused) as err:
+            b.request("m1", 41, timeout=1.0)
+        assert time.monotonic() - started < 1.0 + 2.0  # by its deadline, plus a loaded box
+        assert err.value.cause == "OOM" and str(err.value) == str(refused_for("m1"))
+        assert b._avoid is None and b.fallbacks == 0 and member_fake.direct == []
+        assert b.relay() == a.address
+    finally:
+        a.stop()
+        b.stop()

@@ -9,18 +9,20 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import pytest
 import redis
-from test_relay import CONFIG, FakeDirect, _answer
+from test_relay import CONFIG, FakeDirect, _answer, refused_for
 
 from spottrain.agent.quorum_shim import relay as r
 from spottrain.agent.quorum_shim import wire
 from spottrain.agent.quorum_shim.member import RelayedQuorum
 from spottrain.ports import free_port
 from spottrain.protocol.keys import RunKeys
-from spottrain.quorum.errors import QuorumError, QuorumGone
-from spottrain.quorum.model import BatchItem
+from spottrain.quorum import errors
+from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumNotReplicated
+from spottrain.quorum.model import Answer, BatchItem
 
 
 def _raw(port: int, *chunks: bytes) -> bytes:
@@ -128,3 +130,45 @@ def test_a_member_falls_back_when_its_relay_speaks_garbage(
             assert member._avoid is not None and member._avoid[0] == f"127.0.0.1:{relay_port}"
     finally:
         member.stop()
+
+
+def test_a_redis_refusal_crosses_the_wire_as_its_own_kind() -> None:
+    # R, not E: the member learns Redis refused (and why), the connection stays up.
+    fake = FakeDirect()
+    batcher = r.Batcher(fake, "0-r", gather_s=0.0)
+    port = free_port()
+    server = wire.RelayServer(f"127.0.0.1:{port}", batcher.submit).start()
+    client = wire.RelayClient(f"127.0.0.1:{port}", 5)
+    try:
+        fake.refusals = 1
+        with pytest.raises(errors.QuorumRedisRefused) as err:
+            client.ask(BatchItem("m1", 4), 5)
+        assert type(err.value) is errors.QuorumRedisRefused and err.value.cause == "OOM"
+        assert str(err.value) == str(refused_for("m1"))
+        unacked = errors.unacknowledged("quorum 7 for relay batch 0-r.0:ab", 0, 1, 0)
+        frame = wire.RelayServer._answer_frame(9, _failed(unacked.for_replica("m2")))
+        request_id, kind, payload = wire.split_message(frame[4:])
+        assert (request_id, kind) == (9, wire.REFUSED)
+        assert payload.decode().startswith("WAIT replica m2: quorum 7 for relay batch")
+        assert not client.closed and server.bad_frames == 0
+        assert client.ask(BatchItem("m1", 5), 5) == _answer("m1")  # the same connection
+    finally:
+        client.close()
+        server.stop()
+        batcher.stop()
+
+
+def _failed(exc: BaseException) -> Future[Answer]:
+    future: Future[Answer] = Future()
+    future.set_exception(exc)
+    return future
+
+
+def test_a_member_reads_a_refusal_frame_back_as_the_relay_raised_it() -> None:
+    unacked = errors.unacknowledged("quorum 7", 0, 1, 0).for_replica("m2")
+    future: Future[Answer] = Future()
+    body = wire.RelayServer._answer_frame(1, _failed(unacked))[4 + 5 :]
+    wire.RelayClient._resolve(future, wire.REFUSED, body)
+    with pytest.raises(QuorumNotReplicated) as err:
+        future.result(0)
+    assert err.value.cause == "WAIT" and str(err.value) == str(unacked)
