@@ -130,6 +130,54 @@ def test_status_follow_redraws_in_place_in_a_terminal(run: FakeRun) -> None:
     assert child.exitstatus == 0
 
 
+def test_a_small_terminals_frames_fit_it(run: FakeRun) -> None:
+    """In a 60 x 14 pseudo-terminal no line of the view is wider than the terminal (a wider
+    one would wrap and break the redraw) and each redraw climbs no more lines than it has."""
+    run.step(10, 2.5)
+    for i in range(12):
+        run.state.event("checkpoint-copied", step=i, url="file:///" + "x" * 120)
+    env = {**os.environ, "TERM": "xterm-256color"}
+    env.pop("COLUMNS", None)
+    env.pop("LINES", None)
+    cmd = _cmd(run.info.run_id, "--interval", "0.2")
+    child = pexpect.spawn(cmd[0], cmd[1:], env=env, dimensions=(14, 60), timeout=30)
+    try:
+        child.expect(_step(10))
+        run.step(20, 2.0)
+        child.expect(_step(20))
+        run.step(30, 1.5)
+        child.expect(_step(30))
+        shown = child.before + child.after
+        run.finish(30)
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert b"\x1b[1A" in shown, "no redraw in place"
+    for climb in re.findall(rb"(?:\x1b\[2K\x1b\[1A)+", shown):
+        assert climb.count(b"\x1b[1A") <= 14, climb
+    # Cursor movements (stripped) and carriage returns start a line over at column 0.
+    for line in re.split(r"[\r\n]", ESC.sub("\r", shown.decode())):
+        assert len(line) <= 60, line
+
+
+def test_a_dumb_terminal_gets_the_plain_lines(run: FakeRun) -> None:
+    """``TERM=dumb`` on a terminal: no view, the plain lines, no cursor movement."""
+    run.step(10, 2.5)
+    env = {**os.environ, "TERM": "dumb"}
+    cmd = _cmd(run.info.run_id, "--interval", "0.2")
+    child = pexpect.spawn(cmd[0], cmd[1:], env=env, dimensions=(30, 100), timeout=30)
+    try:
+        child.expect(r"\] step 10  loss 2\.500  world 4 ")
+        out = child.before + child.after
+        run.finish(10)
+        child.expect(pexpect.EOF)
+        out += child.before
+    finally:
+        child.close(force=True)
+    assert b"\x1b[1A" not in out and b"\x1b[2K" not in out
+    assert "nodes: n0 training, n1 training" in ESC.sub("", out.decode())
+
+
 def test_status_follow_through_a_pipe_prints_plain_lines_and_json(run: FakeRun) -> None:
     run.step(10, 2.5)
     proc = subprocess.Popen(
