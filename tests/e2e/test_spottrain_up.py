@@ -4,7 +4,6 @@ torchrun, an embedded Redis, injected preemptions and a zone stockout."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +57,20 @@ def _processes_of(run_id: str) -> list[str]:
     return found
 
 
+def _no_processes_left(run_id: str) -> None:
+    """`down` has returned: the run's processes are ending, or gone (a loaded machine can take
+    a few seconds to reap them)."""
+    seen: list[list[str]] = []
+    try:
+        wait(
+            lambda: not seen.append(_processes_of(run_id)) and not seen[-1],
+            "its processes to end",
+            30,
+        )
+    except AssertionError as e:
+        raise AssertionError(f"{e}; still running: {seen[-1]}") from None
+
+
 def test_readme_job_trains_through_preemptions_and_down_leaves_nothing(home: Path) -> None:
     """The README's main command: ``spottrain up examples/local_job.yaml``."""
     spec = yaml.safe_load((REPO / "examples" / "local_job.yaml").read_text())
@@ -96,8 +109,7 @@ def test_readme_job_trains_through_preemptions_and_down_leaves_nothing(home: Pat
     down = cli.run("down", run_id, timeout=180)
     assert down.returncode == 0, down.stderr
     assert "every VM is gone" in down.stdout
-    time.sleep(1.0)
-    assert _processes_of(run_id) == []
+    _no_processes_left(run_id)
 
 
 def test_zone_stockout_moves_the_job_and_it_resumes_from_its_copied_checkpoint(
@@ -148,8 +160,7 @@ def test_zone_stockout_moves_the_job_and_it_resumes_from_its_copied_checkpoint(
     ready = [e for e in events if " move-ready " in e]
     assert ready and f"resumes_from_step={pulled_step}" in ready[0], ready
     assert cli.run("down", run_id, timeout=180).returncode == 0
-    time.sleep(1.0)
-    assert _processes_of(run_id) == []
+    _no_processes_left(run_id)
 
 
 def test_a_node_that_computes_slowly_is_reported_and_replaced(tmp_path: Path, home: Path) -> None:
@@ -187,8 +198,7 @@ def test_a_node_that_computes_slowly_is_reported_and_replaced(tmp_path: Path, ho
     )
     assert not any("node n0 is a straggler" in e or "node n2 is a straggler" in e for e in events)
     assert cli.run("down", run_id, timeout=180).returncode == 0
-    time.sleep(1.0)
-    assert _processes_of(run_id) == []
+    _no_processes_left(run_id)
 
 
 def test_a_rebalance_recommendation_hands_the_node_over_before_it_is_preempted(
@@ -236,18 +246,26 @@ def test_a_rebalance_recommendation_hands_the_node_over_before_it_is_preempted(
     assert "replacement n3 joined; draining n1" in drain
     drained = next(e for e in events if " drained " in e and " n1 " in e)
     assert "committed_step=null" not in drained, drained  # the handover saved its state
-    assert not any(" straggler" in e for e in events)
+    assert not any("node n1 is a straggler" in e for e in events)  # it left for the notice
+    # The fleet is whole again without n1. On a loaded 2-core machine the controller may
+    # also replace a node whose workers were starved as a straggler (a real product
+    # decision, checked on its own in the test above); nothing else may end a node.
     seen: list[Any] = []
     try:
         wait(
             lambda: (
-                sorted(seen.append(cli.status(run_id)) or seen[-1]["nodes"]) == ["n0", "n2", "n3"]
+                (nodes := seen.append(cli.status(run_id)) or seen[-1]["nodes"])
+                and len(nodes) == 3
+                and "n1" not in nodes
+                and all(state == "joined" for state in nodes.values())
             ),
-            "the fleet to be n0, n2 and n3",
+            "the fleet to be three joined nodes without n1",
             180,
         )
     except AssertionError as e:
         raise AssertionError(f"{e}; last status: {seen[-1] if seen else None}") from None
+    ended = [e for e in cli.events(run_id) if " terminate " in e]
+    assert ended and "node_name=n1" in ended[0], ended
+    assert all("why=straggler" in e for e in ended[1:]), ended
     assert cli.run("down", run_id, timeout=180).returncode == 0
-    time.sleep(1.0)
-    assert _processes_of(run_id) == []
+    _no_processes_left(run_id)
