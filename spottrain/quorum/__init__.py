@@ -59,8 +59,11 @@ pool), plus the agent's own. 12,500 replicas on 12,500 VMs need 25,000-40,000 cl
 connections: Redis's ``maxclients`` (default 10,000) and its open-file limit must be raised
 accordingly (the embedded Redis must set them). The client must not retry long inside redis-py
 (``spottrain.redis_conn.connect``'s short backoff is right; redis-py's default of 1-10 s
-backoffs would delay heartbeats past the timeout) and its ``socket_timeout`` must exceed the
-BLPOP slice (``min(max(join_timeout, heartbeat_timeout / 4), heartbeat_timeout / 2)`` + 20 %).
+backoffs would delay heartbeats past the timeout). Its ``socket_timeout`` bounds every command:
+the BLPOP and WAIT slices (``min(max(join_timeout, heartbeat_timeout / 4), heartbeat_timeout /
+2)``, the BLPOP's +-20 %) are cut to end 0.35 s inside it (:func:`.confirm.longest_block_s`;
+redis-py does not lengthen it for a blocking command), at the cost of a TICK more per cut
+slice while a round stalls.
 
 Durability: every request carries the quorum id its replica holds and the counter is floored
 to it, so ids never go back for any id a live replica holds, even when Redis restarted empty

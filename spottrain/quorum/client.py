@@ -17,6 +17,7 @@ rides it out only when given a timeout; heartbeats, leaves and reads raise it at
 
 from __future__ import annotations
 
+import math
 import random
 import secrets
 import threading
@@ -34,6 +35,7 @@ from spottrain.quorum.errors import (
     QuorumCorrupt,
     QuorumError,
     QuorumGone,
+    QuorumNotFormed,
     QuorumRedisRefused,
     QuorumTimeout,
 )
@@ -74,9 +76,8 @@ class QuorumClient:
     blocked ``request`` its own connection).
 
     Args:
-        redis: A client whose ``socket_timeout`` is None or longer than the BLPOP wait
-            (``min(max(join_timeout, heartbeat_timeout / 4), heartbeat_timeout / 2)`` plus
-            20 %).
+        redis: The client (its ``socket_timeout`` bounds every command: a blocking one is
+            given at most :func:`.confirm.longest_block_s` of it).
         keys: The run's keys.
         config: The quorum's settings, the same for every replica of the run.
         wait_replicas: An answer is returned only once this many Redis replicas hold it
@@ -104,6 +105,8 @@ class QuorumClient:
         self._held: dict[str, int] = {}  # the last quorum id each replica was answered
         self._roster: tuple[str, Roster] | None = None  # (epoch, roster) last read
         self._rank_of: tuple[tuple[str, int], dict[str, int]] | None = None  # a relay's
+        kwargs = getattr(redis.connection_pool, "connection_kwargs", {})
+        self._longest_block_s = confirm.longest_block_s(kwargs.get("socket_timeout"))
 
     # -- scripts ------------------------------------------------------------------------------
     def _call(self, name: str, *args: str) -> Any:
@@ -218,8 +221,9 @@ class QuorumClient:
                 (``min-replicas-to-write``) until it.
             QuorumRedisRefused: (a QuorumTimeout) Redis refused the quorum's writes until
                 the deadline (a replica, loading, busy, full memory, a disk error).
-            QuorumTimeout: no quorum within ``timeout`` (too few replicas, or Redis
-                unreachable the whole time).
+            QuorumNotFormed: (a QuorumTimeout) no quorum within ``timeout`` (too few
+                replicas).
+            QuorumTimeout: Redis unreachable until the deadline.
             QuorumCorrupt: a quorum key holds garbage.
         """
         scripts.check_replica_id(replica_id)
@@ -309,9 +313,10 @@ class QuorumClient:
 
     def _await_answer(self, replica_id: str, token: str, deadline: float) -> Answer:
         reply = scripts.reply_key(self._keys, replica_id)
-        slice_s = self._slice_s()
         while True:
-            wait = confirm.block_s(time.monotonic(), deadline, slice_s * random.uniform(0.8, 1.2))
+            wait = confirm.block_s(
+                time.monotonic(), deadline, self._slice_s(random.uniform(0.8, 1.2))
+            )
             if wait is None:
                 return self._give_up(replica_id, token, reply)
             try:
@@ -339,24 +344,31 @@ class QuorumClient:
                 if their_token == token:
                     self._redis.lrem(reply, 1, element)
                     return scripts.parse_answer(line)
-        raise QuorumTimeout(self._timeout_message(replica_id))
+        raise self._not_formed(replica_id)
 
-    def _slice_s(self) -> float:
+    def _slice_s(self, jitter: float = 1.0) -> float:
         # Wake to TICK at the join timeout's scale, and at least twice per heartbeat timeout
-        # so a silent loss is swept within the timeout plus a round.
+        # so a silent loss is swept within the timeout plus a round; never past the socket
+        # timeout, which would end the wait as a lost connection (a TICK more is cheaper).
         hb_ms = self._config.heartbeat_timeout_ms
-        return min(max(self._config.join_timeout_ms, hb_ms / 4), hb_ms / 2) / 1000
+        slice_s = min(max(self._config.join_timeout_ms, hb_ms / 4), hb_ms / 2) / 1000 * jitter
+        return slice_s if self._longest_block_s is None else min(slice_s, self._longest_block_s)
 
     def _tick(self, replica_id: str, token: str, *withdraw: str) -> str:
         result = self._call("TICK", replica_id, token, *withdraw)
         return result.decode() if isinstance(result, bytes) else str(result)
 
     def _back_off(self, failures: int, deadline: float, error: Exception) -> None:
-        """Sleep before the next try; past ``deadline``, raise what ``error`` means."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        """Sleep before the next try, at most until the last one that still fits before
+        ``deadline`` (room to block once); once none fits, raise what ``error`` means. A try
+        that could only send and give up would run commands that nothing but the socket
+        timeout bounds, past the deadline when Redis hangs."""
+        room = confirm.block_s(time.monotonic(), deadline, math.inf)
+        if room is not None:
+            pause = min(0.05 * 2 ** min(failures, 4), room - confirm.MIN_BLOCK_S)
+            time.sleep(pause * random.uniform(0.5, 1.0))
+        if confirm.block_s(time.monotonic(), deadline, math.inf) is None:
             self._raise_for(error)
-        time.sleep(min(remaining, 0.05 * 2 ** min(failures, 4)) * random.uniform(0.5, 1.0))
 
     def _raise_for(self, error: Exception) -> NoReturn:
         """What ``error``, the last try's, means at a request's deadline."""
@@ -370,8 +382,8 @@ class QuorumClient:
             "the run's Redis"
         ) from error
 
-    def _timeout_message(self, replica_id: str) -> str:
-        return (
+    def _not_formed(self, replica_id: str) -> QuorumNotFormed:
+        return QuorumNotFormed(
             f"no quorum formed for replica {replica_id} in time: fewer than "
             f"{self._config.min_replicas} replicas asked, or not more than half of the "
             "heartbeating replicas did (see `status()`)"

@@ -26,14 +26,21 @@ class QuorumTimeout(QuorumError):
     """No quorum formed in time (too few replicas, or Redis unreachable the whole time)."""
 
 
+class QuorumNotFormed(QuorumTimeout):
+    """Redis answered throughout, but the request's round did not form by its deadline: fewer
+    than ``min_replicas`` replicas asked, or not more than half of the heartbeating ones. The
+    replicas' doing, not Redis's nor a relay's: a relay passes it on and is kept."""
+
+
 class QuorumCorrupt(QuorumError):
     """A quorum key holds something the scripts did not write; the message names the key and
     how to reset the quorum's keys."""
 
 
 class QuorumRedisRefused(QuorumTimeout):
-    """The run's Redis refused the quorum's commands until the request's deadline, for a
-    reason of its own that the quorum's keys do not share: ``cause`` is Redis's error code
+    """The run's Redis refused the quorum's commands, for a reason of its own that the
+    quorum's keys do not share (a request or a join with a timeout rides it out until its
+    deadline; heartbeats, leaves and reads raise it at once): ``cause`` is Redis's error code
     (``READONLY``: a replica, not the primary; ``UNBLOCKED``: demoted while the quorum
     waited; ``LOADING``: loading its data; ``BUSY``: running a long script; ``OOM``:
     maxmemory reached; ``MISCONF``: cannot write to disk; ``NOREPLICAS``:

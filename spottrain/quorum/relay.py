@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from spottrain.quorum import confirm, scripts
-from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumRedisRefused, QuorumTimeout
+from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumRedisRefused
 from spottrain.quorum.model import Answer, BatchItem
 
 if TYPE_CHECKING:
@@ -163,7 +163,7 @@ class RelayBatch:
 
     # -- waiting --------------------------------------------------------------------------
     def _wait(self) -> None:
-        slice_s = self.c._slice_s() * random.uniform(0.8, 1.2)
+        slice_s = self.c._slice_s(random.uniform(0.8, 1.2))
         wait = confirm.block_s(time.monotonic(), self.answer_by, slice_s)
         if wait is None:
             return  # out of time: the next pass gives up
@@ -189,7 +189,7 @@ class RelayBatch:
                 self.unsent.add(rid)  # Redis lost it (restarted): send it again
             elif state == "withdrawn":
                 self.open.discard(rid)
-                self.out[rid] = QuorumTimeout(self.c._timeout_message(rid))
+                self.out[rid] = self.c._not_formed(rid)
             elif state != "pending":
                 self._refuse(rid, state)
 
@@ -199,7 +199,7 @@ class RelayBatch:
         self._tick("withdraw")
         for rid in list(self.open):
             self.open.discard(rid)
-            self.out[rid] = QuorumTimeout(self.c._timeout_message(rid))
+            self.out[rid] = self.c._not_formed(rid)
 
     def _drain(self) -> None:
         pipe = self.c._redis.pipeline(transaction=True)

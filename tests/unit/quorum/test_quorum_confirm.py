@@ -31,3 +31,14 @@ def test_no_blocking_command_ends_past_its_time_even_timed_out_late(slice_s: flo
         assert 0.01 <= wait <= slice_s  # never 0: BLPOP 0 and WAIT 0 block for ever
         assert now + wait + confirm.REDIS_LATE_S <= until + 1e-9
     assert confirm.block_s(until + 5, until, slice_s) is None
+
+
+@pytest.mark.parametrize("wait_replicas", [0, 1])
+def test_the_shortest_timeout_still_blocks_once_for_its_answer(wait_replicas: int) -> None:
+    def blocks(timeout: float) -> bool:
+        by = confirm.answer_by(100.0 + timeout, timeout, wait_replicas)
+        return confirm.block_s(100.0, by, 1.0) is not None
+
+    shortest = confirm.shortest_timeout_s(wait_replicas)
+    assert blocks(shortest + 1e-9) and not blocks(shortest - 0.001)
+    assert blocks(60.0) and not blocks(0.0)
