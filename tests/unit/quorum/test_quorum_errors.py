@@ -1,33 +1,61 @@
 """The quorum's error messages that need no Redis: which replies are a refusal for want of
-Redis replicas, and what the operator is told."""
+Redis replicas, and what the operator is told. Each error is built from Redis's reply the way
+redis-py builds it (its parser strips ``ERR`` and the code of a reply it maps to a class; a
+pipeline prefixes the failed command), so every case is one redis-py really raises."""
 
 from __future__ import annotations
 
 import pytest
 import redis
+from redis._parsers import BaseParser
 
 from spottrain.quorum import errors
 
 REFUSED = "NOREPLICAS Not enough good replicas to write."
+SCRIPT = " script: 1c8ddd8b218861969ed05ab539e0c27f08b25e78, on @user_script:1."
+WAITED = ("SET", "spottrain:{r}:quorum:waited", "1")
+
+
+def _reply(line: str) -> redis.RedisError:
+    """The error redis-py raises for Redis's error reply ``line`` (without its ``-``)."""
+    error = BaseParser.parse_error(line)
+    assert isinstance(error, redis.RedisError)  # LOADING's is a ConnectionError
+    return error
+
+
+def _in_pipeline(error: redis.RedisError, command: tuple[str, ...] = WAITED) -> Exception:
+    """``error`` as a pipeline raises it for its first command (redis-py's own prefix)."""
+    redis.Redis().pipeline().annotate_exception(error, 1, command)
+    return error
 
 
 @pytest.mark.parametrize(
-    "reply",
+    "error",
     [
-        REFUSED,  # a plain command
-        f"{REFUSED} script: 5ecf37f1, on @user_script:1.",  # a script's redis.call
-        f"Command # 2 (DEL k) of pipeline caused error: {REFUSED}",  # a pipeline's
+        _reply(REFUSED),  # a plain command
+        _reply(REFUSED + SCRIPT),  # a script's redis.call
+        _in_pipeline(_reply(REFUSED), ("DEL", "k")),  # a pipeline's
     ],
 )
-def test_a_refused_write_is_told_apart_in_each_form(reply: str) -> None:
-    assert errors.is_noreplicas(reply)
-    message = str(errors.not_enough_replicas(reply))
+def test_a_refused_write_is_told_apart_in_each_form(error: Exception) -> None:
+    assert errors.is_noreplicas(str(error))
+    message = str(errors.not_enough_replicas(str(error)))
     assert "min-replicas-to-write" in message and "script:" not in message
 
 
-@pytest.mark.parametrize("reply", ["OOM command not allowed", "WRONGTYPE x", "ERR NOREPLICAS"])
-def test_other_errors_are_not_a_refusal_for_want_of_replicas(reply: str) -> None:
-    assert not errors.is_noreplicas(reply)
+@pytest.mark.parametrize(
+    "error",
+    [
+        _reply("OOM command not allowed when used memory > 'maxmemory'."),
+        _reply("WRONGTYPE Operation against a key holding the wrong kind of value"),
+        # Only the word: "-ERR unknown command" names it, and redis-py strips the ERR.
+        _reply("ERR unknown command 'NOREPLICAS', with args beginning with: "),
+    ],
+)
+def test_other_errors_are_not_a_refusal_for_want_of_replicas(error: Exception) -> None:
+    assert not errors.is_noreplicas(str(error))
+    refused = errors.refusal(error)
+    assert refused is None or refused.cause != "NOREPLICAS"
 
 
 def test_an_unacknowledged_round_says_how_many_and_how_to_fix_it() -> None:
@@ -43,10 +71,11 @@ def test_an_unacknowledged_round_says_how_many_and_how_to_fix_it() -> None:
 
 
 # Redis's replies, verbatim (Redis 7.0), as each path delivers them: a plain command, a
-# script's error (its " script: ..." suffix), a pipeline's (redis-py's prefix), the scripts'
-# older QCORRUPT wrapping, and redis-py's mapped classes (which drop the code).
-READONLY = "You can't write against a read only replica."
-OOM = "command not allowed when used memory > 'maxmemory'."
+# script's error (its " script: ..." suffix), a pipeline's (redis-py's prefix) and the
+# scripts' older QCORRUPT wrapping; redis-py's parser maps READONLY, OOM and LOADING to
+# classes of their own and drops the code from the message.
+READONLY = "READONLY You can't write against a read only replica."
+OOM = "OOM command not allowed when used memory > 'maxmemory'."
 MISCONF = (
     "MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist "
     "to disk. Commands that may modify the data set are disabled, because this instance is "
@@ -58,33 +87,35 @@ BUSY = "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SH
 UNBLOCKED = (
     "UNBLOCKED force unblock from blocking operation, instance state changed (master -> replica?)"
 )
-SCRIPT = " script: 1c8ddd8b218861969ed05ab539e0c27f08b25e78, on @user_script:1."
-PIPELINE = "Command # 1 (SET spottrain:{r}:quorum:waited 1) of pipeline caused error: "
 KEY = "spottrain:{r}:quorum:hb"
 
 
 @pytest.mark.parametrize(
     ("error", "cause", "names"),
     [
-        (redis.ReadOnlyError(READONLY), "READONLY", "new primary"),
-        (redis.ReadOnlyError(READONLY + SCRIPT), "READONLY", "REPLICAOF NO ONE"),
-        (redis.ReadOnlyError(PIPELINE + READONLY), "READONLY", "new primary"),
-        (f"QCORRUPT {KEY} READONLY {READONLY}{SCRIPT}", "READONLY", "new primary"),
-        (UNBLOCKED, "UNBLOCKED", "new primary"),
-        (redis.BusyLoadingError("Redis is loading the dataset in memory"), "LOADING", "load"),
-        (BUSY, "BUSY", "SCRIPT KILL"),
-        (redis.OutOfMemoryError(OOM), "OOM", "maxmemory"),
-        (redis.OutOfMemoryError(PIPELINE + OOM), "OOM", "maxmemory"),
-        (f"QCORRUPT {KEY} OOM {OOM}{SCRIPT}", "OOM", "noeviction"),
-        (MISCONF + SCRIPT, "MISCONF", "persist to disk"),
-        (f"QCORRUPT {KEY} {MISCONF}{SCRIPT}", "MISCONF", "rdb_last_bgsave_status"),
-        (PIPELINE + MISCONF, "MISCONF", "free space"),
-        ("MISCONF Errors writing to the AOF file: No space left on device", "MISCONF", "AOF"),
-        (f"QCORRUPT {KEY} {REFUSED}{SCRIPT}", "NOREPLICAS", "min-replicas-to-write"),
+        (_reply(READONLY), "READONLY", "new primary"),
+        (_reply(READONLY + SCRIPT), "READONLY", "REPLICAOF NO ONE"),
+        (_in_pipeline(_reply(READONLY)), "READONLY", "new primary"),
+        (_reply(f"QCORRUPT {KEY} {READONLY}{SCRIPT}"), "READONLY", "new primary"),
+        (_reply(UNBLOCKED), "UNBLOCKED", "new primary"),
+        (_reply("LOADING Redis is loading the dataset in memory"), "LOADING", "load"),
+        (_reply(BUSY), "BUSY", "SCRIPT KILL"),
+        (_reply(OOM), "OOM", "maxmemory"),
+        (_in_pipeline(_reply(OOM)), "OOM", "maxmemory"),
+        (_reply(f"QCORRUPT {KEY} {OOM}{SCRIPT}"), "OOM", "noeviction"),
+        (_reply(MISCONF + SCRIPT), "MISCONF", "persist to disk"),
+        (_reply(f"QCORRUPT {KEY} {MISCONF}{SCRIPT}"), "MISCONF", "rdb_last_bgsave_status"),
+        (_in_pipeline(_reply(MISCONF)), "MISCONF", "free space"),
+        (
+            _reply("MISCONF Errors writing to the AOF file: No space left on device"),
+            "MISCONF",
+            "AOF",
+        ),
+        (_reply(f"QCORRUPT {KEY} {REFUSED}{SCRIPT}"), "NOREPLICAS", "min-replicas-to-write"),
     ],
 )
 def test_each_refusal_is_named_with_its_fix_and_never_called_corruption(
-    error: BaseException | str, cause: str, names: str
+    error: Exception, cause: str, names: str
 ) -> None:
     refused = errors.refusal(error, "10.0.0.5:6379")
     assert isinstance(refused, errors.QuorumRedisRefused)
@@ -100,22 +131,22 @@ def test_each_refusal_is_named_with_its_fix_and_never_called_corruption(
 
 
 @pytest.mark.parametrize(
-    "error",
+    "line",
     [
         f"QCORRUPT {KEY} WRONGTYPE Operation against a key holding the wrong kind of value",
         f"QCORRUPT {KEY} field qid = x, not a number",
         "ERR value is not an integer or out of range",
         "BUSYKEY Target key name already exists.",
         "QGONE a left 12",
-        redis.ResponseError("ERR NOREPLICAS"),
+        "ERR unknown command 'NOREPLICAS', with args beginning with: ",
     ],
 )
-def test_garbage_and_other_errors_are_not_refusals(error: BaseException | str) -> None:
-    assert errors.refusal(error) is None
+def test_garbage_and_other_errors_are_not_refusals(line: str) -> None:
+    assert errors.refusal(_reply(line)) is None
 
 
 def test_the_exact_operator_messages() -> None:
-    oom = errors.refusal(redis.OutOfMemoryError(OOM), "10.0.0.5:6379")
+    oom = errors.refusal(_reply(OOM), "10.0.0.5:6379")
     assert str(oom) == (
         "the run's Redis at 10.0.0.5:6379 refuses the quorum's writes because its memory is "
         "full (OOM command not allowed when used memory > 'maxmemory'.): used_memory is "
@@ -124,7 +155,7 @@ def test_the_exact_operator_messages() -> None:
         "redis-cli --bigkeys); keep maxmemory-policy noeviction, since an evicting policy "
         "could drop the quorum's keys. Not corruption: keep the quorum's keys"
     )
-    readonly = errors.refusal(redis.ReadOnlyError(READONLY))
+    readonly = errors.refusal(_reply(READONLY))
     assert str(readonly) == (
         "the run's Redis is a read-only replica, not the primary, and refuses the quorum's "
         "writes (READONLY You can't write against a read only replica.): after a failover, "
@@ -136,8 +167,8 @@ def test_the_exact_operator_messages() -> None:
 
 def test_a_refusal_keeps_its_kind_per_replica_and_across_the_relay_wire() -> None:
     for refused in (
-        errors.refusal(MISCONF),
-        errors.not_enough_replicas(REFUSED),
+        errors.refusal(_reply(MISCONF)),
+        errors.not_enough_replicas(str(_reply(REFUSED))),
         errors.unacknowledged("quorum 3", 0, 1, connected=0),
     ):
         assert refused is not None
