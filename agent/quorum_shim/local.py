@@ -55,7 +55,14 @@ def start_local_shim(
     lease = Lease(
         control_redis, lease_key(keys, relay.group), relay.address, 3 * config.heartbeat_timeout_ms
     )
-    backend = RelayedQuorum(blocking, lease, config, bind=relay.bind, on_lease=on_lease)
+    backend = RelayedQuorum(
+        blocking,
+        lease,
+        config,
+        bind=relay.bind,
+        wait_replicas=wait_replicas,
+        on_lease=on_lease,
+    )
     try:
         shim = LighthouseShim(backend, control, config, bind=f"127.0.0.1:{port}")
     except BaseException:

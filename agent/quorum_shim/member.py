@@ -14,7 +14,12 @@ falling back to Redis directly on any failure.
   relay's failure: the relay is kept and asked again until the request's deadline, then the
   refusal is raised, as a direct request would raise it. Asking directly would meet the same
   Redis, at one script call per replica instead of one per batch, just when Redis is
-  struggling (a relay's own connection to a demoted primary reconnects by itself).
+  struggling (a relay's own connection to a demoted primary reconnects by itself). A round
+  that did not form by the hop's deadline (``QuorumNotFormed``: too few replicas asked) is
+  not the relay's failure either: the same.
+- A hop shorter than :func:`shortest_hop_s` is not asked for: the relay's batch would give up
+  at once (no room left to block for the answer). With that little time left the request
+  asks directly, or raises what the relay last passed on.
 - Joins, heartbeats, leaves, rosters and ages stay direct (one variadic heartbeat per VM).
 - A refusal (QuorumGone) from the relay is final, as it is directly.
 """
@@ -28,7 +33,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from spottrain.quorum.errors import QuorumGone, QuorumRedisRefused
+from spottrain.quorum import confirm
+from spottrain.quorum.errors import (
+    QuorumGone,
+    QuorumNotFormed,
+    QuorumRedisRefused,
+    QuorumTimeout,
+)
 from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig, Roster
 
 from . import relay as r
@@ -37,10 +48,17 @@ from .server import QuorumApi
 
 log = logging.getLogger("spottrain.agent.quorum_shim.relay")
 
-# A refused request is not sent through the relay again with less time than this left: the
-# relay would have too little to ride the refusal out.
-_LAST_HOP_S = 0.1
+# The pause before asking the relay again after it passed a refusal on early.
 _PAUSE_S = 0.05
+
+
+def shortest_hop_s(wait_replicas: int) -> float:
+    """The shortest relay hop worth asking for: the wire's margin (the relay's deadline ends
+    first), a batch's wait for its group (:data:`.relay.MAX_WAIT_S`) and the shortest timeout
+    in which the relay's batch still blocks once for its answer
+    (:func:`~spottrain.quorum.confirm.shortest_timeout_s`: with ``wait_replicas``, a WAIT's
+    share besides). With less, the relay gives up at once."""
+    return wire.ASK_MARGIN_S + r.MAX_WAIT_S + confirm.shortest_timeout_s(wait_replicas)
 
 
 class DirectApi(QuorumApi, r.BatchApi, Protocol):
@@ -55,6 +73,8 @@ class RelayedQuorum:
         lease: The group's lease, valued with this shim's relay address.
         config: The run's quorum settings (the hop deadline and the lease TTL derive from it).
         bind: host:port the relay listens on (other VMs reach it at ``lease.me``).
+        wait_replicas: The run's ``wait_replicas`` (a relay's batch keeps a WAIT's share of
+            its hop: :func:`shortest_hop_s`).
         on_lease: Called with True when this shim takes the group's lease and with False when
             it loses it (the agent's ``quorum-relay`` event); never under a lock.
     """
@@ -67,9 +87,11 @@ class RelayedQuorum:
         *,
         bind: str,
         gather_s: float = r.GATHER_S,
+        wait_replicas: int = 0,
         on_lease: Callable[[bool], None] | None = None,
     ) -> None:
         self.direct, self.lease, self.config = direct, lease, config
+        self.shortest_hop_s = shortest_hop_s(wait_replicas)
         self.hop_s = (config.join_timeout_ms + config.heartbeat_timeout_ms) / 1000.0
         self.ttl_s = lease.ttl_ms / 1000.0
         relay_id = f"{lease.key.rpartition(':')[2]}-{secrets.token_hex(3)}"
@@ -84,7 +106,7 @@ class RelayedQuorum:
         self.holding = False
         self._on_lease = on_lease
         self.relayed = 0  # requests answered through a relay (tests, logs)
-        self.fallbacks = 0  # requests asked directly after a relay failed or was absent
+        self.fallbacks = 0  # requests asked directly: a relay failed, was absent, or no hop fit
         self._stop = threading.Event()
         self._server = wire.RelayServer(bind, self.batcher.submit)
         self._thread = threading.Thread(target=self._renew_loop, name="spottrain-lease")
@@ -190,18 +212,20 @@ class RelayedQuorum:
         )
 
     def _relayed(self, item: BatchItem, deadline: float) -> Answer | None:
-        """``item``'s answer through the group's relay; None: ask directly (no relay, or it
-        failed). Raises QuorumGone (final) and a Redis refusal the relay passed on until
-        ``deadline``."""
-        refused: QuorumRedisRefused | None = None
+        """``item``'s answer through the group's relay; None: ask directly (no relay, it
+        failed, or too short a hop is left). Raises QuorumGone (final), and a Redis refusal
+        or a round not formed that the relay passed on, once no hop is left to ask again."""
+        passed: QuorumTimeout | None = None
         while True:
             remaining = deadline - time.monotonic()
-            if refused is not None and remaining < _LAST_HOP_S:
-                raise refused
+            if remaining < self.shortest_hop_s:
+                if passed is not None:
+                    raise passed
+                return None  # the relay would give up at once: not its failure
             relay = self.relay()
             if relay is None:
                 return None
-            hop = min(remaining, self.hop_s)
+            hop, asked = min(remaining, self.hop_s), time.monotonic()
             try:
                 if relay == self.address:
                     answer = self.batcher.ask(item, hop)
@@ -211,11 +235,14 @@ class RelayedQuorum:
                 return answer
             except QuorumGone:
                 raise
-            except QuorumRedisRefused as exc:
-                refused = exc  # Redis's refusal, not the relay's failure: ask it again
-                # (after a pause: a relay rides a refusal out to its deadline, so only a
-                # short hop comes back at once)
-                time.sleep(max(0.0, min(_PAUSE_S, deadline - time.monotonic() - _LAST_HOP_S)))
+            except (QuorumRedisRefused, QuorumNotFormed) as exc:
+                # Redis's or the replicas', not the relay's failure: ask it again, at once
+                # after a hop ridden out to its deadline, after a pause when it came back
+                # early (so a relay that gives up early is not asked in a tight loop)
+                passed = exc
+                if time.monotonic() - asked < hop / 2:
+                    left = deadline - time.monotonic() - self.shortest_hop_s
+                    time.sleep(max(0.0, min(_PAUSE_S, left)))
             except Exception as exc:
                 log.warning(
                     "quorum relay %s failed for %s (asking directly): %s",
@@ -238,7 +265,7 @@ class RelayedQuorum:
                     self._conns[address] = conn
         try:
             return conn.ask(item, timeout)
-        except (QuorumGone, QuorumRedisRefused):
+        except (QuorumGone, QuorumRedisRefused, QuorumNotFormed):
             raise  # answers, passed on: the connection is fine
         except Exception:
             conn.close()  # a fresh connection next time (or another relay)

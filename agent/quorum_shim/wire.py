@@ -15,10 +15,12 @@ over this wire costs a fifth of it (relay_cost).
   (:func:`.relay.answer_line`), ``G`` (refused: the replica was dropped or left; final),
   ``R`` (the run's Redis refused the batch's writes or could not replicate them until the
   deadline, a :class:`~spottrain.quorum.errors.QuorumRedisRefused`; payload ``<cause>
-  <message>``: the relay is fine, and the member keeps it) or ``E`` (any other failure:
-  ask directly). A member that predates ``R`` takes it for an ``E``, so the kind needs no
-  new version. One connection carries several replicas' requests at once; answers come
-  back in any order.
+  <message>``: the relay is fine, and the member keeps it), ``T`` (the request's round did
+  not form by the deadline: too few replicas asked, a
+  :class:`~spottrain.quorum.errors.QuorumNotFormed`; payload its message: the relay is fine
+  too) or ``E`` (any other failure: ask directly). A member that predates ``R`` or ``T``
+  takes it for an ``E`` (its old fallback), so the kinds need no new version. One
+  connection carries several replicas' requests at once; answers come back in any order.
 - Anything else (a bad kind, a request that does not decode, a truncated frame) closes the
   connection: the member falls back to Redis directly, and the relay serves the others.
 """
@@ -37,7 +39,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from spottrain.quorum import errors
-from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumRedisRefused
+from spottrain.quorum.errors import (
+    QuorumError,
+    QuorumGone,
+    QuorumNotFormed,
+    QuorumRedisRefused,
+)
 from spottrain.quorum.model import Answer, BatchItem
 from spottrain.quorum.scripts import parse_answer
 
@@ -53,9 +60,12 @@ MAX_REQUEST = 1024
 MAX_ANSWER = 16 << 20
 # A connection that has not said hello by then is not a member.
 HELLO_TIMEOUT_S = 10.0
+# The relay's deadline for a request ends this long before the member's own, so the relay
+# answers (or gives up) before the member stops waiting.
+ASK_MARGIN_S = 0.05
 _HEAD = struct.Struct(">I")
 _MSG = struct.Struct(">IB")
-REQUEST, ANSWER, GONE, ERROR, REFUSED = b"QAGER"
+REQUEST, ANSWER, GONE, ERROR, REFUSED, NOT_FORMED = b"QAGERT"
 
 
 class FrameError(ValueError):
@@ -221,6 +231,8 @@ class RelayServer:
             return message(request_id, GONE, str(exc).encode())
         except QuorumRedisRefused as exc:  # Redis's, not the relay's: the member keeps it
             return message(request_id, REFUSED, f"{exc.cause} {exc}".encode())
+        except QuorumNotFormed as exc:  # the replicas', not the relay's: the member keeps it
+            return message(request_id, NOT_FORMED, str(exc).encode())
         except BaseException as exc:  # the member asks directly
             return message(request_id, ERROR, f"{type(exc).__name__}: {exc}".encode())
 
@@ -268,7 +280,7 @@ class RelayClient:
             self._waiting[request_id] = future
             try:
                 # The relay's own deadline ends first, so it answers (or gives up) in time.
-                body = r.encode_request(item, max(0.01, timeout - 0.05))
+                body = r.encode_request(item, max(0.01, timeout - ASK_MARGIN_S))
                 self._sock.sendall(message(request_id, REQUEST, body))
             except OSError as exc:
                 self._close_locked(exc)
@@ -343,5 +355,7 @@ class RelayClient:
         elif kind == REFUSED:
             cause, _, why = text.partition(" ")
             future.set_exception(errors.from_wire(cause, why))
+        elif kind == NOT_FORMED:
+            future.set_exception(QuorumNotFormed(text))
         else:
             future.set_exception(QuorumError(f"the quorum relay failed: {text}"))

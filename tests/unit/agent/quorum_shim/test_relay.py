@@ -11,11 +11,12 @@ import pytest
 import redis
 
 from spottrain.agent.quorum_shim import relay as r
-from spottrain.agent.quorum_shim.member import RelayedQuorum
+from spottrain.agent.quorum_shim import wire
+from spottrain.agent.quorum_shim.member import RelayedQuorum, shortest_hop_s
 from spottrain.ports import free_port
 from spottrain.protocol.keys import RunKeys
-from spottrain.quorum import errors, scripts
-from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumRedisRefused
+from spottrain.quorum import confirm, errors, scripts
+from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumNotFormed, QuorumRedisRefused
 from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig, Roster
 
 CONFIG = QuorumConfig(heartbeat_timeout_ms=600, join_timeout_ms=150)
@@ -32,6 +33,11 @@ def refused_for(rid: str) -> QuorumRedisRefused:
     return refused.for_replica(rid)
 
 
+def not_formed_for(rid: str) -> QuorumNotFormed:
+    """What the quorum client gives a relay batch's member whose round did not form."""
+    return QuorumNotFormed(f"no quorum formed for replica {rid} in time: fewer than 2 ...")
+
+
 class FakeDirect:
     """request_batch answers every item at once (``hold`` blocks the first call)."""
 
@@ -40,6 +46,7 @@ class FakeDirect:
         self.direct: list[str] = []
         self.gone: set[str] = set()
         self.refusals = 0  # the next this many batches: Redis refuses every item
+        self.not_formed = 0  # the next this many batches: no item's round forms
         self.hold = threading.Event()
         self.hold.set()
         self.in_flight = threading.Event()
@@ -53,6 +60,9 @@ class FakeDirect:
         if self.refusals > 0:
             self.refusals -= 1
             return {i.replica_id: refused_for(i.replica_id) for i in items}
+        if self.not_formed > 0:
+            self.not_formed -= 1
+            return {i.replica_id: not_formed_for(i.replica_id) for i in items}
         return {
             i.replica_id: QuorumGone("gone") if i.replica_id in self.gone else _answer(i.replica_id)
             for i in items
@@ -213,6 +223,71 @@ def test_a_redis_refusal_through_the_relay_keeps_the_relay(
         assert err.value.cause == "OOM" and str(err.value) == str(refused_for("m1"))
         assert b._avoid is None and b.fallbacks == 0 and member_fake.direct == []
         assert b.relay() == a.address
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_round_not_formed_through_the_relay_keeps_the_relay(
+    redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    # The relay's batch gave up because too few replicas asked by the hop's deadline: the
+    # replicas', not the relay's failure. The member asks the relay again (never Redis
+    # directly) and keeps it; past its deadline it raises what a direct request would.
+    relay_fake, member_fake = FakeDirect(), FakeDirect()
+    a = _node(relay_fake, redis_client, run_keys).start()
+    b = _node(member_fake, redis_client, run_keys).start()
+    try:
+        assert b.relay() == a.address
+        relay_fake.not_formed = 2
+        assert b.request("m1", 40, timeout=5) == _answer("m1")  # the third batch answers
+        relay_fake.not_formed = 1
+        assert a.request("m0", 40, timeout=5) == _answer("m0")  # the relay's own member
+        assert (b.relayed, b.fallbacks, a.fallbacks) == (1, 0, 0)
+
+        relay_fake.not_formed = 1 << 30  # no round until the deadline
+        with pytest.raises(QuorumNotFormed) as err:
+            b.request("m1", 41, timeout=1.0)
+        assert str(err.value) == str(not_formed_for("m1"))
+        assert b._avoid is None and b.fallbacks == 0 and member_fake.direct == []
+        assert relay_fake.direct == [] and b.relay() == a.address
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.mark.parametrize("wait_replicas", [0, 1])
+def test_the_shortest_hop_leaves_the_relays_batch_room_to_block(wait_replicas: int) -> None:
+    # A hop's timeout on the wire is cut by the wire's margin, then waits up to the
+    # batcher's longest wait for its group; what is left is the relay batch's timeout.
+    def blocks(hop: float) -> bool:
+        batch_s = hop - wire.ASK_MARGIN_S - r.MAX_WAIT_S
+        by = confirm.answer_by(100.0 + batch_s, batch_s, wait_replicas)
+        return confirm.block_s(100.0, by, 1.0) is not None
+
+    shortest = shortest_hop_s(wait_replicas)
+    assert blocks(shortest + 1e-6) and not blocks(shortest - 0.005)
+    # At least the wire's margin + Redis's tick + a block (and a WAIT's share with it).
+    assert shortest >= 0.05 + confirm.REDIS_LATE_S + 0.01 + (0.11 if wait_replicas else 0)
+
+
+def test_too_short_a_hop_is_asked_directly_without_avoiding_the_relay(
+    redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    relay_fake, member_fake = FakeDirect(), FakeDirect()
+    a = _node(relay_fake, redis_client, run_keys).start()
+    b = _node(member_fake, redis_client, run_keys).start()
+    try:
+        assert b.relay() == a.address
+        # The relay would give up at once (an error frame, once): not asked, not avoided.
+        assert b.request("m1", 40, timeout=b.shortest_hop_s / 2) == _answer("m1")
+        assert member_fake.direct == ["m1"] and relay_fake.batches == []
+        assert b._avoid is None and b.relay() == a.address
+        # Refused until too short a hop is left: the refusal, as a direct request's.
+        relay_fake.refusals = 1 << 30
+        with pytest.raises(QuorumRedisRefused):
+            b.request("m1", 41, timeout=b.shortest_hop_s + 0.5)
+        assert member_fake.direct == ["m1"] and b._avoid is None
     finally:
         a.stop()
         b.stop()

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 import pytest
 import redis
-from test_relay import CONFIG, FakeDirect, _answer, refused_for
+from test_relay import CONFIG, FakeDirect, _answer, not_formed_for, refused_for
 
 from spottrain.agent.quorum_shim import relay as r
 from spottrain.agent.quorum_shim import wire
@@ -172,3 +172,29 @@ def test_a_member_reads_a_refusal_frame_back_as_the_relay_raised_it() -> None:
     with pytest.raises(QuorumNotReplicated) as err:
         future.result(0)
     assert err.value.cause == "WAIT" and str(err.value) == str(unacked)
+
+
+def test_a_round_not_formed_crosses_the_wire_as_its_own_kind() -> None:
+    # T, not E: the member learns the round did not form (the replicas', not the relay's
+    # failure), and the connection stays up. A member that predates T takes it for an E
+    # (its old fallback, as for R): a kind none of the old ones is, no new version.
+    assert wire.NOT_FORMED not in b"QAGER" and wire.HELLO == b"STQR\x01"
+    fake = FakeDirect()
+    batcher = r.Batcher(fake, "0-r", gather_s=0.0)
+    port = free_port()
+    server = wire.RelayServer(f"127.0.0.1:{port}", batcher.submit).start()
+    client = wire.RelayClient(f"127.0.0.1:{port}", 5)
+    try:
+        fake.not_formed = 1
+        with pytest.raises(errors.QuorumNotFormed) as err:
+            client.ask(BatchItem("m1", 4), 5)
+        assert str(err.value) == str(not_formed_for("m1"))
+        assert not client.closed and server.bad_frames == 0
+        assert client.ask(BatchItem("m1", 5), 5) == _answer("m1")  # the same connection
+        # Redis unreachable from the relay stays the relay's failure: the member asks directly.
+        frame = wire.RelayServer._answer_frame(3, _failed(errors.QuorumTimeout("unreachable")))
+        assert wire.split_message(frame[4:])[1] == wire.ERROR
+    finally:
+        client.close()
+        server.stop()
+        batcher.stop()
