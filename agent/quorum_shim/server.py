@@ -136,8 +136,8 @@ class LighthouseShim:
     """Serves torchft's lighthouse protocol on ``bind`` from Redis.
 
     Args:
-        blocking: The client whose requests block on Redis (its connections have no socket
-            timeout shorter than a round).
+        blocking: The client whose requests block on Redis (it cuts each blocking command
+            to end inside its connections' socket timeout).
         control: The client for heartbeats, leaves and rosters (short commands).
         config: The run's quorum settings (the heartbeat timeout paces the heartbeats).
         bind: host:port; port 0 picks a free one (:attr:`port` says which).
@@ -145,6 +145,8 @@ class LighthouseShim:
             fifth of the heartbeat timeout.
         fresh_s: A local manager heard from within this long is heartbeated; default the
             same fifth. A leaving replica silent this long leaves at once.
+        answer_margin_s: Kept from a Quorum call's gRPC deadline for our reply
+            (:data:`ANSWER_MARGIN_S`; tests on a loaded machine widen it).
     """
 
     def __init__(
@@ -158,8 +160,10 @@ class LighthouseShim:
         fresh_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_workers: int = 32,
+        answer_margin_s: float = ANSWER_MARGIN_S,
     ) -> None:
         self.blocking, self.control, self.config = blocking, control, config
+        self.answer_margin_s = answer_margin_s
         fifth = config.heartbeat_timeout_ms / 5000.0
         self.timeout_s = config.heartbeat_timeout_ms / 1000.0
         self.interval_s = heartbeat_interval_s if heartbeat_interval_s is not None else fifth
@@ -253,7 +257,9 @@ class LighthouseShim:
             self.refused.append(rid)
             context.abort(grpc.StatusCode.NOT_FOUND, self._gone_message(rid, why))
         remaining = context.time_remaining()
-        timeout = DEFAULT_WAIT_S if remaining is None else max(0.0, remaining - ANSWER_MARGIN_S)
+        timeout = (
+            DEFAULT_WAIT_S if remaining is None else max(0.0, remaining - self.answer_margin_s)
+        )
         try:
             answer = self._ask(m, timeout)
             with self._cache_lock:
