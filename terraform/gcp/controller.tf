@@ -85,7 +85,13 @@ resource "google_compute_instance" "controller" {
         try(yamldecode(var.controller_job_spec).train.replica.min_replicas, 1) == var.min_replicas &&
         try(yamldecode(var.controller_job_spec).train.replica.quorum, "redis") == var.replica_quorum &&
         try(yamldecode(var.controller_job_spec).train.replica.wait_replicas, 0) == var.replica_wait_replicas &&
-        try(tostring(yamldecode(var.controller_job_spec).train.replica.heartbeat_timeout_s), "auto") == var.replica_heartbeat_timeout_s &&
+        # "auto" on both sides, or the same number (the spec's 5 is tfvars' "5" or "5.0"); with
+        # the lighthouse (no timeout here) the spec may spell out its own fixed 1 s.
+        (
+          try(tostring(yamldecode(var.controller_job_spec).train.replica.heartbeat_timeout_s), "auto") == var.replica_heartbeat_timeout_s ||
+          try(tonumber(yamldecode(var.controller_job_spec).train.replica.heartbeat_timeout_s) == tonumber(var.replica_heartbeat_timeout_s), false) ||
+          (var.replica_quorum == "lighthouse" && var.replica_heartbeat_timeout_s == "auto" && try(tonumber(yamldecode(var.controller_job_spec).train.replica.heartbeat_timeout_s) == 1, false))
+        ) &&
         try(tostring(yamldecode(var.controller_job_spec).train.replica.join_timeout_ms), "auto") == var.replica_join_timeout_ms &&
         try(tostring(yamldecode(var.controller_job_spec).train.replica.relay_group_size), "auto") == var.replica_relay_group_size
       )

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import test_terraform_aws as aws_t
 import test_terraform_gcp as gcp_t
+import yaml
 from packaging.requirements import Requirement
 from replica_values import LIGHTHOUSE_ADDRESS, env_line_templates, heartbeat_timeout_s
 from terraform_hcl import TERRAFORM, Module, load_module, render_template
@@ -269,13 +270,132 @@ def test_controller_refuses_a_job_spec_in_another_mode(mods: dict[str, Module], 
     # "auto" or a number in the spec; the variable is text either way.
     join = f'try(tostring(yamldecode(var.{spec}).train.replica.join_timeout_ms), "auto")'
     assert f"{join} == var.replica_join_timeout_ms" in condition
-    beat = f'try(tostring(yamldecode(var.{spec}).train.replica.heartbeat_timeout_s), "auto")'
-    assert f"{beat} == var.replica_heartbeat_timeout_s" in condition
+    # The heartbeat timeout compares as a number unless either side is "auto" (see below).
+    beat = f"yamldecode(var.{spec}).train.replica.heartbeat_timeout_s"
+    assert (
+        f'(try(tostring({beat}), "auto") == var.replica_heartbeat_timeout_s || '
+        f"try(tonumber({beat}) == tonumber(var.replica_heartbeat_timeout_s), false) || "
+    ) in condition
     assert check["error_message"].startswith(f"{spec}: ")
     assert "replica_join_timeout_ms (${var.replica_join_timeout_ms})" in check["error_message"]
     relay = f'try(tostring(yamldecode(var.{spec}).train.replica.relay_group_size), "auto")'
     assert f"{relay} == var.replica_relay_group_size" in condition
     assert "replica_relay_group_size (${var.replica_relay_group_size})" in check["error_message"]
+
+
+def _lazy_try(expr: str) -> str:
+    """``expr`` with each ``try(a, b)`` as ``try_(lambda: (a), b)``: Terraform's try() falls
+    back when evaluating ``a`` fails, which an eager Python call could not catch."""
+    out, i = "", 0
+    while (j := expr.find("try(", i)) >= 0:
+        depth, k, comma = 0, j + 4, -1
+        while depth >= 0:
+            depth += {"(": 1, ")": -1}.get(expr[k], 0)
+            if expr[k] == "," and depth == 0 and comma < 0:
+                comma = k
+            k += 1
+        inner, rest = _lazy_try(expr[j + 4 : comma]), _lazy_try(expr[comma + 1 : k - 1])
+        out += f"{expr[i:j]}try_(lambda: ({inner}),{rest})"
+        i = k
+    return out + expr[i:]
+
+
+class _Yaml(dict[str, Any]):
+    """A yamldecode() result: ``.key`` reads a key and fails when it is absent."""
+
+    def __getattr__(self, key: str) -> Any:
+        value = self[key]
+        return _Yaml(value) if isinstance(value, dict) else value
+
+
+def _tf_tostring(v: Any) -> str:
+    # Terraform writes a number in its shortest form (5.0 is "5") and a bool as true/false.
+    if isinstance(v, bool):
+        return str(v).lower()
+    return f"{v:g}" if isinstance(v, int | float) else str(v)
+
+
+def _tf_tonumber(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float | str):
+        raise ValueError(f"tonumber({v!r})")
+    return float(v)  # a string that is no number raises, as Terraform fails
+
+
+def _controller_accepts(mod: Module, cloud: str, spec_yaml: str, **inputs: Any) -> bool:
+    """The controller's spec precondition, evaluated in Python for ``spec_yaml``."""
+    rtype, rname = CONTROLLER_RESOURCE[cloud]
+    (lifecycle,) = mod.resources(rtype)[rname]["lifecycle"]
+    (check,) = [p for p in lifecycle["precondition"] if "fault_tolerance" in p["condition"]]
+    expr = " ".join(check["condition"].split())
+    assert expr.startswith("${") and expr.endswith("}")
+    allowed = re.sub(r'"[^"]*"|var\.\w+|\.\w+|yamldecode|tostring|tonumber|try|false', "", expr)
+    assert re.fullmatch(r"[\s\d${}(),=!&|]*", allowed), f"cannot evaluate: {allowed}"
+    expr = _lazy_try(expr[2:-1])
+    expr = re.sub(r"var\.(\w+)", r'V["\1"]', expr)
+    expr = expr.replace("&&", " and ").replace("||", " or ").replace("false", "False")
+
+    def try_(attempt: Any, fallback: Any) -> Any:
+        try:
+            return attempt()
+        except (KeyError, TypeError, ValueError):
+            return fallback
+
+    variables = {**REPLICA_VARIABLES, **inputs, SPEC_VARIABLE[cloud]: spec_yaml}
+    names = {
+        "V": variables,
+        "try_": try_,
+        "yamldecode": lambda text: _Yaml(yaml.safe_load(text)),
+        "tostring": _tf_tostring,
+        "tonumber": _tf_tonumber,
+    }
+    # Globals, not locals: the lambdas try() became see only the globals.
+    return bool(eval(expr, {"__builtins__": {}, **names}))
+
+
+@pytest.mark.parametrize(
+    ("in_spec", "in_tfvars", "match"),
+    [
+        (None, "auto", True),  # absent: the spec's default
+        ("auto", "auto", True),
+        (5, "5.0", True),  # the same number, however each side writes it
+        (5.0, "5", True),
+        (2.5, "2.50", True),
+        ("0.5", "0.5", True),  # quoted in the YAML
+        (5, "auto", False),
+        ("auto", "5", False),
+        (None, "5", False),
+        (5, "6", False),
+        (2.5, "2", False),
+    ],
+)
+def test_the_controller_compares_the_heartbeat_timeout_as_a_number(
+    mods: dict[str, Module], cloud: str, in_spec: Any, in_tfvars: str, match: bool
+) -> None:
+    replica: dict[str, Any] = {"nodes_per_replica": 2, "min_replicas": 2, "wait_replicas": 1}
+    if in_spec is not None:
+        replica["heartbeat_timeout_s"] = in_spec
+    spec = yaml.safe_dump({"train": {"fault_tolerance": "replica", "replica": replica}})
+    fleet = {**REPLICA, "replica_heartbeat_timeout_s": in_tfvars}
+    assert _controller_accepts(mods[cloud], cloud, spec, **fleet) is match
+    # The other settings still count: a spec in another mode is refused whatever the timeout.
+    other = spec.replace("wait_replicas: 1", "wait_replicas: 0")
+    assert not _controller_accepts(mods[cloud], cloud, other, **fleet)
+    assert _controller_accepts(mods[cloud], cloud, "", **fleet)  # no spec: nothing to match
+
+
+@pytest.mark.parametrize(("in_spec", "match"), [(None, True), (1, True), (1.0, True), (5, False)])
+def test_a_lighthouse_spec_may_spell_out_its_own_heartbeat_timeout(
+    mods: dict[str, Module], cloud: str, in_spec: Any, match: bool
+) -> None:
+    # The fleet takes no timeout with the lighthouse ("auto"); the spec may say its 1 s.
+    replica: dict[str, Any] = {"nodes_per_replica": 2, "min_replicas": 2, "quorum": "lighthouse"}
+    if in_spec is not None:
+        replica["heartbeat_timeout_s"] = in_spec
+    spec = yaml.safe_dump({"train": {"fault_tolerance": "replica", "replica": replica}})
+    assert _controller_accepts(mods[cloud], cloud, spec, **LIGHTHOUSE) is match
+    redis_fleet = {**LIGHTHOUSE, "replica_quorum": "redis"}  # with Redis, "auto" is not 1
+    redis_spec = spec.replace("quorum: lighthouse", "quorum: redis")
+    assert _controller_accepts(mods[cloud], cloud, redis_spec, **redis_fleet) is (in_spec is None)
 
 
 # --- the agent's environment and packages -------------------------------------------------
