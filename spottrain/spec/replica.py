@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 # torchft's lighthouse's join timeout in this project (spottrain.quorum.model's default),
 # the floor of the automatic one.
 DEFAULT_JOIN_TIMEOUT_MS = 250
+# torchft's lighthouse drops a replica after its own fixed 1 s (the controller starts it with
+# controller/run/lighthouse.py's HEARTBEAT_TIMEOUT_MS): a spec with the lighthouse may spell
+# exactly that out, as specs written when 1 was the default do.
+LIGHTHOUSE_HEARTBEAT_S = DEFAULT_QUORUM_HEARTBEAT_S
 # Redis CPU per replica per round, all on Redis's one thread: 54 µs, measured by
 # bench/quorum_scale.py at 12,500 replicas (INFO commandstats: the request script, its BLPOP
 # and the heartbeats).
@@ -90,11 +94,19 @@ def replica_problem(spec: JobSpec) -> str | None:
     k, least = r.nodes_per_replica, r.min_replicas
     redis_only = {
         "wait_replicas": bool(r.wait_replicas),
-        "heartbeat_timeout_s": r.heartbeat_timeout_s != HEARTBEAT_AUTO,
+        "heartbeat_timeout_s": r.heartbeat_timeout_s
+        not in (HEARTBEAT_AUTO, LIGHTHOUSE_HEARTBEAT_S),
         "join_timeout_ms": r.join_timeout_ms != JOIN_TIMEOUT_AUTO,
         "relay_group_size": r.relay_group_size != RELAY_GROUP_AUTO,
     }
     key = next((name for name, set_ in redis_only.items() if set_), None)
+    if r.quorum is QuorumKind.LIGHTHOUSE and key == "heartbeat_timeout_s":
+        return (
+            f"train.replica.heartbeat_timeout_s: {r.heartbeat_timeout_s:g} s, but torchft's "
+            f"lighthouse drops a replica after its own fixed {LIGHTHOUSE_HEARTBEAT_S:g} s "
+            "(the controller starts it with that timeout): remove it (or write "
+            f"{LIGHTHOUSE_HEARTBEAT_S:g}), or use quorum: redis for a timeout of your own"
+        )
     if r.quorum is QuorumKind.LIGHTHOUSE and key:
         return (
             f"train.replica.{key}: applies to the Redis quorum only (quorum: redis); "

@@ -127,9 +127,9 @@ def test_replica_mode_parses_with_its_settings() -> None:
         ),
         (
             _replica(LOCAL, quorum="lighthouse", heartbeat_timeout_s=5),
-            "(top level): train.replica.heartbeat_timeout_s: applies to the Redis quorum only "
-            "(quorum: redis); torchft's lighthouse runs with its own fixed settings: remove it "
-            "or use quorum: redis",
+            "(top level): train.replica.heartbeat_timeout_s: 5 s, but torchft's lighthouse "
+            "drops a replica after its own fixed 1 s (the controller starts it with that "
+            "timeout): remove it (or write 1), or use quorum: redis for a timeout of your own",
         ),
         (
             _replica(LOCAL, quorum="lighthouse", join_timeout_ms=500),

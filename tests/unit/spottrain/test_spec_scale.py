@@ -14,6 +14,7 @@ import pytest
 import yaml
 from spec_samples import LOCAL, VALID, _with
 
+from spottrain.controller.run import lighthouse as lighthouse_run
 from spottrain.protocol import env as env_names
 from spottrain.spec import JobSpec, SpecError, describe_replica, parse_spec, replica_agent_env
 from spottrain.spec.fields import MAX_NODES
@@ -24,6 +25,7 @@ from spottrain.spec.heartbeat import (
     auto_heartbeat_timeout_s,
 )
 from spottrain.spec.replica import (
+    LIGHTHOUSE_HEARTBEAT_S,
     heartbeat_timeout_s,
     join_timeout_ms,
     relay_group_size,
@@ -158,9 +160,20 @@ def test_the_lighthouse_and_elastic_mode_take_no_heartbeat_timeout() -> None:
     lighthouse = _parse(_fleet(12_500, quorum="lighthouse"))
     assert HEARTBEAT not in replica_agent_env(lighthouse)
     assert "heartbeat" not in str(describe_replica(lighthouse))
-    # A number, even 1, is a Redis setting: refused there, and in elastic mode.
-    (problem,) = _problems(_fleet(64, quorum="lighthouse", heartbeat_timeout_s=1))
-    assert "train.replica.heartbeat_timeout_s: applies to the Redis quorum only" in problem
+    # Exactly the lighthouse's own 1 s (specs from when it was the default say so) is
+    # accepted and changes nothing; any other number is refused, saying why.
+    for one in (1, 1.0):
+        spelled = _parse(_fleet(12_500, quorum="lighthouse", heartbeat_timeout_s=one))
+        assert replica_agent_env(spelled) == replica_agent_env(lighthouse)
+        assert describe_replica(spelled) == describe_replica(lighthouse)
+    assert LIGHTHOUSE_HEARTBEAT_S * 1000 == lighthouse_run.HEARTBEAT_TIMEOUT_MS
+    for other in (0.5, 1.5, 5):
+        (problem,) = _problems(_fleet(64, quorum="lighthouse", heartbeat_timeout_s=other))
+        assert f"train.replica.heartbeat_timeout_s: {other:g} s, but torchft's lighthouse " in (
+            problem
+        )
+        assert "its own fixed 1 s" in problem and "use quorum: redis" in problem
+    # In elastic mode even 1 is refused: the replica block applies to replica mode only.
     elastic = _with(LOCAL, "train.replica", {"heartbeat_timeout_s": 1})
     (problem,) = _problems(elastic)
     assert "heartbeat_timeout_s 1) applies only in replica mode" in problem
