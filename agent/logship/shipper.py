@@ -66,6 +66,9 @@ class LogShipper:
         self.seq = 0
         self.shipped_bytes = 0  # compressed, this VM's total (the cap)
         self._in_flight = 0  # bytes of the chunk being put, for the close's count
+        # Held while a chunk moves between the chunker and _in_flight (taken, put back), so
+        # the close's count sees it in exactly one of them: never 0, never twice.
+        self._flight_lock = threading.Lock()
         self.capped = False
         self._store = store
         self._reported: set[str] = set()
@@ -115,7 +118,7 @@ class LogShipper:
         # An upload thread still alive past the deadline is inside a put that has not
         # returned: its chunk is in neither the chunker nor (as far as we know) the store.
         uploading = len(self._threads) > 1 and self._threads[1].is_alive()
-        left = self.chunker.held + (self._in_flight if uploading else 0)
+        left = self.unshipped_bytes() if uploading else self.chunker.held
         shipped = left == 0 and not uploading
         if shipped:
             self.tail.mark_shipped()
@@ -144,6 +147,11 @@ class LogShipper:
             self._ready.wait(POLL_S)
             self._ready.clear()
 
+    def unshipped_bytes(self) -> int:
+        """Bytes not shipped yet: held by the chunker, or in the chunk being put."""
+        with self._flight_lock:
+            return self.chunker.held + self._in_flight
+
     # -- one step of each -------------------------------------------------------------------
     def poll(self, now: float | None = None) -> bool:
         """Read what the file has new (up to a slice) and cut what is due. Returns whether
@@ -163,23 +171,25 @@ class LogShipper:
     def ship_one(self) -> bool:
         """Upload the oldest cut chunk, retrying until it is stored or shipping is given up.
         Returns whether a chunk was stored (or dropped for the cap)."""
-        data = self.chunker.take()
-        if data is None:
-            return False
-        if self.capped:
-            return True  # past the cap: what follows stays in the VM's file only
+        with self._flight_lock:
+            data = self.chunker.take()
+            if data is None:
+                return False
+            if self.capped:
+                return True  # past the cap: what follows stays in the VM's file only
+            self._in_flight = len(data)
         body = gzip.compress(data, compresslevel=6, mtime=0)
         if self.shipped_bytes + len(body) > self.s.max_bytes - CAP_RESERVE:
             self.capped = True
             marker = CAP_MARKER.format(mb=self.s.max_bytes / MB, file=self.s.file)
             body = gzip.compress(marker.encode(), mtime=0)
             log.warning("log shipping: this VM reached its cap; nothing more is shipped")
-        self._in_flight = len(data)
         stored = self._put(body)
-        if not stored:
-            self.chunker.put_back(data)
-            self.capped = False
-        self._in_flight = 0
+        with self._flight_lock:
+            if not stored:
+                self.chunker.put_back(data)
+                self.capped = False
+            self._in_flight = 0
         return stored
 
     def _put(self, body: bytes) -> bool:

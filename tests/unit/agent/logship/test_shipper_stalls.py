@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from spottrain.agent.logship.chunker import DROP_MARKER
+from spottrain.agent.logship.chunker import DROP_MARKER, Chunker
 from spottrain.agent.logship.settings import ShipSettings
 from spottrain.agent.logship.shipper import LogShipper
 from spottrain.cloud.storage import LocalStore, StorageUnavailable
@@ -171,3 +171,50 @@ def test_a_stalled_upload_drops_the_oldest_output_and_the_reader_says_so(
     # The seqs count uploads, not cuts: dropped chunks leave no gap for the reader to report.
     assert b"missing" not in err and f"{len(bodies)} chunks".encode() in err
     assert reader.unreadable == 0
+
+
+class PausedTake(Chunker):
+    """A chunker whose take() pauses once it has removed a chunk: the moment the chunk is
+    neither held here nor yet the upload's in-flight chunk, unless the shipper makes the two
+    one step."""
+
+    def __init__(self, s: ShipSettings) -> None:
+        super().__init__(s.chunk_s, s.chunk_bytes, s.backlog_bytes)
+        self.taken = threading.Event()
+        self.go = threading.Event()
+
+    def take(self) -> bytes | None:
+        data = super().take()
+        if data is not None:
+            self.taken.set()
+            self.go.wait(30)
+        return data
+
+
+def test_the_close_counts_a_chunk_being_taken_for_upload_once(
+    tmp_path: Path, stores: list[StalledStore]
+) -> None:
+    store = StalledStore(tmp_path / "store")  # the put hangs: the chunk stays in flight
+    stores.append(store)
+    settings = _settings(tmp_path)
+    shipper = LogShipper(settings, store=store)
+    shipper.chunker = chunker = PausedTake(settings)
+    chunker.feed(_lines(0, 3), 0.0)
+    chunker.flush()
+    assert shipper.unshipped_bytes() == 3 * LINE
+    upload = threading.Thread(target=shipper.ship_one, daemon=True)
+    upload.start()
+    assert chunker.taken.wait(30)
+    counted: list[int] = []
+    count = threading.Thread(target=lambda: counted.append(shipper.unshipped_bytes()))
+    count.start()
+    count.join(0.2)
+    # The count waits for the chunk to land in flight (without the lock it read 0 here).
+    assert count.is_alive() and counted == []
+    chunker.go.set()
+    count.join(30)
+    assert counted == [3 * LINE]
+    assert store.entered.wait(30) and shipper.unshipped_bytes() == 3 * LINE
+    store.gate.set()
+    upload.join(30)
+    assert shipper.unshipped_bytes() == 0 and len(_shipped(store)) == 1
