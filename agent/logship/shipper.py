@@ -118,7 +118,7 @@ class LogShipper:
         # An upload thread still alive past the deadline is inside a put that has not
         # returned: its chunk is in neither the chunker nor (as far as we know) the store.
         uploading = len(self._threads) > 1 and self._threads[1].is_alive()
-        left = self.unshipped_bytes() if uploading else self.chunker.held
+        left = self.unshipped_bytes()
         shipped = left == 0 and not uploading
         if shipped:
             self.tail.mark_shipped()

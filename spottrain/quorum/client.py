@@ -41,10 +41,6 @@ from spottrain.quorum.errors import (
 )
 from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig, Roster
 
-# Connection errors a request rides out (reconnect, re-send: requests are idempotent).
-_TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
-# ... and what else it rides out until its deadline: a Redis refusing its writes.
-_RETRIED = (*_TRANSIENT, QuorumRedisRefused)
 # Refusals that mean the connection reaches a demoted primary: reconnect on the next try.
 _DEMOTED = ("READONLY", "UNBLOCKED")
 
@@ -180,7 +176,7 @@ class QuorumClient:
             try:
                 self._call("JOIN", member.replica_id, scripts.member_json(member))
                 return
-            except _RETRIED as e:
+            except errors.RETRIED as e:
                 if timeout <= 0:
                     raise
                 failures += 1
@@ -240,7 +236,7 @@ class QuorumClient:
                 self._send_request(replica_id, args)
                 answer = self._await_answer(replica_id, token, answer_by)
                 break
-            except _RETRIED as e:
+            except errors.RETRIED as e:
                 failures += 1
                 self._back_off(failures, answer_by, e)
             except _RequestLost:

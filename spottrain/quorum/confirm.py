@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 import redis
 
 from spottrain.quorum import errors
-from spottrain.quorum.errors import QuorumRedisRefused
 
 if TYPE_CHECKING:
     from spottrain.quorum.client import QuorumClient
@@ -40,7 +39,6 @@ MIN_BLOCK_S = 0.01
 # Kept, besides REDIS_LATE_S, between a blocking command's timeout and its connection's socket
 # timeout: for the reply's way back (a busy Redis's queue, the network, a busy VM's thread).
 SOCKET_MARGIN_S = 0.25
-_TRANSIENT = (redis.ConnectionError, redis.TimeoutError, QuorumRedisRefused)
 
 
 def answer_by(deadline: float, timeout: float, wait_replicas: int) -> float:
@@ -104,7 +102,7 @@ def confirm(c: QuorumClient, deadline: float, what: str) -> None:
         try:
             acked, counted = _wait_once(c, need, int(wait * 1000), count=last)
             failed, connected = None, connected if counted is None else counted
-        except _TRANSIENT as e:
+        except errors.RETRIED as e:
             failures, failed = failures + 1, e
             c._back_off(failures, deadline, e)
             continue

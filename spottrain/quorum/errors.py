@@ -58,6 +58,12 @@ class QuorumRedisRefused(QuorumTimeout):
         return type(self)(f"replica {replica_id}: {self}", self.cause)
 
 
+# What a request (a join with a timeout, a relay batch, a WAIT) rides out until its deadline:
+# a lost connection (reconnect, re-send: requests are idempotent; redis-py's BusyLoadingError
+# is one) and a Redis refusing the quorum's writes.
+RETRIED = (redis.ConnectionError, redis.TimeoutError, QuorumRedisRefused)
+
+
 class QuorumNotReplicated(QuorumRedisRefused):
     """The run's Redis could not put the quorum on enough of its own replicas by the request's
     deadline: a formed round that fewer than ``wait_replicas`` Redis replicas acknowledged
@@ -94,12 +100,6 @@ def refusal_code(error: BaseException | str) -> str | None:
     """The code of a refusal reply (:data:`_CODES`), None for any other error."""
     match = _CODE.match(redis_reply(error))
     return match.group(1) if match else None
-
-
-def is_noreplicas(message: str) -> bool:
-    """Whether an error reply is Redis refusing a write for want of replicas (a pipeline's
-    error names its command first)."""
-    return refusal_code(message) == "NOREPLICAS"
 
 
 def refusal(error: BaseException | str, where: str = "") -> QuorumRedisRefused | None:

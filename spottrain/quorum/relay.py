@@ -30,16 +30,13 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from spottrain.quorum import confirm, scripts
-from spottrain.quorum.errors import QuorumError, QuorumGone, QuorumRedisRefused
+from spottrain.quorum.errors import RETRIED, QuorumError, QuorumGone, QuorumRedisRefused
 from spottrain.quorum.model import Answer, BatchItem
 
 if TYPE_CHECKING:
     from spottrain.quorum.client import QuorumClient
 
 CHUNK = 500  # items per script call: bounds one call's time on Redis's thread
-_TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
-# ... ridden out until the deadline, as a Redis refusing the quorum's writes is.
-_RETRIED = (*_TRANSIENT, QuorumRedisRefused)
 
 
 def _text(x: Any) -> str:
@@ -103,7 +100,7 @@ class RelayBatch:
                 self._send()
                 if self.open:
                     self._wait()
-            except _RETRIED as e:
+            except RETRIED as e:
                 failures += 1
                 self.c._back_off(failures, self.answer_by, e)
                 self.unsent = set(self.open)  # send every open request again: idempotent
