@@ -11,7 +11,6 @@ import redis
 from spottrain.controller.groups.controller import GroupController
 from spottrain.controller.reconcile.controller import Controller
 from spottrain.controller.reconcile.drive import ControllerError, drive_passes
-from spottrain.controller.reconcile.records import Ledger
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import (
     ReplicaFigures,
@@ -25,7 +24,7 @@ from spottrain.controller.run.lighthouse import LighthouseSupervisor
 from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.run_lighthouse import end_lighthouse, supervise_lighthouse
 from spottrain.controller.run.run_redis import stop_embedded_redis
-from spottrain.controller.run.shortfall import LEDGER_EVERY_S, Shortfall, ShortWatch
+from spottrain.controller.run.shortfall import LedgerCache, Shortfall, ShortWatch
 from spottrain.controller.run.wiring import build_controller
 from spottrain.controller.tracking import FleetTracker
 from spottrain.protocol.states import RunPhase
@@ -81,7 +80,7 @@ class PlainLines:
         self._last_at = 0.0
         self._state, self._clock = state, clock
         self._watch = ShortWatch(target)
-        self._ledger, self._ledger_at = Ledger(), float("-inf")
+        self._ledgers = LedgerCache()  # a big fleet's ledger is thousands of records
 
     def __call__(self, s: Summary) -> None:
         lines = format_summary(s)
@@ -105,14 +104,8 @@ class PlainLines:
         if state is None:
             return None
         now = self._clock()
-
-        def ledger() -> Ledger:  # a big fleet's ledger is thousands of records
-            if now - self._ledger_at >= LEDGER_EVERY_S:
-                self._ledger, self._ledger_at = state.ledger(), now
-            return self._ledger
-
         try:
-            short = self._watch.check(now, s, state.ctl(), ledger)
+            short = self._watch.check(now, s, state.ctl(), lambda: self._ledgers.read(state, now))
         except redis.RedisError:
             return None
         return short if short is not None and short.seconds >= SHORT_AFTER_S else None

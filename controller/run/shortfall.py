@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from spottrain.controller.reconcile.records import Ledger
+from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import Summary
 from spottrain.protocol.states import LedgerStatus, RunPhase
 
@@ -39,6 +40,20 @@ class Shortfall:
             f"fleet short: {self.have} of {self.target} nodes for "
             f"{duration(self.seconds)}, waiting for capacity{why}"
         )
+
+
+class LedgerCache:
+    """The run's launch ledger as last read, read again at most every :data:`LEDGER_EVERY_S`
+    (or when forced: a node the reader has not placed appeared)."""
+
+    def __init__(self) -> None:
+        self.ledger = Ledger()
+        self._read_at = float("-inf")
+
+    def read(self, state: RunState, now: float, *, force: bool = False) -> Ledger:
+        if force or now - self._read_at >= LEDGER_EVERY_S:
+            self.ledger, self._read_at = state.ledger(), now
+        return self.ledger
 
 
 def last_refusal(ledger: Ledger) -> str:

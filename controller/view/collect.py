@@ -7,12 +7,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
-from spottrain.controller.reconcile.records import Ledger
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import Summary, summarize
 from spottrain.controller.run.records import RunInfo
 from spottrain.controller.run.replica_view import replica_status
-from spottrain.controller.run.shortfall import LEDGER_EVERY_S, ShortWatch
+from spottrain.controller.run.shortfall import LedgerCache, ShortWatch
 from spottrain.protocol import events as stream
 from spottrain.spec import FaultTolerance
 
@@ -69,8 +68,7 @@ class Collector:
         self.info, self.state, self.target, self.clock = info, state, target, clock
         self._steps: deque[tuple[float, int]] = deque()
         self._short = ShortWatch(target)
-        self._ledger = Ledger()
-        self._ledger_at = float("-inf")
+        self._ledgers = LedgerCache()
         self._replica = bool(info.lighthouse) or _replica_spec(info)
 
     def frame(self, summary: Summary | None = None) -> ViewData:
@@ -82,11 +80,14 @@ class Collector:
         now = self.clock()
         s = summary if summary is not None else summarize(self.state, now)
         ctl = self.state.ctl()
-        if set(s.nodes) - set(self._ledger.records):
-            self._read_ledger(now, force=True)
+        # Read again when a node the view has not placed appears (and while the fleet is
+        # short, at most every LEDGER_EVERY_S: _shortfall).
+        ledger = self._ledgers.ledger
+        if set(s.nodes) - set(ledger.records):
+            ledger = self._ledgers.read(self.state, now, force=True)
         nodes = []
         for name, node_state in s.nodes.items():
-            rec = self._ledger.records.get(name)
+            rec = ledger.records.get(name)
             o = rec.offer if rec is not None else None
             nodes.append(
                 NodeRow(
@@ -113,12 +114,6 @@ class Collector:
             notes=[refused_line(refused)] if refused else [],
         )
 
-    def _read_ledger(self, now: float, *, force: bool = False) -> None:
-        # Again when a node the view has not placed appears, or (the fleet short) at most
-        # every LEDGER_EVERY_S.
-        if force or now - self._ledger_at >= LEDGER_EVERY_S:
-            self._ledger, self._ledger_at = self.state.ledger(), now
-
     def _rate(self, now: float, step: int) -> float | None:
         if self._steps and step < self._steps[-1][1]:
             self._steps.clear()  # a restore went back: the rate starts again
@@ -130,12 +125,7 @@ class Collector:
 
     def _shortfall(self, now: float, s: Summary, ctl: Mapping[str, str]) -> str:
         """How long the fleet has had fewer nodes than it keeps, and what it waits for."""
-
-        def ledger() -> Ledger:
-            self._read_ledger(now)
-            return self._ledger
-
-        short = self._short.check(now, s, ctl, ledger)
+        short = self._short.check(now, s, ctl, lambda: self._ledgers.read(self.state, now))
         return short.line() if short is not None else ""
 
     def _events(self) -> list[EventRow]:
