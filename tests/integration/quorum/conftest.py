@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -34,3 +36,29 @@ def own_redis() -> Iterator[RedisServer]:
     """A Redis of this test's own (AOF on), which it may restart, wipe or stall."""
     with RedisServer(extra_args=["--enable-debug-command", "yes"]) as server:
         yield server
+
+
+# A primary and a replica-to-be, for wait_replicas, min-replicas-to-write and failovers.
+@pytest.fixture
+def primary() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        server.client().config_set("repl-diskless-sync-delay", 0)  # no 5 s wait to sync
+        yield server
+
+
+@pytest.fixture
+def standby() -> Iterator[RedisServer]:
+    """A Redis that is nobody's replica yet (the test makes it one); it syncs at once should
+    a failover make it the primary."""
+    server = RedisServer()
+    with server:
+        server.client().config_set("repl-diskless-sync-delay", 0)
+        yield server
+        server.stop(signal.SIGKILL)  # a replica's SIGTERM shutdown can take seconds
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    """Threads for requests that block while the test changes Redis under them."""
+    with ThreadPoolExecutor(max_workers=2) as executor:
+        yield executor

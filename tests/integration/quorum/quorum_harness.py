@@ -36,6 +36,14 @@ def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = ""
         time.sleep(0.02)
 
 
+def joined(client: QuorumClient, *ids: str) -> QuorumClient:
+    """``client`` with ``ids`` joined and heartbeating once."""
+    for rid in ids:
+        client.join(Member(rid))
+    client.heartbeat(list(ids))
+    return client
+
+
 class Heartbeater:
     """Heartbeats a set of replica ids every timeout/6 (coalesced, as one VM does)."""
 

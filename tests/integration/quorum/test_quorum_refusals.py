@@ -7,15 +7,14 @@ reported as a corrupt key to delete."""
 from __future__ import annotations
 
 import shutil
-import signal
 import tempfile
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import pytest
 import redis
-from quorum_harness import CutProxy, connect_to, wait_until
+from quorum_harness import CutProxy, connect_to, joined, wait_until
 
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.protocol.keys import RunKeys
@@ -31,37 +30,16 @@ SLACK_S = 5.0  # a loaded machine's margin past a request's own deadline; never 
 
 @pytest.fixture
 def primary() -> Iterator[RedisServer]:
-    # Protected configs: the MISCONF test points ``dir`` at a folder it then removes.
+    """The conftest's primary, but with protected configs (the MISCONF test points ``dir`` at
+    a folder it then removes) and no AOF."""
     args = ["--enable-protected-configs", "yes", "--appendonly", "no"]
     with RedisServer(extra_args=args) as server:
         server.client().config_set("repl-diskless-sync-delay", 0)  # no 5 s wait to sync
         yield server
 
 
-@pytest.fixture
-def standby() -> Iterator[RedisServer]:
-    server = RedisServer()
-    with server:
-        server.client().config_set("repl-diskless-sync-delay", 0)
-        yield server
-        server.stop(signal.SIGKILL)  # a replica's SIGTERM shutdown can take seconds
-
-
-@pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(max_workers=2) as executor:
-        yield executor
-
-
 def _client(port: int) -> QuorumClient:
     return QuorumClient(connect_to(port), KEYS, CONFIG)
-
-
-def _joined(client: QuorumClient, *ids: str) -> QuorumClient:
-    for rid in ids:
-        client.join(Member(rid))
-    client.heartbeat(list(ids))
-    return client
 
 
 def _replica_of(replica: RedisServer, primary: RedisServer) -> None:
@@ -85,7 +63,7 @@ def _errors(server: RedisServer) -> int:
 
 
 def test_a_replica_refuses_and_the_request_names_the_failover_fix(primary, standby, pool) -> None:
-    _joined(_client(primary.port), "a")
+    joined(_client(primary.port), "a")
     _replica_of(standby, primary)
     client = _client(standby.port)
     message = _refused(pool.submit(client.request, "a", 0, timeout=1.0), 1.0, "READONLY")
@@ -106,7 +84,7 @@ def test_a_failover_behind_the_runs_address_is_ridden_out(primary, standby, pool
     # client's connections to the demoted primary get UNBLOCKED, then READONLY, and new ones
     # follow the address.
     proxy = CutProxy(primary.port)
-    client = _joined(QuorumClient(connect_to(proxy.port), KEYS, CONFIG), "a", "b")
+    client = joined(QuorumClient(connect_to(proxy.port), KEYS, CONFIG), "a", "b")
     first = [pool.submit(client.request, rid, 0, timeout=5.0) for rid in ("a", "b")]
     assert [f.result(5.0 + SLACK_S).quorum_id for f in first] == [1, 1]
     _replica_of(standby, primary)
@@ -125,7 +103,7 @@ def test_a_failover_behind_the_runs_address_is_ridden_out(primary, standby, pool
 
 
 def test_a_full_memory_is_named_and_ridden_out_once_freed(primary, pool) -> None:
-    client = _joined(_client(primary.port), "a")
+    client = joined(_client(primary.port), "a")
     admin = primary.client()
     admin.config_set("maxmemory-policy", "noeviction")
     admin.config_set("maxmemory", 1)
@@ -158,7 +136,7 @@ def _break_disk(server: RedisServer) -> str:
 
 
 def test_a_disk_error_is_named_and_ridden_out_once_fixed(primary, pool) -> None:
-    client = _joined(_client(primary.port), "a")
+    client = joined(_client(primary.port), "a")
     _break_disk(primary)
     message = _refused(pool.submit(client.request, "a", 0, timeout=1.0), 1.0, "MISCONF")
     assert message.startswith(
@@ -181,7 +159,7 @@ def test_a_disk_error_is_named_and_ridden_out_once_fixed(primary, pool) -> None:
 
 
 def test_a_long_script_is_waited_out(primary, pool) -> None:
-    client = _joined(_client(primary.port), "a")
+    client = joined(_client(primary.port), "a")
     primary.client().config_set("busy-reply-threshold", 50)
     spin = (  # a script of someone else's, 1.5 s long: Redis answers BUSY meanwhile
         "local t = redis.call('TIME'); local s = t[1] * 1e6 + t[2]; "
@@ -207,7 +185,7 @@ def test_a_redis_loading_its_data_is_named_then_waited_out(pool) -> None:
     server = RedisServer()
     try:
         server.start()
-        _joined(_client(server.port), "a")
+        joined(_client(server.port), "a")
         filler = server.client().pipeline(transaction=False)
         for i in range(4000):
             filler.set(f"filler:{i}", "x" * 100)
@@ -245,7 +223,7 @@ def _loading(port: int) -> bool:
 
 
 def test_a_join_with_a_timeout_rides_out_refused_writes(primary, standby) -> None:
-    _joined(_client(primary.port), "a")
+    joined(_client(primary.port), "a")
     primary.client().config_set("min-replicas-to-write", 1)
     client = _client(primary.port)
     with pytest.raises(QuorumRedisRefused):  # no timeout: named at once

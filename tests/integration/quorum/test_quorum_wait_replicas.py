@@ -8,17 +8,16 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import pytest
-from quorum_harness import Fleet, connect_to, wait_until
+from quorum_harness import Fleet, connect_to, joined, wait_until
 
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.protocol.keys import RunKeys
 from spottrain.quorum.client import QuorumClient
 from spottrain.quorum.errors import QuorumNotReplicated
-from spottrain.quorum.model import Answer, BatchItem, Member, QuorumConfig
+from spottrain.quorum.model import Answer, BatchItem, QuorumConfig
 
 # A heartbeat timeout far beyond each test: no replica is dropped while Redis refuses the
 # heartbeats (or the test waits on a replica's sync).
@@ -27,37 +26,8 @@ KEYS = RunKeys("wait-replicas-test")
 SLACK_S = 5.0  # a loaded machine's margin past a request's own deadline; never a speed claim
 
 
-@pytest.fixture
-def primary() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        server.client().config_set("repl-diskless-sync-delay", 0)  # no 5 s wait to sync
-        yield server
-
-
-@pytest.fixture
-def standby() -> Iterator[RedisServer]:
-    """A Redis that is nobody's replica yet: ``_attach`` makes it one."""
-    server = RedisServer()
-    with server:
-        yield server
-        server.stop(signal.SIGKILL)  # a replica's SIGTERM shutdown can take seconds
-
-
-@pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(max_workers=2) as executor:
-        yield executor
-
-
 def _client(port: int, wait_replicas: int) -> QuorumClient:
     return QuorumClient(connect_to(port), KEYS, CONFIG, wait_replicas=wait_replicas)
-
-
-def _joined(client: QuorumClient, *ids: str) -> QuorumClient:
-    for rid in ids:
-        client.join(Member(rid))
-    client.heartbeat(list(ids))
-    return client
 
 
 def _attach(replica: RedisServer, primary: RedisServer) -> None:
@@ -76,7 +46,7 @@ def _raises_in_time(call: Future[object], timeout: float) -> QuorumNotReplicated
 
 
 def test_an_answer_no_redis_replica_acknowledged_is_not_returned(primary, pool) -> None:
-    client = _joined(_client(primary.port, wait_replicas=1), "a")
+    client = joined(_client(primary.port, wait_replicas=1), "a")
     err = _raises_in_time(pool.submit(client.request, "a", 0, timeout=1.5), 1.5)
     message = str(err)
     assert message.startswith("quorum 1 for replica a formed, but only 0 of the 1 Redis ")
@@ -92,7 +62,7 @@ def test_a_replica_that_stopped_acknowledging_does_not_confirm(primary, standby,
     # nothing would count it at once, one after the quorum's own write counts 0.
     _attach(standby, primary)
     wait_until(lambda: standby.client().info("replication")["master_link_status"] == "up")
-    client = _joined(_client(primary.port, wait_replicas=1), "a")
+    client = joined(_client(primary.port, wait_replicas=1), "a")
     os.kill(standby.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
     try:
         err = _raises_in_time(pool.submit(client.request, "a", 0, timeout=1.5), 1.5)
@@ -105,7 +75,7 @@ def test_a_replica_that_stopped_acknowledging_does_not_confirm(primary, standby,
 def test_a_replica_attaching_while_the_request_waits_lets_the_answer_through(
     primary, standby, pool
 ) -> None:
-    client = _joined(_client(primary.port, wait_replicas=1), "a")
+    client = joined(_client(primary.port, wait_replicas=1), "a")
     call = pool.submit(client.request, "a", 0, timeout=3.0)
     wait_until(lambda: _waiting_in(primary, "wait"), 3.0, "the client waiting in WAIT")
     _attach(standby, primary)
@@ -117,7 +87,7 @@ def test_a_replica_attaching_while_the_request_waits_lets_the_answer_through(
 
 def test_a_relay_batch_no_redis_replica_acknowledged_fails_every_member(primary) -> None:
     ids = ["m0", "m1", "m2"]
-    client = _joined(_client(primary.port, wait_replicas=1), *ids)
+    client = joined(_client(primary.port, wait_replicas=1), *ids)
     started = time.monotonic()
     out = client.request_batch("relay", [BatchItem(rid, 0) for rid in ids], timeout=1.5)
     assert time.monotonic() - started < 1.5 + SLACK_S
@@ -130,7 +100,7 @@ def test_a_relay_batch_no_redis_replica_acknowledged_fails_every_member(primary)
 
 
 def _refusing(primary: RedisServer, *ids: str) -> None:
-    _joined(_client(primary.port, wait_replicas=0), *ids)
+    joined(_client(primary.port, wait_replicas=0), *ids)
     primary.client().config_set("min-replicas-to-write", 1)
 
 
@@ -175,7 +145,7 @@ def test_a_replica_attaching_before_the_deadline_ends_the_refusal(primary, stand
 
 
 def test_wait_replicas_zero_never_waits_on_a_replica(primary) -> None:
-    client = _joined(_client(primary.port, wait_replicas=0), "a")
+    client = joined(_client(primary.port, wait_replicas=0), "a")
     assert client.request("a", 0, timeout=1.5).quorum_id == 1
     assert primary.client().exists(KEYS.quorum_key("waited")) == 0
 
@@ -183,7 +153,7 @@ def test_wait_replicas_zero_never_waits_on_a_replica(primary) -> None:
 def test_a_wait_cut_off_by_a_lost_connection_is_sent_again(primary, pool) -> None:
     # The WAIT's connection killed mid-wait: the client reconnects and waits again, and still
     # names the missing replica at the deadline rather than the lost connection.
-    client = _joined(_client(primary.port, wait_replicas=1), "a")
+    client = joined(_client(primary.port, wait_replicas=1), "a")
     call = pool.submit(client.request, "a", 0, timeout=2.0)
     wait_until(lambda: _waiting_in(primary, "wait"), 2.0, "the client waiting in WAIT")
     admin = primary.client()
