@@ -328,7 +328,7 @@ def _secret_rdzv_keys(conf: dict[str, str]) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .config import AgentConfig
+    from .config import AgentConfig, AgentConfigError
 
     missing = [n for n in ("redis", "run_id") if not getattr(args, n)]
     if missing:
@@ -353,6 +353,11 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        address = _address(args)
+    except AgentConfigError as e:
+        print(f"spottrain-agent run: {e}", file=sys.stderr)
+        return 2
     cfg = AgentConfig(
         redis_url=args.redis,
         run_id=args.run_id,
@@ -363,7 +368,7 @@ def _run(args: argparse.Namespace) -> int:
         cloud=args.cloud,
         zone=args.zone,
         instance_type=args.instance_type,
-        address=args.address,
+        address=address,
         expect_gpus=args.expect_gpus,
         health_check=not args.no_health_check,
         ckpt_dir=args.ckpt_dir,
@@ -402,6 +407,17 @@ def _run(args: argparse.Namespace) -> int:
         format=f"%(asctime)s spottrain-agent[{args.node_id}] %(levelname)s %(message)s",
     )
     return _run_shipping_logs(cfg, logs)
+
+
+def _address(args: argparse.Namespace) -> str:
+    """``--address``, else on a real cloud the address of the route to the run's Redis:
+    every peer (torchrun's store and collectives, a quorum relay) dials it. The local
+    cloud's "VMs" share this host's loopback."""
+    from .config import own_address
+
+    if args.address or args.cloud == "local":
+        return str(args.address)
+    return own_address(args.redis)
 
 
 def _run_shipping_logs(cfg: AgentConfig, logs: ShipSettings | None) -> int:

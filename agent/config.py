@@ -3,6 +3,7 @@ exit codes."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 
 from spottrain.protocol.env import (
@@ -14,6 +15,7 @@ from spottrain.protocol.env import (
 )
 from spottrain.protocol.keys import DEFAULT_PREFIX
 from spottrain.quorum.model import DEFAULT_JOIN_TIMEOUT_MS
+from spottrain.redis_conn import parse_endpoint
 
 from .replica_launch import DEFAULT_MANAGER_PORT, DEFAULT_SHIM_PORT, QUORUMS, check_lighthouse
 
@@ -203,3 +205,25 @@ class AgentConfig:
                 check_lighthouse(self.lighthouse, "lighthouse (--lighthouse, SPOTTRAIN_LIGHTHOUSE)")
             except ValueError as exc:
                 raise AgentConfigError(str(exc)) from None
+
+
+def own_address(redis_url: str) -> str:
+    """The address this VM's peers reach it at: the source address of its route to the run's
+    Redis, which every node reaches over the fleet's network (a VM's hostname may resolve to
+    127.0.1.1, and 127.0.0.1 is every VM's own loopback). No packet is sent: connecting a UDP
+    socket only asks the kernel for the route.
+
+    Raises:
+        AgentConfigError: no route to Redis (the message names the host).
+    """
+    host, port, _, _ = parse_endpoint(redis_url)
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except OSError as e:
+        raise AgentConfigError(
+            f"cannot find this VM's address: no route to the run's Redis at {host}:{port} "
+            f"({e}); set SPOTTRAIN_ADDRESS (--address) to the address other nodes reach it at"
+        ) from None

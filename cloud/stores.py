@@ -7,18 +7,25 @@ imports without either SDK. It sits beside ``storage``, ``aws`` and ``gcp`` rath
 
 from __future__ import annotations
 
+import os
+
 from spottrain.cloud.storage.factory import parse_store_url
 from spottrain.cloud.storage.interface import ObjectStore
 from spottrain.cloud.storage.local import LocalStore
+
+# Where Cloud Storage's JSON API is when not at its public name (a Private Service Connect
+# endpoint, the box's fake): google-cloud-storage's own variable.
+GCS_ENDPOINT_ENV = "API_ENDPOINT_OVERRIDE"
 
 
 def open_store(url: str) -> ObjectStore:
     """Open the store a URL names, with the SDK's default credentials.
 
     ``s3://`` uses boto3's default session (``AWS_PROFILE``, ``AWS_ENDPOINT_URL_S3`` and the
-    rest of its environment apply); ``gs://`` uses Application Default Credentials (and
-    ``STORAGE_EMULATOR_HOST`` when set); a ``file://`` URL or a path opens a
-    :class:`LocalStore` on a directory that must exist.
+    rest of its environment apply; an endpoint from the environment is addressed
+    path-style); ``gs://`` uses Application Default Credentials (and
+    ``STORAGE_EMULATOR_HOST`` or ``API_ENDPOINT_OVERRIDE`` when set); a ``file://`` URL or a
+    path opens a :class:`LocalStore` on a directory that must exist.
 
     Raises:
         ValueError: a malformed URL; the message lists the accepted forms.
@@ -33,5 +40,8 @@ def open_store(url: str) -> ObjectStore:
     if parsed.scheme == "gs":
         from spottrain.cloud.gcp.gcs import GcsStore  # imports google-cloud-storage when used
 
-        return GcsStore(parsed.bucket, parsed.path)
+        # google-cloud-storage's own override (the VMs get it from gcp.endpoints.storage).
+        return GcsStore(
+            parsed.bucket, parsed.path, api_endpoint=os.environ.get(GCS_ENDPOINT_ENV) or None
+        )
     return LocalStore(parsed.path)

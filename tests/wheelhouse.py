@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from spottrain import __version__
+from spottrain.controller.run.wheel import SelfWheel
 
 ENVLOCK_SOURCE = Path(__file__).resolve().parents[1] / "spottrain" / "envlock.py"
 
@@ -64,7 +65,7 @@ def build_wheelhouse(folder: Path) -> dict[str, Path]:
     }
     wheels = [
         build_wheel(
-            folder,
+            folder / "own",
             "spottrain",
             __version__,
             requires=[
@@ -86,6 +87,12 @@ def build_wheelhouse(folder: Path) -> dict[str, Path]:
 
 def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def own_wheel(folder: Path) -> SelfWheel:
+    """The stand-in spottrain wheel of :func:`build_wheelhouse` as the controller's own."""
+    path = folder / "own" / f"spottrain-{__version__}-py3-none-any.whl"
+    return SelfWheel(path, sha256_of(path), __version__, "the test wheelhouse")
 
 
 # What `spottrain lock` gives for spottrain[agent,aws] on manylinux x86_64 with torch's CUDA
@@ -113,6 +120,29 @@ def realistic_lock_text() -> str:
             ("sha256:" + hashlib.sha256(name.encode()).hexdigest(),),
         )
         for name in REALISTIC_AWS_PACKAGES
+    ]
+    lock = make_lock(
+        packages,
+        target="python 3.11 cp manylinux_2_28_x86_64",
+        requires=[f"spottrain[agent,aws]=={__version__}"],
+    )
+    return lock.text()
+
+
+def lock_of(n: int) -> str:
+    """A lock of ``n`` packages (n >= 40): :data:`REALISTIC_AWS_PACKAGES` (a CUDA torch stack)
+    and a job's own requirements after them, each with a distinct fake hash."""
+    from spottrain.envlock import LockedPackage, make_lock
+
+    names = [*REALISTIC_AWS_PACKAGES]
+    names += [f"job-requirement-{i:03d}" for i in range(n - len(names))]
+    packages = [
+        LockedPackage(
+            name,
+            __version__ if name == "spottrain" else "12.8.4.1",
+            ("sha256:" + hashlib.sha256(name.encode()).hexdigest(),),
+        )
+        for name in names
     ]
     lock = make_lock(
         packages,

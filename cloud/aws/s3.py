@@ -113,6 +113,15 @@ class S3Store(_BucketStore):
 
         self.bucket = bucket
         self.prefix = _normalise_store_prefix(prefix)
+        # boto3 reads these itself, but an endpoint that is not AWS's needs path-style
+        # addressing (no bucket.HOST names), so it is taken here (the VMs get it from the
+        # spec's aws.endpoints.s3).
+        endpoint_url = (
+            endpoint_url
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or None
+        )
         session = session if session is not None else boto3.Session()
         config = Config(
             retries={"total_max_attempts": max_attempts, "mode": "standard"},

@@ -21,10 +21,13 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "lock",
         help="write the hashed lock of the environment a cloud's VMs install for a job",
-        description="Resolve the agent's environment for a cloud's VMs (python 3.11, "
-        "manylinux x86_64) with this machine's pip and its configuration, and write it as a "
-        "hashed requirements file. `spottrain up JOB.yaml --env-lock CLOUD=FILE` uses it "
-        "instead of resolving again (for a controller without access to the index).",
+        description="Resolve the agent's environment for a cloud's VMs (the spec's "
+        "packages.python, manylinux x86_64) with this machine's pip, the spec's index "
+        "(packages:) and pip's own configuration, and write it as a hashed requirements "
+        "file. spottrain itself is this controller's own wheel, pinned by its sha256 (no "
+        "index needs to carry it; the run ships the wheel to its VMs). `spottrain up JOB.yaml "
+        "--env-lock CLOUD=FILE` uses the file instead of resolving again (for a controller "
+        "without access to the index); it refuses a lock made by another spottrain build.",
     )
     p.add_argument("spec", help="the job's YAML file")
     p.add_argument("--cloud", choices=LOCKED_CLOUDS, required=True, help="whose VMs")
@@ -37,8 +40,9 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--python-version",
-        default=LockTarget.python_version,
-        help="the VMs' python3 (default: %(default)s); the boot refuses another",
+        default=None,
+        help="the VMs' python3 (default: the spec's packages.python, else 3.11); the boot "
+        "refuses another",
     )
 
 
@@ -51,10 +55,17 @@ def command(args: Any) -> int:
     except SpecError as e:
         print(str(e), file=sys.stderr)
         return EXIT_BAD_INPUT
+    from spottrain.controller.run.create import build_self_wheel
+    from spottrain.controller.run.records import RunError
+
+    spec = loaded.spec
     try:
-        target = LockTarget(python_version=args.python_version, platform=args.platform)
-        lock = lock_for_cloud(loaded.spec, loaded.base_dir, args.cloud, target=target)
-    except ResolveError as e:
+        wheel = build_self_wheel()
+        target = LockTarget(
+            python_version=args.python_version or spec.packages.python, platform=args.platform
+        )
+        lock = lock_for_cloud(spec, loaded.base_dir, args.cloud, wheel, target=target)
+    except (ResolveError, RunError) as e:
         err(str(e))
         return EXIT_FAILED
     text = lock.text()
@@ -64,6 +75,7 @@ def command(args: Any) -> int:
         sys.stdout.write(text)
     err(
         f"{len(lock.packages)} packages locked for {args.cloud} "
-        f"({lock.target}), sha256 {lock_sha256(text)}"
+        f"({lock.target}), sha256 {lock_sha256(text)}; spottrain is this controller's wheel "
+        f"{wheel.filename} (sha256 {wheel.sha256[:16]}), which `spottrain up` ships to the VMs"
     )
     return EXIT_OK

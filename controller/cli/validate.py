@@ -25,6 +25,14 @@ def validate(args: argparse.Namespace) -> int:
             print(str(e), file=sys.stderr)
         return EXIT_BAD_INPUT
     spec = loaded.spec
+    problem = spec.files_store_problem()
+    if problem:
+        # Valid YAML and keys, but `up` could not launch it: say so here, before a run.
+        if args.json:
+            print(json.dumps({"valid": False, "source": loaded.source, "problems": [problem]}))
+        else:
+            print(f"{loaded.source}: the job spec is not valid:\n  {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     checks = check_notice_windows(spec)
     size = spec.checkpoint.estimated_gb
     gbps = spec.checkpoint.volume.write_gbps

@@ -9,11 +9,13 @@ from typing import Any
 
 from spottrain.cloud.base import Offer
 from spottrain.controller.run.boot import (
+    BootFiles,
     CodeRef,
     NodeIdentity,
-    render_boot_script,
     render_local_boot,
+    render_user_data,
 )
+from spottrain.controller.run.boot_files import ensure_shipped
 from spottrain.controller.run.progress import Waiting, size
 from spottrain.controller.run.records import RunError, RunInfo, home_dir
 from spottrain.controller.run.run_redis import embedded_password_file
@@ -91,11 +93,20 @@ def local_copy_to(spec: JobSpec) -> str:
 
 
 def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
+    """The function that renders a new VM's boot (its user data, or the local cloud's boot
+    command) for the run's controller. Before it is given out, the run's boot files are
+    checked to still be in its store (any that went missing put back).
+
+    Raises:
+        RunError: the boot files cannot be checked or put back.
+    """
     code = CodeRef(info.code_url, info.code_sha256)
     password = embedded_password_file(info.dir) if info.embedded_redis else None
     password_file = str(password) if password is not None and password.exists() else None
     secrets = local_secret_files(spec) if "local" in spec.resources.clouds else {}
-    locks = {c: (info.dir / v["file"]).read_text() for c, v in info.env_locks.items()}
+    files = {cloud: BootFiles.from_dict(d) for cloud, d in info.boot_files.items()}
+    if files:
+        ensure_shipped(info)
 
     def render(node: str, offer: Offer) -> str:
         ident = NodeIdentity(info.run_id, node, offer.cloud, offer.zone, offer.instance_type)
@@ -110,13 +121,17 @@ def boot_renderer(spec: JobSpec, info: RunInfo) -> Any:
                 password_file=password_file,
                 secret_files=secrets,
             )
-        return render_boot_script(
+        if offer.cloud not in files:
+            raise RunError(
+                f"run {info.run_id} shipped no boot files for {offer.cloud} VMs (made by an "
+                "older spottrain?): start a new run (spottrain up)"
+            )
+        return render_user_data(
             spec,
             ident,
             info.redis_url,
-            code=code,
+            files[offer.cloud],
             password_secret=spec.redis.password_secret,
-            env_lock=locks.get(offer.cloud),
         )
 
     return render

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from spottrain.controller.run.boot import CodeRef
+from spottrain.controller.run.boot_files import ship_boot_files
 from spottrain.controller.run.code import local_secret_files, prepare_code
 from spottrain.controller.run.env_lock import ResolveError, capture_locks
 from spottrain.controller.run.lighthouse import (
@@ -21,8 +22,51 @@ from spottrain.controller.run.run_redis import (
     start_embedded_redis,
     stop_embedded_redis,
 )
+from spottrain.controller.run.wheel import SelfWheel, WheelError, self_wheel
 from spottrain.protocol.keys import make_run_id, validate_run_id
 from spottrain.spec import LoadedSpec
+
+
+def build_self_wheel() -> SelfWheel:
+    """The wheel of this spottrain, which the run ships to its VMs (built once per source,
+    kept in ``$SPOTTRAIN_HOME/wheels``).
+
+    Raises:
+        RunError: the running spottrain cannot be made into a wheel.
+    """
+    try:
+        return self_wheel(home_dir() / "wheels")
+    except WheelError as e:
+        raise RunError(f"cannot build spottrain's wheel for the VMs: {e}") from None
+
+
+def _environment(
+    loaded: LoadedSpec, info: RunInfo, env_locks: dict[str, Path] | None
+) -> SelfWheel | None:
+    """For a run that launches AWS or GCP VMs: the wheel it ships and its locks (recorded in
+    ``info``); None for any other run.
+
+    Raises:
+        RunError: no store for the boot files, no wheel, or no lock.
+    """
+    spec = loaded.spec
+    if not spec.launches_vms():
+        return None
+    problem = spec.files_store_problem()
+    if problem:
+        raise RunError(problem)
+    wheel = build_self_wheel()
+    info.wheel = {
+        "sha256": wheel.sha256,
+        "filename": wheel.filename,
+        "version": wheel.version,
+        "origin": wheel.origin,
+    }
+    try:
+        info.env_locks = capture_locks(spec, loaded.base_dir, info.dir, wheel, env_locks)
+    except ResolveError as e:
+        raise RunError(str(e)) from None
+    return wheel
 
 
 def create_run(
@@ -64,10 +108,7 @@ def create_run(
         created_at=time.time(),
     )
     info.dir.mkdir(parents=True, exist_ok=True)
-    try:
-        info.env_locks = capture_locks(spec, loaded.base_dir, info.dir, env_locks)
-    except ResolveError as e:
-        raise RunError(str(e)) from None
+    wheel = _environment(loaded, info, env_locks)
     if info.embedded_redis:
         info.redis_url = start_embedded_redis(info.dir, spec.nodes.max)
     else:
@@ -88,6 +129,13 @@ def create_run(
             stop_embedded_redis(info)
         raise RunError(f"cannot prepare the job's code: {e}") from None
     info.code_url, info.code_sha256 = code.archive_url, code.archive_sha256
+    if wheel is not None:
+        try:
+            info.boot_files = ship_boot_files(spec, info, code, wheel)
+        except RunError:
+            if info.embedded_redis:
+                stop_embedded_redis(info)
+            raise
     info.save()
     jobs = home_dir() / "jobs"
     jobs.mkdir(parents=True, exist_ok=True)

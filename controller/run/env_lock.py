@@ -5,12 +5,17 @@ Real pip resolves it, for the VMs' interpreter and platform rather than this mac
 
     pip install --dry-run --ignore-installed --quiet --report FILE --only-binary=:all:
         --platform manylinux_2_28_x86_64 --python-version 3.11 --implementation cp
-        'spottrain[agent,aws]==0.1.0' [-r <archive>/requirements.txt]
+        [the spec's packages: --index-url, --extra-index-url, --find-links]
+        'spottrain[agent,aws] @ file:///.../spottrain-0.1.0-py3-none-any.whl'
+        [-r <archive>/requirements.txt]
 
-and its report (each wheel's name, version and sha256) becomes the lock. pip reads the
-controller's own configuration (``PIP_INDEX_URL``, ``PIP_EXTRA_INDEX_URL``,
-``PIP_FIND_LINKS``, pip.conf), so a private index works as it does for ``pip install``; the
-VMs then install the lock from their own index (the same one, or PyPI), and a file whose hash
+and its report (each wheel's name, version and sha256) becomes the lock. spottrain itself is
+the wheel of this very controller (``controller/run/wheel.py``), given to pip by its path, so
+no index needs to carry it: the lock pins it as ``spottrain==<version>`` with that wheel's
+sha256, the run ships the wheel to its store, and the VMs install it from there beside the
+rest. Everything else comes from the spec's index (``packages:``) or pip's own configuration
+on this machine (``PIP_INDEX_URL``, pip.conf, which also holds the controller's credentials
+for a private index); the VMs install the lock from the same index, and a file whose hash
 differs is refused there.
 
 What the lock covers:
@@ -43,7 +48,16 @@ from typing import Any
 from urllib.parse import urlparse
 
 from spottrain import __version__
-from spottrain.envlock import EnvLock, LockedPackage, LockError, lock_sha256, make_lock, parse_lock
+from spottrain.controller.run.wheel import SelfWheel
+from spottrain.envlock import (
+    EnvLock,
+    LockedPackage,
+    LockError,
+    canonical_name,
+    lock_sha256,
+    make_lock,
+    parse_lock,
+)
 from spottrain.spec import ArchiveCode, FaultTolerance, ImageCode, JobSpec
 
 LOCKED_CLOUDS = ("aws", "gcp")
@@ -61,10 +75,13 @@ class LockTarget:
         return f"python {self.python_version} {self.implementation} {self.platform}"
 
 
-def agent_requirement(cloud: str, *, replica: bool = False) -> str:
-    """What a VM of ``cloud`` installs: the agent at this controller's version; with
+def agent_requirement(cloud: str, *, replica: bool = False, wheel: SelfWheel | None = None) -> str:
+    """What a VM of ``cloud`` installs: the agent at this controller's version (with
+    ``wheel``: that very file, so pip needs no index that carries spottrain); with
     ``replica``, also torchft (the ``replica`` extra), which only replica mode imports."""
     extras = f"agent,{cloud},replica" if replica else f"agent,{cloud}"
+    if wheel is not None:
+        return f"spottrain[{extras}] @ {wheel.file_url}"
     return f"spottrain[{extras}]=={__version__}"
 
 
@@ -74,9 +91,9 @@ def needs_replica_extra(spec: JobSpec) -> bool:
     return spec.train.fault_tolerance is FaultTolerance.REPLICA
 
 
-def spec_agent_requirement(spec: JobSpec, cloud: str) -> str:
+def spec_agent_requirement(spec: JobSpec, cloud: str, wheel: SelfWheel | None = None) -> str:
     """:func:`agent_requirement` for ``spec``'s VMs on ``cloud``."""
-    return agent_requirement(cloud, replica=needs_replica_extra(spec))
+    return agent_requirement(cloud, replica=needs_replica_extra(spec), wheel=wheel)
 
 
 def pip_command(
@@ -97,13 +114,17 @@ def pip_command(
 
 
 def lock_from_report(
-    report: Mapping[str, Any], target: LockTarget, requires: Sequence[str]
+    report: Mapping[str, Any],
+    target: LockTarget,
+    requires: Sequence[str],
+    wheel: SelfWheel | None = None,
 ) -> EnvLock:
-    """The lock of pip's installation report.
+    """The lock of pip's installation report. ``wheel``: the spottrain wheel that was given
+    to pip by its path, pinned as ``spottrain==<version>`` with its sha256 (the run ships it).
 
     Raises:
         LockError: an item has no sha256 hash, or is a direct reference to a local file or
-            folder (the VMs cannot reach it).
+            folder (the VMs cannot reach it), other than ``wheel``.
     """
     packages = []
     for item in report.get("install", []):
@@ -111,6 +132,15 @@ def lock_from_report(
         name, version = meta.get("name", "?"), meta.get("version", "")
         info = item.get("download_info") or {}
         url = str(info.get("url", ""))
+        if wheel is not None and canonical_name(name) == "spottrain":
+            if url != wheel.file_url or version != wheel.version:
+                raise LockError(
+                    f"pip chose spottrain {version} from {url or 'nowhere'}, not this "
+                    f"controller's wheel {wheel.path}: remove spottrain from the job's "
+                    "requirements (the run ships its own)"
+                )
+            packages.append(LockedPackage("spottrain", version, (f"sha256:{wheel.sha256}",)))
+            continue
         if item.get("is_direct") and urlparse(url).scheme in ("file", ""):
             raise LockError(
                 f"{name} {version} comes from {url}, a local path the VMs cannot reach: "
@@ -140,6 +170,7 @@ def resolve_lock(
     target: LockTarget = LockTarget(),
     pip_args: Sequence[str] = (),
     timeout_s: float = 600.0,
+    wheel: SelfWheel | None = None,
 ) -> EnvLock:
     """Resolve ``requirements`` (and requirement files) with real pip for ``target``.
 
@@ -159,7 +190,7 @@ def resolve_lock(
             said = proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}"
             raise ResolveError(_advice(what, said[-2000:]))
         try:
-            return lock_from_report(json.loads(report.read_text()), target, [*requirements])
+            return lock_from_report(json.loads(report.read_text()), target, [*requirements], wheel)
         except LockError as e:
             raise ResolveError(_advice(what, str(e))) from None
 
@@ -191,18 +222,31 @@ def clouds_to_lock(spec: JobSpec) -> list[str]:
     return [c for c in spec.resources.clouds if c in LOCKED_CLOUDS]
 
 
-def lock_for_cloud(spec: JobSpec, base_dir: Path, cloud: str, **kw: Any) -> EnvLock:
-    """Resolve the lock a VM of ``cloud`` installs for ``spec``."""
+def lock_target(spec: JobSpec) -> LockTarget:
+    """The VMs' interpreter the spec names (``packages.python``), on manylinux x86_64."""
+    return LockTarget(python_version=spec.packages.python)
+
+
+def lock_for_cloud(
+    spec: JobSpec, base_dir: Path, cloud: str, wheel: SelfWheel, **kw: Any
+) -> EnvLock:
+    """Resolve the lock a VM of ``cloud`` installs for ``spec``, spottrain being ``wheel``
+    and everything else from the spec's index (``packages:``) or pip's configuration."""
+    kw.setdefault("target", lock_target(spec))
     return resolve_lock(
-        [spec_agent_requirement(spec, cloud)],
+        [spec_agent_requirement(spec, cloud, wheel)],
         requirement_files=job_requirement_files(spec, base_dir),
+        pip_args=[*spec.packages.pip_args(), *kw.pop("pip_args", ())],
+        wheel=wheel,
         **kw,
     )
 
 
-def read_lock_file(path: Path, cloud: str, *, replica: bool = False) -> EnvLock:
-    """A lock the user made (``spottrain lock``), checked to hold this spottrain (and, for
-    a ``replica`` job, torchft).
+def read_lock_file(
+    path: Path, cloud: str, *, replica: bool = False, wheel: SelfWheel | None = None
+) -> EnvLock:
+    """A lock the user made (``spottrain lock``), checked to hold this spottrain (with
+    ``wheel``: pinned to that very wheel's sha256) and, for a ``replica`` job, torchft.
 
     Raises:
         ResolveError: unreadable, malformed, for another spottrain, or a replica job's lock
@@ -213,11 +257,18 @@ def read_lock_file(path: Path, cloud: str, *, replica: bool = False) -> EnvLock:
     except (OSError, LockError) as e:
         raise ResolveError(f"--env-lock {cloud}={path}: {e}") from None
     have = lock.versions().get("spottrain")
+    again = f"make it again with this controller: spottrain lock JOB.yaml --cloud {cloud} -o {path}"
     if have != __version__:
         raise ResolveError(
             f"--env-lock {cloud}={path}: the lock holds spottrain {have or '(none)'}, this "
-            f"controller is {__version__}: every node must run the controller's agent "
-            f"(make it again: spottrain lock JOB.yaml --cloud {cloud} -o {path})"
+            f"controller is {__version__}: every node must run the controller's agent ({again})"
+        )
+    pinned = next(p for p in lock.packages if p.name == "spottrain")
+    if wheel is not None and f"sha256:{wheel.sha256}" not in pinned.hashes:
+        raise ResolveError(
+            f"--env-lock {cloud}={path}: the lock pins spottrain by sha256 "
+            f"{pinned.hashes[0].removeprefix('sha256:')[:16]}, not this controller's wheel "
+            f"({wheel.sha256[:16]}, built from {wheel.origin}): {again}"
         )
     missing = [p for p in ("torchft", "grpcio") if replica and p not in lock.versions()]
     if missing:
@@ -235,6 +286,7 @@ def capture_locks(
     spec: JobSpec,
     base_dir: Path,
     run_dir: Path,
+    wheel: SelfWheel,
     given: Mapping[str, Path] | None = None,
     **kw: Any,
 ) -> dict[str, dict[str, Any]]:
@@ -243,21 +295,44 @@ def capture_locks(
     ``{cloud: {"file", "sha256", "packages"}}``.
 
     Raises:
-        ResolveError: a lock cannot be made or read.
+        ResolveError: a lock cannot be made or read, or a given one pins another spottrain
+            wheel than ``wheel``.
     """
     out: dict[str, dict[str, Any]] = {}
     for cloud in clouds_to_lock(spec):
         path = (given or {}).get(cloud)
         lock = (
-            read_lock_file(path, cloud, replica=needs_replica_extra(spec))
+            read_lock_file(path, cloud, replica=needs_replica_extra(spec), wheel=wheel)
             if path
-            else lock_for_cloud(spec, base_dir, cloud, **kw)
+            else lock_for_cloud(spec, base_dir, cloud, wheel, **kw)
         )
         text = lock.text()
         name = f"env-{cloud}.lock"
         (run_dir / name).write_text(text)
         out[cloud] = {"file": name, "sha256": lock_sha256(text), "packages": len(lock.packages)}
     return out
+
+
+def read_run_lock(run_dir: Path, cloud: str, record: Mapping[str, Any]) -> str:
+    """A run's lock for ``cloud`` as ``run.json`` recorded it, checked against its sha256
+    (an edited file would reach every backfilled VM).
+
+    Raises:
+        ResolveError: the file is missing or is not the one the run recorded.
+    """
+    path = run_dir / str(record["file"])
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ResolveError(f"the run's lock {path} cannot be read: {e.strerror}") from None
+    if lock_sha256(text) != record["sha256"]:
+        raise ResolveError(
+            f"the run's lock {path} is not the one this run recorded (sha256 "
+            f"{lock_sha256(text)[:16]}, run.json says {str(record['sha256'])[:16]}): it was "
+            "changed; put the original back, or start a new run with the new lock (spottrain "
+            "up JOB.yaml --env-lock CLOUD=FILE)"
+        )
+    return text
 
 
 def parse_lock_args(values: Sequence[str], clouds: Sequence[str]) -> dict[str, Path]:

@@ -52,6 +52,11 @@ class RunInfo:
     # binds (controller/run/lighthouse.py); "" for an elastic run.
     lighthouse: str = ""
     lighthouse_bind: str = ""
+    # The spottrain wheel this run ships to its VMs ({"sha256", "filename", "version",
+    # "origin"}) and, per AWS/GCP cloud, the files each VM fetches at boot from the run's
+    # store, pinned by sha256 (controller/run/boot_files.py: BootFiles.as_dict()).
+    wheel: dict[str, str] = field(default_factory=dict)
+    boot_files: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
 
     @property
     def dir(self) -> Path:

@@ -216,6 +216,12 @@ class RunKeys:
         """Hash: a node's record (cloud, zone, instance type, GPUs, address, state)."""
         return f"{self.base}:node:{node_id}"
 
+    def boot(self, node_id: str) -> str:
+        """Hash: how a node's VM boot went (vm, stage, state, reason, at, source), written by
+        the boot's loader on the VM, or by the controller from the VM's console output
+        (:mod:`spottrain.protocol.boot`)."""
+        return f"{self.base}:boot:{node_id}"
+
     def heartbeat(self, node_id: str) -> str:
         """A node's heartbeat, a key with a TTL: gone means the node stopped beating."""
         return f"{self.base}:hb:{node_id}"

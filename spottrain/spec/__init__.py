@@ -63,6 +63,7 @@ from .loading import (
     load_spec,
     parse_spec,
 )
+from .packages import PackagesSpec
 from .replica import describe_replica, replica_agent_env
 from .sections import (
     BudgetSpec,
@@ -117,6 +118,7 @@ __all__ = [
     "LocalZone",
     "LogsSpec",
     "NodesSpec",
+    "PackagesSpec",
     "Placement",
     "PreemptionTraceRow",
     "QuorumKind",

@@ -58,6 +58,41 @@ class LocalCloudSpec(_Model):
         return v
 
 
+def _endpoint(v: str | None) -> str | None:
+    if v is not None and not re.match(r"^https?://[^\s/@]+/?\Z", v):
+        raise ValueError(
+            f"{v!r} is not an endpoint: give http(s)://HOST[:PORT] (no path, no credentials)"
+        )
+    return None if v is None else v.rstrip("/")
+
+
+class AwsEndpoints(_Model):
+    """Where the VMs reach AWS's APIs when not at their public names: VPC interface
+    endpoints' own DNS names, or an S3-compatible store. The controller reads its own from
+    its environment (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL_EC2``...)."""
+
+    s3: str | None = Field(None, description="S3 (path-style addressing is used)")
+    secretsmanager: str | None = Field(None, description="Secrets Manager")
+
+    @field_validator("s3", "secretsmanager")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        return _endpoint(v)
+
+
+class GcpEndpoints(_Model):
+    """Where the VMs reach Google's APIs when not at their public names (Private Service
+    Connect endpoints). The controller reads its own from its environment."""
+
+    storage: str | None = Field(None, description="Cloud Storage's JSON API")
+    secretmanager: str | None = Field(None, description="Secret Manager's REST API")
+
+    @field_validator("storage", "secretmanager")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        return _endpoint(v)
+
+
 class AwsCloudSpec(_Model):
     images: dict[str, str] = Field(description="GPU AMI id per region")
     subnets: dict[str, str] = Field(default_factory=dict, description="subnet id per zone")
@@ -79,6 +114,7 @@ class AwsCloudSpec(_Model):
         description="a cluster placement group per zone for EFA types (closer nodes, but "
         "spot capacity can be scarcer inside one)",
     )
+    endpoints: AwsEndpoints = Field(default_factory=AwsEndpoints)
 
     @field_validator("images")
     @classmethod
@@ -126,6 +162,7 @@ class GcpCloudSpec(_Model):
         description="OAuth scopes of that account, full URLs or short names",
     )
     boot_disk_gb: int = Field(200, ge=10)
+    endpoints: GcpEndpoints = Field(default_factory=GcpEndpoints)
 
     @field_validator("service_account")
     @classmethod

@@ -15,6 +15,7 @@ from .checks import _STORE_CLOUD, NOTICE_WINDOW_S, stores_readable
 from .clouds import AwsCloudSpec, FleetSpec, GcpCloudSpec, LocalCloudSpec
 from .code import ArchiveCode, CodeSpec
 from .fields import _Model
+from .packages import PackagesSpec
 from .replica import replica_problem
 from .sections import (
     BudgetSpec,
@@ -46,6 +47,7 @@ _JOB_KEYS = (
     "fleet",
     "controller",
     "logs",
+    "packages",
 )
 
 
@@ -68,6 +70,7 @@ class JobSpec(_Model):
     fleet: FleetSpec | None = None
     controller: ControllerSpec = Field(default_factory=ControllerSpec)
     logs: LogsSpec = Field(default_factory=LogsSpec)
+    packages: PackagesSpec = Field(default_factory=PackagesSpec)
 
     @field_validator("name")
     @classmethod
@@ -151,6 +154,32 @@ class JobSpec(_Model):
                 "bucket of that cloud, or leave logs.to out to ship beside checkpoint.copy_to"
             )
         return self
+
+    def launches_vms(self) -> bool:
+        """Whether ``spottrain up`` launches AWS or GCP VMs itself (and so renders their boot
+        scripts): not for the local cloud, nor for a Terraform fleet."""
+        return self.fleet is None and any(c in ("aws", "gcp") for c in self.resources.clouds)
+
+    def files_store(self) -> str | None:
+        """Where a run puts what its VMs fetch at boot (the code archive, spottrain's wheel,
+        the environment lock, the boot files): ``code.archive.store``, else
+        ``<checkpoint.copy_to>/code``; None when the spec names neither."""
+        if isinstance(self.code, ArchiveCode) and self.code.archive.store:
+            return self.code.archive.store
+        if self.checkpoint.copy_to:
+            return self.checkpoint.copy_to.rstrip("/") + "/code"
+        return None
+
+    def files_store_problem(self) -> str | None:
+        """Why ``spottrain up`` cannot launch this job's VMs for want of a store they read at
+        boot, or None."""
+        if not self.launches_vms() or self.files_store() is not None:
+            return None
+        return (
+            "checkpoint.copy_to: a run ships spottrain's wheel, the environment lock and the "
+            "boot files to object storage its VMs read at boot; set checkpoint.copy_to (s3:// "
+            "or gs://; it also lets the job move zones) or code.archive.store"
+        )
 
     def logs_url(self) -> str | None:
         """The store each node's output is shipped to: ``logs.to``, else

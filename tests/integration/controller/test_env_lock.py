@@ -23,10 +23,16 @@ from typing import Any
 import pytest
 import yaml
 from spec_samples import VALID, _with
-from wheelhouse import build_wheel, build_wheelhouse, sha256_of
+from wheelhouse import build_wheel, build_wheelhouse, own_wheel, sha256_of
 
 from spottrain import __version__
-from spottrain.controller.run.boot import ENV_LOCK_MARK, ENV_LOCK_PATH, VENV, NodeIdentity
+from spottrain.controller.run.boot import (
+    ENV_LOCK_MARK,
+    ENV_LOCK_PATH,
+    VENV,
+    WHEEL_DIR,
+    NodeIdentity,
+)
 from spottrain.controller.run.env_lock import (
     LockTarget,
     ResolveError,
@@ -37,6 +43,7 @@ from spottrain.controller.run.env_lock import (
     read_lock_file,
     resolve_lock,
 )
+from spottrain.controller.run.wheel import SelfWheel
 from spottrain.envlock import EnvLock, lock_sha256, main, parse_lock, verify
 from spottrain.spec import parse_spec
 
@@ -55,31 +62,41 @@ def _index(folder: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def aws_lock(wheels: Path) -> EnvLock:
+def own(wheels: Path) -> SelfWheel:
+    """The stand-in of the controller's own wheel: in no index."""
+    return own_wheel(wheels)
+
+
+@pytest.fixture(scope="module")
+def aws_lock(wheels: Path, own: SelfWheel) -> EnvLock:
     """The agent's lock for AWS from the wheelhouse: one pip resolution that the tests which
     only read it share."""
-    return resolve_lock([agent_requirement("aws")], pip_args=_index(wheels))
+    return resolve_lock([agent_requirement("aws", wheel=own)], pip_args=_index(wheels), wheel=own)
 
 
-def test_the_lock_pins_every_package_by_the_sha256_of_its_wheel(
-    wheels: Path, aws_lock: EnvLock
+def test_the_lock_pins_every_package_by_the_sha256_of_its_wheel_and_spottrain_by_its_own(
+    wheels: Path, own: SelfWheel, aws_lock: EnvLock
 ) -> None:
     lock = aws_lock
+    assert not list(wheels.glob("spottrain-*"))  # no index carries spottrain
     assert lock.versions() == {"alpha": "1.0", "beta": "2.0", "spottrain": __version__}
     files = {
         "alpha": wheels / "alpha-1.0-py3-none-any.whl",
         "beta": wheels / "beta-2.0-py3-none-any.whl",
-        "spottrain": wheels / f"spottrain-{__version__}-py3-none-any.whl",
+        "spottrain": own.path,
     }
     for p in lock.packages:
         assert p.hashes == (f"sha256:{sha256_of(files[p.name])}",)
-        assert p.url == ""  # installed by name from the VM's index
+        assert p.url == ""  # installed by name: spottrain from the shipped file beside the rest
     assert lock.target == LockTarget().describe() == "python 3.11 cp manylinux_2_28_x86_64"
-    assert lock.requires == (f"spottrain[agent,aws]=={__version__}",)
+    assert lock.requires == (f"spottrain[agent,aws] @ {own.file_url}",)
     assert parse_lock(lock.text()) == lock
     # Each cloud gets its own extra.
-    gcp = resolve_lock([agent_requirement("gcp")], pip_args=_index(wheels))
+    gcp = resolve_lock([agent_requirement("gcp", wheel=own)], pip_args=_index(wheels), wheel=own)
     assert set(gcp.versions()) == {"alpha", "beta", "delta", "spottrain"}
+    # Without the wheel, an index without spottrain cannot resolve the agent.
+    with pytest.raises(ResolveError, match=f"spottrain\\[agent,aws\\]=={__version__}"):
+        resolve_lock([agent_requirement("aws")], pip_args=_index(wheels))
 
 
 def test_pip_configuration_from_the_environment_is_used(
@@ -91,21 +108,27 @@ def test_pip_configuration_from_the_environment_is_used(
 
 
 def test_a_job_requirement_is_locked_with_the_agent_and_cannot_move_it(
-    wheels: Path, tmp_path: Path
+    wheels: Path, own: SelfWheel, tmp_path: Path
 ) -> None:
     req = tmp_path / "requirements.txt"
     req.write_text("gamma==1.0\nbeta<2\n")
-    lock = resolve_lock(
-        [agent_requirement("aws")], requirement_files=[req], pip_args=_index(wheels)
-    )
+    agent = agent_requirement("aws", wheel=own)
+    lock = resolve_lock([agent], requirement_files=[req], pip_args=_index(wheels), wheel=own)
     assert lock.versions()["gamma"] == "1.0" and lock.versions()["beta"] == "1.0"
     req.write_text("alpha==9.9\n")  # against the agent's alpha>=1 from the index: none
     with pytest.raises(ResolveError) as e:
-        resolve_lock([agent_requirement("aws")], requirement_files=[req], pip_args=_index(wheels))
+        resolve_lock([agent], requirement_files=[req], pip_args=_index(wheels), wheel=own)
     said = str(e.value)
-    assert f"spottrain[agent,aws]=={__version__}" in said and f"-r {req}" in said
+    assert agent in said and f"-r {req}" in said
     assert "alpha==9.9" in said  # pip's own words
     assert "--env-lock" in said and "spottrain lock" in said
+    # A job that requires spottrain itself gets the shipped wheel, or no lock at all.
+    req.write_text(f"spottrain=={__version__}\n")
+    same = resolve_lock([agent], requirement_files=[req], pip_args=_index(wheels), wheel=own)
+    assert same.text() == resolve_lock([agent], pip_args=_index(wheels), wheel=own).text()
+    req.write_text("spottrain==0.0.9\n")
+    with pytest.raises(ResolveError, match=r"spottrain==0\.0\.9"):
+        resolve_lock([agent], requirement_files=[req], pip_args=_index(wheels), wheel=own)
 
 
 def test_a_requirement_no_index_has_is_refused_with_the_way_out(wheels: Path) -> None:
@@ -120,14 +143,16 @@ def test_a_local_file_the_vms_cannot_reach_is_refused(wheels: Path) -> None:
 
 
 def test_a_venv_from_the_lock_verifies_and_one_that_differs_names_the_package(
-    wheels: Path, aws_lock: EnvLock, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+    wheels: Path, own: SelfWheel, aws_lock: EnvLock, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
     lock = aws_lock
     path = tmp_path / "env.lock"
     path.write_text(lock.text())
     target = tmp_path / "site"
+    shipped = ["--find-links", str(own.path.parent)]
     pip = [PY, "-m", "pip", "install", "-q", "--target", str(target), *_index(wheels)]
-    subprocess.run([*pip, "--require-hashes", "--no-deps", "-r", str(path)], check=True)
+    subprocess.run([*pip, *shipped, "--require-hashes", "--no-deps", "-r", str(path)], check=True)
     assert verify(lock, [str(target)]) == []
     assert main(["verify", str(path), "--path", str(target)]) == 0
     # A wheel whose hash differs from the lock's is refused by pip itself.
@@ -138,7 +163,7 @@ def test_a_venv_from_the_lock_verifies_and_one_that_differs_names_the_package(
             shutil.copy(wheel, forged)
     hashed = ["--require-hashes", "--no-deps", "-r", str(path)]
     refused = subprocess.run(
-        [*pip[:6], str(tmp_path / "other"), *_index(forged), *hashed],
+        [*pip[:6], str(tmp_path / "other"), *_index(forged), *shipped, *hashed],
         capture_output=True,
         text=True,
     )
@@ -155,14 +180,16 @@ def test_a_venv_from_the_lock_verifies_and_one_that_differs_names_the_package(
 
 
 def _lock_section(script: str, root: Path) -> str:
-    """The boot script from writing the lock to its verification, with /opt and /etc moved
-    under ``root``."""
-    start = script.index(f"cat > {ENV_LOCK_PATH} <<'LOCK'")
+    """The boot's environment section, from the venv's check to its verification, with /opt,
+    /etc and the fetched wheels moved under ``root``."""
+    start = script.index(f'if [ "$(cat {ENV_LOCK_MARK}')
     verify_line = f"{VENV}/bin/python -m spottrain.envlock verify {ENV_LOCK_PATH}\n"
     end = script.index(verify_line, start) + len(verify_line)
     section = script[start:end]
-    return section.replace("/opt/spottrain", str(root / "opt")).replace(
-        "/etc/spottrain", str(root / "etc")
+    return (
+        section.replace("/opt/spottrain", str(root / "opt"))
+        .replace("/etc/spottrain", str(root / "etc"))
+        .replace(WHEEL_DIR, str(root / "wheels"))
     )
 
 
@@ -174,6 +201,8 @@ def _boot_section(lock_text: str, root: Path) -> str:
     script = render_boot_script(
         spec, node, "redis://r:6379", code=CodeRef("s3://b/c.tar.gz", "ab" * 32), env_lock=lock_text
     )
+    # What the loader fetched: the lock, and the run's own wheel beside it.
+    (root / "etc" / "env.lock").write_text(lock_text)
     return _lock_section(script, root)
 
 
@@ -200,10 +229,12 @@ def _run(section: str, wheels: Path, root: Path) -> subprocess.CompletedProcess[
 
 @pytest.mark.slow  # two venvs built with pip: about a minute on a busy machine
 def test_the_boot_builds_the_venv_from_the_lock_rebuilds_it_for_another_and_verifies(
-    wheels: Path, aws_lock: EnvLock, tmp_path: Path
+    wheels: Path, own: SelfWheel, aws_lock: EnvLock, tmp_path: Path
 ) -> None:
     (tmp_path / "etc").mkdir()
     (tmp_path / "opt").mkdir()
+    (tmp_path / "wheels").mkdir()
+    shutil.copy(own.path, tmp_path / "wheels")
     venv = tmp_path / "opt" / "venv"
     mark = Path(ENV_LOCK_MARK.replace("/opt/spottrain", str(tmp_path / "opt")))
     first = aws_lock.text()
@@ -213,11 +244,12 @@ def test_the_boot_builds_the_venv_from_the_lock_rebuilds_it_for_another_and_veri
     assert "3 packages match the lock" in done.stdout
     beta = venv / "lib" / "python3.11" / "site-packages" / "beta" / "__init__.py"
     assert beta.read_text() == "VERSION = '2.0'\n"
-    # The same lock again: the venv stays (a marker file inside it survives).
+    # The same lock again (a VM booting again, or an image baked from one): the venv stays
+    # (a marker file inside it survives).
     (venv / "kept").write_text("")
     again = _run(_boot_section(first, tmp_path), wheels, tmp_path)
     assert again.returncode == 0, again.stderr
-    assert (venv / "kept").exists()
+    assert (venv / "kept").exists() and "was built from this lock" in again.stdout
     # Someone changed the venv: the boot stops, naming the package.
     subprocess.run(
         [str(venv / "bin" / "pip"), "install", "-q", "--no-deps", *_index(wheels), "beta==1.0"],
@@ -236,6 +268,11 @@ def test_the_boot_builds_the_venv_from_the_lock_rebuilds_it_for_another_and_veri
     assert rebuilt.returncode == 0, rebuilt.stderr
     assert not (venv / "kept").exists()
     assert mark.read_text().strip() == lock_sha256(second)
+    # A shipped wheel that is not the one the lock pins is refused by pip.
+    (tmp_path / "wheels" / own.path.name).write_bytes(b"PK not the wheel")
+    shutil.rmtree(venv)
+    forged = _run(_boot_section(first, tmp_path), wheels, tmp_path)
+    assert forged.returncode != 0 and "DO NOT MATCH THE HASHES" in forged.stderr
 
 
 # --- up ---------------------------------------------------------------------------------------
@@ -313,7 +350,7 @@ def test_up_on_aws_records_the_lock_and_sends_it_in_the_user_data(
 
 
 def test_up_takes_a_prebuilt_lock_and_refuses_one_for_another_spottrain(
-    aws_lock: EnvLock, tmp_path: Path
+    aws_lock: EnvLock, own: SelfWheel, tmp_path: Path
 ) -> None:
     archive = _with(
         _with(_aws_data(), "code", {"archive": {"path": "."}}), "checkpoint.copy_to", ...
@@ -324,12 +361,21 @@ def test_up_takes_a_prebuilt_lock_and_refuses_one_for_another_spottrain(
     given = tmp_path / "aws.lock"
     given.write_text(lock.text())
     # No resolution happens (pip would find no index here): the file is taken as it is.
-    out = capture_locks(spec, tmp_path, tmp_path, {"aws": given}, pip_args=["--no-index"])
+    out = capture_locks(spec, tmp_path, tmp_path, own, {"aws": given}, pip_args=["--no-index"])
     assert out["aws"]["sha256"] == lock_sha256(lock.text())
     assert (tmp_path / "env-aws.lock").read_text() == lock.text()
     given.write_text(lock.text().replace(f"spottrain=={__version__}", "spottrain==0.0.1"))
     with pytest.raises(ResolveError, match=r"holds spottrain 0\.0\.1"):
         read_lock_file(given, "aws")
+    # A lock made by another spottrain build (another checkout, another wheel): refused in
+    # one line that names the command making it again.
+    other = SelfWheel(own.path, "0f" * 32, own.version, "another checkout")
+    given.write_text(lock.text())
+    with pytest.raises(ResolveError) as err:
+        capture_locks(spec, tmp_path, tmp_path, other, {"aws": given})
+    said = str(err.value)
+    assert "\n" not in said and "not this controller's wheel" in said
+    assert f"spottrain lock JOB.yaml --cloud aws -o {given}" in said
     assert parse_lock_args(["x.lock"], ["aws"]) == {"aws": Path("x.lock")}
     assert parse_lock_args(["gcp=y.lock"], ["aws", "gcp"]) == {"gcp": Path("y.lock")}
     with pytest.raises(ValueError, match="give CLOUD=FILE"):
@@ -338,7 +384,7 @@ def test_up_takes_a_prebuilt_lock_and_refuses_one_for_another_spottrain(
         parse_lock_args(["gcp=x.lock"], ["aws"])
     # The image is the environment; the local cloud runs in the controller's venv.
     image = parse_spec(yaml.safe_dump(_aws_data())).spec
-    assert capture_locks(image, tmp_path, tmp_path) == {}
+    assert capture_locks(image, tmp_path, tmp_path, own) == {}
 
 
 def test_the_lock_command_writes_what_up_would_install(

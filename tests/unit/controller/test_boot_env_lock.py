@@ -1,7 +1,8 @@
-"""A VM's boot script installs the run's hashed environment lock, rebuilds a venv made from
-another lock, and verifies it at every boot (issue 18 item 3). Before, it installed
-``spottrain[agent,aws]==<version>`` and the job's requirements unhashed, so a backfill a week
-later could get another torch."""
+"""A VM's boot installs the run's hashed environment lock (fetched from the run's store by its
+sha256, with spottrain's own shipped wheel), rebuilds a venv made from another lock, reuses
+one made from this lock (a pre-baked image), and verifies it at every boot. Before, it
+installed ``spottrain[agent,aws]==<version>`` from an index that had none, and carried the
+lock in the user data, where a big one broke AWS's 16 KB."""
 
 from __future__ import annotations
 
@@ -17,16 +18,25 @@ import pytest
 import yaml
 from spec_samples import COMMIT, VALID, _with
 from terraform_hcl import block_text, render_template, template_names, terraform_console
-from wheelhouse import realistic_lock_text
+from wheelhouse import lock_of, realistic_lock_text
 
 from spottrain.controller.run.boot import (
+    BOOT_CONF,
     ENV_LOCK_MARK,
     ENV_LOCK_PATH,
+    FETCH_PATH,
+    PIP_CONF_PATH,
     VENV,
+    WHEEL_DIR,
+    BootFile,
+    BootFiles,
     CodeRef,
     NodeIdentity,
     render_boot_script,
+    render_job_boot,
+    render_user_data,
 )
+from spottrain.controller.run.env_lock import ResolveError, read_lock_file
 from spottrain.envlock import lock_sha256, parse_lock
 from spottrain.spec import JobSpec, parse_spec
 
@@ -61,19 +71,24 @@ def _render(spec: JobSpec, lock: str | None) -> str:
     )
 
 
-def test_the_boot_script_installs_the_lock_with_hashes_and_verifies_it() -> None:
+def test_the_boot_installs_the_fetched_lock_with_hashes_and_the_shipped_wheel() -> None:
     lock = realistic_lock_text()
     script = _render(_archive_spec(), lock)
-    # The lock travels in the script, byte for byte.
-    assert f"cat > {ENV_LOCK_PATH} <<'LOCK'\n{lock}LOCK\n" in script
+    # The lock is fetched from the run's store (pinned by sha256), not carried inline.
+    assert lock not in script
+    fetch = f"python3 {FETCH_PATH} {BOOT_CONF} lock {ENV_LOCK_PATH}"
+    assert fetch in script
     install = (
         f"{VENV}/bin/pip install -q --require-hashes --no-deps --only-binary=:all: "
-        f"-r {ENV_LOCK_PATH}"
+        f"--find-links {WHEEL_DIR} -r {ENV_LOCK_PATH}"
     )
-    assert install in script
+    assert script.index(fetch) < script.index(install)
     # Nothing is installed by name and range any more.
     assert "pip install -q 'spottrain[agent" not in script
     assert "pip install -q -r /opt/job/requirements.txt" not in script
+    # pip's index and its credentials come from a root-only configuration file.
+    assert f"pip-config {PIP_CONF_PATH}" in script
+    assert f"export PIP_CONFIG_FILE={PIP_CONF_PATH}" in script
     # Verified at every boot, after the (re)build and also when the venv already exists.
     verify = f"{VENV}/bin/python -m spottrain.envlock verify {ENV_LOCK_PATH}"
     fi = script.index("fi\n", script.index(install))
@@ -82,21 +97,30 @@ def test_the_boot_script_installs_the_lock_with_hashes_and_verifies_it() -> None
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 
-def test_a_venv_built_from_another_lock_is_rebuilt() -> None:
+def test_a_venv_built_from_another_lock_is_rebuilt_and_one_from_this_lock_reused() -> None:
     lock = realistic_lock_text()
     script = _render(_archive_spec(), lock)
     sha = lock_sha256(lock)
-    rebuild = (
-        f'if [ "$(cat {ENV_LOCK_MARK} 2>/dev/null)" != {sha} ]; then\n'
-        f'  python3 -c \'import sys; sys.exit("%d.%d" % sys.version_info[:2] != "3.11")\''
-    )
+    rebuild = f'if [ "$(cat {ENV_LOCK_MARK} 2>/dev/null)" != {sha} ]; then\n'
     assert rebuild in script
     block = script[script.index(rebuild) : script.index("fi\n", script.index(rebuild))]
     assert f"rm -rf {VENV}\n" in block and f"python3 -m venv {VENV}\n" in block
     assert f"echo {sha} > {ENV_LOCK_MARK}\n" in block
+    assert "else\n  echo 'the venv in /opt/spottrain/venv was built from this lock" in block
     # Another lock, another mark: the venv of the first lock does not pass for the second.
     other = lock.replace("12.8.4.1", "12.8.4.2", 1)
     assert lock_sha256(other) in _render(_archive_spec(), other)
+
+
+def test_the_image_check_wants_the_locked_python_and_its_venv_module() -> None:
+    spec = _spec(
+        _with(_with(VALID, "code", {"archive": {"path": "."}}), "packages", {"python": "3.12"})
+    )
+    script = _render(spec, realistic_lock_text())
+    check = script[script.index("spottrain_stage 'check the image'") :]
+    check = check[: check.index("spottrain_stage 'fetch the boot files'")]
+    assert '[ "$have" = 3.12 ]' in check
+    assert "import venv, ensurepip" in check and "command -v python3" in check
 
 
 def test_a_git_jobs_requirements_are_installed_constrained_to_the_lock() -> None:
@@ -123,20 +147,58 @@ def test_the_constraints_are_the_lock_without_hashes(tmp_path: Path) -> None:
     assert pins == [f"{p.name}=={p.version}" for p in parse_lock(lock).packages]
 
 
-def test_a_realistic_lock_keeps_the_aws_user_data_within_16_kb() -> None:
-    lock = realistic_lock_text()
+@pytest.mark.parametrize("cloud", ["aws", "gcp"])
+def test_a_150_package_lock_leaves_the_user_data_far_below_16_kb(cloud: str) -> None:
+    """The user data carries the sha256s, not the files: its size does not grow with the
+    lock (AWS refuses user data over 16 KB; GCP a metadata value over 256 KB)."""
+    lock, small = lock_of(150), lock_of(40)
+    assert len(parse_lock(lock).packages) == 150 and len(lock.encode()) > 15_000
+    zone, itype = ("us-east-1a", "p4d.24xlarge") if cloud == "aws" else ("us-central1-a", "a2")
+    node = NodeIdentity("gpt-small-1795000000", "node-3", cloud, zone, itype)
     for spec in (_archive_spec(), _git_spec()):
-        script = _render(spec, lock)
-        assert len(script.encode()) < 16 * 1024, len(script.encode())
+        sizes = []
+        for text in (lock, small):
+            job = render_job_boot(
+                spec,
+                cloud,
+                node.run_id,
+                REDIS,
+                code=CodeRef(f"s3://b/code/{SHA}.tar.gz", SHA),
+                password_secret="spottrain/redis",
+                env_lock=text,
+            )
+            user = render_user_data(
+                spec, node, REDIS, _files(job, text), password_secret="spottrain/redis"
+            )
+            assert lock_sha256(text) in user and "torch==" not in user
+            subprocess.run(["bash", "-n"], input=user, text=True, check=True)
+            sizes.append(len(user.encode()))
+        assert sizes[0] == sizes[1] < 12 * 1024, sizes
 
 
-def test_a_bad_lock_is_refused_before_anything_launches() -> None:
-    with pytest.raises(ValueError, match="not `name==version"):
-        _render(_archive_spec(), "-e .\n")
+def _files(job: str, lock: str) -> BootFiles:
+    base = "s3://a-bucket-with-a-long-name/and/a/prefix/of/some/length/gpt-small/code"
+    return BootFiles(
+        BootFile(f"{base}/boot/{lock_sha256(job)}.sh", lock_sha256(job)),
+        BootFile(f"{base}/boot/{SHA}.py", SHA),
+        BootFile(f"{base}/locks/{lock_sha256(lock)}.lock", lock_sha256(lock)),
+        BootFile(f"{base}/wheels/{SHA}/spottrain-0.1.0-py3-none-any.whl", SHA),
+        "spottrain-0.1.0-py3-none-any.whl",
+    )
 
 
-def test_without_a_lock_the_script_is_as_before() -> None:
-    script = _render(_archive_spec(), None)
+def test_a_bad_lock_is_refused_before_anything_launches(tmp_path: Path) -> None:
+    bad = tmp_path / "aws.lock"
+    bad.write_text("-e .\n")
+    with pytest.raises(ResolveError, match="not `name==version"):
+        read_lock_file(bad, "aws")
+
+
+def test_a_job_that_installs_an_environment_needs_its_lock() -> None:
+    with pytest.raises(ValueError, match="environment lock"):
+        _render(_archive_spec(), None)
+    image = _spec(_with(VALID, "code", {"image": "r/i@sha256:" + "a" * 64}))
+    script = _render(image, None)
     assert ENV_LOCK_PATH not in script and "spottrain.envlock" not in script
 
 

@@ -12,17 +12,15 @@ from typing import Any
 
 import pytest
 import yaml
+from boot_text import agent_env_of, whole_boot
 from spec_samples import LOCAL, VALID, _with
 
 from spottrain import __version__
 from spottrain.agent.cli import RUN_ENV_VARS, build_parser
 from spottrain.controller.run.boot import (
-    AGENT_ENV_PATH,
     CodeRef,
     NodeIdentity,
     agent_env,
-    parse_env_file,
-    render_boot_script,
     render_local_boot,
 )
 from spottrain.controller.run.env_lock import (
@@ -32,6 +30,7 @@ from spottrain.controller.run.env_lock import (
     read_lock_file,
     spec_agent_requirement,
 )
+from spottrain.controller.run.wheel import SelfWheel
 from spottrain.envlock import LockedPackage, make_lock
 from spottrain.protocol import env as env_names
 from spottrain.spec import JobSpec, parse_spec
@@ -75,28 +74,22 @@ def _replica_spec(base: dict[str, Any] = VALID, **replica: int) -> JobSpec:
     return _spec(_with(data, "train.replica", replica) if replica else data)
 
 
-def _env_block(script: str) -> dict[str, str]:
-    head = f"cat > {AGENT_ENV_PATH} <<'ENV'\n"
-    start = script.index(head) + len(head)
-    return parse_env_file(script[start : script.index("\nENV\n", start)])
-
-
 def _archive(spec: JobSpec, node: NodeIdentity = NODE, lock: str | None = None) -> str:
-    return render_boot_script(
+    return whole_boot(
         spec,
         node,
         REDIS,
         code=CodeRef(f"s3://b/code/{SHA}.tar.gz", SHA),
         password_secret="spottrain/redis",
-        env_lock=lock,
+        lock=lock,
     )
 
 
 def test_a_replica_jobs_agent_gets_the_mode_the_replica_size_and_the_quorum_floor() -> None:
     spec = _replica_spec(_with(VALID, "nodes", {"min": 4, "max": 8}), nodes_per_replica=2)
-    script = render_boot_script(spec, NODE, REDIS, password_secret="spottrain/redis")
+    script = whole_boot(spec, NODE, REDIS, password_secret="spottrain/redis")
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
-    env = _env_block(script)
+    env = agent_env_of(script)
     assert {k: env[k] for k in REPLICA_VARS} == {
         "SPOTTRAIN_FAULT_TOLERANCE": "replica",
         "SPOTTRAIN_NODES_PER_REPLICA": "2",
@@ -106,8 +99,8 @@ def test_a_replica_jobs_agent_gets_the_mode_the_replica_size_and_the_quorum_floo
     # The lighthouse's address moves when it restarts: agents read it from the run's Redis.
     assert env_names.ENV_LIGHTHOUSE not in env
     # Everything else is an elastic job's: the same settings, read by the same agent flags.
-    elastic = _env_block(
-        render_boot_script(
+    elastic = agent_env_of(
+        whole_boot(
             _spec(_with(VALID, "nodes", {"min": 4, "max": 8})),
             NODE,
             REDIS,
@@ -150,7 +143,7 @@ def test_the_local_clouds_agent_gets_the_same_replica_settings() -> None:
     assert not REPLICA_VARS & set(elastic["env"])
 
 
-def test_a_replica_jobs_vms_install_torchft_and_an_elastic_jobs_do_not() -> None:
+def test_a_replica_jobs_vms_install_torchft_and_an_elastic_jobs_do_not(tmp_path: Path) -> None:
     v = __version__
     assert agent_requirement("aws") == f"spottrain[agent,aws]=={v}"
     assert agent_requirement("gcp", replica=True) == f"spottrain[agent,gcp,replica]=={v}"
@@ -158,11 +151,21 @@ def test_a_replica_jobs_vms_install_torchft_and_an_elastic_jobs_do_not() -> None
     replica = _with(VALID, "code", {"archive": {"path": "."}})
     spec = _replica_spec(replica)
     assert spec_agent_requirement(spec, "gcp") == f"spottrain[agent,gcp,replica]=={v}"
-    # Without a lock, the boot script installs the requirement by name.
-    assert f"pip install -q 'spottrain[agent,aws,replica]=={v}'\n" in _archive(spec)
-    assert f"pip install -q 'spottrain[agent,gcp,replica]=={v}'\n" in _archive(spec, GCP_NODE)
+    # The run resolves its lock with this controller's own wheel, given to pip by its path.
+    wheel = _wheel(tmp_path, "ef" * 32)
+    assert spec_agent_requirement(spec, "aws", wheel) == (
+        f"spottrain[agent,aws,replica] @ {wheel.file_url}"
+    )
     elastic = _spec(_with(VALID, "code", {"archive": {"path": "."}}))
-    assert f"pip install -q 'spottrain[agent,aws]=={v}'\n" in _archive(elastic)
+    assert spec_agent_requirement(elastic, "gcp", wheel) == (
+        f"spottrain[agent,gcp] @ {wheel.file_url}"
+    )
+
+
+def _wheel(tmp_path: Path, sha: str) -> SelfWheel:
+    path = tmp_path / f"spottrain-{__version__}-py3-none-any.whl"
+    path.write_bytes(b"")
+    return SelfWheel(path, sha, __version__, "test")
 
 
 def _lock_file(tmp_path: Path, names: list[str]) -> Path:
@@ -197,12 +200,13 @@ def test_a_given_lock_without_torchft_is_refused_for_a_replica_job(tmp_path: Pat
     aws_only = _with(aws_only, "resources", {"clouds": ["aws"], "regions": ["us-east-1"]})
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    wheel = _wheel(tmp_path, "cd" * 32)  # the wheel the locks pin
     with pytest.raises(ResolveError, match="holds no torchft"):
-        capture_locks(_replica_spec(aws_only), tmp_path, run_dir, {"aws": without})
-    got = capture_locks(_replica_spec(aws_only), tmp_path, run_dir, {"aws": with_torchft})
+        capture_locks(_replica_spec(aws_only), tmp_path, run_dir, wheel, {"aws": without})
+    got = capture_locks(_replica_spec(aws_only), tmp_path, run_dir, wheel, {"aws": with_torchft})
     assert got["aws"]["packages"] == 4
     assert (run_dir / "env-aws.lock").read_text() == with_torchft.read_text()
-    elastic = capture_locks(_spec(aws_only), tmp_path, run_dir, {"aws": without})
+    elastic = capture_locks(_spec(aws_only), tmp_path, run_dir, wheel, {"aws": without})
     assert elastic["aws"]["packages"] == 2
 
 

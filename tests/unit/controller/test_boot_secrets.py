@@ -1,7 +1,8 @@
 """Secrets a VM needs at boot (a private repo's token, ``train.secret_env``) come from the
 cloud's secret store, never from the spec or the boot script: the spec refuses credentials in
 a clone URL and credential-looking ``train.env`` names, and the boot script fetches them into
-root-only files at boot. The fetch lines run here against stand-ins for the clouds' CLIs."""
+root-only files at boot, through the boot's loader (tests/integration/cloud/test_vmboot.py
+runs it against the clouds' fakes)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,19 @@ from typing import Any
 
 import pytest
 import yaml
+from boot_text import agent_env_of, whole_boot
 from spec_samples import COMMIT, LOCAL, VALID, _with
 
+from spottrain.cloud.vmboot.fetch import BootError
+from spottrain.cloud.vmboot.loader import write_env_line
 from spottrain.controller.run.boot import (
-    AGENT_ENV_PATH,
+    BOOT_CONF,
     GIT_ASKPASS_PATH,
+    GIT_TOKEN_PATH,
+    JOB_ENV_PATH,
+    LOADER_PATH,
     NodeIdentity,
     parse_env_file,
-    render_boot_script,
     render_local_boot,
 )
 from spottrain.spec import JobSpec, SpecError, parse_spec
@@ -33,6 +39,7 @@ REPO = "https://github.com/acme/private-train"
 TOKEN = "ghp_s3cr3tT0kenThatMustNeverLeak"
 # What the stand-in secret store holds: quotes, a backslash, spaces and a dollar sign.
 VALUES = {"hf/token": 'hf_"quoted" \\back$lash value', "wandb-key": "0123456789abcdef"}
+LOADER = f"python3 {LOADER_PATH} {BOOT_CONF}"
 
 
 def _spec(data: dict[str, Any]) -> JobSpec:
@@ -122,105 +129,74 @@ def test_a_variable_in_both_env_and_secret_env_is_refused() -> None:
 @pytest.mark.parametrize("node", [AWS, GCP])
 def test_boot_scripts_fetch_secrets_at_boot_and_stay_valid_bash(node: NodeIdentity) -> None:
     for spec in (_secret_spec(), _git_spec()):
-        script = render_boot_script(spec, node, REDIS, password_secret="spottrain/redis")
+        script = whole_boot(spec, node, REDIS, password_secret="spottrain/redis")
         subprocess.run(["bash", "-n"], input=script, text=True, check=True)
-        for secret in ("hf/token", "wandb-key"):
-            fetch = (
-                f"aws secretsmanager get-secret-value --secret-id {secret} "
-                if node.cloud == "aws"
-                else f"gcloud secrets versions access latest --secret={secret}"
-            )
-            assert fetch in script
-        env_block = script.split(f"cat > {AGENT_ENV_PATH} <<'ENV'\n")[1].split("\nENV\n")[0]
-        assert "HF_TOKEN" not in env_block and "WANDB_API_KEY" not in env_block
-    git = render_boot_script(_git_spec(), node, REDIS)
+        # The loader reads each secret with the VM's own identity, into the env file.
+        for var, secret in (("HF_TOKEN", "hf/token"), ("WANDB_API_KEY", "wandb-key")):
+            line = f"{LOADER} secret-env {var} {secret} {JOB_ENV_PATH}"
+            assert line in script
+        assert f"{LOADER} secret spottrain/redis /etc/spottrain/redis-password" in script
+        env = agent_env_of(script)
+        assert "HF_TOKEN" not in env and "WANDB_API_KEY" not in env
+        assert "aws secretsmanager" not in script and "gcloud" not in script
+    git = whole_boot(_git_spec(), node, REDIS)
+    assert f"  {LOADER} secret gh/deploy {GIT_TOKEN_PATH}\n" in git
     fetch_line = next(line for line in git.splitlines() if " fetch -q --depth 1 " in line)
     assert fetch_line.lstrip().startswith(f"GIT_ASKPASS={GIT_ASKPASS_PATH} GIT_TERMINAL_PROMPT=0")
     assert f" {REPO} {COMMIT}" in fetch_line
 
 
-def _fake_clouds(tmp: Path) -> dict[str, str]:
-    """Stand-ins for the aws and gcloud CLIs that print a secret from ``tmp/store``."""
-    store = tmp / "store"
-    for name, value in {**VALUES, "gh/deploy": TOKEN}.items():
-        (store / name).parent.mkdir(parents=True, exist_ok=True)
-        (store / name).write_text(value + "\n")
-    bin_dir = tmp / "bin"
-    bin_dir.mkdir()
-    # aws ... --secret-id NAME ...; gcloud ... --secret=NAME
-    (bin_dir / "aws").write_text(
-        f'#!/bin/bash\nwhile [ "$1" != --secret-id ]; do shift; done\ncat "{store}/$2"\n'
-    )
-    (bin_dir / "gcloud").write_text(
-        f'#!/bin/bash\nfor a; do s="${{a#--secret=}}"; done\ncat "{store}/$s"\n'
-    )
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-
-
-def _run_part(script: str, start: str, end: str, tmp: Path, env: dict[str, str]) -> None:
-    """Run the lines of ``script`` from ``start`` to ``end`` with /etc/spottrain in ``tmp``."""
-    part = script[script.index(start) : script.index(end)]
-    etc = tmp / "etc"
-    etc.mkdir(exist_ok=True)
-    part = part.replace("/etc/spottrain", str(etc))
-    subprocess.run(
-        ["bash", "-c", "set -euo pipefail\n" + part], env=env, check=True, capture_output=True
-    )
-
-
-@pytest.mark.parametrize("node", [AWS, GCP])
-def test_secret_env_lands_in_the_agents_env_files_only_root_reads(
-    node: NodeIdentity, tmp_path: Path
-) -> None:
-    env = _fake_clouds(tmp_path)
-    script = render_boot_script(_secret_spec(), node, REDIS)
-    _run_part(script, f"umask 077\ncat > {AGENT_ENV_PATH}", "umask 022\n/opt", tmp_path, env)
-    agent_env = tmp_path / "etc" / "agent.env"
-    assert stat.S_IMODE(agent_env.stat().st_mode) == 0o600
-    parsed = parse_env_file(agent_env.read_text())
+def test_secret_env_lands_in_the_agents_env_files_only_root_reads(tmp_path: Path) -> None:
+    env_file, docker = tmp_path / "job.env", tmp_path / "agent.docker.env"
+    env_file.write_text('SPOTTRAIN_RUN_ID="r"\n')
+    for var, secret in (("HF_TOKEN", "hf/token"), ("WANDB_API_KEY", "wandb-key")):
+        write_env_line(var, secret, VALUES[secret], [str(env_file), str(docker)])
+    assert stat.S_IMODE(docker.stat().st_mode) == 0o600
+    parsed = parse_env_file(env_file.read_text())
     assert (parsed["HF_TOKEN"], parsed["WANDB_API_KEY"]) == (VALUES["hf/token"], "0123456789abcdef")
-    assert parsed["SPOTTRAIN_RUN_ID"] == node.run_id
+    assert parsed["SPOTTRAIN_RUN_ID"] == "r"
     # docker's env file takes values literally.
-    docker = (tmp_path / "etc" / "agent.docker.env").read_text().splitlines()
-    assert f"HF_TOKEN={VALUES['hf/token']}" in docker
-    assert stat.S_IMODE((tmp_path / "etc" / "agent.docker.env").stat().st_mode) == 0o600
+    assert f"HF_TOKEN={VALUES['hf/token']}" in docker.read_text().splitlines()
 
 
 def test_a_secret_holding_a_newline_stops_the_boot(tmp_path: Path) -> None:
-    env = _fake_clouds(tmp_path)
-    (tmp_path / "store" / "hf/token").write_text("line one\nline two\n")
-    script = render_boot_script(_secret_spec(), AWS, REDIS)
-    with pytest.raises(subprocess.CalledProcessError) as err:
-        _run_part(script, f"umask 077\ncat > {AGENT_ENV_PATH}", "umask 022\n/opt", tmp_path, env)
-    assert b"holds a newline" in err.value.stderr and b"line one" not in err.value.stderr
+    env_file = tmp_path / "job.env"
+    with pytest.raises(BootError) as err:
+        write_env_line("HF_TOKEN", "hf/token", "line one\nline two", [str(env_file)])
+    assert "holds a newline" in str(err.value) and "line one" not in str(err.value)
+    assert not env_file.exists()
 
 
 def test_git_gets_the_token_from_the_askpass_helper_not_its_command_line(tmp_path: Path) -> None:
-    """The boot script's askpass helper answers git's prompts (git itself asks it, through
+    """The boot's askpass helper answers git's prompts (git itself asks it, through
     ``git credential fill``), then the token and the helper are gone."""
-    env = _fake_clouds(tmp_path)
-    script = render_boot_script(_git_spec(), AWS, REDIS)
+    script = whole_boot(_git_spec(), AWS, REDIS)
     assert TOKEN not in script
-    start = "  umask 077\n  aws secretsmanager get-secret-value --secret-id gh/deploy"
-    fetch = script[script.index(start) : script.index("  GIT_ASKPASS=")]
-    _run_part(fetch, start, "  umask 022\n", tmp_path, env)
-    token_file, askpass = tmp_path / "etc" / "git-token", tmp_path / "etc" / "git-askpass"
-    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    start = f"  ( umask 077; cat > {GIT_ASKPASS_PATH}"
+    part = script[script.index(start) : script.index("  GIT_ASKPASS=")]
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "git-token").write_text(TOKEN)
+    subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + part.replace("/etc/spottrain", str(etc))],
+        check=True,
+        capture_output=True,
+    )
+    askpass = etc / "git-askpass"
     assert stat.S_IMODE(askpass.stat().st_mode) == 0o700
-    askpass.write_text(askpass.read_text().replace("/etc/spottrain", str(tmp_path / "etc")))
+    askpass.write_text(askpass.read_text().replace("/etc/spottrain", str(etc)))
+    env = {**os.environ, "GIT_ASKPASS": str(askpass), "GIT_TERMINAL_PROMPT": "0"}
     filled = subprocess.run(
         ["git", "credential", "fill"],
         input="protocol=https\nhost=github.com\npath=acme/private-train\n\n",
-        env={**env, "GIT_ASKPASS": str(askpass), "GIT_TERMINAL_PROMPT": "0", "HOME": str(tmp_path)},
+        env={**env, "HOME": str(tmp_path)},
         capture_output=True,
         text=True,
         check=True,
     )
     assert f"username=x-access-token\npassword={TOKEN}\n" in filled.stdout
     after = script[script.index("  GIT_ASKPASS=") :].split("\n")[1]
-    assert after == f"  rm -f /etc/spottrain/git-token {GIT_ASKPASS_PATH}"
+    assert after == f"  rm -f {GIT_TOKEN_PATH} {GIT_ASKPASS_PATH}"
 
 
 def test_local_boot_reads_secret_env_from_files_into_the_agents_environment(

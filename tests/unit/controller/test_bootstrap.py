@@ -11,20 +11,20 @@ from typing import Any
 
 import pytest
 import yaml
+from boot_text import agent_env_of, whole_boot
 from spec_samples import COMMIT, LOCAL, VALID, _with
 
 from spottrain.agent.cli import RUN_ENV_VARS, build_parser
 from spottrain.controller.run.boot import (
-    AGENT_ENV_PATH,
     CodeRef,
     NodeIdentity,
     parse_env_file,
-    render_boot_script,
     render_env_file,
     render_local_boot,
     run_ckpt_dir,
     worker_user_lines,
 )
+from spottrain.protocol.boot import STAGES
 from spottrain.spec import JobSpec, parse_spec
 
 NODE = NodeIdentity("gpt-small-1795000000", "node-3", "aws", "us-east-1a", "p4d.24xlarge")
@@ -33,13 +33,6 @@ REDIS = "rediss://redis.internal:6380"
 
 def _spec(data: dict[str, Any]) -> JobSpec:
     return parse_spec(yaml.safe_dump(data)).spec
-
-
-def _env_block(script: str) -> dict[str, str]:
-    start = script.index(f"cat > {AGENT_ENV_PATH} <<'ENV'\n") + len(
-        f"cat > {AGENT_ENV_PATH} <<'ENV'\n"
-    )
-    return parse_env_file(script[start : script.index("\nENV\n", start)])
 
 
 def _agent_args(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -58,7 +51,7 @@ def test_boot_script_is_valid_bash() -> None:
         {"git": {"repo": "https://github.com/acme/t", "commit": COMMIT}},
         {"archive": {"path": "."}},
     ):
-        script = render_boot_script(
+        script = whole_boot(
             _spec(_with(VALID, "code", code)),
             NODE,
             REDIS,
@@ -66,11 +59,19 @@ def test_boot_script_is_valid_bash() -> None:
             password_secret="spottrain/redis",
         )
         subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+        job = script[script.index("# spottrain 0.1.0: the boot of run") :]
+        for stage in STAGES[2:]:
+            # No secret variables here; an image holds its code, pulled as the environment.
+            if stage != "read the job secrets" and not (
+                "image" in code and stage == "fetch the code"
+            ):
+                assert f"spottrain_stage '{stage}'" in job, stage
+        subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 
 def test_agent_env_is_accepted_by_the_real_agent_parser(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = _spec(_with(VALID, "train.env", {"NCCL_DEBUG": "WARN"}))
-    env = _env_block(render_boot_script(spec, NODE, REDIS, password_secret="s"))
+    env = agent_env_of(whole_boot(spec, NODE, REDIS, password_secret="s"))
     build_parser()  # registers the variables `run` reads
     agent_vars = {k for k in env if k.startswith("SPOTTRAIN_")}
     assert agent_vars <= RUN_ENV_VARS, (
@@ -98,23 +99,24 @@ def test_training_command_with_quotes_survives_the_env_file(
 ) -> None:
     command = ["train.py", "--name", "gpt 1.3b", "--note", 'say "hi"']
     spec = _spec(_with(VALID, "train.command", command))
-    env = _env_block(render_boot_script(spec, NODE, REDIS))
+    env = agent_env_of(whole_boot(spec, NODE, REDIS))
     assert shlex.split(env["SPOTTRAIN_TRAIN_CMD"]) == command
 
 
 def test_boot_script_carries_no_password_and_fetches_it_from_the_secret_store() -> None:
-    aws = render_boot_script(_spec(VALID), NODE, REDIS, password_secret="spottrain/redis")
-    assert "aws secretsmanager get-secret-value --secret-id spottrain/redis" in aws
+    read = "python3 /var/lib/spottrain/boot/loader.py /var/lib/spottrain/boot/boot.json secret"
+    aws = whole_boot(_spec(VALID), NODE, REDIS, password_secret="spottrain/redis")
+    assert f"{read} spottrain/redis /etc/spottrain/redis-password\n" in aws
     gcp_node = NodeIdentity(NODE.run_id, "node-3", "gcp", "us-central1-a", "a2-highgpu-8g")
-    gcp = render_boot_script(_spec(VALID), gcp_node, REDIS, password_secret="redis-pw")
-    assert "gcloud secrets versions access latest --secret=redis-pw" in gcp
-    assert "spottrain[agent,gcp]==" in gcp
-    no_auth = render_boot_script(_spec(VALID), NODE, REDIS)
-    assert "SPOTTRAIN_REDIS_PASSWORD_FILE" not in no_auth and "secretsmanager" not in no_auth
+    gcp = whole_boot(_spec(VALID), gcp_node, REDIS, password_secret="redis-pw")
+    assert f"{read} redis-pw /etc/spottrain/redis-password\n" in gcp
+    assert '"cloud": "gcp"' in gcp
+    no_auth = whole_boot(_spec(VALID), NODE, REDIS)
+    assert "SPOTTRAIN_REDIS_PASSWORD_FILE" not in no_auth and "redis-password" not in no_auth
 
 
 def test_image_code_runs_the_agent_in_the_pinned_image() -> None:
-    script = render_boot_script(_spec(VALID), NODE, REDIS)
+    script = whole_boot(_spec(VALID), NODE, REDIS)
     image = VALID["code"]["image"]
     assert f"docker pull {image}" in script
     exec_start = next(line for line in script.splitlines() if line.startswith("ExecStart=/"))
@@ -138,7 +140,7 @@ def test_image_code_runs_the_agent_in_the_pinned_image() -> None:
 
 def test_git_code_checks_out_and_verifies_the_pinned_commit() -> None:
     spec = _spec(_with(VALID, "code", {"git": {"repo": "https://x/y", "commit": COMMIT}}))
-    script = render_boot_script(spec, NODE, REDIS)
+    script = whole_boot(spec, NODE, REDIS)
     assert f"fetch -q --depth 1 https://x/y {COMMIT}" in script
     assert f'test "$(git -C /opt/job rev-parse HEAD)" = {COMMIT}' in script
     assert "WorkingDirectory=/opt/job" in script
@@ -147,17 +149,17 @@ def test_git_code_checks_out_and_verifies_the_pinned_commit() -> None:
 def test_archive_code_needs_its_upload_first() -> None:
     spec = _spec(_with(VALID, "code", {"archive": {"path": "."}}))
     with pytest.raises(ValueError, match="after the upload"):
-        render_boot_script(spec, NODE, REDIS)
+        whole_boot(spec, NODE, REDIS, code=None)
     sha = "cd" * 32
-    script = render_boot_script(spec, NODE, REDIS, code=CodeRef(f"s3://b/code/{sha}.tar.gz", sha))
+    script = whole_boot(spec, NODE, REDIS, code=CodeRef(f"s3://b/code/{sha}.tar.gz", sha))
     fetch = f"-m spottrain.cloud.code_archive fetch s3://b/code/{sha}.tar.gz {sha} /opt/job"
     assert fetch in script
     # The fetch refuses a directory that exists without its marker: nothing makes it first.
-    assert "/opt/job" not in script[: script.index(fetch)]
+    assert "mkdir -p /opt/job" not in script[: script.index(fetch)]
 
 
 def test_the_unit_makes_the_runs_checkpoint_directory_once_the_volume_is_mounted() -> None:
-    script = render_boot_script(_spec(VALID), NODE, REDIS)
+    script = whole_boot(_spec(VALID), NODE, REDIS)
     drop_in = script[script.index("job.conf <<'UNIT'") :]
     ckpt = run_ckpt_dir(_spec(VALID), NODE)
     assert f"ExecStartPre=/bin/mkdir -p {ckpt}\n" in drop_in
@@ -165,19 +167,19 @@ def test_the_unit_makes_the_runs_checkpoint_directory_once_the_volume_is_mounted
 
 def test_boot_creates_the_workers_user_before_the_agent_starts() -> None:
     # tests/integration/agent/test_worker_user.py runs these lines in a throwaway namespace.
-    script = render_boot_script(_spec(VALID), NODE, REDIS)
+    script = whole_boot(_spec(VALID), NODE, REDIS)
     assert script.index(worker_user_lines()) < script.index("systemctl enable --now")
 
 
 def test_a_volume_outside_mnt_spottrain_is_required_by_the_unit() -> None:
     spec = _spec(_with(VALID, "checkpoint.volume.path", "/fsx/ckpt"))
-    assert "RequiresMountsFor=/fsx/ckpt" in render_boot_script(spec, NODE, REDIS)
+    assert "RequiresMountsFor=/fsx/ckpt" in whole_boot(spec, NODE, REDIS)
 
 
 def test_boot_scripts_are_only_for_real_clouds() -> None:
     local = NodeIdentity("r-1795000000", "n0", "local", "local-a", "local-cpu")
     with pytest.raises(ValueError, match="not 'local'"):
-        render_boot_script(_spec(VALID), local, REDIS)
+        whole_boot(_spec(VALID), local, REDIS)
 
 
 def test_local_boot_runs_the_agent_with_the_same_settings(

@@ -245,7 +245,8 @@ def test_git_code_needs_a_full_commit() -> None:
             "colour",
             "blue",
             "colour (line 47): unknown key; allowed here: name, code, train, nodes, resources, "
-            "spot, budget, checkpoint, redis, wandb, local, aws, gcp, fleet, controller, logs",
+            "spot, budget, checkpoint, redis, wandb, local, aws, gcp, fleet, controller, logs, "
+            "packages",
         ),
     ],
 )

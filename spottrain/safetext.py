@@ -1,0 +1,53 @@
+"""Text from a VM or a worker made safe to show: secrets spottrain knows replaced, control
+characters escaped.
+
+Anything a VM writes (its boot output, a worker's lines, an event field) can hold terminal
+escapes (a worker holds the Redis password in its environment and can write to the event
+stream) or a secret a process printed. Before such text reaches an operator's terminal,
+``status`` or the live view, :func:`escape_controls` turns every control character into a
+visible escape, and :func:`redact` replaces every value spottrain knows to be secret.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+REDACTED = "[redacted]"
+# Shorter values would match ordinary text ("ab" inside every word): a secret this short is
+# no secret, and replacing it would garble the line without protecting anything.
+MIN_SECRET_LEN = 6
+
+# C0 controls but tab, DEL, and the C1 controls (U+0080..U+009F: a terminal reads U+009B as
+# CSI, the same as ESC '[').
+_CONTROLS = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group()
+    return {"\n": "\\n", "\r": "\\r", "\x1b": "\\e"}.get(c, f"\\x{ord(c):02x}")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character but tab written as a visible escape (``\\e``,
+    ``\\n``, ``\\x07``...), so no byte of it can move the cursor, recolour or retitle a
+    terminal."""
+    return _CONTROLS.sub(_escape, text)
+
+
+def redact(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every occurrence of each secret (at least :data:`MIN_SECRET_LEN`
+    characters; longest first, so a secret containing another is replaced whole) replaced by
+    :data:`REDACTED`."""
+    for s in sorted({s for s in secrets if len(s) >= MIN_SECRET_LEN}, key=len, reverse=True):
+        text = text.replace(s, REDACTED)
+    return text
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """``text`` as one safe line: control characters escaped, cut at ``limit`` characters
+    (with an ellipsis)."""
+    line = escape_controls(text.strip())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
