@@ -139,7 +139,7 @@ class Aws:
                 )
             c = json.loads(self.meta("iam/security-credentials/" + role[0]))
             exp = datetime.datetime.strptime(c["Expiration"], "%Y-%m-%dT%H:%M:%SZ")
-            expires = exp.replace(tzinfo=datetime.UTC).timestamp()
+            expires = exp.replace(tzinfo=datetime.timezone.utc).timestamp()
             self._creds = (c["AccessKeyId"], c["SecretAccessKey"], c.get("Token", ""), expires)
         return self._creds[0], self._creds[1], self._creds[2]
 
@@ -155,7 +155,7 @@ class Aws:
         """A SigV4-signed request (the payload's hash signed too)."""
         key, secret, token = self.creds()
         parts = urllib.parse.urlsplit(url)
-        now = datetime.datetime.now(datetime.UTC)
+        now = datetime.datetime.now(datetime.timezone.utc)
         amz_date, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
         h = {k.lower(): v for k, v in (headers or {}).items()}
         h.update({"host": parts.netloc, "x-amz-date": amz_date})
@@ -222,6 +222,9 @@ class Aws:
     ) -> Response:
         region = self.region()
         headers = {f"x-amz-meta-{k}": v for k, v in (meta or {}).items()}
+        if body:
+            # Said explicitly: urllib would call a body form data, which a server may parse.
+            headers["content-type"] = "application/octet-stream"
         for _ in range(2):
             url = self.s3_url(bucket, key, region)
             r = retried(

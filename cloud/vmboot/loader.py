@@ -65,35 +65,39 @@ REDACT_FILE = "/run/spottrain/redact"
 
 
 # --- secrets never leave the VM ------------------------------------------------------------------
-def remember_secret(value: str) -> None:
-    """Note a secret value (root-only, on the tmpfs /run) so redact() can hide it."""
-    os.makedirs(os.path.dirname(REDACT_FILE), mode=0o700, exist_ok=True)
-    fd = os.open(REDACT_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    with os.fdopen(fd, "a") as f:
-        f.write(base64.b64encode(value.encode()).decode() + "\n")
-
-
-def known_secrets() -> list[str]:
-    try:
-        with open(REDACT_FILE) as f:
-            return [base64.b64decode(line).decode() for line in f if line.strip()]
-    except OSError:
-        return []
-
-
-def redact(text: str) -> str:
-    for s in sorted(set(known_secrets()), key=len, reverse=True):
-        if len(s) >= 6:
-            text = text.replace(s, "[redacted]")
-    return text
-
-
 _CONTROLS = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 
-def safe_line(text: str, limit: int = 300) -> str:
-    line = _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", redact(text).strip())
-    return line if len(line) <= limit else line[: limit - 1] + "\u2026"
+class Secrets:
+    """The secret values this boot read, noted in a root-only file (on the tmpfs /run) so
+    that every later command of the boot can keep them out of what it prints or ships."""
+
+    def __init__(self, path: str = REDACT_FILE) -> None:
+        self.path = path
+
+    def remember(self, value: str) -> None:
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(base64.b64encode(value.encode()).decode() + "\n")
+
+    def values(self) -> list[str]:
+        try:
+            with open(self.path) as f:
+                return [base64.b64decode(line).decode() for line in f if line.strip()]
+        except OSError:
+            return []
+
+    def redact(self, text: str) -> str:
+        for s in sorted(set(self.values()), key=len, reverse=True):
+            if len(s) >= 6:
+                text = text.replace(s, "[redacted]")
+        return text
+
+    def safe_line(self, text: str, limit: int = 300) -> str:
+        """One line to show: secrets redacted, control characters escaped, cut."""
+        line = _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", self.redact(text).strip())
+        return line if len(line) <= limit else line[: limit - 1] + "\u2026"
 
 
 # --- what the fetch part does not need: writing objects, reading secrets ------------------
@@ -277,9 +281,14 @@ def _password(r: dict[str, Any]) -> str:
         return ""
 
 
-def report(conf: dict[str, Any], vm: str, stage: str, state: str, reason: str = "") -> None:
-    """The boot's record in Redis, best effort (the console has it anyway)."""
+def report(
+    conf: dict[str, Any], secrets: Secrets, vm: str, stage: str, state: str, reason: str = ""
+) -> None:
+    """The boot's record in Redis, best effort (the console has it anyway); not before the
+    boot has the Redis password, when the run's Redis has one."""
     r = conf["redis"]
+    if r.get("password_file") and not os.path.exists(r["password_file"]):
+        return
     at = f"{time.time():.3f}"
     fields = ["vm", vm, "stage", stage, "state", state, "reason", reason, "at", at, "source", "vm"]
     event = ["type", "boot", "node", conf["node"], "at", at]
@@ -293,7 +302,8 @@ def report(conf: dict[str, Any], vm: str, stage: str, state: str, reason: str = 
             ],
         )
     except (OSError, BootError, ValueError) as e:
-        print(f"spottrain-boot: cannot report to Redis: {safe_line(str(e))}", file=sys.stderr)
+        why = secrets.safe_line(str(e))
+        print(f"spottrain-boot: cannot report to Redis: {why}", file=sys.stderr)
 
 
 # --- a failure's reason and the boot's output -----------------------------------------------------
@@ -331,7 +341,7 @@ def chunk_url(conf: dict[str, Any], vm: str, started_ms: int) -> str | None:
     return f"{logs['url'].rstrip('/')}/{logs['prefix']}{vm}/{0:08d}-{started_ms}.gz"
 
 
-def ship_log(conf: dict[str, Any], vm: str, log: str, started_ms: int) -> None:
+def ship_log(conf: dict[str, Any], secrets: Secrets, vm: str, log: str, started_ms: int) -> None:
     """The boot's whole output (whole lines, secrets redacted) as the VM's first log chunk,
     where ``spottrain logs --node`` reads a node's output."""
     url = chunk_url(conf, vm, started_ms)
@@ -341,25 +351,24 @@ def ship_log(conf: dict[str, Any], vm: str, log: str, started_ms: int) -> None:
         with open(log, "rb") as f:
             raw = f.read()
         raw = raw[: raw.rfind(b"\n") + 1] if b"\n" in raw else raw + b"\n"
-        data = redact(raw.decode(errors="replace")).encode()
+        data = secrets.redact(raw.decode(errors="replace")).encode()
         put_object(conf, url, gzip.compress(data, mtime=0))
     except (OSError, BootError) as e:
-        print(
-            f"spottrain-boot: cannot ship the boot's output: {safe_line(str(e))}", file=sys.stderr
-        )
+        why = secrets.safe_line(str(e))
+        print(f"spottrain-boot: cannot ship the boot's output: {why}", file=sys.stderr)
 
 
 # --- commands ------------------------------------------------------------------------------------
-def pip_config(conf: dict[str, Any], path: str) -> None:
+def pip_config(conf: dict[str, Any], secrets: Secrets, path: str) -> None:
     """pip's configuration for the spec's index (root-only: it may hold credentials)."""
     pip = conf.get("pip") or {}
     cred = ""
     if pip.get("credentials_secret"):
         cred = read_secret(conf, pip["credentials_secret"]).strip()
-        remember_secret(cred)
+        secrets.remember(cred)
         user, sep, password = cred.partition(":")
         if sep:
-            remember_secret(password)
+            secrets.remember(password)
         cred = urllib.parse.quote(user, safe="") + (
             ":" + urllib.parse.quote(password, safe="") if sep else ""
         )
@@ -385,11 +394,12 @@ def pip_config(conf: dict[str, Any], path: str) -> None:
     os.replace(path + ".part", path)
 
 
-def write_secret(conf: dict[str, Any], name: str, dest: str) -> None:
+def write_secret(conf: dict[str, Any], secrets: Secrets, name: str, dest: str) -> None:
+    """The cloud secret NAME into DEST (mode 0600), its value remembered."""
     value = read_secret(conf, name)
     if not value.strip():
         raise BootError(f"the secret {name!r} is empty: put the value in it")
-    remember_secret(value)
+    secrets.remember(value)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dest) or ".", prefix=".secret-")
     with os.fdopen(fd, "w") as f:
         f.write(value)
@@ -397,12 +407,14 @@ def write_secret(conf: dict[str, Any], name: str, dest: str) -> None:
     os.replace(tmp, dest)
 
 
-def secret_env(conf: dict[str, Any], var: str, name: str, files: list[str]) -> None:
+def secret_env(
+    conf: dict[str, Any], secrets: Secrets, var: str, name: str, files: list[str]
+) -> None:
     """Append the cloud secret NAME as VAR to the env file(s) (:func:`write_env_line`)."""
     value = read_secret(conf, name)
     if not value:
         raise BootError(f"the secret {name!r} for {var} is empty: put the value in it")
-    remember_secret(value)
+    secrets.remember(value)
     write_env_line(var, name, value, files)
 
 
@@ -463,14 +475,15 @@ def main(argv: list[str]) -> int:
         return 2
     conf = read_json(argv[0])
     state_dir = os.path.dirname(os.path.abspath(argv[0]))
+    secrets = Secrets(conf.get("redact_file") or REDACT_FILE)
     cmd, args = argv[1], argv[2:]
     try:
         if cmd == "secret":
-            write_secret(conf, args[0], args[1])
+            write_secret(conf, secrets, args[0], args[1])
         elif cmd == "secret-env":
-            secret_env(conf, args[0], args[1], args[2:])
+            secret_env(conf, secrets, args[0], args[1], args[2:])
         elif cmd == "pip-config":
-            pip_config(conf, args[0])
+            pip_config(conf, secrets, args[0])
         elif cmd == "unit-file":
             unit_file(conf, state_dir, args[0])
         elif cmd in ("stage", "fail", "booted"):
@@ -478,25 +491,29 @@ def main(argv: list[str]) -> int:
             node = conf["node"]
             if cmd == "stage":
                 print(f"spottrain-boot: {node} {vm}: stage '{args[0]}'", flush=True)
-                report(conf, vm, args[0], "booting")
+                report(conf, secrets, vm, args[0], "booting")
             elif cmd == "booted":
                 print(f"spottrain-boot: {node} {vm}: booted", flush=True)
-                report(conf, vm, "start the agent", "booted")
+                report(conf, secrets, vm, "start the agent", "booted")
             else:
                 stage, log, offset = args[0], args[1], int(args[2])
                 with open(log, "rb") as fh:
                     fh.seek(offset)
                     lines = fh.read().decode(errors="replace").splitlines()
-                why = safe_line(reason_from(lines))
+                why = secrets.safe_line(reason_from(lines))
                 print(f"spottrain-boot: {node} {vm}: failed in '{stage}': {why}", flush=True)
-                report(conf, vm, stage, "failed", why)
+                report(conf, secrets, vm, stage, "failed", why)
                 with open(os.path.join(state_dir, "started-ms")) as fh:
                     started = int(fh.read().strip() or "0")
-                ship_log(conf, vm, log, started)
+                ship_log(conf, secrets, vm, log, started)
         else:
             print(f"loader.py: unknown command {cmd!r}", file=sys.stderr)
             return 2
     except BootError as e:
-        print(f"spottrain: {safe_line(str(e), 1000)}", file=sys.stderr)
+        print(f"spottrain: {secrets.safe_line(str(e), 1000)}", file=sys.stderr)
         return 3
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -65,6 +65,9 @@ class MetadataServer(HTTPFake):
             GCP_MAINTENANCE_PATH: "NONE",
         }
         self._gcp_version: Counter[str] = Counter()
+        self._gcp_json: set[str] = set()
+        # Answer GET / with Metadata-Flavor: Google, as google-auth's ping expects on GCE.
+        self.gcp_root = False
         self._status: dict[str, int] = {}
         self._body: dict[str, bytes] = {}
         self._hang: dict[str, float] = {}
@@ -107,13 +110,21 @@ class MetadataServer(HTTPFake):
         with self._cond:
             self._aws[path] = body
 
-    def set_gcp(self, path: str, value: str) -> None:
-        """Change a GCP value; a changed value gets a new ETag and wakes long-polls."""
+    def set_gcp(self, path: str, value: str, *, json: bool = False) -> None:
+        """Change a GCP value; a changed value gets a new ETag and wakes long-polls. ``json``:
+        served as ``application/json`` (google-auth decodes only those)."""
         with self._cond:
+            if json:
+                self._gcp_json.add(path)
             if self._gcp.get(path) != value:
                 self._gcp[path] = value
                 self._gcp_version[path] += 1
                 self._cond.notify_all()
+
+    def set_aws_value(self, path: str, value: str | None) -> None:
+        """Serve ``value`` on any IMDSv2 path (``/latest/meta-data/...``, ``/latest/user-data``,
+        ...); None: 404. Tokens are required as for every AWS path."""
+        self._set_aws(path, value)
 
     def set_status(self, path: str, status: int | None) -> None:
         """Answer every request for path with this status (None: back to normal)."""
@@ -190,6 +201,8 @@ class MetadataServer(HTTPFake):
             handler.reply(200, body, extra)
         elif gcp:
             self._serve_gcp(handler, path, query, extra)
+        elif path == "/" and self.gcp_root:
+            handler.reply(200, b"computeMetadata/\n", {"Metadata-Flavor": "Google"})
         else:
             self._serve_aws(handler, method, path)
 
@@ -246,4 +259,5 @@ class MetadataServer(HTTPFake):
                     self._cond.wait(left)
             value = self._gcp[path]
             etag = self._etag(path)
-        handler.reply(200, value.encode(), {**extra, "ETag": etag})
+            kind = "application/json" if path in self._gcp_json else "application/text"
+        handler.reply(200, value.encode(), {**extra, "ETag": etag, "Content-Type": kind})
