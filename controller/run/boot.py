@@ -604,7 +604,7 @@ def loader_settings(
     if node.cloud == "aws" and spec.aws is not None:
         endpoints = spec.aws.endpoints.model_dump(exclude_none=True)
     elif node.cloud == "gcp" and spec.gcp is not None:
-        endpoints = spec.gcp.endpoints.model_dump(exclude_none=True)
+        endpoints = spec.gcp.endpoints.model_dump(exclude_none=True, exclude={"compute"})
     logs = spec.logs_url()
     pip = spec.packages
     return {

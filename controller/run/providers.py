@@ -105,7 +105,10 @@ def build_provider(
             boot_disk_gb=gcp.boot_disk_gb,
         )
         return GcpProvider(
-            gsettings, credentials=ep.gcp_credentials, api_endpoint=ep.gcp_api_endpoint, catalog=cat
+            gsettings,
+            credentials=ep.gcp_credentials,
+            api_endpoint=ep.gcp_api_endpoint or gcp.endpoints.compute,
+            catalog=cat,
         )
     raise ValueError(f"unknown cloud {cloud!r}: use aws, gcp or local")
 
@@ -136,11 +139,12 @@ def build_group(spec: JobSpec, *, endpoints: Endpoints | None = None) -> Group:
     from spottrain.cloud.gcp.group import GcpMigGroup
 
     assert fleet.project is not None and fleet.zone is not None  # required for gcp
+    compute = spec.gcp.endpoints.compute if spec.gcp is not None else None
     return GcpMigGroup(
         fleet.project,
         fleet.zone,
         fleet.group,
-        api_endpoint=ep.gcp_api_endpoint,
+        api_endpoint=ep.gcp_api_endpoint or compute,
         credentials=ep.gcp_credentials,
     )
 

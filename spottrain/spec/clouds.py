@@ -81,13 +81,16 @@ class AwsEndpoints(_Model):
 
 
 class GcpEndpoints(_Model):
-    """Where the VMs reach Google's APIs when not at their public names (Private Service
-    Connect endpoints). The controller reads its own from its environment."""
+    """Where Google's APIs are when not at their public names (Private Service Connect
+    endpoints): ``compute`` for the controller (Compute Engine has no environment variable
+    for it), ``storage`` and ``secretmanager`` for the VMs. The controller reads its own
+    Cloud Storage endpoint from ``API_ENDPOINT_OVERRIDE``."""
 
-    storage: str | None = Field(None, description="Cloud Storage's JSON API")
-    secretmanager: str | None = Field(None, description="Secret Manager's REST API")
+    compute: str | None = Field(None, description="Compute Engine's API, for the controller")
+    storage: str | None = Field(None, description="Cloud Storage's JSON API, for the VMs")
+    secretmanager: str | None = Field(None, description="Secret Manager's REST API, for the VMs")
 
-    @field_validator("storage", "secretmanager")
+    @field_validator("compute", "storage", "secretmanager")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
         return _endpoint(v)

@@ -173,6 +173,20 @@ data "aws_iam_policy_document" "controller" {
     resources = [local.asg_arn]
   }
 
+  # A VM that never came up healthy: the controller reads its console for the boot's
+  # failure line (spottrain-boot: ... failed in '<stage>'), only of VMs tagged with this run.
+  statement {
+    sid       = "ReadTheConsoleOfThisRunsVMs"
+    actions   = ["ec2:GetConsoleOutput"]
+    resources = ["arn:${local.partition}:ec2:${local.region}:${local.account_id}:instance/*"]
+
+    condition {
+      test     = "StringEquals"
+      variable = "aws:ResourceTag/spottrain-job"
+      values   = [var.run_id]
+    }
+  }
+
   # Ending a VM that never came up healthy: only VMs tagged with this run.
   statement {
     sid       = "EndOnlyThisRunsVMs"

@@ -61,6 +61,8 @@ resource "google_service_account" "controller" {
   description  = "Controller VM of spottrain run ${var.run_id} (terraform/gcp)"
 }
 
+# roles/compute.instanceAdmin.v1 includes compute.instances.getSerialPortOutput: the controller
+# reads a VM's serial port 1 for the boot's failure line when the VM never came up healthy.
 resource "google_project_iam_member" "controller" {
   for_each = var.create_controller ? toset(["roles/compute.instanceAdmin.v1", "roles/logging.logWriter"]) : toset([])
   project  = var.project

@@ -170,6 +170,17 @@ def _validations(mod: Module, name: str) -> list[dict[str, Any]]:
     return _plain(mod.variables[name].get("validation", []))
 
 
+def test_the_controller_reads_the_console_of_this_runs_vms_only(mod: Module) -> None:
+    """A VM that never came up healthy: the controller reads its console for the boot's
+    failure line (GetConsoleOutput), of no VM but this run's."""
+    doc = mod.resources("aws_iam_policy_document", kind="data")["controller"]
+    by_sid = {st["sid"]: st for st in _statements(_plain(doc))}
+    console = by_sid["ReadTheConsoleOfThisRunsVMs"]
+    assert console["actions"] == ["ec2:GetConsoleOutput"]
+    assert console["condition"][0]["variable"] == "aws:ResourceTag/spottrain-job"
+    assert [_ref(v) for v in console["condition"][0]["values"]] == ["var.run_id"]
+
+
 # --- the boot script -------------------------------------------------------------------------
 
 
