@@ -22,11 +22,12 @@ from typing import Any
 import pytest
 import redis
 import yaml
+from boot_text import whole_boot
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from spec_samples import COMMIT, VALID, _with
 
-from spottrain.controller.run.boot import NodeIdentity, render_boot_script
+from spottrain.controller.run.boot import NodeIdentity
 from spottrain.spec import parse_spec
 
 pytestmark = pytest.mark.slow
@@ -242,11 +243,11 @@ def test_a_cloud_vms_boot_script_holds_no_secret(cloud: str) -> None:
     spec = parse_spec(yaml.safe_dump(data)).spec
     zone, itype = ("us-east-1a", "p4d.24xlarge") if cloud == "aws" else ("us-central1-a", "a2")
     node = NodeIdentity("gpt-small-1", "n1", cloud, zone, itype)
-    script = render_boot_script(
+    script = whole_boot(
         spec, node, "rediss://redis.internal:6380", password_secret="spottrain/redis"
     )
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     assert "job-token" in script and "spottrain/redis" in script
-    assert "--secret-id gh" in script or "--secret=gh" in script
+    assert " secret gh /etc/spottrain/git-token" in script
     for line in script.splitlines():
         assert not line.startswith("JOB_TOKEN="), "the secret variable is inline"
