@@ -63,6 +63,7 @@ from spottrain.cloud.base import (
     Market,
     Offer,
     OfferQuery,
+    console_tail,
     sort_offers,
 )
 from spottrain.lazy_import import lazy_import
@@ -71,6 +72,8 @@ log = logging.getLogger(__name__)
 
 # EC2 accepts up to 1000 ids per TerminateInstances; stay well under it.
 _TERMINATE_BATCH = 500
+# What EC2 answers GetConsoleOutput with Latest=True for a type that cannot (not Nitro).
+_NO_LATEST_CODES = frozenset({"UnsupportedOperation", "InvalidParameterCombination"})
 
 
 _STATES = {
@@ -276,6 +279,49 @@ class AwsProvider:
             unplaced = self._terminate_in(region, unplaced)
         if unplaced:
             log.info("aws terminate: not found in any region, ignored: %s", ", ".join(unplaced))
+
+    def console_output(self, instance_id: str) -> str:
+        """The end of the VM's console output (``GetConsoleOutput``; EC2 sends it base64
+        encoded and botocore decodes it, undecodable bytes replaced), or ``""`` while EC2 has
+        none yet and for an id no configured region knows.
+
+        ``Latest=True`` asks for the newest output (Nitro types; EC2 otherwise updates it only
+        now and then); a type that does not support it (older Xen types) is asked again
+        without it.
+
+        Raises:
+            AuthError, TransientError: EC2 refused or could not be reached.
+        """
+        with self._lock:
+            known = self._regions_by_id.get(instance_id)
+        regions = [known] if known else list(self.settings.regions)
+        for region in regions:
+            reply = self._console_in(region, instance_id)
+            if reply is None:
+                continue
+            with self._lock:
+                self._regions_by_id[instance_id] = region
+            return console_tail(str(reply.get("Output") or "").encode())
+        return ""
+
+    def _console_in(self, region: str, instance_id: str) -> dict[str, Any] | None:
+        """``GetConsoleOutput`` in ``region``; None when the region does not know the id."""
+        client = self._client(region)
+        for latest in (True, False):
+            with self._errors(region):
+                try:
+                    params: dict[str, Any] = {"InstanceId": instance_id}
+                    if latest:
+                        params["Latest"] = True
+                    return cast(dict[str, Any], client.get_console_output(**params))
+                except self._client_error as e:
+                    code = error_code(e)
+                    if code in NOT_FOUND_CODES:
+                        return None
+                    if latest and code in _NO_LATEST_CODES:
+                        continue
+                    raise
+        return None
 
     # --- offers -------------------------------------------------------------------------
 

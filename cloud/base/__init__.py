@@ -7,6 +7,7 @@ The provider names are re-exported here, where every caller has always imported 
 
 from spottrain.cloud.base.provider import (
     CLOUDS,
+    CONSOLE_TAIL_BYTES,
     TAG_JOB,
     TAG_NODE,
     TAG_REQUEST,
@@ -23,6 +24,7 @@ from spottrain.cloud.base.provider import (
     ProviderError,
     QuotaError,
     TransientError,
+    console_tail,
     region_of_zone,
     sort_offers,
     validate_request_id,
@@ -30,6 +32,7 @@ from spottrain.cloud.base.provider import (
 
 __all__ = [
     "CLOUDS",
+    "CONSOLE_TAIL_BYTES",
     "TAG_JOB",
     "TAG_NODE",
     "TAG_REQUEST",
@@ -46,6 +49,7 @@ __all__ = [
     "ProviderError",
     "QuotaError",
     "TransientError",
+    "console_tail",
     "region_of_zone",
     "sort_offers",
     "validate_request_id",

@@ -15,6 +15,10 @@ The contract, which the provider contract suite
 - **Owned by tags.** Every VM carries the job (run id), the node name and the request id as
   tags (AWS) or labels (GCP); ``list`` finds a job's VMs by those alone, so a controller that
   lost its memory adopts what exists.
+- **Consoles are best effort.** ``console_output`` returns the newest part of a VM's
+  console (its boot output), up to :data:`CONSOLE_TAIL_BYTES`; it may lag what the VM
+  printed by minutes on a real cloud, and is ``""`` while the cloud has none yet and for a
+  VM it does not know (gone, or never there). Callers read it for diagnosis only.
 - **Typed errors.** Every refusal from a cloud is raised as one of the few
   :class:`ProviderError` subclasses below, carrying the data a planner needs to decide
   (block that zone for a while, give up, retry). Nothing else escapes a provider, except
@@ -43,6 +47,10 @@ CLOUDS = ("aws", "gcp", "local")
 # of the three: GCP label values, at most 63 lowercase letters, digits, '-' and '_'.
 _REQUEST_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}\Z")
 _LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}\Z")
+
+# The most of a VM's console ``console_output`` returns: its end (AWS keeps the newest 64 KB
+# of output for ``GetConsoleOutput``; GCE's serial port keeps 1 MB).
+CONSOLE_TAIL_BYTES = 64 * 1024
 
 
 class Market(StrEnum):
@@ -327,6 +335,26 @@ class Provider(Protocol):
             ProviderError: the cloud refused (auth, transient).
         """
         ...
+
+    def console_output(self, instance_id: str) -> str:
+        """The end of a VM's console output (what its boot printed), at most
+        :data:`CONSOLE_TAIL_BYTES` of it, as text (undecodable bytes replaced).
+
+        Best effort: a real cloud may show it minutes late (AWS updates it now and then,
+        GCE's serial port as it is written); ``""`` when the cloud has none yet, and for an
+        instance it does not know (gone, or never there). The text is the VM's: untrusted,
+        with whatever control characters it printed.
+
+        Raises:
+            ProviderError: the cloud refused (auth, transient).
+        """
+        ...
+
+
+def console_tail(raw: bytes) -> str:
+    """The end of a console's bytes as ``console_output`` returns it: at most
+    :data:`CONSOLE_TAIL_BYTES`, decoded as UTF-8 with undecodable bytes replaced."""
+    return raw[-CONSOLE_TAIL_BYTES:].decode("utf-8", errors="replace")
 
 
 def sort_offers(offers: Sequence[Offer]) -> list[Offer]:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from spottrain.catalog import Catalog, bundled
 from spottrain.cloud.base import (
+    CONSOLE_TAIL_BYTES,
     TAG_JOB,
     TAG_NODE,
     TAG_REQUEST,
@@ -24,6 +25,7 @@ from spottrain.cloud.base import (
     OfferQuery,
     ProviderError,
     TransientError,
+    console_tail,
     region_of_zone,
 )
 from spottrain.cloud.gcp.api import (
@@ -444,6 +446,42 @@ class GcpProvider:
                 first = first or e
         if first is not None:
             raise first
+
+    # console
+
+    def console_output(self, instance_id: str) -> str:
+        """The end of the VM's serial port 1 output (``getSerialPortOutput`` with a
+        negative ``start``: the newest :data:`CONSOLE_TAIL_BYTES`), or ``""`` while it has
+        none and for a VM Compute Engine does not know.
+
+        Raises:
+            AuthError, TransientError: the API refused or failed the call.
+        """
+        if not _NAME_RE.match(instance_id):
+            return ""  # not a Compute Engine name, so not a VM of ours
+        zone = self._zone_of(instance_id)
+        if zone is None:
+            return ""
+        from google.cloud import compute_v1
+
+        target = CallTarget(zone=zone, region=region_of_zone(CLOUD, zone))
+        request = compute_v1.GetSerialPortOutputInstanceRequest(
+            project=self.settings.project,
+            zone=zone,
+            instance=instance_id,
+            port=1,
+            start=-CONSOLE_TAIL_BYTES,
+        )
+        try:
+            found = self._call(
+                target, self._api().instances.get_serial_port_output, request=request
+            )
+        except BadRequestError as e:
+            if _is_not_found(e):
+                self._forget(instance_id)
+                return ""
+            raise
+        return console_tail(str(found.contents or "").encode())
 
     def _zone_of(self, name: str) -> str | None:
         with self._lock:

@@ -40,6 +40,7 @@ from typing import Any
 
 from spottrain.catalog import Catalog, UnknownInstanceType, bundled
 from spottrain.cloud.base import (
+    CONSOLE_TAIL_BYTES,
     AuthError,
     BadRequestError,
     CapacityError,
@@ -52,6 +53,7 @@ from spottrain.cloud.base import (
     ProviderError,
     QuotaError,
     TransientError,
+    console_tail,
     sort_offers,
 )
 from spottrain.cloud.local.records import RecordStore
@@ -364,6 +366,22 @@ class LocalProvider:
                     os.kill(int(rec["pid"]), signal.SIGTERM)
             else:
                 self.store.update(vm_id, state="terminated", reason="deleted")
+
+    def console_output(self, instance_id: str) -> str:
+        """The end of the VM's console file (its boot command's output), kept after the VM
+        is gone; ``""`` for a VM that printed nothing or that this cloud never had."""
+        self._check_refusal("console_output")
+        try:
+            self.store.read(instance_id)
+        except KeyError:
+            return ""
+        try:
+            with open(self.store.log_path(instance_id), "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - CONSOLE_TAIL_BYTES))
+                return console_tail(f.read())
+        except FileNotFoundError:
+            return ""
 
     def _live_state(self, rec: Mapping[str, Any]) -> bool:
         """Whether a record that says pending/running/stopping has a VM behind it."""

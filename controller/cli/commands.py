@@ -20,7 +20,7 @@ from spottrain.controller.cli.common import (
     run_state,
     say,
 )
-from spottrain.controller.reconcile.summary import summarize
+from spottrain.controller.reconcile.summary import BootLines, boot_lines, summarize
 from spottrain.controller.run.create import create_run
 from spottrain.controller.run.drive import drive_run, format_summary
 from spottrain.controller.run.env_lock import clouds_to_lock, env_lock_lines, parse_lock_args
@@ -32,6 +32,7 @@ from spottrain.controller.view.collect import refused_line
 from spottrain.controller.view.follow import follow, status_doc, summary_of
 from spottrain.controller.view.live import LiveView
 from spottrain.protocol import events as stream
+from spottrain.safetext import escape_controls
 from spottrain.spec import JobSpec, SpecError, WindowCheck, check_notice_windows, load_spec
 
 
@@ -136,20 +137,23 @@ def status(args: argparse.Namespace) -> int:
     state = run_state(info)
     refused: dict[str, str] = {}
     replicas: ReplicaStatus | None = None
+    boot = BootLines()
     if state is not None:
-        summary: dict[str, Any] = asdict(summarize(state, time.time()))
+        now = summarize(state, time.time())
+        summary: dict[str, Any] = asdict(now)
         refused = state.ckpt_refused()
         replicas = replica_status(info, state.client)
+        boot = boot_lines(state, now)
     elif (info.dir / "summary.json").exists():
         summary = json.loads((info.dir / "summary.json").read_text())
     else:
         err(f"run {info.run_id}: its Redis ({info.redis_url}) is down and it left no summary")
         return EXIT_FAILED
     if args.json:
-        print(json.dumps(status_doc(info, summary, refused, replicas)))
+        print(json.dumps(status_doc(info, summary, refused, replicas, boot)))
         return EXIT_OK
     say(f"run {info.run_id}")
-    for line in format_summary(summary_of(summary)):
+    for line in format_summary(summary_of(summary), boot):
         say(f"  {line}")
     if replicas:
         for line in replicas.lines(time.time()):
@@ -162,12 +166,17 @@ def status(args: argparse.Namespace) -> int:
 
 
 def _format_event(row: dict[str, str]) -> str:
-    at = float(row.pop("at", "0") or 0)
+    """One event as a line, control characters escaped (any node may write the stream)."""
+    try:
+        at = float(row.pop("at", "0") or 0)
+    except ValueError:
+        at = 0.0
     kind = row.pop("type", "?")
     node = row.pop("node", "")
     row.pop("id", None)
     rest = " ".join(f"{k}={v}" for k, v in row.items())
-    return f"{time.strftime('%H:%M:%S', time.localtime(at))} {node:<10} {kind:<22} {rest}"
+    line = f"{time.strftime('%H:%M:%S', time.localtime(at))} {node:<10} {kind:<22} {rest}"
+    return escape_controls(line)
 
 
 def logs(args: argparse.Namespace) -> int:

@@ -6,6 +6,10 @@ Redis gone: the run record holds the spec, which names the store) as for live on
 carries only the node's own bytes; everything spottrain says (a header per VM, a missing or
 corrupt chunk) goes to stderr, so ``> node.log`` keeps the raw output.
 
+A node whose boot failed says so first, on stderr (``spottrain: n3: boot failed in 'install
+the environment': pip: ...``), from its boot report in the run's Redis, or in its archived
+event log once the run ended.
+
 A node's chunks are grouped by shipping session (one VM's agent from its start: the VM id
 and ``started ms``), printed oldest session first and each in ``seq`` order. A gap in
 ``seq`` is a chunk lost (the VM died before it was sent) or not yet sent (uploads retried
@@ -37,8 +41,11 @@ from spottrain.controller.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from spottrain.controller.cli.node_log_reader import Reader, Session, write_out
 from spottrain.controller.run.code import local_copy_to
 from spottrain.controller.run.records import RunInfo
+from spottrain.protocol import events as stream
+from spottrain.protocol.boot import BootReport, report_from_fields
 from spottrain.protocol.node_logs import ChunkName, default_logs_url, node_prefix, parse_chunk_key
 from spottrain.protocol.states import RunPhase
+from spottrain.safetext import escape_controls
 from spottrain.spec import JobSpec
 
 # How often `-f` lists the followed VM's new chunks (two small LIST requests a poll).
@@ -87,6 +94,9 @@ def node_log(
     if tail is not None and tail < 0:
         err(f"--tail {tail} must be a number of lines, 0 or more")
         return EXIT_BAD_INPUT
+    failed = boot_failure(info, node)
+    if failed is not None:
+        err(failed)
     spec = info.spec()
     url = logs_url(info, spec)
     if url is None:
@@ -132,6 +142,44 @@ def node_log(
         _quiet_stdout()
         return EXIT_OK
     return EXIT_FAILED if reader.unreadable else EXIT_OK
+
+
+def boot_failure(info: RunInfo, node: str) -> str | None:
+    """The line that says ``node``'s boot failed (its last boot report: the run's Redis
+    while the run lives, its archived events once it ended), control characters escaped;
+    None when its boot did not fail or nothing says."""
+    report: BootReport | None = None
+    if not (info.dir / "events.jsonl").exists():
+        state = run_state(info)
+        if state is not None:
+            try:
+                report = state.boot_reports([node]).get(node)
+            except Exception:  # a Redis that stopped answering: the output still prints
+                report = None
+    else:
+        report = _archived_boot(info, node)
+    if report is None or not report.failed:
+        return None
+    return escape_controls(report.line())
+
+
+def _archived_boot(info: RunInfo, node: str) -> BootReport | None:
+    """The node's last ``boot`` event in the run's archived event log."""
+    last: BootReport | None = None
+    try:
+        with open(info.dir / "events.jsonl") as f:
+            for line in f:
+                if '"boot"' not in line:
+                    continue
+                try:
+                    row = stream.from_archive_line(line)
+                except (ValueError, AttributeError):
+                    continue
+                if row.get("type") == "boot" and row.get("node") == node:
+                    last = report_from_fields(node, row) or last
+    except OSError:
+        return None
+    return last
 
 
 def _quiet_stdout() -> None:

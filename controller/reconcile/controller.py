@@ -1,10 +1,12 @@
 """The reconcile loop of a launched fleet: observe (read-only), plan (pure), execute.
 
 Each pass is level-triggered: it reads what the clouds list for the run's tag and what the
-agents report (:mod:`.observe`), asks :func:`.planner.plan` what to do, and does it
-(:mod:`.execute`). A controller killed at any point and started again reads the same state
-and carries on: the launch ledger is written before every launch and launches are
-idempotent by request id, so nothing is leaked and nothing launched twice.
+agents report (:mod:`.observe`), reads the consoles of a few VMs that have said nothing of
+their boot (:mod:`.consoles`; a failure found there is written as the node's boot report),
+asks :func:`.planner.plan` what to do, and does it (:mod:`.execute`). A controller killed
+at any point and started again reads the same state and carries on: the launch ledger is
+written before every launch and launches are idempotent by request id, so nothing is leaked
+and nothing launched twice.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from spottrain.cloud.base import Instance, Offer, Provider
 from spottrain.protocol.states import LIVE_LAUNCHES
 from spottrain.spec import JobSpec, Placement
 
+from .consoles import ConsoleWatch
 from .drive import drive_passes
 from .execute import Executor, crash_point
 from .ledger import redrive
@@ -51,6 +54,7 @@ def policy_from_spec(spec: JobSpec, **overrides: float) -> Policy:
         # The local cloud always copies (under $SPOTTRAIN_HOME when copy_to is not set).
         copies_checkpoints=local_only or spec.checkpoint.copy_to is not None,
         budget_usd=spec.budget.max_usd,
+        max_failed_launches=spec.controller.max_failed_launches,
     )
     return replace(base, **overrides)  # type: ignore[arg-type]
 
@@ -70,6 +74,7 @@ class Controller:
         offers_ttl_s: how long offers are reused between passes.
         tick: called once per pass with the time (the local cloud's preemption injector).
         clock: unix seconds.
+        consoles: which VM consoles to read, and what was read (in memory only).
     """
 
     spec: JobSpec
@@ -86,6 +91,7 @@ class Controller:
     clock: Callable[[], float] = time.time
     catalog: Catalog = field(default_factory=bundled)
     owner: str = "controller"
+    consoles: ConsoleWatch = field(default_factory=ConsoleWatch)
     _observer: Observer | None = None
     _last_reason: str = ""
 
@@ -129,6 +135,7 @@ class Controller:
         execute.offer_errors(seen.offer_errors)
         execute.steps(seen.steps)
         obs = self._progress_stop(seen.obs, execute)
+        obs = self._read_consoles(obs, execute)
         # `spottrain scale` lowers (or restores) the most nodes the planner keeps.
         wanted = self.state.ctl().get("target_nodes")
         policy = self.policy
@@ -142,6 +149,16 @@ class Controller:
         self._after(p, obs, execute)
         crash_point("after-pass")
         return p
+
+    def _read_consoles(self, obs: Observed, execute: Executor) -> Observed:
+        """Read the consoles that are due (a few a pass) and show the planner what every
+        console read so far said."""
+        due = self.consoles.due(obs.nodes, obs.now, self.policy.boot_timeout_s)
+        if due:
+            self.consoles.record(execute.read_consoles(due, obs.now))
+        if not self.consoles.reads:
+            return obs
+        return replace(obs, nodes=self.consoles.annotate(obs.nodes))
 
     def _progress_stop(self, obs: Observed, execute: Executor) -> Observed:
         """A stop in progress ends when every node has left or the stop timeout passed."""

@@ -9,6 +9,7 @@ effects.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -27,11 +28,14 @@ from spottrain.cloud.base import (
     QuotaError,
     TransientError,
 )
+from spottrain.protocol.boot import last_console_line, parse_console
 from spottrain.protocol.env import ENV_CRASH_AT
 from spottrain.protocol.states import LedgerStatus
 from spottrain.spec import FaultTolerance, JobSpec
 
+from .consoles import ConsoleRead
 from .ledger import (
+    FAILED_LAUNCHES,
     CountPreemption,
     EndDuplicate,
     GiveUp,
@@ -44,7 +48,21 @@ from .ledger import (
 from .progress import DelCtl, ProgressStep
 from .records import LaunchRecord
 from .state import RunState
-from .types import Action, Drain, Launch, Move, NodeObs, Penalise, Report, Stop, Terminate
+from .types import (
+    Action,
+    Block,
+    Drain,
+    Launch,
+    LaunchFailed,
+    Move,
+    NodeObs,
+    Penalise,
+    Report,
+    Stop,
+    Terminate,
+)
+
+log = logging.getLogger("spottrain.controller")
 
 CRASH_ENV = ENV_CRASH_AT
 # Every point between two side effects of a pass, in the order a pass meets them.
@@ -141,6 +159,31 @@ class Executor:
             else:
                 self.send_launch(a.record, a.block_s, a.refusal_block_s)
 
+    # --- consoles ----------------------------------------------------------------------------
+    def read_consoles(self, nodes: Iterable[NodeObs], now: float) -> dict[str, ConsoleRead]:
+        """Read these nodes' VM consoles (:class:`~.consoles.ConsoleWatch` chose them). A
+        failure line of the node's boot found there, that its boot hash does not hold yet,
+        is written as its boot hash with ``source=console``, with a ``boot`` event. A read
+        that fails is logged and tried again on a later pass, never raised: the console
+        only explains."""
+        out: dict[str, ConsoleRead] = {}
+        for n in nodes:
+            inst = n.instance
+            if inst is None or inst.cloud not in self.providers:
+                continue
+            try:
+                text = self.providers[inst.cloud].console_output(inst.id)
+            except Exception as e:  # diagnosis only: nothing here may stop the loop
+                log.warning("could not read the console of %s (node %s): %s", inst.id, n.name, e)
+                out[n.name] = ConsoleRead(now, error=str(e) or type(e).__name__)
+                continue
+            report = parse_console(text, n.name, at=now)
+            out[n.name] = ConsoleRead(now, last_console_line(text), report)
+            if report is not None and report.failed and not (n.boot and n.boot.failed):
+                self.state.fence()
+                self.state.put_boot(report)
+        return out
+
     # --- the plan's actions ------------------------------------------------------------------
     def act(
         self,
@@ -163,6 +206,10 @@ class Executor:
                 self.drain_one(a)
             elif isinstance(a, Penalise):
                 self.penalise(a)
+            elif isinstance(a, LaunchFailed):
+                self.launch_failed(a)
+            elif isinstance(a, Block):
+                self.block(a)
             elif isinstance(a, Report):
                 self.state.event("report", message=a.message)
             elif isinstance(a, Stop):
@@ -259,10 +306,33 @@ class Executor:
 
     def penalise(self, a: Penalise) -> None:
         self.state.count(a.key, "bad_nodes")
-        reason = self.state.node_records([a.node]).get(a.node, {}).get("reason", a.why)
-        streak = int(self.state.ctl().get("bad_streak", "0")) + 1
-        self.state.set_ctl(bad_streak=str(streak), last_failure=reason)
         self.state.event("penalised", key="|".join(a.key), why=a.why)
+
+    def launch_failed(self, a: LaunchFailed) -> None:
+        """Record the give-up streak after a VM that failed before training, and say so."""
+        self.state.set_ctl(**{FAILED_LAUNCHES: a.streak.to_json()})
+        f = a.failure
+        self.state.event(
+            "launch-failed",
+            node_name=f.node,
+            stage=f.stage,
+            why=f.why,
+            streak=a.streak.count,
+        )
+
+    def block(self, a: Block) -> None:
+        """Block offers a VM's failure showed cannot work (its machine image)."""
+        self.state.fence()
+        for key in a.keys:
+            self.state.block(key, a.until)
+        crash_point("after-block")
+        self.state.set_ctl(last_refusal=a.why)
+        self.state.event(
+            "blocked",
+            offers=", ".join("|".join(k) for k in a.keys),
+            until=round(a.until, 3),
+            why=a.why,
+        )
 
     def _window(self) -> float:
         return min(60.0, *self.spec.notice_windows.values())

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TypeVar, overload
 
 from spottrain.cloud.base import InstanceState
-from spottrain.protocol.states import NodeState
+from spottrain.protocol.states import TRAINING, NodeState
 
 from .types import NodeObs, Policy
 
@@ -59,16 +59,19 @@ class Tally:
     prices: Counter[float]  # price per hour -> settled nodes with an offer at that price
     zones: Counter[str]  # zone -> settled nodes with an offer there
     timed: int  # nodes (of either kind) that report a compute time
+    training: int = 0  # nodes (of either kind) whose agent trains (joined, checkpointing)
 
     @classmethod
     def of(cls, nodes: Iterable[NodeObs]) -> Tally:
         unsettled: list[NodeObs] = []
         prices: Counter[float] = Counter()
         zones: Counter[str] = Counter()
-        settled = timed = 0
+        settled = timed = training = 0
         for n in nodes:
             if n.compute_s is not None:
                 timed += 1
+            if n.agent_state in TRAINING:
+                training += 1
             if is_settled(n):
                 settled += 1
                 if n.offer is not None:
@@ -76,7 +79,7 @@ class Tally:
                     zones[n.offer.zone] += 1
             else:
                 unsettled.append(n)
-        return cls(unsettled, settled, prices, zones, timed)
+        return cls(unsettled, settled, prices, zones, timed, training)
 
 
 class FleetIndex(Sequence[NodeObs]):
@@ -98,6 +101,7 @@ class FleetIndex(Sequence[NodeObs]):
         self._prices: Counter[float] = Counter()
         self._zones: Counter[str] = Counter()
         self._timed = 0
+        self._training = 0
         self._list: list[NodeObs] | None = None
         for n in nodes:
             self.put(n)
@@ -129,6 +133,8 @@ class FleetIndex(Sequence[NodeObs]):
     def _count(self, n: NodeObs) -> None:
         if n.compute_s is not None:
             self._timed += 1
+        if n.agent_state in TRAINING:
+            self._training += 1
         if is_settled(n):
             self._settled += 1
             if n.offer is not None:
@@ -140,6 +146,8 @@ class FleetIndex(Sequence[NodeObs]):
     def _uncount(self, n: NodeObs) -> None:
         if n.compute_s is not None:
             self._timed -= 1
+        if n.agent_state in TRAINING:
+            self._training -= 1
         if self._unsettled.pop(n.name, None) is None:
             self._settled -= 1
             if n.offer is not None:
@@ -150,7 +158,12 @@ class FleetIndex(Sequence[NodeObs]):
         order = self._order
         unsettled = sorted(self._unsettled.values(), key=lambda n: order[n.name])
         return Tally(
-            unsettled, self._settled, Counter(self._prices), Counter(self._zones), self._timed
+            unsettled,
+            self._settled,
+            Counter(self._prices),
+            Counter(self._zones),
+            self._timed,
+            self._training,
         )
 
     def __len__(self) -> int:

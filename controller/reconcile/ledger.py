@@ -12,10 +12,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spottrain.cloud.base import Instance, InstanceState, Offer
-from spottrain.protocol.states import LIVE_LAUNCHES, LedgerStatus, NodeState
+from spottrain.protocol.states import LIVE_LAUNCHES, TRAINING, LedgerStatus
 
 from .records import LaunchRecord, Ledger
 from .types import Observed, Policy
+
+# The field of the controller's hash that holds the give-up streak (JSON of FailedLaunches).
+FAILED_LAUNCHES = "failed_launches"
 
 
 @dataclass(frozen=True)
@@ -187,15 +190,17 @@ def _fold_node(
 
 
 def bookkeeping(obs: Observed) -> tuple[Observed, list[Step]]:
-    """Stamp when training finished (once), and end the streak of VMs failing at boot once
-    a node joined. Returns the observation as the planner sees it, and the steps."""
+    """Stamp when training finished (once), and end the streak of VMs that failed before
+    training (:class:`~.types.FailedLaunches`) once a node trains. Returns the observation
+    as the planner sees it, and the steps."""
     steps: list[Step] = []
     if obs.finished and obs.finished_at is None:
         steps.append(SetCtl({"finished_at": str(obs.now)}))
         obs = replace(obs, finished_at=obs.now)
-    if any(n.agent_state == NodeState.JOINED for n in obs.nodes) and obs.bad_streak:
-        steps.append(SetCtl({"bad_streak": "0"}))
-        obs = replace(obs, bad_streak=0)
+    if obs.failed.count and any(n.agent_state in TRAINING for n in obs.nodes):
+        failed = obs.failed.reset()
+        steps.append(SetCtl({FAILED_LAUNCHES: failed.to_json()}))
+        obs = replace(obs, failed=failed)
     return obs, steps
 
 

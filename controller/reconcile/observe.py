@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from spottrain.catalog import Catalog
 from spottrain.cloud.base import AuthError, Instance, Market, Offer, Provider, ProviderError
 from spottrain.controller.reconcile.offers import offer_query
-from spottrain.protocol.states import LIVE_LAUNCHES
+from spottrain.protocol.states import LIVE_LAUNCHES, NodeState
 from spottrain.spec import JobSpec
 
-from .ledger import CountPreemption, Step, bookkeeping, fold_ledger
+from .ledger import FAILED_LAUNCHES, CountPreemption, Step, bookkeeping, fold_ledger
 from .records import Ledger, zone_history
 from .state import RunState
 from .summary import finished, node_compute_s
-from .types import NodeObs, Observed
+from .types import FailedLaunches, NodeObs, Observed
 
 
 def catalog_offer(
@@ -145,6 +145,9 @@ class Observer:
         names = [r.node for r in live_records]
         agents = self.state.node_records(names)
         beats = self.state.heartbeats(names)
+        # The boot reports of the nodes whose agent has not registered or still boots, in
+        # one round trip (a settled node's boot is over, and its report no longer read).
+        boots = self.state.boot_reports([n for n in names if _booting(agents.get(n))])
         live_names = set(names)
         return [
             NodeObs(
@@ -155,6 +158,8 @@ class Observer:
                 agent_state=agents.get(r.node, {}).get("state"),
                 alive_beat=beats.get(r.node, False),
                 compute_s=node_compute_s(agents.get(r.node, {}), now),
+                agent_reason=agents.get(r.node, {}).get("reason", ""),
+                boot=boots.get(r.node),
                 at_risk=agents.get(r.node, {}).get("at_risk", ""),
                 # Only while the node it replaces lives: after that it is an ordinary node.
                 replaces=r.replaces if r.replaces in live_names else "",
@@ -196,11 +201,15 @@ class Observer:
             next_index=int(ctl.get("next_index", "0")),
             job_tag=self.run_id,
             moving=bool(ctl.get("moving")),
-            bad_streak=int(ctl.get("bad_streak", "0")),
-            last_failure=ctl.get("last_failure", ""),
+            failed=FailedLaunches.from_json(ctl.get(FAILED_LAUNCHES)),
             last_refusal=ctl.get("last_refusal", ""),
         )
 
 
 def _float(v: str | None) -> float | None:
     return float(v) if v else None
+
+
+def _booting(agent: Mapping[str, str] | None) -> bool:
+    """A node whose agent has not registered, or whose agent still boots."""
+    return agent is None or agent.get("state") in (None, NodeState.BOOTING)

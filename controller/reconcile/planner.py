@@ -6,14 +6,24 @@ reason; one executor (:mod:`.execute`) applies them.
 
 The rules, in the order they are checked:
 
-1. **The end.** A finished job (its final checkpoint committed), a stopped one, or a crash
-   loop (the job restored from the same checkpoint after failing at the same step K times)
-   terminates every VM, and nothing launches again.
+1. **The end.** A finished job (its final checkpoint committed), a stopped one, a crash
+   loop (the job restored from the same checkpoint after failing at the same step K times),
+   or a job whose last ``max_failed_launches`` VMs failed before training for the same
+   reason (rule 3) terminates every VM, and nothing launches again.
 2. **Budget.** Spent so far plus the running fleet's cost over the next hour must stay under
    the cap: no launch that would break that; at the cap, checkpoint and stop.
-3. **Bad nodes.** A node whose VM failed its boot health check, or never became healthy
-   within the boot timeout, is terminated and its offer penalised (counted against the zone
-   and type like a preemption, which weighs the ranking); a straggler
+3. **Bad nodes.** A VM that failed before training is terminated at once and its offer
+   penalised (counted against the zone and type like a preemption, which weighs the
+   ranking): its boot reported a failure (the VM's boot hash, or a failure line the
+   controller found on its console), its agent failed (its boot health check), or it was
+   not healthy within the boot timeout (the reason then carries its console's last line).
+   Each counts as a failed launch in the run's one give-up policy
+   (:class:`~.types.FailedLaunches`): ``max_failed_launches`` of them in a row for the same
+   reason (a different reason starts a new streak), with no node training meanwhile, stop
+   the run with an error that names the reason; no checkpoint is taken (none trained). A
+   failure in a stage of the machine image (``IMAGE_STAGES``: no python3, a too old one)
+   also blocks every offer of the VM's region for ``refusal_block_s`` first, so another
+   region's image is tried. A straggler
    (its compute time per step, forward and backward without the all-reduce's wait, well
    above the fleet's median: wall time per step is the same on every node of a synchronous
    job) is reported and replaced; a node that left
@@ -64,7 +74,9 @@ def plan(policy: Policy, obs: Observed) -> Plan:
     stop = budget(p)  # 2
     if stop is not None:
         return stop
-    bad_nodes(p)  # 3
+    gave_up = bad_nodes(p)  # 3
+    if gave_up is not None:
+        return gave_up
     count_staying(p)
     moved = move(p)  # 4
     if moved is not None:

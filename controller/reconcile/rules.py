@@ -14,14 +14,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from spottrain.cloud.base import InstanceState, Offer
+from spottrain.protocol.boot import IMAGE_STAGES, BootState
 from spottrain.protocol.states import LEAVING, TERMINAL, TRAINING, NodeState
+from spottrain.safetext import one_line
 
 from .fleet import FleetIndex, Tally, decrement, is_lost, is_settled, majority_home
 from .pricing import candidates, hourly_cost, spread_pick, zone_key
 from .types import (
     Action,
+    Block,
     Drain,
+    FailedLaunch,
     Launch,
+    LaunchFailed,
     Move,
     NodeObs,
     Observed,
@@ -45,7 +50,7 @@ def request_id(job_tag: str, node: str) -> str:
 # --- 1. The end ------------------------------------------------------------------------------
 def the_end(policy: Policy, obs: Observed) -> Plan | None:
     """Rule 1: a finished or stopped job ends its VMs; a crash loop, or a streak of VMs that
-    fail at boot, stops it."""
+    failed before training (:class:`~.types.FailedLaunches`), stops it."""
     if obs.finished:
         return _finished(policy, obs)
     if obs.stopped:
@@ -64,11 +69,10 @@ def the_end(policy: Policy, obs: Observed) -> Plan | None:
             "and relaunch"
         )
         return Plan((Stop(why, error=True, checkpoint=False),), why, obs.home, obs.next_index)
-    if obs.bad_streak >= policy.crash_loop_k * policy.max_nodes:
-        why = (
-            f"{obs.bad_streak} VMs in a row failed at boot and none joined; the last said: "
-            f"{obs.last_failure or 'nothing'}. Fix that and relaunch"
-        )
+    if obs.failed.gives_up(policy.max_failed_launches):
+        # Rule 3 stops the run as the streak reaches the limit; this repeats the stop for a
+        # controller restarted before it was recorded.
+        why = obs.failed.why()
         return Plan((Stop(why, error=True, checkpoint=False),), why, obs.home, obs.next_index)
     return None
 
@@ -132,6 +136,7 @@ class Pass:
     at_risk: list[NodeObs] = field(default_factory=list)
     uncovered: list[NodeObs] = field(default_factory=list)
     blocked: set[tuple[str, str, str, str]] = field(default_factory=set)
+    fresh_blocks: set[tuple[str, str, str, str]] = field(default_factory=set)  # this pass's
     home: tuple[str, str, str] | None = None
 
     @classmethod
@@ -185,29 +190,33 @@ def budget(p: Pass) -> Plan | None:
 
 
 # --- 3. Bad nodes --------------------------------------------------------------------------------
-def bad_nodes(p: Pass) -> None:
+def bad_nodes(p: Pass) -> Plan | None:
     """Rule 3: failed, never-booted and left nodes end (the bad ones penalised), and a
-    straggler is reported and replaced."""
-    policy, now = p.policy, p.obs.now
+    straggler is reported and replaced. A VM that failed before training (:func:`failure`)
+    ends at once and counts in the give-up streak; the streak's limit stops the run here.
+    Returns that stop, else None."""
+    policy = p.policy
+    streak = p.obs.failed
+    # A fleet that trains shows the launch works: its failures are not counted.
+    training = p.tally.training > 0
     for n in p.live:
         if n.instance is None or not n.instance.state.alive:
             continue
-        if n.health_failed or n.agent_state == NodeState.FAILED:
-            p.actions.append(Terminate(n.name, n.instance.id, "its agent failed"))
+        failed = failure(n, p.obs.now, policy)
+        if failed is not None:
+            p.actions.append(Terminate(n.name, n.instance.id, failed.why))
+            p.gone.add(n.name)
+            if streak.counted(n.name):
+                continue  # ended and counted on an earlier pass; the cloud still lists it
             if n.offer is not None:
                 p.actions.append(Penalise(zone_key(n.offer), f"node {n.name} was bad", node=n.name))
-            p.gone.add(n.name)
-        elif (
-            n.agent_state in (None, NodeState.BOOTING)
-            and now - n.launched_at > policy.boot_timeout_s
-        ):
-            why = f"not healthy {policy.boot_timeout_s:.0f} s after launch"
-            p.actions.append(Terminate(n.name, n.instance.id, why))
-            if n.offer is not None:
-                p.actions.append(
-                    Penalise(zone_key(n.offer), f"node {n.name} never booted", node=n.name)
-                )
-            p.gone.add(n.name)
+                if failed.stage in IMAGE_STAGES:
+                    _block_image(p, n.offer, failed)
+            streak = streak.add(failed, count=not training)
+            p.actions.append(LaunchFailed(failed, streak))
+            if streak.gives_up(policy.max_failed_launches):
+                why = streak.why()
+                return p.ending(Stop(why, error=True, checkpoint=False), why)
         elif n.agent_state == NodeState.LEFT:
             p.actions.append(Terminate(n.name, n.instance.id, "its agent left (drained or done)"))
             p.gone.add(n.name)
@@ -216,6 +225,52 @@ def bad_nodes(p: Pass) -> None:
     _replace_straggler(p)
     if p.gone:
         p.reasons.append(f"replacing {len(p.gone)} bad node(s)")
+    return None
+
+
+def failure(n: NodeObs, now: float, policy: Policy) -> FailedLaunch | None:
+    """How ``n`` failed before training, if it did: its agent failed (its health check, or
+    later), its boot reported a failure, or it was not healthy ``boot_timeout_s`` after its
+    launch. Text from the VM is made one safe line."""
+    if n.health_failed or n.agent_state == NodeState.FAILED:
+        said = one_line(n.agent_reason) if n.agent_reason else ""
+        why = f"its agent failed: {said}" if said else "its agent failed"
+        return FailedLaunch(n.name, why, reason=why, at_boot=n.health_failed)
+    if n.agent_state not in (None, NodeState.BOOTING):
+        return None
+    boot = n.boot
+    if boot is not None and boot.failed:
+        said = one_line(boot.reason)
+        stage = one_line(boot.stage, 80)
+        why = f"boot failed in '{stage}'" + (f": {said}" if said else "")
+        return FailedLaunch(n.name, why, stage=boot.stage, reason=said)
+    if now - n.launched_at <= policy.boot_timeout_s:
+        return None
+    reason = f"not healthy {policy.boot_timeout_s:.0f} s after launch"
+    why = reason
+    stage = ""
+    if boot is not None:
+        stage = boot.stage
+        where = "booted" if boot.state is BootState.BOOTED else f"was at '{one_line(stage, 80)}'"
+        why += f" (its boot {where})"
+    if n.console:
+        why += f"; its console's last line: {one_line(n.console, 200)}"
+    return FailedLaunch(n.name, why, stage=stage, reason=reason)
+
+
+def _block_image(p: Pass, offer: Offer, failed: FailedLaunch) -> None:
+    """The machine image cannot boot spottrain: block every offer of its cloud's region (an
+    image is per region) for ``refusal_block_s``, so that a launch tries another region."""
+    keys = {offer.key} | {
+        o.key for o in p.obs.offers if o.cloud == offer.cloud and o.region == offer.region
+    }
+    fresh = tuple(sorted(keys - p.fresh_blocks))
+    if not fresh:
+        return
+    p.fresh_blocks.update(fresh)
+    why = f"{failed.line} (the machine image of {offer.cloud} {offer.region})"
+    p.actions.append(Block(fresh, p.obs.now + p.policy.refusal_block_s, why))
+    p.reasons.append(f"blocking {offer.cloud} {offer.region}: {failed.line}")
 
 
 def _replace_straggler(p: Pass) -> None:
@@ -272,7 +327,7 @@ def count_staying(p: Pass) -> None:
                 p.staying_zones[n.offer.zone] += 1
     handover(p)
     now = p.obs.now
-    p.blocked = {k for k, until in p.obs.blocked.items() if until > now}
+    p.blocked = {k for k, until in p.obs.blocked.items() if until > now} | p.fresh_blocks
     if p.home is None and p.n_staying:
         p.home = majority_home(p.staying_all())
 

@@ -18,6 +18,7 @@ from typing import Any
 import redis
 
 from spottrain.protocol import events as stream
+from spottrain.protocol.boot import BootReport, report_from_fields
 from spottrain.protocol.keys import RunKeys
 
 from .records import LaunchRecord, Ledger
@@ -138,6 +139,40 @@ class RunState:
         for n in names:
             pipe.exists(self.keys.heartbeat(n))
         return {n: bool(v) for n, v in zip(names, pipe.execute(), strict=True)}
+
+    def boot_reports(self, names: list[str]) -> dict[str, BootReport]:
+        """The boot hashes of ``names`` (one round trip), each node's that holds a report."""
+        pipe = self.client.pipeline(transaction=False)
+        for n in names:
+            pipe.hgetall(self.keys.boot(n))
+        out = {}
+        for n, raw in zip(names, pipe.execute(), strict=True):
+            if raw:
+                fields = {
+                    k.decode(errors="replace"): v.decode(errors="replace") for k, v in raw.items()
+                }
+                report = report_from_fields(n, fields)
+                if report is not None:
+                    out[n] = report
+        return out
+
+    def put_boot(self, report: BootReport) -> None:
+        """Write a node's boot hash and its ``boot`` event, as the VM's loader does (the
+        controller writes one it read from the VM's console: ``source=console``)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.boot(report.node), mapping=report.fields())
+        entry = stream.envelope(
+            "boot",
+            report.node,
+            at=report.at,
+            vm=report.vm,
+            stage=report.stage,
+            state=report.state.value,
+            reason=report.reason,
+            source=report.source.value,
+        )
+        stream.append(pipe, self.keys.events, entry)
+        pipe.execute()
 
     def progress(self) -> dict[str, str]:
         raw = self.client.hgetall(self.keys.progress)

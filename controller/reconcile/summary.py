@@ -10,11 +10,17 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from spottrain.protocol.states import LEAVING, LIVE_LAUNCHES, RunPhase
+from spottrain.protocol.boot import BootState
+from spottrain.protocol.states import LEAVING, LIVE_LAUNCHES, NodeState, RunPhase
+from spottrain.safetext import escape_controls
 
+from .ledger import FAILED_LAUNCHES
 from .records import Ledger
 from .state import RunState
+from .types import FailedLaunches
 
+# The most booting nodes named one line each (the rest are counted in one more line).
+BOOTING_LINES = 8
 # A holder row this much older than the newest is a replica that stopped without leaving
 # (the engine's own rule, agent/replica/holders.py, which the controller may not import).
 STALE_S = 10.0
@@ -45,7 +51,13 @@ class ReplicaFigures:
 
 @dataclass
 class Summary:
-    """What a run did, for the live view and the end of ``spottrain up``."""
+    """What a run did, for the live view and the end of ``spottrain up``.
+
+    Text a node wrote (an agent's state, the error a VM's boot reason went into) is escaped
+    here (:func:`spottrain.safetext.escape_controls`): no field holds a control character.
+    What the VMs say of their boot is kept apart (:func:`boot_lines`), as the replica
+    figures are: these fields are the run's record (``status --json``, the archive's
+    ``summary.json``) and stay as they were."""
 
     phase: str
     step: int
@@ -105,7 +117,7 @@ def summarize(state: RunState, now: float) -> Summary:
     nodes = {}
     for r in sorted(ledger.records.values(), key=lambda r: r.launched_at):
         if r.status in LIVE_LAUNCHES:
-            nodes[r.node] = agents.get(r.node, {}).get("state", "launching")
+            nodes[r.node] = escape_controls(agents.get(r.node, {}).get("state", "launching"))
     restores = state.restores()
     lost = sum(max(0, r.reached_step - r.restored_step) for r in restores)
     preempted = sum(1 for r in ledger.records.values() if r.interrupted)
@@ -123,10 +135,62 @@ def summarize(state: RunState, now: float) -> Summary:
         steps_lost=lost,
         spent_usd=ledger.spent(now),
         saved_usd=ledger.saved(now),
-        reason=ctl.get("error") or ctl.get("reason", ""),
+        reason=escape_controls(ctl.get("error") or ctl.get("reason", "")),
         final_step=final,
-        at_risk=_at_risk_lines(ledger, agents),
+        at_risk=[escape_controls(line) for line in _at_risk_lines(ledger, agents)],
     )
+
+
+@dataclass(frozen=True)
+class BootLines:
+    """What the VMs say of their boot, for ``status``, the plain lines and the live view,
+    one escaped line each (:func:`boot_lines`).
+
+    Attributes:
+        failed: the failed-launch streak ("2 VM(s) in a row failed at boot; the last: ...")
+            and each live node whose boot reported a failure (its VM about to be ended).
+        booting: the stage of each live node whose boot reports one (``n3: booting: fetch
+            the code``), at most :data:`BOOTING_LINES` lines, the last counting the rest.
+    """
+
+    failed: list[str] = field(default_factory=list)
+    booting: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        return [*self.failed, *self.booting]
+
+    def to_json(self) -> dict[str, list[str]]:
+        return {"failed": self.failed, "booting": self.booting}
+
+
+# The node states of a summary (Summary.nodes) whose boot may still report.
+_BOOTING_STATES = frozenset({"launching", NodeState.BOOTING})
+
+
+def boot_lines(state: RunState, s: Summary) -> BootLines:
+    """The boot lines of the run ``s`` summarises: the streak in the controller's hash and
+    the boot hashes of its live nodes whose agent has not registered or still boots (one
+    round trip)."""
+    failed: list[str] = []
+    streak = FailedLaunches.from_json(state.ctl().get(FAILED_LAUNCHES))
+    if streak.count:
+        when = "at boot" if streak.at_boot else "before training"
+        failed.append(f"{streak.count} VM(s) in a row failed {when}; the last: {streak.last}")
+    names = [n for n, st in s.nodes.items() if st in _BOOTING_STATES]
+    reports = state.boot_reports(names) if names else {}
+    booting: list[str] = []
+    for name in names:
+        report = reports.get(name)
+        if report is None:
+            continue
+        if report.failed:
+            failed.append(report.line())
+        elif report.state is BootState.BOOTING:
+            booting.append(report.line())
+    if len(booting) > BOOTING_LINES:
+        more = len(booting) - (BOOTING_LINES - 1)
+        booting = [*booting[: BOOTING_LINES - 1], f"... {more} more nodes booting"]
+    return BootLines([escape_controls(x) for x in failed], [escape_controls(x) for x in booting])
 
 
 def replica_summary(state: RunState) -> ReplicaFigures | None:

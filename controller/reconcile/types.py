@@ -2,16 +2,23 @@
 
 Plain frozen data: no cloud SDK, no Redis, no clock. Every action names the node it is
 about as a field.
+
+:class:`FailedLaunches` is the run's one give-up policy: VMs in a row that failed before
+they trained (their boot failed, their agent failed, or they never became healthy within
+the boot timeout), counted per reason; at ``Policy.max_failed_launches`` of the same reason
+the run stops (rule 1 and rule 3 of :mod:`.planner`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from spottrain.cloud.base import Instance, Offer
+from spottrain.protocol.boot import BootReport, reason_key
 from spottrain.spec import SpotPolicy
 
 
@@ -38,8 +45,10 @@ class Policy:
         straggler_factor: a node whose compute time per step exceeds this multiple of the
             median of the others is replaced (needs at least 3 nodes reporting).
         crash_loop_k: restores from the same checkpoint after failing at the same step
-            that stop the job; ``crash_loop_k`` x ``max_nodes`` VMs in a row that fail at
-            boot, with none joining in between, stop it too (a broken image or setting).
+            that stop the job.
+        max_failed_launches: VMs in a row that fail before training for the same reason
+            (:class:`FailedLaunches`), with no node training meanwhile, that stop the job
+            (a broken image, setting or environment: every relaunch would fail the same).
         stall_s: the seconds of training a preemption costs the whole fleet (recovery),
             which turns an interruption rate into dollars for the ranking.
         prior_hours: how many node-hours of observation the bundled band is worth when
@@ -63,6 +72,7 @@ class Policy:
     lost_grace_s: float = 120.0
     straggler_factor: float = 2.0
     crash_loop_k: int = 3
+    max_failed_launches: int = 3
     stall_s: float = 120.0
     prior_hours: float = 24.0
     stop_margin_s: float = 300.0
@@ -75,6 +85,8 @@ class Policy:
             )
         if self.crash_loop_k < 2:
             raise ValueError(f"crash_loop_k must be >= 2, got {self.crash_loop_k}")
+        if self.max_failed_launches < 1:
+            raise ValueError(f"max_failed_launches must be >= 1, got {self.max_failed_launches}")
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,11 @@ class NodeObs:
         compute_s: its recent compute seconds per step (forward and backward, without
             waiting on the all-reduce; its slowest local rank's), if it reports one.
         health_failed: the agent reported a failed boot health check.
+        agent_reason: why the agent is in its state, as it wrote it (a failed agent's cause).
+        boot: its VM's boot as last reported (the VM's boot hash, or its console read by
+            the controller), read only while its agent has not registered or is booting.
+        console: the last line of its VM's console output as the controller last read it
+            ("" when it read none): what a VM that never became healthy last said.
         at_risk: why the node is at risk of preemption ("rebalance recommendation"), from
             its agent; empty when it is not.
         replaces: the at-risk node this one was launched to replace, while that node lives.
@@ -104,6 +121,9 @@ class NodeObs:
     alive_beat: bool = False
     compute_s: float | None = None
     health_failed: bool = False
+    agent_reason: str = ""
+    boot: BootReport | None = None
+    console: str = ""
     at_risk: str = ""
     replaces: str = ""
 
@@ -128,6 +148,116 @@ class ZoneHistory:
 
 
 @dataclass(frozen=True)
+class FailedLaunch:
+    """One VM that failed before it trained, and why.
+
+    Attributes:
+        node: its node.
+        why: one line of what happened ("boot failed in 'install the environment': pip:
+            ...", "not healthy 900 s after launch; its console's last line: ...").
+        stage: the boot stage it failed or stopped in ("" when unknown).
+        reason: what makes two failures the same, with ``stage`` (see :attr:`key`): ``why``
+            without what only this VM said (its console's last line).
+        at_boot: it failed at boot (its boot, its health check, the boot timeout), not
+            later (its agent failed after the health check).
+    """
+
+    node: str
+    why: str
+    stage: str = ""
+    reason: str = ""
+    at_boot: bool = True
+
+    @property
+    def key(self) -> str:
+        """The reason as the streak compares it (:func:`spottrain.protocol.boot.reason_key`)."""
+        return reason_key(self.stage, self.reason)
+
+    @property
+    def line(self) -> str:
+        return f"{self.node}: {self.why}"
+
+
+# How many counted nodes a streak remembers, so that a VM the cloud still lists for a pass
+# or two after it was ended is not counted again.
+RECENT_FAILED = 64
+
+
+@dataclass(frozen=True)
+class FailedLaunches:
+    """The give-up policy's streak: VMs in a row that failed before training, all for the
+    same reason (:attr:`FailedLaunch.key`); a failure for another reason starts a new streak,
+    and a node that trains ends it (:meth:`reset`). Kept in the controller's hash
+    (``failed_launches``, JSON), so a restarted controller carries it on.
+
+    Attributes:
+        count: the failures in the streak.
+        key: their reason's key.
+        last: the last one's line ("n4: boot failed in '...': ...").
+        at_boot: the last one failed at boot (else later, before training).
+        recent: the nodes counted lately, in streaks before this one too, newest last.
+    """
+
+    count: int = 0
+    key: str = ""
+    last: str = ""
+    at_boot: bool = True
+    recent: tuple[str, ...] = ()
+
+    def counted(self, node: str) -> bool:
+        """Whether ``node``'s failure was counted already (its VM still listed)."""
+        return node in self.recent
+
+    def add(self, failure: FailedLaunch, *, count: bool = True) -> FailedLaunches:
+        """The streak after ``failure``: one more when it has the streak's reason, a new
+        streak of one otherwise; only remembered when not ``count`` (a node trains)."""
+        recent = (*self.recent, failure.node)[-RECENT_FAILED:]
+        if not count:
+            return FailedLaunches(recent=recent)
+        n = self.count + 1 if self.count and failure.key == self.key else 1
+        return FailedLaunches(n, failure.key, failure.line, failure.at_boot, recent)
+
+    def reset(self) -> FailedLaunches:
+        """No streak (a node trains), the counted nodes still remembered."""
+        return FailedLaunches(recent=self.recent)
+
+    def gives_up(self, limit: int) -> bool:
+        return self.count >= limit
+
+    def why(self) -> str:
+        """The run's error when the streak gives up, in one line."""
+        when = "at boot" if self.at_boot else "before training"
+        vms = "1 VM" if self.count == 1 else f"{self.count} VMs in a row"
+        return f"{vms} failed {when}: {self.last}; fix that and run spottrain up again"
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "count": self.count,
+                "key": self.key,
+                "last": self.last,
+                "at_boot": self.at_boot,
+                "recent": list(self.recent),
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str | None) -> FailedLaunches:
+        """The streak a controller's hash holds; none for nothing or what does not parse."""
+        try:
+            d = json.loads(text or "{}")
+            return cls(
+                count=int(d.get("count", 0)),
+                key=str(d.get("key", "")),
+                last=str(d.get("last", "")),
+                at_boot=bool(d.get("at_boot", True)),
+                recent=tuple(str(n) for n in d.get("recent", ())),
+            )
+        except (ValueError, TypeError, AttributeError):
+            return cls()
+
+
+@dataclass(frozen=True)
 class Observed:
     """Everything the planner looks at, gathered by the loop's observe step."""
 
@@ -147,8 +277,7 @@ class Observed:
     next_index: int = 0
     job_tag: str = "job"
     moving: bool = False
-    bad_streak: int = 0
-    last_failure: str = ""
+    failed: FailedLaunches = field(default_factory=FailedLaunches)
     last_refusal: str = ""
 
 
@@ -160,6 +289,8 @@ class ActionKind(StrEnum):
     DRAIN = "drain"
     STOP = "stop"
     REPORT = "report"
+    LAUNCH_FAILED = "launch-failed"
+    BLOCK = "block"
 
 
 @dataclass(frozen=True)
@@ -209,6 +340,27 @@ class Penalise:
 
 
 @dataclass(frozen=True)
+class LaunchFailed:
+    """Record ``failure`` (an event) and the give-up streak after it, ``streak`` (the
+    controller's hash)."""
+
+    failure: FailedLaunch
+    streak: FailedLaunches
+    kind: ActionKind = ActionKind.LAUNCH_FAILED
+
+
+@dataclass(frozen=True)
+class Block:
+    """Block these offers (keys of :attr:`Offer.key`) until ``until``: no launch there
+    meanwhile (a machine image that cannot boot spottrain blocks its region)."""
+
+    keys: tuple[tuple[str, str, str, str], ...]
+    until: float
+    why: str
+    kind: ActionKind = ActionKind.BLOCK
+
+
+@dataclass(frozen=True)
 class Move:
     """Checkpoint, copy it to object storage, end every VM, and restart on ``to``."""
 
@@ -233,7 +385,7 @@ class Report:
     kind: ActionKind = ActionKind.REPORT
 
 
-Action = Launch | Terminate | Drain | Penalise | Move | Stop | Report
+Action = Launch | Terminate | Drain | Penalise | LaunchFailed | Block | Move | Stop | Report
 
 
 @dataclass(frozen=True)

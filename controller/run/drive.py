@@ -13,8 +13,10 @@ from spottrain.controller.reconcile.controller import Controller
 from spottrain.controller.reconcile.drive import ControllerError, drive_passes
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import (
+    BootLines,
     ReplicaFigures,
     Summary,
+    boot_lines,
     replica_lines,
     replica_summary,
     summary_record,
@@ -38,8 +40,11 @@ EXIT_OK, EXIT_FAILED = 0, 1
 SHORT_AFTER_S = 10.0
 
 
-def format_summary(s: Summary) -> list[str]:
-    """The live view: one line of figures, one of nodes, one of the controller's reason."""
+def format_summary(s: Summary, boot: BootLines | None = None) -> list[str]:
+    """The live view: one line of figures, one of nodes, one per node at risk and, with
+    ``boot``, per boot that failed or runs (``n3: boot failed in 'install the environment':
+    pip: ...``), one of the controller's reason."""
+    boot = boot or BootLines()
     loss = f"{s.loss:.3f}" if s.loss is not None else "-"
     nodes = ", ".join(f"{n} {state}" for n, state in s.nodes.items()) or "none"
     return [
@@ -48,17 +53,20 @@ def format_summary(s: Summary) -> list[str]:
         "against on-demand",
         f"  nodes: {nodes}",
         *(f"  {line}" for line in s.at_risk),
+        *(f"  {line}" for line in boot.lines()),
         f"  {s.phase}: {s.reason}",
     ]
 
 
 class PlainLines:
     """The plain view (a pipe, a file, ``--detach``'s log): a stamped block of
-    :func:`format_summary` lines when something changed (dollars always do), or every 30 s
-    as a sign of life. With the run's ``state``, a fleet short of nodes for
-    :data:`SHORT_AFTER_S` adds the live view's line (``fleet short: 1 of 2 nodes for 3m05s,
-    waiting for capacity; last refusal: ...``) after the nodes: a block is printed when it
-    appears and when it goes, and in between at the pace of the others.
+    :func:`format_summary` lines when something changed (dollars always do, and a new
+    failed boot), or every 30 s as a sign of life. With the run's ``state``, the VMs' boot
+    lines (:func:`~spottrain.controller.reconcile.summary.boot_lines`) follow the nodes, and
+    a fleet short of nodes for :data:`SHORT_AFTER_S` adds the live view's line (``fleet
+    short: 1 of 2 nodes for 3m05s, waiting for capacity; last refusal: ...``) after the
+    nodes: a block is printed when it appears and when it goes, and in between at the pace
+    of the others.
 
     Args:
         view: where each line goes.
@@ -83,12 +91,14 @@ class PlainLines:
         self._ledgers = LedgerCache()  # a big fleet's ledger is thousands of records
 
     def __call__(self, s: Summary) -> None:
-        lines = format_summary(s)
+        boot = self._boot(s)
+        lines = format_summary(s, boot)
         short = self._shortfall(s)
         if short is not None:
             lines.insert(2, f"  {short.line()}")
         now = time.monotonic()
         key = [s.step // 25, s.nodes, s.preemptions, s.world_size, s.reason, s.phase]
+        key.append(boot.failed)
         key.append(short.target if short is not None else None)
         if key != self._last or now - self._last_at > 30:
             stamp = time.strftime("%H:%M:%S")
@@ -96,6 +106,17 @@ class PlainLines:
             for line in lines[1:]:
                 self.view(f"           {line}")
             self._last, self._last_at = key, now
+
+    def _boot(self, s: Summary) -> BootLines:
+        """What the VMs say of their boot; none without a state or while its Redis does not
+        answer."""
+        state = self._state() if self._state is not None else None
+        if state is None:
+            return BootLines()
+        try:
+            return boot_lines(state, s)
+        except redis.RedisError:
+            return BootLines()
 
     def _shortfall(self, s: Summary) -> Shortfall | None:
         """The fleet's shortfall once it has lasted :data:`SHORT_AFTER_S`; None without a

@@ -8,11 +8,12 @@ from collections import deque
 from collections.abc import Callable, Mapping
 
 from spottrain.controller.reconcile.state import RunState
-from spottrain.controller.reconcile.summary import Summary, summarize
+from spottrain.controller.reconcile.summary import Summary, boot_lines, summarize
 from spottrain.controller.run.records import RunInfo
 from spottrain.controller.run.replica_view import replica_status
 from spottrain.controller.run.shortfall import LedgerCache, ShortWatch
 from spottrain.protocol import events as stream
+from spottrain.safetext import escape_controls
 from spottrain.spec import FaultTolerance
 
 from .model import EventRow, NodeRow, ViewData
@@ -26,7 +27,7 @@ EVENTS_READ = 60
 
 def refused_line(refused: Mapping[str, str]) -> str:
     """A refused checkpoint commit must not pass unseen: the trainers went on training."""
-    return (
+    return escape_controls(
         f"{refused.get('count', '?')} checkpoint commits refused (newest: step "
         f"{refused.get('step', '?')} by {refused.get('node') or '?'}: {refused.get('reason', '')})"
     )
@@ -34,7 +35,8 @@ def refused_line(refused: Mapping[str, str]) -> str:
 
 def event_row(row: Mapping[str, str]) -> EventRow:
     """An entry of the event stream as one line: who (the node it is about, else its writer),
-    what, and the rest of its fields."""
+    what, and the rest of its fields, control characters escaped (any node may write the
+    stream)."""
     rest = {k: v for k, v in row.items() if k not in ("type", "node", "at", "id", "node_name")}
     try:
         at = float(row.get("at") or 0)
@@ -42,9 +44,9 @@ def event_row(row: Mapping[str, str]) -> EventRow:
         at = 0.0
     return EventRow(
         at=at,
-        node=row.get("node_name") or row.get("node", ""),
-        kind=row.get("type", "?"),
-        detail=" ".join(f"{k}={v}" for k, v in rest.items()),
+        node=escape_controls(row.get("node_name") or row.get("node", "")),
+        kind=escape_controls(row.get("type", "?")),
+        detail=escape_controls(" ".join(f"{k}={v}" for k, v in rest.items())),
     )
 
 
@@ -102,6 +104,7 @@ class Collector:
         refused = self.state.ckpt_refused()
         started = _float(ctl.get("started_at"))
         replicas = replica_status(self.info, self.state.client) if self._replica else None
+        boot = boot_lines(self.state, s)
         return ViewData(
             run_id=self.info.run_id,
             summary=s,
@@ -112,6 +115,8 @@ class Collector:
             replica=replicas.lines(now) if replicas else [],
             events=self._events(),
             notes=[refused_line(refused)] if refused else [],
+            boot_failed=boot.failed,
+            booting=boot.booting,
         )
 
     def _rate(self, now: float, step: int) -> float | None:

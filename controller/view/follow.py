@@ -14,8 +14,10 @@ import redis
 
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import (
+    BootLines,
     ReplicaFigures,
     Summary,
+    boot_lines,
     replica_summary,
     summarize,
 )
@@ -38,11 +40,21 @@ def status_doc(
     summary: Mapping[str, Any],
     refused: Mapping[str, str],
     replicas: ReplicaStatus | None,
+    boot: BootLines | None = None,
 ) -> dict[str, Any]:
-    """``status --json``'s object."""
+    """``status --json``'s object; ``boot`` (what the VMs say of their boot) only when a
+    VM says something."""
     locks = {"env_locks": info.env_locks} if info.env_locks else {}
     extra = replicas.to_json() if replicas else {}
-    return {"run_id": info.run_id, **summary, "ckpt_refused": refused, **locks, **extra}
+    boots = {"boot": boot.to_json()} if boot is not None and boot.lines() else {}
+    return {
+        "run_id": info.run_id,
+        **summary,
+        "ckpt_refused": refused,
+        **locks,
+        **extra,
+        **boots,
+    }
 
 
 def summary_of(record: Mapping[str, Any]) -> Summary:
@@ -135,7 +147,9 @@ def follow(
                     if as_json:
                         refused = state.ckpt_refused()
                         replicas = replica_status(info, state.client)
-                        say(json.dumps(status_doc(info, dataclasses.asdict(s), refused, replicas)))
+                        boot = boot_lines(state, s)
+                        doc = status_doc(info, dataclasses.asdict(s), refused, replicas, boot)
+                        say(json.dumps(doc))
                     elif collector is not None and live is not None:
                         live.show(collector.frame(s))
                     else:

@@ -41,6 +41,9 @@ class ViewData:
         replica: a replica run's quorum and replica lines (head first, then one per
             replica); empty for an elastic run.
         notes: other lines that must not pass unseen (a refused checkpoint commit).
+        boot_failed: the failed-launch streak and each node whose boot reported a failure
+            (``n3: boot failed in 'install the environment': pip: ...``), escaped.
+        booting: the stage of each node still booting (``n3: booting: fetch the code``).
     """
 
     run_id: str
@@ -52,3 +55,5 @@ class ViewData:
     replica: list[str] = field(default_factory=list)
     events: list[EventRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    boot_failed: list[str] = field(default_factory=list)
+    booting: list[str] = field(default_factory=list)

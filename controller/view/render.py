@@ -24,6 +24,8 @@ NAMED_NODES = 4
 # The fewest event lines kept when the fleet table competes for the height.
 MIN_EVENTS = 2
 MAX_AT_RISK = 3
+# The most boot lines (failed, then booting) a frame shows; a line counts the rest.
+MAX_BOOT = 4
 
 
 def _line(text: str, style: str = "") -> Text:
@@ -110,6 +112,16 @@ def _event(e: EventRow) -> Text:
     return line
 
 
+def _boot(data: ViewData) -> list[Text]:
+    """What the VMs said of their boot: failures (red) before the stages (dim), at most
+    :data:`MAX_BOOT` lines and one that counts the rest."""
+    lines = [(x, "red") for x in data.boot_failed] + [(x, "dim") for x in data.booting]
+    if len(lines) > MAX_BOOT:
+        rest = len(lines) - (MAX_BOOT - 1)
+        lines = [*lines[: MAX_BOOT - 1], (f"... {rest} more boot lines (spottrain status)", "dim")]
+    return [_line(x, style) for x, style in lines]
+
+
 def render(data: ViewData, width: int, height: int) -> RenderableType:
     """One frame of the live view for a ``width`` x ``height`` terminal."""
     s = data.summary
@@ -123,6 +135,7 @@ def render(data: ViewData, width: int, height: int) -> RenderableType:
     bottom: list[Text] = []
     if data.short:
         bottom.append(_line(data.short, "yellow"))
+    bottom += _boot(data)  # why the fleet may be short: before the at-risk lines
     risk = s.at_risk if len(s.at_risk) <= MAX_AT_RISK else s.at_risk[: MAX_AT_RISK - 1]
     bottom += [_line(x, "yellow") for x in risk]
     if len(risk) < len(s.at_risk):
@@ -130,7 +143,7 @@ def render(data: ViewData, width: int, height: int) -> RenderableType:
     bottom += [_line(x, "red") for x in data.notes]
     reason = _line(f"{s.phase}: {s.reason or '-'}", "italic")
     # Too short a terminal: the fleet (a header and a row) before the warnings, the last
-    # warnings (at risk, notes) first to go; the reason before any of them.
+    # warnings (notes, at risk, boots) first to go; the reason before any of them.
     while bottom and len(top) + len(bottom) + 1 + 2 > budget:
         bottom.pop()
     bottom.append(reason)

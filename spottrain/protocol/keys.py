@@ -245,7 +245,8 @@ class RunKeys:
     @property
     def ctl(self) -> str:
         """Hash: the controller's own state (phase, home zone, next node index, the times
-        the fleet went short, the last reason, the spec it runs)."""
+        the fleet went short, the last reason, the spec it runs, the streak of VMs that
+        failed before training: ``failed_launches``, JSON)."""
         return f"{self.base}:ctl"
 
     @property

@@ -396,7 +396,8 @@ class WandbSpec(_Model):
 
 
 class ControllerSpec(_Model):
-    """What the fleet does when its controller, or the controller's Redis, is gone."""
+    """What the fleet does when its controller, or the controller's Redis, is gone, and when
+    the controller gives up on VMs that cannot start."""
 
     orphan_timeout_minutes: float = Field(
         30,
@@ -411,6 +412,15 @@ class ControllerSpec(_Model):
         le=7 * 24 * 60,
         description="the controller retries a Redis that does not answer this long, then "
         "stops (the VMs train on; `spottrain resume` drives them again)",
+    )
+    max_failed_launches: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="the run stops with an error (its VMs ended, `spottrain up` exits 1 "
+        "with the reason) when this many VMs in a row fail before training for the same "
+        "reason (their boot failed, their agent failed, or they were not healthy within the "
+        "boot timeout) while no node trains; a different reason starts a new count",
     )
 
 

@@ -16,13 +16,16 @@ harness's fault state on every call, so faults can be switched on and off at any
 
 moto 5.2 gaps filled here: ``CreatePlacementGroup`` and ``DescribePlacementGroups`` are not
 implemented (the server answers 500), so the harness answers them itself from
-:attr:`AwsHarness.placement_groups`. moto also records neither ``Placement.GroupName`` nor an
+:attr:`AwsHarness.placement_groups`. moto answers ``GetConsoleOutput`` with one canned text
+for every VM; the harness answers it itself for a VM given a console with
+:meth:`AwsHarness.set_console`. moto also records neither ``Placement.GroupName`` nor an
 EFA ``InterfaceType``; :attr:`AwsHarness.calls` keeps every call's parameters so tests can
 check what was asked for.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import logging
 import secrets
@@ -100,6 +103,7 @@ class AwsHarness:
         self._capacity_faults: set[tuple[str, str]] = set()
         self._errors: dict[str, tuple[str, str, int]] = {}
         self._admins: dict[str, Any] = {}
+        self._consoles: dict[str, str] = {}
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
         host, port = self._server.get_host_and_port()
@@ -186,6 +190,12 @@ class AwsHarness:
             return
         raise KeyError(f"no instance {instance_id} in moto account {self.account_id}")
 
+    def set_console(self, instance_id: str, text: str) -> None:
+        """``GetConsoleOutput`` of ``instance_id`` answers ``text`` (base64, as EC2 does)
+        instead of moto's canned boot log."""
+        with self._lock:
+            self._consoles[instance_id] = text
+
     def close(self) -> None:
         """Stop the server and drop this account's state."""
         self._server.stop()
@@ -207,6 +217,7 @@ class AwsHarness:
                 "before-call.ec2.DescribePlacementGroups", self._describe_placement_groups
             )
             session.events.register("after-call.ec2.TerminateInstances", self._after_terminate)
+            session.events.register("before-call.ec2.GetConsoleOutput", self._console_output)
         return session
 
     def new_provider(
@@ -320,6 +331,20 @@ class AwsHarness:
     def _describe_placement_groups(self, **_: Any) -> tuple[Any, Any]:
         with self._lock:
             return _answer(200, {"PlacementGroups": list(self.placement_groups.values())})
+
+    def _console_output(self, params: Mapping[str, Any], **_: Any) -> tuple[Any, Any] | None:
+        instance_id = _query_param(params, "InstanceId")
+        with self._lock:
+            text = self._consoles.get(instance_id)
+        if text is None:
+            return None  # moto answers (its canned text, or InvalidInstanceID.NotFound)
+        return _answer(
+            200,
+            {
+                "InstanceId": instance_id,
+                "Output": base64.b64encode(text.encode()).decode(),
+            },
+        )
 
 
 def _keep_deleted_nics(instance: Any) -> None:

@@ -39,6 +39,11 @@ class ProviderHarness(Protocol):
         """The cloud takes the VM back, as a spot interruption or preemption does."""
         ...
 
+    def set_console(self, instance_id: str, text: str) -> None:
+        """From now on the VM's console output (what ``console_output`` reads) ends with
+        ``text``."""
+        ...
+
     def close(self) -> None:
         """Stop the fake and remove what it left (VMs, processes, files)."""
         ...

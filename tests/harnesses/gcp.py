@@ -59,6 +59,9 @@ class GcpHarness:
     def interrupt(self, instance_id: str) -> None:
         self.fake.preempt(instance_id)
 
+    def set_console(self, instance_id: str, text: str) -> None:
+        self.fake.set_console(instance_id, text)
+
     def close(self) -> None:
         """Stop the fake; an exception the fake raised while serving fails the test here."""
         self.fake.close()

@@ -42,6 +42,11 @@ class LocalHarness:
     def interrupt(self, instance_id: str) -> None:
         self.provider.preempt(instance_id, notice=False)
 
+    def set_console(self, instance_id: str, text: str) -> None:
+        """Appended to the VM's console file, as its boot command's output would be."""
+        with open(self.provider.log_path(instance_id), "a") as f:
+            f.write(text)
+
     def close(self) -> None:
         self.provider.set_refusal(None)
         for rec in self.provider.store.all():

@@ -1,18 +1,60 @@
-"""VMs: insert, get, list, delete, and how a VM moves from PROVISIONING to RUNNING; what a
-test does to them (preempt, stop) and reads of them."""
+"""VMs: insert, get, list, delete, their serial port output, and how a VM moves from
+PROVISIONING to RUNNING; what a test does to them (preempt, stop, set its console) and reads
+of them."""
 
 from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .common import API, MACHINE_TYPE_RE, PREEMPTED, ApiError, not_found, parse_body, timestamp
 from .listing import aggregated_page, list_page
 from .state import GceState
 
+# The serial port output Compute Engine retains per port (older output is discarded).
+SERIAL_PORT_BUFFER = 1 << 20
+
 
 class InstancesMixin(GceState):
+    # Declared here, not in GceState: only this mixin reads them.
+    _consoles: dict[str, str]  # VM name -> the text set_console gave it
+    console_source: Callable[[str], str | None] | None
+
+    def set_console(self, name: str, text: str) -> None:
+        """From now on the VM ``name`` has ``text`` as its serial port 1 output (set before
+        or after the VM exists; it outlives neither a later ``set_console`` nor the fake)."""
+        with self._lock:
+            self._consoles[name] = text
+
+    def _serial_port(self, zone: str, name: str, query: dict[str, str]) -> dict[str, Any]:
+        if name not in self._instances.get(zone, {}):
+            raise not_found(f"projects/{self.project}/zones/{zone}/instances/{name}")
+        try:
+            port = int(query.get("port") or 1)
+            start = int(query.get("start") or 0)
+        except ValueError:
+            raise ApiError(400, "Invalid value for field 'start' or 'port'", "invalid") from None
+        if not 1 <= port <= 4:
+            raise ApiError(400, f"Invalid value for field 'port': '{port}'", "invalid")
+        text = self._consoles.get(name)
+        if text is None and port == 1 and self.console_source is not None:
+            text = self.console_source(name)
+        data = (text or "").encode() if port == 1 else b""
+        oldest = max(0, len(data) - SERIAL_PORT_BUFFER)
+        if start < 0:
+            start = len(data) + start
+        start = min(max(start, oldest), len(data))
+        return {
+            "kind": "compute#serialPortOutput",
+            "contents": data[start:].decode("utf-8", errors="replace"),
+            "start": str(start),
+            "next": str(len(data)),
+            "selfLink": f"{API}/projects/{self.project}/zones/{zone}/instances/{name}/"
+            f"serialPort?port={port}",
+        }
+
     def preempt(self, name: str) -> None:
         """Take the VM back as Compute Engine preempts a spot VM: it is stopped
         (``TERMINATED``), or deleted if its termination action is ``DELETE``, and a
@@ -185,6 +227,8 @@ class InstancesMixin(GceState):
             return 200, self._get_instance(zone, name)
         if call == "instances.delete":
             return 200, self._delete(zone, name)
+        if call == "instances.getSerialPortOutput":
+            return 200, self._serial_port(zone, name, query)
         if call == "instances.list":
             stored = self._instances.get(zone, {})
             items = [stored[n] for n in sorted(stored)]

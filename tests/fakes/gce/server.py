@@ -4,7 +4,7 @@ client.
 It serves the subset spottrain uses, in the API's own JSON (camelCase field names, resource
 URLs, RFC 3339 timestamps, ``{"error": {"code", "message", "errors": [...]}}`` bodies)::
 
-    instances             insert, get, list, aggregatedList, delete
+    instances             insert, get, list, aggregatedList, delete, getSerialPortOutput
     zoneOperations        get, list, wait, delete
     machineTypes          get, list, aggregatedList
     instanceTemplates     insert, get (global)
@@ -30,6 +30,12 @@ Lifecycle, documented so that tests can rely on it:
 - Each read of a VM (get, list, aggregatedList) moves it one step along PROVISIONING ->
   STAGING -> RUNNING, once ``boot_delay`` seconds (default 0) have passed since its last step.
 - ``delete`` removes the VM at once and answers a ``RUNNING`` operation.
+- ``getSerialPortOutput`` (``.../instances/NAME/serialPort?port=1&start=N``) serves the
+  text :meth:`GceFake.set_console` gave the VM, else what the ``console_source`` callable
+  returns for its name (a hypervisor that runs the VM's boot), else nothing; with the API's
+  byte positions: the newest 1 MB is retained, a ``start`` before it is moved to the oldest
+  byte kept, a negative ``start`` counts back from the end, ``next`` is the byte after the
+  contents. Ports 2 to 4 are empty; a VM that does not exist is a 404.
 - :meth:`GceFake.preempt` stops the VM (``TERMINATED``) or, for a spot VM whose termination
   action is ``DELETE``, removes it, and records a ``compute.instances.preempted`` operation
   in its zone, as Compute Engine does; :meth:`GceFake.stop` stops a VM with no such record.
@@ -88,7 +94,7 @@ import random
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -118,6 +124,7 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
         ("GET", _ZONE + "/instances", "instances.list"),
         ("GET", _ZONE + "/instances" + _NAMED, "instances.get"),
         ("DELETE", _ZONE + "/instances" + _NAMED, "instances.delete"),
+        ("GET", _ZONE + "/instances" + _NAMED + "/serialPort", "instances.getSerialPortOutput"),
         ("GET", _PROJECT + "/aggregated/instances", "instances.aggregatedList"),
         ("GET", _ZONE + "/operations", "zoneOperations.list"),
         ("GET", _ZONE + "/operations" + _NAMED, "zoneOperations.get"),
@@ -157,6 +164,7 @@ _PARAMS = {
     "machineTypes.aggregatedList": _LIST_PARAMS | {"includeAllScopes", "serviceProjectNumber"},
     "instances.insert": {"requestId", "sourceInstanceTemplate", "sourceMachineImage", "$alt"},
     "instances.delete": {"requestId", "$alt"},
+    "instances.getSerialPortOutput": {"port", "start", "$alt"},
     "instanceTemplates.insert": {"requestId", "$alt"},
     "instanceGroupManagers.insert": {"requestId", "$alt"},
     "instanceGroupManagers.resize": {"size", "requestId", "$alt"},
@@ -239,6 +247,8 @@ class GceFake(
         self._groups = {}  # zone -> name -> group
         self._group_calls: dict[str, list[str]] = {}  # group name -> methods, in order
         self._rng = random.Random(seed)
+        self._consoles: dict[str, str] = {}  # VM name -> its serial port 1 text
+        self.console_source: Callable[[str], str | None] | None = None
 
     @property
     def url(self) -> str:

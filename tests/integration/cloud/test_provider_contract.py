@@ -3,7 +3,8 @@ and GCP (the real google-cloud-compute client against the HTTP fake of the compu
 
 What it holds every provider to is the docstring of :class:`spottrain.cloud.base.Provider`:
 offers filtered and cheapest first, launches idempotent by request id, VMs found by their job
-tag alone, terminations safe to repeat, and every refusal a typed error with its data.
+tag alone, terminations safe to repeat, a VM's console readable (its end, "" for a VM the
+cloud does not know), and every refusal a typed error with its data.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from harnesses.base import ProviderHarness
 
 from spottrain.cloud.base import (
+    CONSOLE_TAIL_BYTES,
     TAG_JOB,
     AuthError,
     BadRequestError,
@@ -29,6 +31,7 @@ from spottrain.cloud.base import (
     OfferQuery,
     Provider,
 )
+from spottrain.protocol.boot import STAGE_ENV, console_failed, console_stage, parse_console
 
 
 def _local() -> ProviderHarness:
@@ -290,3 +293,59 @@ def test_list_reports_the_job_tag_on_every_vm(harness: ProviderHarness, job: str
     assert {i.job for i in listed} == {job}
     assert {i.node for i in listed if i.id in ids} == {"node-0", "node-1"}
     assert TAG_JOB == "spottrain-job"
+
+
+_UNKNOWN_IDS = {"local": "vm-000000000000", "aws": "i-0123456789abcdef0", "gcp": "st-nobody"}
+
+
+def test_console_output_ends_with_the_boot_line_the_vm_printed(
+    harness: ProviderHarness, job: str
+) -> None:
+    inst = harness.provider.launch(_request(harness, job, "node-0", _spot_offer(harness)))
+    _eventually(lambda: _by_id(harness.provider, job, inst.id), "the VM in list()")
+    failed = console_failed("node-0", inst.id, STAGE_ENV, "pip: no matching distribution")
+    harness.set_console(inst.id, f"{console_stage('node-0', inst.id, STAGE_ENV)}\n{failed}\n")
+    text = _eventually(
+        lambda: failed in (seen := harness.provider.console_output(inst.id)) and seen,
+        "the console to show the failure line",
+    )
+    report = parse_console(text, "node-0")
+    assert report is not None and report.failed
+    assert (report.vm, report.stage, report.reason) == (
+        inst.id,
+        STAGE_ENV,
+        "pip: no matching distribution",
+    )
+
+
+def test_console_output_is_its_end_when_the_console_is_long(
+    harness: ProviderHarness, job: str
+) -> None:
+    inst = harness.provider.launch(_request(harness, job, "node-0", _spot_offer(harness)))
+    _eventually(lambda: _by_id(harness.provider, job, inst.id), "the VM in list()")
+    filler = "".join(f"kernel: line {i:06d} of a long boot\n" for i in range(8000))
+    assert len(filler) > 3 * CONSOLE_TAIL_BYTES
+    harness.set_console(inst.id, filler + "the newest line\n")
+    text = _eventually(
+        lambda: "the newest line" in (seen := harness.provider.console_output(inst.id)) and seen,
+        "the console's newest line",
+    )
+    assert len(text.encode()) <= CONSOLE_TAIL_BYTES
+    assert text.rstrip().endswith("the newest line")
+    assert "line 000000 " not in text, "the oldest output is left out"
+
+
+def test_console_output_of_an_unknown_vm_is_empty(harness: ProviderHarness) -> None:
+    assert harness.provider.console_output(_UNKNOWN_IDS[harness.provider.cloud]) == ""
+
+
+def test_console_output_of_a_fresh_vm_is_text_and_a_refusal_is_typed(
+    harness: ProviderHarness, job: str
+) -> None:
+    inst = harness.provider.launch(_request(harness, job, "node-0", _spot_offer(harness)))
+    _eventually(lambda: _by_id(harness.provider, job, inst.id), "the VM in list()")
+    # Nothing printed yet ("" on the local cloud and GCE, moto's canned boot log on EC2).
+    assert isinstance(harness.provider.console_output(inst.id), str)
+    harness.inject_auth_error()
+    with pytest.raises(AuthError):
+        harness.provider.console_output(inst.id)

@@ -54,6 +54,9 @@ class CountingCloud:
         self.terminations.extend(instance_ids)
         self.inner.terminate(instance_ids)
 
+    def console_output(self, instance_id: str) -> str:
+        return self.inner.console_output(instance_id)
+
 
 @pytest.fixture
 def cloud(tmp_path: Path) -> Iterator[LocalProvider]:

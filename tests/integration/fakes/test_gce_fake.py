@@ -155,3 +155,43 @@ def test_unknown_query_parameters_and_paths_are_refused(gce: GceFake) -> None:
     assert requests.get(f"{base}/zones/{ZONE}/disks", timeout=5).status_code == 404
     bad = requests.get(f"{base}/zones/{ZONE}/instances?filter=name%20eq%20x.*", timeout=5)
     assert bad.status_code == 400 and "filter" in bad.json()["error"]["message"]
+
+
+def test_serial_port_output_keeps_the_apis_byte_positions(gce: GceFake) -> None:
+    instances = compute_v1.InstancesClient(**_options(gce))  # type: ignore[arg-type]
+    instances.insert_unary(project=gce.project, zone=ZONE, instance_resource=_vm("vm-1"))
+
+    def read(start: int, port: int = 1) -> compute_v1.SerialPortOutput:
+        request = compute_v1.GetSerialPortOutputInstanceRequest(
+            project=gce.project, zone=ZONE, instance="vm-1", port=port, start=start
+        )
+        return instances.get_serial_port_output(request=request)
+
+    assert (read(0).contents, read(0).next_) == ("", 0)
+    gce.set_console("vm-1", "first\nsecond\n")
+    whole = read(0)
+    assert (whole.contents, whole.start, whole.next_) == ("first\nsecond\n", 0, 13)
+    assert (read(6).contents, read(6).start) == ("second\n", 6)
+    assert (read(-7).contents, read(-7).start) == ("second\n", 6)
+    assert read(13).contents == "" and read(0, port=2).contents == ""
+    # Only the newest 1 MB is kept: an older start is moved to the oldest byte kept.
+    gce.set_console("vm-1", "x" * (1 << 20) + "tail\n")
+    kept = read(0)
+    assert kept.start == 5 and kept.contents.endswith("tail\n") and kept.next_ == (1 << 20) + 5
+
+
+def test_serial_port_output_comes_from_the_console_source_and_404s_for_no_vm(
+    gce: GceFake,
+) -> None:
+    instances = compute_v1.InstancesClient(**_options(gce))  # type: ignore[arg-type]
+    instances.insert_unary(project=gce.project, zone=ZONE, instance_resource=_vm("vm-1"))
+    gce.console_source = lambda name: f"booted {name}\n"
+    request = compute_v1.GetSerialPortOutputInstanceRequest(
+        project=gce.project, zone=ZONE, instance="vm-1", port=1
+    )
+    assert instances.get_serial_port_output(request=request).contents == "booted vm-1\n"
+    missing = compute_v1.GetSerialPortOutputInstanceRequest(
+        project=gce.project, zone=ZONE, instance="vm-2", port=1
+    )
+    with pytest.raises(api_exc.NotFound):
+        instances.get_serial_port_output(request=missing)

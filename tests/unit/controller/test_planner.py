@@ -15,8 +15,12 @@ from spottrain.controller.reconcile.planner import plan
 from spottrain.controller.reconcile.pricing import effective_price
 from spottrain.controller.reconcile.rules import request_id
 from spottrain.controller.reconcile.types import (
+    Block,
     Drain,
+    FailedLaunch,
+    FailedLaunches,
     Launch,
+    LaunchFailed,
     Move,
     NodeObs,
     Observed,
@@ -27,6 +31,14 @@ from spottrain.controller.reconcile.types import (
     Stop,
     Terminate,
     ZoneHistory,
+)
+from spottrain.protocol.boot import (
+    STAGE_CODE,
+    STAGE_ENV,
+    STAGE_IMAGE,
+    BootReport,
+    BootState,
+    reason_key,
 )
 from spottrain.spec import SpotPolicy, parse_spec
 
@@ -415,14 +427,177 @@ def test_plan_stops_with_an_error_when_the_budget_cannot_start_a_node() -> None:
     assert launches(p) == []
 
 
-def test_plan_stops_when_every_vm_fails_at_boot() -> None:
-    policy = Policy(1, 2, crash_loop_k=3)
-    assert plan(policy, observed(bad_streak=5)).of(Stop) == []
-    p = plan(policy, observed(bad_streak=6, last_failure="checkpoint directory /x does not exist"))
+# --- VMs that fail before training, and the give-up streak ---------------------------------
+PIP = "pip: no matching distribution for torch==2.13.0 for Python 3.10"
+
+
+def failed_boot(
+    name: str,
+    stage: str = STAGE_ENV,
+    reason: str = PIP,
+    o: Offer = A_SPOT,
+    launched_at: float = NOW - 120,
+) -> NodeObs:
+    report = BootReport(name, f"i-{name}", stage, BootState.FAILED, reason, NOW - 5)
+    return replace(node(name, o, agent=None, launched_at=launched_at), boot=report)
+
+
+def failures(p: object) -> list[LaunchFailed]:
+    return [a for a in p.actions if isinstance(a, LaunchFailed)]  # type: ignore[attr-defined]
+
+
+def test_plan_ends_a_vm_whose_boot_failed_at_once_and_counts_it() -> None:
+    p = plan(Policy(1, 2), observed(nodes=(node("n0"), failed_boot("n1")), next_index=2))
+    (end,) = terminates(p)
+    assert end.node == "n1" and end.why == f"boot failed in 'install the environment': {PIP}"
+    (failed,) = failures(p)
+    assert failed.failure.line == f"n1: boot failed in 'install the environment': {PIP}"
+    # n0 trains, so the launch works: the failure is remembered, not counted.
+    assert failed.streak.count == 0 and failed.streak.counted("n1")
+    assert [a.node for a in launches(p)] == ["n2"] and p.of(Stop) == []
+    # Not two minutes after its launch, long before the boot timeout (900 s).
+    alone = plan(Policy(1, 2), observed(nodes=(failed_boot("n1"),), next_index=2))
+    assert [t.node for t in terminates(alone)] == ["n1"]
+    assert failures(alone)[0].streak.count == 1
+
+
+def test_three_vms_failing_for_the_same_reason_stop_the_run_with_it() -> None:
+    policy = Policy(1, 2, max_failed_launches=3)
+    streak = FailedLaunches()
+    # Each VM says it with its own instance id: still the same reason.
+    for name in ("n1", "n2"):
+        said = f"{PIP} (on {'i-0abc1234def56789' if name == 'n1' else 'i-0fed9876cba54321'})"
+        p = plan(policy, observed(nodes=(failed_boot(name, reason=said),), failed=streak))
+        assert p.of(Stop) == []
+        streak = failures(p)[-1].streak
+    assert streak.count == 2
+    p = plan(
+        policy,
+        observed(
+            nodes=(failed_boot("n4", reason=f"{PIP} (on i-0aaa5555bbbb6666)"),), failed=streak
+        ),
+    )
     (stop,) = p.of(Stop)
-    assert isinstance(stop, Stop) and stop.error
-    assert stop.why.startswith("6 VMs in a row failed at boot and none joined; the last said: ")
-    assert "/x does not exist" in stop.why
+    assert isinstance(stop, Stop) and stop.error and not stop.checkpoint
+    assert stop.why == (
+        "3 VMs in a row failed at boot: n4: boot failed in 'install the environment': "
+        f"{PIP} (on i-0aaa5555bbbb6666); fix that and run spottrain up again"
+    )
+    assert p.reason == stop.why and launches(p) == []
+    assert [t.node for t in terminates(p)] == ["n4"]
+    # A controller restarted before the stop was recorded stops the run again.
+    after = plan(policy, observed(nodes=(node("n5", agent=None),), failed=failures(p)[-1].streak))
+    assert [s.why for s in after.of(Stop) if isinstance(s, Stop)] == [stop.why]
+
+
+def test_two_reasons_interleaved_never_stop_the_run() -> None:
+    policy = Policy(1, 1, max_failed_launches=2)
+    streak = FailedLaunches()
+    for i in range(6):
+        stage, reason = (STAGE_ENV, PIP) if i % 2 else (STAGE_CODE, "git: repository not found")
+        p = plan(policy, observed(nodes=(failed_boot(f"n{i}", stage, reason),), failed=streak))
+        assert p.of(Stop) == [], f"stopped at failure {i}"
+        streak = failures(p)[-1].streak
+        assert streak.count == 1
+
+
+def test_a_node_that_trains_ends_the_streak_and_its_failures_do_not_count() -> None:
+    streak = FailedLaunches(2, reason_key(STAGE_ENV, PIP), f"n1: boot failed: {PIP}", True, ("n1",))
+    # bookkeeping resets the recorded streak when a node trains; the planner does not count
+    # a failure while one does, even with a streak at the brink.
+    p = plan(
+        Policy(1, 2, max_failed_launches=3),
+        observed(nodes=(node("n0", agent="joined"), failed_boot("n2")), failed=streak),
+    )
+    assert p.of(Stop) == [] and failures(p)[0].streak.count == 0
+
+
+def test_a_vm_counted_before_is_not_counted_again_while_its_cloud_still_lists_it() -> None:
+    policy = Policy(1, 1, max_failed_launches=2)
+    first = plan(policy, observed(nodes=(failed_boot("n1"),)))
+    streak = failures(first)[0].streak
+    # The next pass: the cloud's list lags its terminate, n1 still shows as running.
+    again = plan(policy, observed(nodes=(failed_boot("n1"),), failed=streak))
+    assert [t.node for t in terminates(again)] == ["n1"], "ended again (harmless)"
+    assert failures(again) == [] and again.of(Penalise) == [] and again.of(Stop) == []
+
+
+def test_an_image_stage_failure_blocks_its_region_before_it_counts() -> None:
+    west = offer("us-west-2a", 14.0)
+    offers = (A_SPOT, B_SPOT, A_OD, west)
+    nodes = (failed_boot("n0", STAGE_IMAGE, "python3 is 3.6; spottrain needs 3.10 or newer"),)
+    p = plan(
+        Policy(1, 1, refusal_block_s=86_400), observed(nodes=nodes, offers=offers, next_index=1)
+    )
+    (block,) = p.of(Block)
+    assert isinstance(block, Block) and block.until == NOW + 86_400
+    assert set(block.keys) == {A_SPOT.key, B_SPOT.key, A_OD.key}
+    assert "n0: boot failed in 'check the image'" in block.why
+    # Blocked first, then counted; and the backfill goes to the other region.
+    kinds = [type(a) for a in p.actions]
+    assert kinds.index(Block) < kinds.index(LaunchFailed)
+    assert failures(p)[0].streak.count == 1
+    assert [a.offer for a in launches(p)] == [west]
+    # Another stage blocks nothing.
+    other = plan(Policy(1, 1), observed(nodes=(failed_boot("n0"),), offers=offers, next_index=1))
+    assert other.of(Block) == []
+
+
+def test_the_boot_timeout_reason_carries_the_consoles_last_line() -> None:
+    stuck = replace(
+        node("n1", agent=None, launched_at=NOW - 1000),
+        console="cloud-init[812]: Job for spottrain-agent.service failed \x1b[0m",
+    )
+    p = plan(Policy(1, 1, boot_timeout_s=900), observed(nodes=(stuck,), next_index=2))
+    (end,) = terminates(p)
+    assert end.why == (
+        "not healthy 900 s after launch; its console's last line: cloud-init[812]: Job for "
+        "spottrain-agent.service failed \\e[0m"
+    )
+    (failed,) = failures(p)
+    assert failed.failure.key == reason_key("", "not healthy 900 s after launch")
+    # Stuck in a stage its boot reported: said, and part of the reason's key.
+    booting = BootReport("n1", "i-n1", STAGE_ENV, BootState.BOOTING, "", NOW - 800)
+    p = plan(Policy(1, 1), observed(nodes=(replace(stuck, boot=booting, console=""),)))
+    assert terminates(p)[0].why == (
+        "not healthy 900 s after launch (its boot was at 'install the environment')"
+    )
+    assert failures(p)[0].failure.key == reason_key(STAGE_ENV, "not healthy 900 s after launch")
+
+
+def test_a_failed_agent_counts_with_the_reason_it_gave() -> None:
+    bad = replace(node("n1", agent="failed"), agent_reason="health check: expected 8 GPUs, saw 7")
+    p = plan(Policy(1, 1, max_failed_launches=1), observed(nodes=(bad,)))
+    (stop,) = p.of(Stop)
+    assert isinstance(stop, Stop) and stop.why == (
+        "1 VM failed before training: n1: its agent failed: health check: expected "
+        "8 GPUs, saw 7; fix that and run spottrain up again"
+    )
+
+
+def test_escape_sequences_from_a_vm_never_reach_the_reason_raw() -> None:
+    p = plan(Policy(1, 1), observed(nodes=(failed_boot("n1", reason="pip: \x1b]0;pwned\x07 no"),)))
+    assert "\x1b" not in terminates(p)[0].why and "\x07" not in failures(p)[0].failure.line
+    assert "\\e]0;pwned\\x07" in terminates(p)[0].why
+
+
+def test_policy_refuses_a_give_up_limit_below_one_and_reads_it_from_the_spec() -> None:
+    with pytest.raises(ValueError, match="max_failed_launches must be >= 1"):
+        Policy(1, 1, max_failed_launches=0)
+    data = _with(VALID, "controller", {"max_failed_launches": 5})
+    assert policy_from_spec(parse_spec(yaml.safe_dump(data)).spec).max_failed_launches == 5
+    assert policy_from_spec(parse_spec(yaml.safe_dump(VALID)).spec).max_failed_launches == 3
+
+
+def test_the_streak_survives_the_controllers_hash_and_garbage_is_no_streak() -> None:
+    streak = FailedLaunches(2, "k", "n1: x", False, ("n0", "n1"))
+    assert FailedLaunches.from_json(streak.to_json()) == streak
+    assert FailedLaunches.from_json("not json") == FailedLaunches()
+    assert FailedLaunches.from_json(None) == FailedLaunches()
+    many = FailedLaunches()
+    for i in range(100):
+        many = many.add(FailedLaunch(f"n{i}", "why", reason="why"))
+    assert many.count == 100 and len(many.recent) == 64 and many.recent[-1] == "n99"
 
 
 def test_plan_stops_when_every_offer_was_refused_for_good() -> None:
@@ -531,3 +706,18 @@ def test_plan_at_risk_fleet_index_plans_like_a_list() -> None:
     assert plan(policy, observed(nodes=FleetIndex(nodes), next_index=4)) == plan(
         policy, observed(nodes=nodes, next_index=4)
     )
+
+
+def test_a_fleet_index_knows_a_node_trains_as_the_scan_does() -> None:
+    """A big fleet's index counts training nodes as it puts and removes them: a VM failing
+    at boot beside them is ended but not counted, exactly as with a list."""
+    nodes = (node("n0", agent="healthy"), node("n1", agent="checkpointing"), failed_boot("n2"))
+    policy = Policy(1, 3, max_failed_launches=1)
+    index = FleetIndex(nodes)
+    assert plan(policy, observed(nodes=index)) == plan(policy, observed(nodes=nodes))
+    assert plan(policy, observed(nodes=index)).of(Stop) == []
+    index.remove("n1")
+    alone = plan(policy, observed(nodes=index))
+    assert alone == plan(policy, observed(nodes=(nodes[0], nodes[2])))
+    (stop,) = alone.of(Stop)
+    assert isinstance(stop, Stop) and stop.why.startswith("1 VM failed at boot: n2: boot failed")

@@ -9,6 +9,7 @@ from dataclasses import replace
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
 from spottrain.controller.reconcile.execute import end_run_vms
 from spottrain.controller.reconcile.ledger import (
+    FAILED_LAUNCHES,
     CountPreemption,
     EndDuplicate,
     GiveUp,
@@ -23,6 +24,7 @@ from spottrain.controller.reconcile.ledger import (
 from spottrain.controller.reconcile.planner import plan
 from spottrain.controller.reconcile.records import LaunchRecord, Ledger
 from spottrain.controller.reconcile.types import (
+    FailedLaunches,
     Launch,
     NodeObs,
     Observed,
@@ -159,11 +161,16 @@ def node(name: str, agent: str | None = "joined") -> NodeObs:
                    agent_state=agent, alive_beat=True)  # fmt: skip
 
 
-def test_bookkeeping_stamps_the_finish_once_and_ends_the_bad_streak_on_a_join() -> None:
-    obs = Observed(now=NOW, nodes=[node("n0")], offers=[OFFER], finished=True, bad_streak=2)
+def test_bookkeeping_stamps_the_finish_once_and_ends_the_failed_launch_streak_on_a_join() -> None:
+    streak = FailedLaunches(2, "k", "n3: boot failed in 'x'", recent=("n2", "n3"))
+    obs = Observed(now=NOW, nodes=[node("n0")], offers=[OFFER], finished=True, failed=streak)
     seen, steps = bookkeeping(obs)
-    assert (seen.finished_at, seen.bad_streak) == (NOW, 0)
-    assert steps == [SetCtl({"finished_at": str(NOW)}), SetCtl({"bad_streak": "0"})]
+    # The streak ends, and still remembers which nodes it counted.
+    assert (seen.finished_at, seen.failed) == (NOW, FailedLaunches(recent=("n2", "n3")))
+    assert steps == [
+        SetCtl({"finished_at": str(NOW)}),
+        SetCtl({FAILED_LAUNCHES: seen.failed.to_json()}),
+    ]
     assert bookkeeping(seen)[1] == []
     booting = replace(obs, nodes=[node("n0", "booting")], finished=False)
     assert bookkeeping(booting) == (booting, [])

@@ -149,3 +149,31 @@ def test_the_collector_keeps_the_step_rate_and_how_long_the_fleet_is_short() -> 
     assert second.step_rate == 2.5 and "for 0m20s" in second.short
     state.set_ctl(target_nodes="1")  # `spottrain scale 1`: no longer short
     assert c.frame().short == ""
+
+
+def test_the_collector_reads_what_the_vms_say_of_their_boot_and_the_frame_shows_it() -> None:
+    from spottrain.protocol.boot import STAGE_CODE, STAGE_ENV, BootReport, BootState
+
+    client = fakeredis.FakeRedis()
+    keys = RunKeys("t-view-boot")
+    state = RunState(client, keys)
+    offer = Offer("local", "local", "local-a", "local-cpu", 0, "", Market.SPOT, 0.1, 0.0)
+    for i in range(3):
+        state.put_launch(LaunchRecord(f"n{i}", f"r{i}", offer, 1000.0, LedgerStatus.LAUNCHED))
+    client.hset(keys.node("n0"), mapping={"state": "joined"})
+    state.put_boot(BootReport("n1", "vm-1", STAGE_ENV, BootState.FAILED, "pip: \x1b[31mno", 1.0))
+    state.put_boot(BootReport("n2", "vm-2", STAGE_CODE, BootState.BOOTING, "", 1.0))
+
+    class Info:
+        run_id = "t-view-boot"
+        lighthouse = ""
+
+        def spec(self) -> object:
+            raise ValueError("no spec")
+
+    frame = collect.Collector(Info(), state, 3, clock=lambda: 1010.0).frame()  # type: ignore[arg-type]
+    assert frame.boot_failed == ["n1: boot failed in 'install the environment': pip: \\e[31mno"]
+    assert frame.booting == ["n2: booting: fetch the code"]
+    lines = _text(frame, 120, 30)
+    assert "n1: boot failed in 'install the environment': pip: \\e[31mno" in lines
+    assert "n2: booting: fetch the code" in lines
