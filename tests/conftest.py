@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -50,3 +51,15 @@ def no_egress(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(var, "http://127.0.0.1:9")
     for var in ("NO_PROXY", "no_proxy"):
         monkeypatch.setenv(var, "127.0.0.1,localhost")
+
+
+@pytest.fixture(scope="session")
+def box_index() -> Iterator[Any]:
+    """A package index of every wheel the agent needs (from this machine's wheels and PyPI,
+    kept in ``~/.cache/spottrain-box``), which does not carry spottrain: the index a VM and
+    the controller's lock resolution use in the box (tests/box/index.py)."""
+    from box.index import LocalIndex, assemble_wheels, default_cache_dir
+
+    wheels = assemble_wheels(default_cache_dir())
+    with LocalIndex(wheels.path) as index:
+        yield index

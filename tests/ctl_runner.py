@@ -33,6 +33,9 @@ import boto3
 from botocore.exceptions import ClientError
 
 from spottrain.cloud.base import AuthError, ProviderError
+from spottrain.controller.run.boot import CodeRef
+from spottrain.controller.run.boot_files import ship_boot_files
+from spottrain.controller.run.create import build_self_wheel
 from spottrain.controller.run.providers import Endpoints
 from spottrain.controller.run.records import RunInfo
 from spottrain.controller.run.wiring import build_controller
@@ -126,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         embedded_redis=False,
         created_at=time.time(),
     )
+    if info.spec().launches_vms():
+        # What `spottrain up` ships for the VMs' boot (the wheel of this spottrain, the job's
+        # boot script, the loader) into the spec's store: the same files every time.
+        info.boot_files = ship_boot_files(info.spec(), info, CodeRef(), build_self_wheel())
     ctl = build_controller(
         info,
         interval_s=args.interval,

@@ -388,6 +388,8 @@ def pip_config(conf: dict[str, Any], secrets: Secrets, path: str) -> None:
     links = [with_cred(u) for u in pip.get("find_links") or []]
     if links:
         lines.append("find-links = " + " ".join(links))
+    if pip.get("trusted_hosts"):
+        lines.append("trusted-host = " + " ".join(pip["trusted_hosts"]))
     fd = os.open(path + ".part", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -626,6 +626,7 @@ def loader_settings(
             "extra_index_urls": list(pip.extra_index_urls),
             "find_links": list(pip.find_links),
             "credentials_secret": pip.credentials_secret or "",
+            "trusted_hosts": pip.trusted_hosts(),
         },
     }
 

@@ -21,7 +21,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from spottrain.cloud.storage import ObjectNotFound, StorageError
+from spottrain.cloud.storage import ObjectNotFound, StorageError, parse_store_url
 from spottrain.controller.run.boot import (
     BootFile,
     BootFiles,
@@ -59,6 +59,18 @@ def _put(store: Any, key: str, data: bytes, sha: str) -> None:
     store.put_bytes(key, data)
 
 
+def _made(url: str) -> str:
+    """``url``, its folder made first when it is a file:// store's ``code/`` under an
+    existing ``checkpoint.copy_to`` (a missing copy_to itself stays an error: an unmounted
+    volume must not become an empty folder)."""
+    parsed = parse_store_url(url)
+    if parsed.scheme == "file":
+        path = Path(parsed.path)
+        if path.parent.is_dir():
+            path.mkdir(exist_ok=True)
+    return url
+
+
 def ship_boot_files(
     spec: JobSpec, info: RunInfo, code: CodeRef, wheel: SelfWheel
 ) -> dict[str, dict[str, dict[str, str]]]:
@@ -80,7 +92,7 @@ def ship_boot_files(
     loader = loader_text().encode()
     out: dict[str, dict[str, dict[str, str]]] = {}
     try:
-        store = open_store(url)
+        store = open_store(_made(url))
         wheel_key = _key("wheel", wheel.sha256, wheel.filename)
         loader_key = _key("loader", _sha256(loader))
         _put(store, wheel_key, wheel_data, wheel.sha256)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+from packaging.requirements import InvalidRequirement, Requirement
 
 from spottrain import __version__
 from spottrain.controller.run.wheel import SelfWheel
@@ -73,6 +76,46 @@ class LockTarget:
 
     def describe(self) -> str:
         return f"python {self.python_version} {self.implementation} {self.platform}"
+
+    def platform_tags(self) -> list[str]:
+        """The wheel tags a VM of ``platform`` installs, best first: pip takes only the tags
+        it is given, and many wheels are built for older glibcs (``manylinux_2_17``,
+        ``manylinux2014``) than the VMs have. Each ``manylinux_2_N`` down to 2.5, then the
+        legacy names; another platform is taken as it is."""
+        m = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", self.platform)
+        if m is None:
+            return [self.platform]
+        minor, arch = int(m[1]), m[2]
+        tags = [f"manylinux_2_{n}_{arch}" for n in range(minor, 4, -1)]
+        aliases = ((17, "manylinux2014"), (12, "manylinux2010"), (5, "manylinux1"))
+        return tags + [f"{name}_{arch}" for since, name in aliases if minor >= since]
+
+    def environments(self) -> list[dict[str, str]]:
+        """The marker environments of the VMs (PEP 508), one per patch release of
+        ``python_version``: pip evaluates a requirement's marker on the machine it runs on
+        (this controller, maybe a Mac, maybe a newer Python) whatever ``--platform`` and
+        ``--python-version`` say, so the lock checks them again for the VMs
+        (:func:`missing_on_target`)."""
+        m = re.fullmatch(r"(?:many|musl)linux_\d+_\d+_(\w+)", self.platform)
+        arch = m[1] if m else ""
+        base = {
+            "os_name": "posix",
+            "sys_platform": "linux",
+            "platform_system": "Linux",
+            "platform_machine": arch,
+            "platform_release": "",
+            "platform_version": "",
+            "implementation_name": "cpython",
+            "platform_python_implementation": "CPython",
+            "python_version": self.python_version,
+        }
+        full = [f"{self.python_version}.{patch}" for patch in range(_PATCHES)]
+        return [{**base, "python_full_version": v, "implementation_version": v} for v in full]
+
+
+# Patch releases a VM's python3 may be (3.11.0 ... 3.11.29): their markers differ (redis
+# needs async-timeout below 3.11.3; Debian 12 ships 3.11.2).
+_PATCHES = 30
 
 
 def agent_requirement(cloud: str, *, replica: bool = False, wheel: SelfWheel | None = None) -> str:
@@ -105,8 +148,11 @@ def pip_command(
 ) -> list[str]:
     """The pip command line that resolves the requirements for ``target`` into ``report``."""
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed"]
-    cmd += ["--quiet", "--report", str(report), "--only-binary=:all:"]
-    cmd += ["--platform", target.platform, "--python-version", target.python_version]
+    # Not --quiet: it would hide pip's account of a conflict, which the error shows.
+    cmd += ["--report", str(report), "--only-binary=:all:"]
+    for tag in target.platform_tags():
+        cmd += ["--platform", tag]
+    cmd += ["--python-version", target.python_version]
     cmd += ["--implementation", target.implementation, *pip_args, *requirements]
     for f in requirement_files:
         cmd += ["-r", str(f)]
@@ -158,6 +204,34 @@ def lock_from_report(
     return make_lock(packages, target=target.describe(), requires=requires)
 
 
+def missing_on_target(report: Mapping[str, Any], target: LockTarget) -> list[str]:
+    """What the packages of pip's report require on some VM of ``target`` but the report
+    does not hold: pip evaluated each marker on this machine (another OS, another patch
+    release of Python), so e.g. redis's ``async-timeout; python_full_version < '3.11.3'``
+    is left out by a controller on 3.11.7 for VMs on Debian 12's 3.11.2, and CUDA torch's
+    ``nvidia-*; platform_system == "Linux"`` by one on a Mac. Each marker is evaluated for
+    every patch release of the target (:meth:`LockTarget.environments`) with the extras its
+    package was asked for."""
+    items = list(report.get("install", []))
+    have = {canonical_name(i.get("metadata", {}).get("name", "")) for i in items}
+    envs = target.environments()
+    out: set[str] = set()
+    for item in items:
+        extras = ["", *(item.get("requested_extras") or [])]
+        for text in item.get("metadata", {}).get("requires_dist") or []:
+            try:
+                req = Requirement(text)
+            except InvalidRequirement:
+                continue
+            if canonical_name(req.name) in have or req.marker is None:
+                continue
+            marker = req.marker
+            if any(marker.evaluate({**env, "extra": x}) for env in envs for x in extras):
+                bare = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+                out.add(f"{req.name}{bare}{req.specifier}")
+    return sorted(out)
+
+
 class ResolveError(Exception):
     """pip could not resolve the environment; the message names the requirements, pip's own
     words, and the way out."""
@@ -178,6 +252,32 @@ def resolve_lock(
         ResolveError: pip failed, or its report cannot become a lock.
     """
     what = ", ".join([*requirements, *(f"-r {f}" for f in requirement_files)])
+    extra: list[str] = []
+    # pip resolves with this machine's markers; what the VMs need besides is added and the
+    # whole resolved again, until nothing is missing (one more round, in practice).
+    for _ in range(4):
+        found = _resolve_report(
+            [*requirements, *extra], requirement_files, target, pip_args, timeout_s, what
+        )
+        missing = [m for m in missing_on_target(found, target) if m not in extra]
+        if not missing:
+            break
+        extra += missing
+    try:
+        return lock_from_report(found, target, [*requirements], wheel)
+    except LockError as e:
+        raise ResolveError(_advice(what, str(e))) from None
+
+
+def _resolve_report(
+    requirements: Sequence[str],
+    requirement_files: Sequence[Path],
+    target: LockTarget,
+    pip_args: Sequence[str],
+    timeout_s: float,
+    what: str,
+) -> dict[str, Any]:
+    """pip's installation report of one resolution."""
     with tempfile.TemporaryDirectory(prefix="spottrain-lock-") as tmp:
         report = Path(tmp) / "report.json"
         cmd = pip_command(requirements, requirement_files, report, target, pip_args)
@@ -189,10 +289,8 @@ def resolve_lock(
         if proc.returncode != 0 or not report.exists():
             said = proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}"
             raise ResolveError(_advice(what, said[-2000:]))
-        try:
-            return lock_from_report(json.loads(report.read_text()), target, [*requirements], wheel)
-        except LockError as e:
-            raise ResolveError(_advice(what, str(e))) from None
+        data: dict[str, Any] = json.loads(report.read_text())
+        return data
 
 
 def _advice(what: str, said: str) -> str:

@@ -106,9 +106,20 @@ class PackagesSpec(_Model):
             *self.find_links,
         ]
 
+    def trusted_hosts(self) -> list[str]:
+        """The hosts of the ``http://`` URLs: pip ignores a plain-HTTP index unless told to
+        trust its host, and a URL written here is trusted as it is written (an index on a
+        private network; prefer https)."""
+        hosts = {
+            u.split("://", 1)[1].split("/", 1)[0] for u in self.urls() if u.startswith("http://")
+        }
+        return sorted(hosts)
+
     def pip_args(self) -> list[str]:
         """The pip options that name these sources (no credentials: there are none here)."""
         out: list[str] = []
+        for host in self.trusted_hosts():
+            out += ["--trusted-host", host]
         if self.index_url:
             out += ["--index-url", self.index_url]
         for u in self.extra_index_urls:

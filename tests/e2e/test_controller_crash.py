@@ -124,6 +124,7 @@ class World:
             *extra,
         ]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
+        env["SPOTTRAIN_HOME"] = str(self.spec_path.parent / "home")
         if crash:
             env[CRASH_ENV] = crash
         try:
@@ -283,6 +284,9 @@ def world(redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path) 
         redis={"url": redis_server.url},
         aws={"images": dict(harness.settings.image_ids), "placement_group": False},
     )
+    # Where the run's boot files go (the controller ships them before it launches).
+    (tmp_path / "store").mkdir()
+    spec["checkpoint"] = {**spec["checkpoint"], "copy_to": f"file://{tmp_path}/store"}
     spec_path = tmp_path / "job.yaml"
     spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
     w = World(harness, redis_client, redis_server.url, run_id, spec_path)

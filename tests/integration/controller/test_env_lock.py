@@ -48,6 +48,7 @@ from spottrain.envlock import EnvLock, lock_sha256, main, parse_lock, verify
 from spottrain.spec import parse_spec
 
 PY = sys.executable
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -284,48 +285,79 @@ def _aws_data() -> dict[str, Any]:
     return _with(data, "resources.instance_types", ["p4d.24xlarge"])
 
 
-def _aws_job(tmp_path: Path, redis_url: str) -> Path:
+def _aws_job(tmp_path: Path, redis_url: str, index_url: str) -> Path:
     (tmp_path / "code").mkdir()
     (tmp_path / "store").mkdir()
     (tmp_path / "code" / "train.py").write_text("print('hi')\n")
-    (tmp_path / "code" / "requirements.txt").write_text("gamma==1.0\n")
+    # A job requirement the index has: locked with the agent, never moving it.
+    (tmp_path / "code" / "requirements.txt").write_text("six\n")
     data = _with(
         _aws_data(), "code", {"archive": {"path": "code", "store": f"file://{tmp_path}/store"}}
     )
     data = _with(data, "checkpoint.copy_to", ...)
     data = _with(data, "redis", {"url": redis_url})
+    data = _with(data, "packages", {"index_url": index_url})
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
 
 
-def test_up_on_aws_records_the_lock_and_sends_it_in_the_user_data(
-    wheels: Path,
+@pytest.fixture
+def no_pip_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine's pip configuration (its mirrors, its torch cap) stays out: only what
+    the spec names is an index."""
+    for name in [k for k in os.environ if k.startswith("PIP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+
+
+@pytest.mark.slow  # real resolutions of the agent's environment (torch included)
+def test_up_on_aws_ships_its_wheel_and_lock_and_the_user_data_pins_them(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     redis_server: Any,
+    box_index: Any,
+    no_pip_config: None,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from harnesses.aws import AwsHarness
 
     from spottrain.cloud.base import LaunchRequest, Market, Offer
+    from spottrain.cloud.stores import open_store
     from spottrain.controller.run.code import boot_renderer
     from spottrain.controller.run.create import create_run
     from spottrain.controller.run.records import RunInfo
+    from spottrain.controller.run.wheel import self_wheel
     from spottrain.spec import load_spec
 
     monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
-    info = create_run(load_spec(_aws_job(tmp_path, redis_server.url)))
-    rec = RunInfo.load(info.run_id).env_locks
-    assert set(rec) == {"aws"} and rec["aws"]["packages"] == 4  # the job's gamma too
+    info = create_run(load_spec(_aws_job(tmp_path, redis_server.url, box_index.url)))
+    assert box_index.count("/simple/spottrain") == 0  # nobody asked an index for spottrain
+    run = RunInfo.load(info.run_id)
+    rec = run.env_locks
     text = (info.dir / "env-aws.lock").read_text()
+    lock = parse_lock(text)
     assert rec["aws"]["sha256"] == lock_sha256(text)
-    assert parse_lock(text).versions()["gamma"] == "1.0"
-    assert env_lock_lines(rec) == [
-        f"env lock aws: 4 packages, sha256 {rec['aws']['sha256'][:16]} (env-aws.lock)"
-    ]
+    assert rec["aws"]["packages"] == len(lock.packages) > 20
+    versions = lock.versions()
+    assert versions["torch"] == "2.13.0+cpu" and versions["six"]  # the job's requirement too
+    # redis needs async-timeout on a VM's Python 3.11.0-3.11.2 (Debian 12's): locked too,
+    # though this controller's own Python does not need it.
+    assert "async-timeout" in versions
+    # spottrain is this controller's own wheel, pinned by its sha256.
+    wheel = self_wheel(tmp_path / "home" / "wheels")
+    assert run.wheel["sha256"] == wheel.sha256
+    (pinned,) = [p for p in lock.packages if p.name == "spottrain"]
+    assert pinned.hashes == (f"sha256:{wheel.sha256}",) and pinned.url == ""
+    # The run's store holds the boot files by content.
+    store = open_store(f"file://{tmp_path}/store")
+    files = run.boot_files["aws"]
+    assert set(files) == {"script", "loader", "lock", "wheel"}
+    for f in files.values():
+        key = f["url"].removeprefix(store.url() + "/")
+        assert store.stat(key).sha256 == f["sha256"]
+    assert files["lock"]["sha256"] == lock_sha256(text)
+    assert files["wheel"]["sha256"] == wheel.sha256
     from spottrain.controller.cli import main as cli
 
     capsys.readouterr()
@@ -337,7 +369,10 @@ def test_up_on_aws_records_the_lock_and_sends_it_in_the_user_data(
         interruption_risk=0.1, network="efa",
     )  # fmt: skip
     script = boot_renderer(info.spec(), info)("n0", offer)
-    assert f"<<'LOCK'\n{text}LOCK\n" in script and "--require-hashes" in script
+    # The user data pins every file by sha256 and carries none of them.
+    for f in files.values():
+        assert f["sha256"] in script
+    assert "torch==" not in script and len(script.encode()) < 12 * 1024
     harness = AwsHarness()
     try:
         vm = harness.provider.launch(
@@ -347,6 +382,11 @@ def test_up_on_aws_records_the_lock_and_sends_it_in_the_user_data(
         assert base64.b64decode(sent["UserData"]["Value"]).decode() == script
     finally:
         harness.close()
+    # A boot file gone from the store is put back before anything launches again.
+    key = files["script"]["url"].removeprefix(store.url() + "/")
+    store.delete(key)
+    boot_renderer(info.spec(), info)
+    assert store.stat(key).sha256 == files["script"]["sha256"]
 
 
 def test_up_takes_a_prebuilt_lock_and_refuses_one_for_another_spottrain(
@@ -387,37 +427,43 @@ def test_up_takes_a_prebuilt_lock_and_refuses_one_for_another_spottrain(
     assert capture_locks(image, tmp_path, tmp_path, own) == {}
 
 
-def test_the_lock_command_writes_what_up_would_install(
-    wheels: Path,
+@pytest.mark.slow  # real resolutions of the agent's environment (torch included)
+def test_the_lock_command_works_with_an_index_that_has_no_spottrain(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    box_index: Any,
+    no_pip_config: None,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """``spottrain lock examples/gcp_job.yaml --cloud gcp`` against an index that does not
+    carry spottrain: the lock pins this controller's own wheel by its sha256."""
     from spottrain.controller.cli import main as cli
+    from spottrain.controller.run.wheel import self_wheel
 
-    job = _aws_job(tmp_path, "redis://127.0.0.1:1/0")
-    out = tmp_path / "aws.lock"
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
-    assert cli.main(["lock", str(job), "--cloud", "aws", "-o", str(out)]) == 1
-    err = capsys.readouterr().err
-    assert f"spottrain[agent,aws]=={__version__}" in err and "--env-lock CLOUD=FILE" in err
-    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
-    assert cli.main(["lock", str(job), "--cloud", "aws", "-o", str(out)]) == 0
-    lock = parse_lock(out.read_text())
-    assert lock.versions()["gamma"] == "1.0" and lock.versions()["spottrain"] == __version__
-    assert capsys.readouterr().err == (
-        "spottrain: 4 packages locked for aws (python 3.11 cp manylinux_2_28_x86_64), "
-        f"sha256 {lock_sha256(out.read_text())}\n"
-    )
-    # For Arm VMs with another python: the target is in the lock's header, and pure-Python
-    # wheels resolve for any platform.
-    arm = ["--platform", "manylinux_2_28_aarch64", "--python-version", "3.12"]
-    assert cli.main(["lock", str(job), "--cloud", "aws", "-o", str(out), *arm]) == 0
-    assert parse_lock(out.read_text()).target == "python 3.12 cp manylinux_2_28_aarch64"
-    capsys.readouterr()
-    # up refuses an --env-lock for a cloud the run does not use, before anything starts.
     monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
-    assert cli.main(["up", str(job), "--env-lock", f"gcp={out}"]) == 2
-    assert "no gcp VM" in capsys.readouterr().err
+    monkeypatch.setenv("PIP_INDEX_URL", box_index.url)
+    out = tmp_path / "gcp.lock"
+    job = str(REPO / "examples" / "gcp_job.yaml")
+    assert cli.main(["lock", job, "--cloud", "gcp", "-o", str(out)]) == 0, capsys.readouterr()
+    lock = parse_lock(out.read_text())
+    versions = lock.versions()
+    assert versions["spottrain"] == __version__ and "google-cloud-compute" in versions
+    assert "boto3" not in versions  # the other cloud's client is not a GCP VM's
+    wheel = self_wheel(tmp_path / "home" / "wheels")
+    (pinned,) = [p for p in lock.packages if p.name == "spottrain"]
+    assert pinned.hashes == (f"sha256:{wheel.sha256}",)
+    err = capsys.readouterr().err
+    assert f"spottrain is this controller's wheel {wheel.filename}" in err
+    assert box_index.count("/simple/spottrain") == 0
+    # Another index without torch: the lock fails, in pip's words, with the way out.
+    box_index.missing = {"torch"}
+    try:
+        assert cli.main(["lock", job, "--cloud", "gcp", "-o", str(tmp_path / "x.lock")]) == 1
+    finally:
+        box_index.missing = set()
+    err = capsys.readouterr().err
+    assert "torch" in err and "--env-lock CLOUD=FILE" in err
+    # up refuses an --env-lock for a cloud the run does not use, before anything starts.
+    assert cli.main(["up", job, "--env-lock", f"aws={out}"]) == 2
+    assert "no aws VM" in capsys.readouterr().err
     assert not (tmp_path / "home" / "runs").exists()
