@@ -16,7 +16,11 @@ _IMAGE_RE = re.compile(
     r"(family/)?[a-z]([-a-z0-9]*[a-z0-9])?\Z"
 )
 _GPU_FAMILIES = ("a2-", "a3-", "a4-", "g2-")
-_METADATA_LIMIT = 512 * 1024
+# Compute Engine's metadata limits: 256 KiB a value, 512 KiB for all keys and values together
+# (the Metadata resource's reference). Sizes are counted in UTF-8 bytes, as the reference
+# states them; the API's refusal words them in "character(s)", which is the same for ASCII.
+_METADATA_VALUE_LIMIT = 256 * 1024
+_METADATA_TOTAL_LIMIT = 512 * 1024
 
 
 class ValidationMixin(GceState):
@@ -148,8 +152,31 @@ def _check_labels_and_metadata(body: dict[str, Any], at: str) -> None:
         if not isinstance(value, str) or not _LABEL_VALUE_RE.match(value):
             raise invalid(f"{at}.labels.{key}", value, "Label values must match [a-z0-9_-]{0,63}.")
     items = body.get("metadata", {}).get("items", [])
-    if sum(len(i.get("key", "")) + len(i.get("value", "")) for i in items) > _METADATA_LIMIT:
-        raise ApiError(400, "Metadata exceeds the 512 KB limit.", "invalid")
     for item in items:
         if not _METADATA_KEY_RE.match(item.get("key", "")):
             raise invalid(f"{at}.metadata.items.key", item.get("key", ""), "")
+    total = 0
+    for n, item in enumerate(items):
+        size = _size(item.get("value", ""))
+        if size > _METADATA_VALUE_LIMIT:
+            raise _too_large(f"{at}.metadata.items[{n}].value", _METADATA_VALUE_LIMIT, size)
+        total += _size(item.get("key", "")) + size
+    if total > _METADATA_TOTAL_LIMIT:
+        raise _too_large(f"{at}.metadata", _METADATA_TOTAL_LIMIT, total)
+
+
+def _size(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+def _too_large(field_name: str, limit: int, size: int) -> ApiError:
+    """The API's refusal of an oversized field: HTTP 413 with reason ``fieldSizeTooLarge``
+    (as ``googleapi: Error 413: Value for field 'resource.properties.metadata.items[27].value'
+    is too large: maximum size 262144 character(s); actual size 277764., fieldSizeTooLarge``
+    reads when a client prints it)."""
+    return ApiError(
+        413,
+        f"Value for field '{field_name}' is too large: maximum size {limit} character(s); "
+        f"actual size {size}.",
+        "fieldSizeTooLarge",
+    )
