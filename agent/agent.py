@@ -39,7 +39,14 @@ from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.states import NodeState
 from spottrain.redis_conn import RedisSettings, connect, ping, settings_from_url
 
-from .config import EXIT_CONFIG, EXIT_OK, EXIT_TORCHRUN_FAILED, EXIT_UNHEALTHY, AgentConfig
+from .config import (
+    EXIT_CONFIG,
+    EXIT_OK,
+    EXIT_TORCHRUN_FAILED,
+    EXIT_UNHEALTHY,
+    AgentConfig,
+    interface_of,
+)
 from .lifecycle import Lifecycle
 from .node_record import NodeInfo, NodeRecord
 from .notices.handler import DrainOutcome, NoticeHandler
@@ -287,6 +294,7 @@ class Agent:
         if self.cfg.ckpt_dir:
             env[ENV_CKPT_DIR] = self.cfg.ckpt_dir
         env[ENV_PROGRESS_FILE] = self.progress_path
+        env.update(self._socket_interfaces(env))
         if self.replica is not None:
             env.update(self.replica.launch.worker_env())
             # torchft's Rust manager logs every quorum whole at info: ~100 bytes a replica a
@@ -306,6 +314,19 @@ class Agent:
             command=cmd,
             **(self.replica.event_fields() if self.replica else {}),
         )
+
+    def _socket_interfaces(self, env: dict[str, str]) -> dict[str, str]:
+        """On a real VM, gloo (and torch's tensorpipe) bind to the interface of the node's own
+        address, unless the job's environment names one: by default they take the address
+        the hostname resolves to, which on many images is 127.0.1.1 (/etc/hosts) or nothing,
+        and then every peer's connection is refused."""
+        if self.cfg.cloud == "local" or not self.cfg.address:
+            return {}
+        iface = interface_of(self.cfg.address)
+        if iface is None:
+            return {}
+        names = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+        return {n: iface for n in names if not env.get(n)}
 
     def _supervise(self) -> int:
         assert self.proc is not None

@@ -227,3 +227,21 @@ def own_address(redis_url: str) -> str:
             f"cannot find this VM's address: no route to the run's Redis at {host}:{port} "
             f"({e}); set SPOTTRAIN_ADDRESS (--address) to the address other nodes reach it at"
         ) from None
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding the IPv4 ``address``, or None (not found, or not an
+    IPv4 address of this machine)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+        if socket.inet_ntoa(raw[20:24]) == address:
+            return name
+    return None

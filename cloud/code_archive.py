@@ -21,6 +21,7 @@ import contextlib
 import fnmatch
 import gzip
 import os
+import posixpath
 import re
 import shutil
 import stat
@@ -446,12 +447,46 @@ def _extract(tarball: Path, tree: Path) -> None:
                         f"refusing archive {tarball.name}: member {name!r} is an absolute "
                         "path or climbs out with '..'"
                     )
-            # errorlevel=1 (the default) makes the data filter's refusals raise.
-            tar.extractall(tree, filter="data")
-    except tarfile.FilterError as exc:
-        raise UnsafeArchiveError(f"refusing archive {tarball.name}: {exc}") from exc
+            if hasattr(tarfile, "data_filter"):
+                # errorlevel=1 (the default) makes the data filter's refusals raise.
+                tar.extractall(tree, filter="data")
+            else:
+                # Python 3.11.0-3.11.3 (Debian 12's python3 is 3.11.2) have no extraction
+                # filters: the same checks, made here.
+                tar.extractall(tree, members=data_members(tar, tarball.name))
+    except UnsafeArchiveError:
+        raise
     except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        if type(exc).__name__.endswith("FilterError") or isinstance(
+            exc, getattr(tarfile, "FilterError", ())
+        ):
+            raise UnsafeArchiveError(f"refusing archive {tarball.name}: {exc}") from exc
         raise ArchiveError(f"archive {tarball.name} is not a readable tar.gz: {exc}") from exc
+
+
+def data_members(tar: tarfile.TarFile, name: str) -> list[tarfile.TarInfo]:
+    """What the ``data`` filter lets through, for a Python without it: files, folders and
+    links that stay inside the tree, with no owner and no special mode bits.
+
+    Raises:
+        UnsafeArchiveError: a device, a fifo, or a link that leaves the tree.
+    """
+    out = []
+    for m in tar.getmembers():
+        if not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
+            raise UnsafeArchiveError(f"refusing archive {name}: {m.name!r} is a special file")
+        if m.issym() or m.islnk():
+            base = posixpath.dirname(m.name) if m.issym() else ""
+            target = posixpath.normpath(posixpath.join(base, m.linkname))
+            if m.linkname.startswith("/") or target == ".." or target.startswith("../"):
+                raise UnsafeArchiveError(
+                    f"refusing archive {name}: {m.name!r} links out of the tree ({m.linkname!r})"
+                )
+        m.uid = m.gid = 0
+        m.uname = m.gname = ""
+        m.mode &= 0o755 if (m.isdir() or m.mode & 0o100) else 0o644
+        out.append(m)
+    return out
 
 
 # --- command line ---------------------------------------------------------------------------

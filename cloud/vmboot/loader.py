@@ -329,8 +329,10 @@ def reason_from(lines: list[str]) -> str:
                 )
             return "pip: " + why
     for ln in reversed(text):
-        if ln.startswith(("fatal: ", "error: ")):
+        if ln.startswith("fatal: "):
             return "git: " + ln
+        if ln.startswith("error: "):
+            return ln[len("error: ") :]
     return text[-1] if text else "it exited non-zero without saying why"
 
 

@@ -72,7 +72,8 @@ ENV_LOCK_PATH = "/etc/spottrain/env.lock"
 # from a VM of the run) is reused.
 ENV_LOCK_MARK = f"{VENV}/.spottrain-env-lock"
 # Where the loader and what it fetches live on the VM.
-BOOT_DIR = "/var/lib/spottrain/boot"
+# Not under /var/lib/spottrain: that is the workers' home, which useradd must create.
+BOOT_DIR = "/var/lib/spottrain-boot"
 FETCH_PATH = f"{BOOT_DIR}/fetch.py"
 LOADER_PATH = f"{BOOT_DIR}/loader.py"
 BOOT_CONF = f"{BOOT_DIR}/boot.json"
@@ -521,9 +522,12 @@ def render_job_boot(
     env = job_env(
         spec, cloud, run_id, redis_url, password_file=PASSWORD_PATH if password_secret else None
     )
+    endpoints = vm_endpoint_env(spec, cloud)
     parts = [
         f"# spottrain {__version__}: the boot of run {run_id} on {cloud}, run by every VM's\n"
         "# user data after the loader fetched it and checked its sha256.\n",
+        # The spec's endpoints, for what the boot itself fetches (the code archive).
+        "".join(f"export {k}={shlex.quote(v)}\n" for k, v in endpoints.items()),
         _secret_fetch(password_secret) if password_secret else "",
         _stage(boot.STAGE_USER),
         worker_user_lines(),

@@ -16,6 +16,8 @@ from spec_samples import COMMIT, LOCAL, VALID, _with
 
 from spottrain.agent.cli import RUN_ENV_VARS, build_parser
 from spottrain.controller.run.boot import (
+    BOOT_CONF,
+    LOADER_PATH,
     CodeRef,
     NodeIdentity,
     parse_env_file,
@@ -104,7 +106,7 @@ def test_training_command_with_quotes_survives_the_env_file(
 
 
 def test_boot_script_carries_no_password_and_fetches_it_from_the_secret_store() -> None:
-    read = "python3 /var/lib/spottrain/boot/loader.py /var/lib/spottrain/boot/boot.json secret"
+    read = f"python3 {LOADER_PATH} {BOOT_CONF} secret"
     aws = whole_boot(_spec(VALID), NODE, REDIS, password_secret="spottrain/redis")
     assert f"{read} spottrain/redis /etc/spottrain/redis-password\n" in aws
     gcp_node = NodeIdentity(NODE.run_id, "node-3", "gcp", "us-central1-a", "a2-highgpu-8g")

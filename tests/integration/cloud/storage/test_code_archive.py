@@ -24,6 +24,7 @@ from spottrain.cloud.code_archive import (
     ArchiveTooLarge,
     UnsafeArchiveError,
     build_archive,
+    data_members,
     fetch_archive,
     upload_archive,
 )
@@ -407,3 +408,46 @@ def test_the_cli_exits_1_with_one_line_when_the_fetch_fails(tree: Path, tmp_path
     assert missing.returncode == 1
     assert missing.stderr.startswith("error: no object at")
     assert not (tmp_path / "code").exists()
+
+
+@pytest.mark.parametrize(
+    "member",
+    [
+        _symlink("escape", "../../outside"),
+        _symlink("abs-link", "/etc/passwd"),
+        tarfile.TarInfo("pipe"),
+    ],
+    ids=["link-escape", "absolute-link", "fifo"],
+)
+def test_without_extraction_filters_the_same_members_are_refused(
+    member: tarfile.TarInfo, tmp_path: Path
+) -> None:
+    """Python 3.11.0-3.11.3 (Debian 12's python3, which a VM's venv may be built on) have no
+    ``filter="data"``: :func:`data_members` makes the same checks there."""
+    if member.name == "pipe":
+        member.type = tarfile.FIFOTYPE
+    raw, _ = _evil_archive(member, b"pwned")
+    with (
+        tarfile.open(fileobj=io.BytesIO(raw), mode="r:gz") as tar,
+        pytest.raises(UnsafeArchiveError, match=r"refusing archive a\.tar\.gz"),
+    ):
+        data_members(tar, "a.tar.gz")
+
+
+def test_without_extraction_filters_owners_and_special_modes_are_dropped(tmp_path: Path) -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, mode, data in (("run.sh", 0o4777, b"#!/bin/sh\n"), ("a.txt", 0o666, b"a")):
+            info = tarfile.TarInfo(name)
+            info.mode, info.uid, info.uname, info.size = mode, 1234, "someone", len(data)
+            tar.addfile(info, io.BytesIO(data))
+        tar.addfile(_symlink("link", "a.txt"))
+    buf.seek(0)
+    with tarfile.open(fileobj=buf, mode="r:gz") as tar:
+        members = data_members(tar, "a.tar.gz")
+        assert {m.name: (m.mode, m.uid, m.uname) for m in members if not m.issym()} == {
+            "run.sh": (0o755, 0, ""),
+            "a.txt": (0o644, 0, ""),
+        }
+        tar.extractall(tmp_path / "tree", members=members, filter="fully_trusted")
+    assert os.readlink(tmp_path / "tree" / "link") == "a.txt"
