@@ -176,6 +176,10 @@ class NoticeHandler:
         t0 = self.clock()
         joined = self.lifecycle.state in (NodeState.JOINED, NodeState.CHECKPOINTING)
         self._advance(NodeState.DRAINING, f"{notice.kind.value} from {notice.source}")
+        if notice.kind.reclaims:
+            # The controller may end the drained VM before the cloud reclaims it, and the
+            # cloud then reports no interruption: the node says it was one.
+            self.record.mark(preempted=f"{notice.kind.value} from {notice.source}")
         step = None
         self._refused = None
         if joined:

@@ -32,6 +32,23 @@ class NoticeKind(StrEnum):
         """Whether the node must leave: everything but a rebalance recommendation."""
         return self is not NoticeKind.REBALANCE
 
+    @property
+    def reclaims(self) -> bool:
+        """Whether the cloud takes the VM back (a spot interruption, a preemption, a
+        maintenance that terminates it): the node's drain is a preemption survived."""
+        return self in _RECLAIMS
+
+
+_RECLAIMS = frozenset(
+    {
+        NoticeKind.TERMINATE,
+        NoticeKind.STOP,
+        NoticeKind.HIBERNATE,
+        NoticeKind.PREEMPTED,
+        NoticeKind.MAINTENANCE,
+    }
+)
+
 
 @dataclass(frozen=True)
 class Notice:

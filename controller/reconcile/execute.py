@@ -201,7 +201,11 @@ class Executor:
                 inst = listed.get(a.node)
                 if inst is not None:
                     self.terminate(inst, a.node, a.why)
-                    self.state.update_launch(a.node, reason=a.why)
+                    if a.preempted:
+                        reason = f"preempted: {a.preempted}"
+                        self.state.update_launch(a.node, reason=reason, interrupted=True)
+                    else:
+                        self.state.update_launch(a.node, reason=a.why)
             elif isinstance(a, Drain):
                 self.drain_one(a)
             elif isinstance(a, Penalise):

@@ -161,16 +161,19 @@ def _fold_node(
             rec = replace(rec, status=LedgerStatus.LAUNCHED, instance_id=inst.id)
             steps.append(PutRecord(rec))
     elif rec.status in LIVE_LAUNCHES and inst.state is InstanceState.TERMINATED:
+        # Interrupted as the cloud says, or as the node said before the controller ended it
+        # (drained on a preemption notice: see Terminate.preempted).
+        interrupted = inst.interrupted or rec.interrupted
         rec = replace(
             rec,
             status=LedgerStatus.ENDED,
             instance_id=inst.id,
             ended_at=now,
-            interrupted=inst.interrupted,
+            interrupted=interrupted,
             reason=rec.reason or inst.state_reason,
         )
         steps.append(PutRecord(rec))
-        if inst.interrupted:
+        if interrupted:
             key = (rec.offer.cloud, rec.offer.zone, rec.offer.instance_type)
             steps += [
                 CountPreemption(key),
@@ -180,7 +183,7 @@ def _fold_node(
                         "vm": inst.id,
                         "node_name": node,
                         "zone": rec.offer.zone,
-                        "reason": inst.state_reason,
+                        "reason": inst.state_reason if inst.interrupted else rec.reason,
                     },
                 ),
             ]

@@ -161,6 +161,7 @@ class Observer:
                 agent_reason=agents.get(r.node, {}).get("reason", ""),
                 boot=boots.get(r.node),
                 at_risk=agents.get(r.node, {}).get("at_risk", ""),
+                preempted=agents.get(r.node, {}).get("preempted", ""),
                 # Only while the node it replaces lives: after that it is an ordinary node.
                 replaces=r.replaces if r.replaces in live_names else "",
             )

@@ -218,7 +218,8 @@ def bad_nodes(p: Pass) -> Plan | None:
                 why = streak.why()
                 return p.ending(Stop(why, error=True, checkpoint=False), why)
         elif n.agent_state == NodeState.LEFT:
-            p.actions.append(Terminate(n.name, n.instance.id, "its agent left (drained or done)"))
+            why = "its agent left (drained or done)"
+            p.actions.append(Terminate(n.name, n.instance.id, why, preempted=n.preempted))
             p.gone.add(n.name)
     p.n_staying = p.tally.settled
     p.staying_zones = p.tally.zones

@@ -125,6 +125,7 @@ class NodeObs:
     boot: BootReport | None = None
     console: str = ""
     at_risk: str = ""
+    preempted: str = ""
     replaces: str = ""
 
 
@@ -311,9 +312,13 @@ class Launch:
 
 @dataclass(frozen=True)
 class Terminate:
+    """End ``node``'s VM; ``preempted``: the node drained on its cloud's preemption notice,
+    so its end counts as the preemption it is (the cloud, ending it later, would say so)."""
+
     node: str
     instance_id: str
     why: str
+    preempted: str = ""
     kind: ActionKind = ActionKind.TERMINATE
 
 

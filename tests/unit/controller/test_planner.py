@@ -392,6 +392,15 @@ def test_plan_terminates_the_idle_vm_of_a_node_that_left() -> None:
     assert [a.node for a in launches(p)] == ["n2"]
 
 
+def test_the_vm_of_a_node_that_left_on_a_preemption_notice_ends_as_preempted() -> None:
+    left = replace(node("n1", agent="left"), preempted="terminate from aws-imds")
+    p = plan(Policy(1, 2), observed(nodes=(node("n0"), left), next_index=2))
+    (t,) = terminates(p)
+    assert (t.node, t.preempted) == ("n1", "terminate from aws-imds")
+    done = plan(Policy(1, 2), observed(nodes=(node("n0"), node("n1", agent="left"))))
+    assert [t.preempted for t in terminates(done)] == [""]
+
+
 def test_plan_after_a_stop_only_ends_vms() -> None:
     p = plan(Policy(1, 2), observed(nodes=(node("n0"),), stopped="budget"))
     assert [t.node for t in terminates(p)] == ["n0"] and launches(p) == []

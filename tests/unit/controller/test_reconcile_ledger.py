@@ -119,6 +119,18 @@ def test_a_preemption_is_recorded_counted_and_noted_once() -> None:
     assert again == []
 
 
+def test_a_vm_ended_by_the_controller_after_a_preemption_notice_counts_as_preempted() -> None:
+    """The node drained on its cloud's notice and the controller ended the VM before the
+    cloud reclaimed it: the cloud reports no interruption, the ledger still counts one."""
+    noticed = replace(rec("n0"), interrupted=True, reason="preempted: terminate from aws-imds")
+    out, steps = fold(Ledger({"n0": noticed}), [inst("n0", state=InstanceState.TERMINATED)])
+    r = out.records["n0"]
+    assert (r.status, r.interrupted) == (LedgerStatus.ENDED, True)
+    assert CountPreemption(("aws", "us-east-1a", "p4d.24xlarge")) in steps
+    (note,) = [s for s in steps if isinstance(s, Note)]
+    assert note.fields["reason"] == "preempted: terminate from aws-imds"
+
+
 def test_a_second_vm_for_one_node_is_ended_and_the_ledgers_kept() -> None:
     extra = inst("n0", id_="i-other", request_id="rq-other")
     out, steps = fold(Ledger({"n0": rec("n0")}), [inst("n0"), extra])
