@@ -58,6 +58,20 @@ DEFAULT_WAIT_S = 60.0
 # error (a changed roster's read, the reply): the client ends by its own deadline, its last
 # WAIT included, so the manager gets our message, not its own deadline's.
 ANSWER_MARGIN_S = 0.1
+# gRPC sends a deadline as a timeout rounded up to a short encoding, by up to about 1% (10 s
+# arrives as 10.1 s, 100 s as 101 s): the caller's own deadline comes that much sooner.
+DEADLINE_ROUNDING = 1.015
+
+
+def answer_within_s(remaining_s: float | None, margin_s: float) -> float:
+    """How long a Quorum call whose deadline is ``remaining_s`` away (as this server sees
+    it) may wait for the quorum, leaving ``margin_s`` for the reply before the caller's own
+    deadline."""
+    if remaining_s is None:
+        return DEFAULT_WAIT_S
+    return max(0.0, remaining_s / DEADLINE_ROUNDING - margin_s)
+
+
 AGES_METHOD = "/spottrain.QuorumShim/HeartbeatAges"
 # Polls of the same members this close together share one Redis read.
 _AGES_SHARE_S = 0.05
@@ -256,10 +270,7 @@ class LighthouseShim:
         if why is not None:
             self.refused.append(rid)
             context.abort(grpc.StatusCode.NOT_FOUND, self._gone_message(rid, why))
-        remaining = context.time_remaining()
-        timeout = (
-            DEFAULT_WAIT_S if remaining is None else max(0.0, remaining - self.answer_margin_s)
-        )
+        timeout = answer_within_s(context.time_remaining(), self.answer_margin_s)
         try:
             answer = self._ask(m, timeout)
             with self._cache_lock:

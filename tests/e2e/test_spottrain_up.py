@@ -240,10 +240,12 @@ def test_a_rebalance_recommendation_hands_the_node_over_before_it_is_preempted(
         "n1 drained and ended",
         240,
     )
-    launched = next(e for e in events if " launched " in e and "node_name=n3" in e)
-    assert "replaces=n1" in launched, launched
+    # n3 unless a loaded machine had a straggler replaced first (checked at the end).
+    launched = [e for e in events if " launched " in e and "replaces=n1" in e]
+    assert len(launched) == 1, events
+    (replacement,) = [w[len("node_name=") :] for w in launched[0].split() if "node_name=" in w]
     drain = next(e for e in events if " drain " in e and "node_name=n1" in e)
-    assert "replacement n3 joined; draining n1" in drain
+    assert f"replacement {replacement} joined; draining n1" in drain
     drained = next(e for e in events if " drained " in e and " n1 " in e)
     assert "committed_step=null" not in drained, drained  # the handover saved its state
     assert not any("node n1 is a straggler" in e for e in events)  # it left for the notice
@@ -265,7 +267,7 @@ def test_a_rebalance_recommendation_hands_the_node_over_before_it_is_preempted(
     except AssertionError as e:
         raise AssertionError(f"{e}; last status: {seen[-1] if seen else None}") from None
     ended = [e for e in cli.events(run_id) if " terminate " in e]
-    assert ended and "node_name=n1" in ended[0], ended
-    assert all("why=straggler" in e for e in ended[1:]), ended
+    assert sum("node_name=n1" in e for e in ended) == 1, ended
+    assert all("why=straggler" in e for e in ended if "node_name=n1" not in e), ended
     assert cli.run("down", run_id, timeout=180).returncode == 0
     _no_processes_left(run_id)

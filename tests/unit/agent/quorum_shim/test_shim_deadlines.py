@@ -15,7 +15,12 @@ import pytest
 
 from spottrain.agent.quorum_shim import proto
 from spottrain.agent.quorum_shim.local import start_local_shim
-from spottrain.agent.quorum_shim.server import ANSWER_MARGIN_S, LighthouseShim
+from spottrain.agent.quorum_shim.server import (
+    ANSWER_MARGIN_S,
+    DEFAULT_WAIT_S,
+    LighthouseShim,
+    answer_within_s,
+)
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.protocol.keys import RunKeys
 from spottrain.quorum.client import QuorumClient
@@ -88,6 +93,22 @@ class Recording:
         return {}
 
 
+@pytest.mark.parametrize(
+    ("sent_s", "arrived_s"),
+    # What gRPC's encoding of the timeout turned these into at the server, as measured.
+    [(1.0, 1.0092), (10.0, 10.0994), (60.0, 60.099), (100.0, 100.9995), (1000.0, 1009.9994)],
+)
+def test_the_wait_ends_before_the_callers_deadline_though_grpc_rounded_it_up(
+    sent_s: float, arrived_s: float
+) -> None:
+    assert 0.0 < answer_within_s(arrived_s, ANSWER_MARGIN_S) <= sent_s - ANSWER_MARGIN_S
+
+
+def test_a_call_without_a_deadline_waits_the_default_and_a_spent_one_not_at_all() -> None:
+    assert answer_within_s(None, ANSWER_MARGIN_S) == DEFAULT_WAIT_S
+    assert answer_within_s(0.05, ANSWER_MARGIN_S) == 0.0
+
+
 def test_the_client_is_given_the_calls_deadline_less_the_margin() -> None:
     backend = Recording()
     assert LighthouseShim(backend, backend, CONFIG).answer_margin_s == ANSWER_MARGIN_S
@@ -102,7 +123,8 @@ def test_the_client_is_given_the_calls_deadline_less_the_margin() -> None:
     assert err.value.details() == "no quorum formed for replica a in time"
     (join, join_s), (request, request_s) = backend.timeouts
     assert (join, request) == ("join", "request")
-    # Both end by the call's deadline less the margin (the request's is what the join left).
+    # Both end by the call's deadline less the margin (the request's is what the join left),
+    # though gRPC delivered that deadline rounded up (10 s arrives as 10.1 s).
     assert request_s <= join_s <= 10.0 - margin
     assert join_s > 10.0 - margin - 5.0  # not cut to nothing
 
