@@ -135,6 +135,11 @@ class NoticeHandler:
             self._notices.append(notice)
             self.record.event("notice", **notice.to_dict())
             log.warning("notice: %s", notice.to_json())
+            if notice.kind.reclaims:
+                # The controller may end the drained VM before the cloud reclaims it, and the
+                # cloud then reports no interruption: the node says it was one (also when
+                # the drain had begun on another notice: GCE's shutdown comes with it).
+                self.record.mark(preempted=f"{notice.kind.value} from {notice.source}")
             if notice.drains:
                 if self._thread is not None:
                     self._bring_forward(notice)
@@ -176,10 +181,6 @@ class NoticeHandler:
         t0 = self.clock()
         joined = self.lifecycle.state in (NodeState.JOINED, NodeState.CHECKPOINTING)
         self._advance(NodeState.DRAINING, f"{notice.kind.value} from {notice.source}")
-        if notice.kind.reclaims:
-            # The controller may end the drained VM before the cloud reclaims it, and the
-            # cloud then reports no interruption: the node says it was one.
-            self.record.mark(preempted=f"{notice.kind.value} from {notice.source}")
         step = None
         self._refused = None
         if joined:

@@ -331,6 +331,21 @@ def count_staying(p: Pass) -> None:
     p.blocked = {k for k, until in p.obs.blocked.items() if until > now} | p.fresh_blocks
     if p.home is None and p.n_staying:
         p.home = majority_home(p.staying_all())
+    elif p.home is not None and not p.n_staying and _home_closed(p):
+        # Nothing runs in the home zone and every offer there is blocked (its image does not
+        # boot, its capacity is gone): the job starts where it can, from its checkpoint copy,
+        # instead of waiting out the move rule with nothing to move.
+        p.reasons.append(f"leaving {p.home[1]}: every offer there is blocked")
+        p.home = None
+
+
+def _home_closed(p: Pass) -> bool:
+    """The home's offers are all blocked, and a checkpoint elsewhere would come from the
+    object-storage copy (a job that does not copy its checkpoints stays home)."""
+    if not p.policy.copies_checkpoints or p.home is None:
+        return False
+    home = [o for o in p.obs.offers if (o.cloud, o.zone, o.instance_type) == p.home]
+    return bool(home) and all(o.key in p.blocked for o in home)
 
 
 def handover(p: Pass) -> None:

@@ -252,3 +252,18 @@ def test_notices_are_deduplicated_by_the_events_own_id(harness: Harness) -> None
     time.sleep(0.2)
     assert harness.events().count("notice") == 2
     assert harness.client.hget(harness.keys.node("n1"), "at_risk_since") == since
+
+
+def test_a_cloud_reclaim_notice_marks_the_node_preempted_even_during_another_drain(
+    harness: Harness,
+) -> None:
+    """GCE's preemption comes with the ACPI shutdown (SIGTERM): the drain may start on the
+    signal, and the preempted notice that follows still marks the node, so the controller
+    counts the preemption though it ends the VM before the cloud does."""
+    harness.handler.submit(notice(NoticeKind.SIGTERM))
+    wait_for(lambda: harness.lifecycle.state is NodeState.DRAINING)
+    node = harness.keys.node("n1")
+    assert harness.client.hget(node, "preempted") is None  # a stop is not a preemption
+    harness.handler.submit(Notice("gcp-metadata", NoticeKind.PREEMPTED, time.time() + 30, 0.0))
+    wait_for(lambda: harness.client.hget(node, "preempted") is not None)
+    assert harness.client.hget(node, "preempted") == b"preempted from gcp-metadata"

@@ -552,6 +552,25 @@ def test_an_image_stage_failure_blocks_its_region_before_it_counts() -> None:
     assert other.of(Block) == []
 
 
+def test_with_nothing_running_a_blocked_home_is_left_for_an_open_offer() -> None:
+    """The home's image failed and its offers are blocked; nothing of the job runs: it starts
+    in another region (its checkpoint comes from the copy) instead of waiting for the move
+    rule. A job that does not copy its checkpoints stays home."""
+    west = offer("us-west-2a", 14.0)
+    offers = (A_SPOT, B_SPOT, A_OD, west)
+    home = ("aws", "us-east-1a", "p4d.24xlarge")
+    blocked = {o.key: NOW + 3600 for o in (A_SPOT, B_SPOT, A_OD)}
+    obs = observed(offers=offers, blocked=blocked, home=home, next_index=2)
+    p = plan(Policy(1, 1), obs)
+    assert [a.offer for a in launches(p)] == [west] and "leaving us-east-1a" in p.reason
+    assert p.home == ("aws", "us-west-2a", "p4d.24xlarge")
+    stays = plan(Policy(1, 1, copies_checkpoints=False), obs)
+    assert launches(stays) == [] and "no open offer" in stays.reason
+    # A node still running there keeps the job home.
+    running = observed(nodes=(node("n0"),), offers=offers, blocked=blocked, home=home)
+    assert plan(Policy(1, 2), running).home == home
+
+
 def test_the_boot_timeout_reason_carries_the_consoles_last_line() -> None:
     stuck = replace(
         node("n1", agent=None, launched_at=NOW - 1000),
