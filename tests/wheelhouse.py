@@ -111,27 +111,13 @@ REALISTIC_AWS_PACKAGES = (  # noqa: SIM905
 
 def realistic_lock_text() -> str:
     """A lock of :data:`REALISTIC_AWS_PACKAGES` (a distinct fake hash each)."""
-    from spottrain.envlock import LockedPackage, make_lock
-
-    packages = [
-        LockedPackage(
-            name,
-            __version__ if name == "spottrain" else "12.8.4.1",
-            ("sha256:" + hashlib.sha256(name.encode()).hexdigest(),),
-        )
-        for name in REALISTIC_AWS_PACKAGES
-    ]
-    lock = make_lock(
-        packages,
-        target="python 3.11 cp manylinux_2_28_x86_64",
-        requires=[f"spottrain[agent,aws]=={__version__}"],
-    )
-    return lock.text()
+    return lock_of(len(REALISTIC_AWS_PACKAGES))
 
 
-def lock_of(n: int) -> str:
-    """A lock of ``n`` packages (n >= 40): :data:`REALISTIC_AWS_PACKAGES` (a CUDA torch stack)
-    and a job's own requirements after them, each with a distinct fake hash."""
+def lock_of(n: int, spottrain_sha256: str = "") -> str:
+    """A lock of ``n`` packages (n >= 41): :data:`REALISTIC_AWS_PACKAGES` (a CUDA torch stack)
+    and a job's own requirements after them, each with a distinct fake hash (spottrain's
+    ``spottrain_sha256`` where given: a controller's own wheel)."""
     from spottrain.envlock import LockedPackage, make_lock
 
     names = [*REALISTIC_AWS_PACKAGES]
@@ -140,7 +126,14 @@ def lock_of(n: int) -> str:
         LockedPackage(
             name,
             __version__ if name == "spottrain" else "12.8.4.1",
-            ("sha256:" + hashlib.sha256(name.encode()).hexdigest(),),
+            (
+                "sha256:"
+                + (
+                    spottrain_sha256
+                    if name == "spottrain" and spottrain_sha256
+                    else hashlib.sha256(name.encode()).hexdigest()
+                ),
+            ),
         )
         for name in names
     ]

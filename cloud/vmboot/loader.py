@@ -288,7 +288,14 @@ def report(
     boot has the Redis password, when the run's Redis has one."""
     r = conf["redis"]
     if r.get("password_file") and not os.path.exists(r["password_file"]):
-        return
+        if state != "failed" or not r.get("password_secret"):
+            return  # a stage before the password's: the console has it
+        try:
+            # A failure before the password was read: read it now, to report the failure
+            # where the controller looks first (the console still has it if this fails).
+            write_secret(conf, secrets, r["password_secret"], r["password_file"])
+        except (OSError, BootError):
+            return
     at = f"{time.time():.3f}"
     fields = ["vm", vm, "stage", stage, "state", state, "reason", reason, "at", at, "source", "vm"]
     event = ["type", "boot", "node", conf["node"], "at", at]

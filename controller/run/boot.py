@@ -231,6 +231,15 @@ def render_env_file(env: Mapping[str, str]) -> str:
 # metadata value) and a backfill a week later boots exactly what the first VM did.
 
 
+# What each cloud takes: AWS refuses user data over 16 KB, GCP a metadata value over 256 KB.
+USER_DATA_LIMITS = {"aws": 16 * 1024, "gcp": 256 * 1024}
+
+
+class UserDataTooLarge(ValueError):
+    """A VM's user data over what its cloud takes (the lock never is in it: the store's URLs,
+    the job's paths and names are)."""
+
+
 @dataclass(frozen=True)
 class BootFile:
     """A file a VM fetches at boot from the run's store, pinned by its sha256."""
@@ -618,6 +627,7 @@ def loader_settings(
         "redis": {
             "url": redis_url,
             "password_file": PASSWORD_PATH if password_secret else "",
+            "password_secret": password_secret or "",
             "boot_key": keys.boot(node.node_id),
             "events_key": keys.events,
             "events_maxlen": EVENTS_MAXLEN,
@@ -666,6 +676,12 @@ spottrain_exit() {{
   exec >&3 2>&4
   wait "$TEE" 2>/dev/null
   if [ "$rc" -ne 0 ]; then
+    # A failure before the loader was fetched (the image's check) is still reported where
+    # the controller looks first, when the image's python3 can run the loader at all.
+    if [ -z "$LOADER" ] && python3 "$B/fetch.py" "$B/boot.json" loader "$B/loader.py" \
+        >/dev/null 2>&1; then
+      LOADER=1
+    fi
     if [ -n "$LOADER" ]; then
       python3 "$B/loader.py" "$B/boot.json" fail "$STAGE" "$LOG" "$OFFSET" 2>&1 | tee -a "$LOG"
     else
@@ -710,6 +726,7 @@ def render_user_data(
 
     Raises:
         ValueError: the node is not on AWS or GCP.
+        UserDataTooLarge: the text is over its cloud's limit (:data:`USER_DATA_LIMITS`).
     """
     if node.cloud not in ("aws", "gcp"):
         raise ValueError(f"boot scripts are for aws and gcp VMs, not {node.cloud!r}")
@@ -719,7 +736,7 @@ def render_user_data(
         fetches.append(_fetch("lock", ENV_LOCK_PATH))
     if files.wheel is not None:
         fetches.append(_fetch("wheel", f"{WHEEL_DIR}/{files.wheel_name}"))
-    return "".join(
+    text = "".join(
         [
             "#!/bin/bash\n",
             f"# spottrain {__version__}: the boot of node {node.node_id} of run {node.run_id} "
@@ -737,6 +754,38 @@ def render_user_data(
             f". {JOB_SCRIPT}\n",
         ]
     )
+    size, limit = len(text.encode()), USER_DATA_LIMITS[node.cloud]
+    if size > limit:
+        raise UserDataTooLarge(
+            f"the boot of node {node.node_id} on {node.cloud} is {size} bytes, over the "
+            f"{limit} bytes {node.cloud} takes as user data: name fewer or shorter "
+            "packages.extra_index_urls and find_links, or a shorter store URL "
+            "(code.archive.store, checkpoint.copy_to), in the spec"
+        )
+    return text
+
+
+def check_user_data_fits(
+    spec: JobSpec,
+    run_id: str,
+    redis_url: str,
+    files: Mapping[str, BootFiles],
+    *,
+    password_secret: str | None = None,
+) -> None:
+    """Render the user data of a node of every cloud, its own parts (name, zone, type) at
+    their longest, so that what is too large is refused before any launch rather than by
+    the cloud at every one.
+
+    Raises:
+        UserDataTooLarge: one cloud's is over its limit.
+    """
+    for cloud, shipped in files.items():
+        probe = NodeIdentity(run_id, "n" + "9" * 8, cloud, "z" * 40, "t" * 40)
+        try:
+            render_user_data(spec, probe, redis_url, shipped, password_secret=password_secret)
+        except UserDataTooLarge as e:
+            raise UserDataTooLarge(str(e).replace(f"node {probe.node_id} ", "a node ")) from None
 
 
 def _fetch(name: str, dest: str) -> str:

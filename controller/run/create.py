@@ -5,7 +5,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from spottrain.controller.run.boot import CodeRef
+from spottrain.controller.run.boot import (
+    BootFiles,
+    CodeRef,
+    UserDataTooLarge,
+    check_user_data_fits,
+)
 from spottrain.controller.run.boot_files import ship_boot_files
 from spottrain.controller.run.code import local_secret_files, prepare_code
 from spottrain.controller.run.env_lock import ResolveError, capture_locks
@@ -24,7 +29,7 @@ from spottrain.controller.run.run_redis import (
 )
 from spottrain.controller.run.wheel import SelfWheel, WheelError, self_wheel
 from spottrain.protocol.keys import make_run_id, validate_run_id
-from spottrain.spec import LoadedSpec
+from spottrain.spec import JobSpec, LoadedSpec
 
 
 def build_self_wheel() -> SelfWheel:
@@ -131,7 +136,7 @@ def create_run(
     info.code_url, info.code_sha256 = code.archive_url, code.archive_sha256
     if wheel is not None:
         try:
-            info.boot_files = ship_boot_files(spec, info, code, wheel)
+            info.boot_files = _ship(spec, info, code, wheel)
         except RunError:
             if info.embedded_redis:
                 stop_embedded_redis(info)
@@ -141,3 +146,22 @@ def create_run(
     jobs.mkdir(parents=True, exist_ok=True)
     (jobs / spec.name).write_text(rid)
     return info
+
+
+def _ship(
+    spec: JobSpec, info: RunInfo, code: CodeRef, wheel: SelfWheel
+) -> dict[str, dict[str, dict[str, str]]]:
+    """The run's boot files, shipped to its store, once every cloud's user data is known to
+    fit what the cloud takes."""
+    shipped = ship_boot_files(spec, info, code, wheel)
+    try:
+        check_user_data_fits(
+            spec,
+            info.run_id,
+            info.redis_url,
+            {c: BootFiles.from_dict(d) for c, d in shipped.items()},
+            password_secret=spec.redis.password_secret,
+        )
+    except UserDataTooLarge as e:
+        raise RunError(str(e)) from None
+    return shipped
