@@ -239,7 +239,11 @@ class Hypervisor:
     # Seconds the guest has after a spot reclaim (AWS) or preemption (GCE) starts its shutdown.
     reclaim_grace_s: float = 30.0
     python: Path | None = None  # another python3 for the image (None: the host's)
+    ca_pem: bytes = b""  # a CA the image trusts besides the system's
     bake: bool = True
+    # While set, new instances wait to boot (a slow provisioning: a test changes something
+    # the VMs will meet, then lets them boot).
+    hold: threading.Event = field(default_factory=threading.Event)
     network: BoxNetwork = field(default_factory=BoxNetwork)
     vms: dict[str, BoxVm] = field(default_factory=dict)
     booted_from: dict[str, str] = field(default_factory=dict)
@@ -250,6 +254,7 @@ class Hypervisor:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _gone: set[str] = field(default_factory=set)
     _reclaiming: set[str] = field(default_factory=set)
+    _cleaned: set[str] = field(default_factory=set)
 
     @property
     def cgroup(self) -> Path:
@@ -259,7 +264,10 @@ class Hypervisor:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.network.create()
         self._image = make_base_image(
-            self.workdir / "images" / "base", self.cloud.name, python=self.python
+            self.workdir / "images" / "base",
+            self.cloud.name,
+            python=self.python,
+            ca_pem=self.ca_pem,
         )
         self._thread = threading.Thread(target=self._watch, name="box-hypervisor", daemon=True)
         self._thread.start()
@@ -315,7 +323,7 @@ class Hypervisor:
         for seen in self.cloud.instances():
             vm = self.vms.get(seen.vm_id)
             if vm is None:
-                if seen.alive and seen.vm_id not in self._gone:
+                if seen.alive and seen.vm_id not in self._gone and not self.hold.is_set():
                     self._gone.add(seen.vm_id)  # booted once: a restart is not modelled
                     threading.Thread(target=self._boot, args=(seen,), daemon=True).start()
                 continue
@@ -329,10 +337,12 @@ class Hypervisor:
                 threading.Thread(
                     target=self._shutdown, args=(vm, self.api_grace_s), daemon=True
                 ).start()
-            elif not vm.alive() and not vm.stopping:
-                vm.stopping = True
-                if vm.powered_off_by_guest():
+            elif not vm.alive() and vm_id not in self._cleaned:
+                # Its PID 1 ended: the guest powered off (the cloud moves the instance as it
+                # does), or the box ended it (a reclaim, a shutdown past its grace).
+                if not vm.stopping and vm.powered_off_by_guest():
                     self.cloud.powered_off(vm_id)
+                vm.stopping = True
                 self._cleanup(vm)
 
     def _reclaimed(self, seen: Seen) -> bool:
@@ -388,6 +398,11 @@ class Hypervisor:
         self._cleanup(vm)
 
     def _cleanup(self, vm: BoxVm) -> None:
+        """Remove what the VM left (processes, cgroups, namespace, metadata server); once."""
+        with self._lock:
+            if vm.vm_id in self._cleaned:
+                return
+            self._cleaned.add(vm.vm_id)
         vm.kill()
         vm.remove_cgroups()
         self.network.remove_vm(vm.vm_id)

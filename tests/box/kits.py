@@ -35,6 +35,8 @@ from spottrain.controller.run.embedded_redis import RedisServer
 
 from .ec2_front import Ec2Front
 from .hypervisor import AwsCloud, GceCloud, Hypervisor
+from .network import GATEWAY
+from .tls import BoxCa
 
 REGION = "us-east-1"
 # The regions a box's AWS offers VMs in (each with the box's image): an image that cannot
@@ -42,7 +44,6 @@ REGION = "us-east-1"
 REGIONS = ("us-east-1", "us-west-2", "eu-west-1")
 GCP_REGION = "us-central1"
 PROFILE = "spottrain-agent"
-BUCKET = "spottrain-box"
 REDIS_SECRET = "box-redis-password"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,6 +57,8 @@ class Kit:
     hypervisor: Hypervisor | None = None
     redis: RedisServer | None = None
     password: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    # Bucket names are one namespace across moto's accounts (as across AWS's): a kit's own.
+    bucket: str = field(default_factory=lambda: f"spottrain-box-{secrets.token_hex(4)}")
     _closers: list[Any] = field(default_factory=list)
 
     @property
@@ -126,7 +129,7 @@ class AwsKit(Kit):
         admin("iam").create_role(RoleName=PROFILE, AssumeRolePolicyDocument="{}")
         admin("iam").create_instance_profile(InstanceProfileName=PROFILE)
         admin("iam").add_role_to_instance_profile(InstanceProfileName=PROFILE, RoleName=PROFILE)
-        admin("s3").create_bucket(Bucket=BUCKET)
+        admin("s3").create_bucket(Bucket=self.bucket)
         admin("secretsmanager").create_secret(Name=REDIS_SECRET, SecretString=self.password)
         return self
 
@@ -150,7 +153,7 @@ class AwsKit(Kit):
         }
 
     def store(self, run: str) -> str:
-        return f"s3://{BUCKET}/{run}"
+        return f"s3://{self.bucket}/{run}"
 
     def controller_env(self, home: Path) -> dict[str, str]:
         return {
@@ -172,18 +175,22 @@ class GcpKit(Kit):
         self.gcs = GcsServer().start()
         self.oauth = GoogleOAuthFake().start()
         self.secrets = SecretManagerFake(self.gce.project).start()
-        self.git = GitHttpServer()
+        self.ca = BoxCa.create()
+        tls = self.ca.server_context(self.workdir / "tls", GATEWAY)
+        self.git = GitHttpServer(tls=tls)
         self.git.start()
         self._closers += [self.gce, self.gcs, self.oauth, self.secrets, self.git]
-        self.hypervisor = Hypervisor(GceCloud(self.gce), self.workdir / "box", **hypervisor).start()
+        self.hypervisor = Hypervisor(
+            GceCloud(self.gce), self.workdir / "box", ca_pem=self.ca.cert_pem, **hypervisor
+        ).start()
         self.gce.console_source = self.box.console
         self._common()
         self.compute = "http://" + self.box.expose(self.gce.port)
         self.storage = "http://" + self.box.expose(self.gcs.port)
         self.secretmanager = "http://" + self.box.expose(self.secrets.port)
         self.token_uri = "http://" + self.box.expose(self.oauth.port) + "/token"
-        self.git_url = "http://" + self.box.expose(self.git.port)
-        self.gcs.create_bucket(BUCKET)
+        self.git_url = "https://" + self.box.expose(self.git.port)
+        self.gcs.create_bucket(self.bucket)
         self.secrets.add(REDIS_SECRET, self.password)
         key = self.oauth.add_service_account(project_id=self.gce.project)
         key["token_uri"] = self.token_uri
@@ -205,7 +212,7 @@ class GcpKit(Kit):
         }
 
     def store(self, run: str) -> str:
-        return f"gs://{BUCKET}/{run}"
+        return f"gs://{self.bucket}/{run}"
 
     def git_repo(self, name: str, files: dict[str, str], token: str) -> tuple[str, str]:
         """A private repository on the box's git server: its URL as the box sees it, and

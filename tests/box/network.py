@@ -225,3 +225,12 @@ def leftover_namespaces(box_id: str) -> list[str]:
     """The namespaces of box ``box_id`` that still exist (for tests of clean-up)."""
     names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
     return [n for n in names if n.startswith(f"stb{box_id}-")]
+
+
+def box_capable() -> bool:
+    """The box needs root, iproute2, nsenter/unshare, overlayfs and cgroup v2 at
+    /sys/fs/cgroup/unified (as CI's machines and this project's have)."""
+    import shutil
+
+    tools = all(shutil.which(t) for t in ("ip", "nsenter", "unshare", "mount"))
+    return os.geteuid() == 0 and tools and os.path.isdir("/sys/fs/cgroup/unified")

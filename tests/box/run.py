@@ -80,11 +80,11 @@ class BoxRun:
             capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout,
         )  # fmt: skip
 
-    def up(self, job: Path) -> None:
-        """``spottrain up JOB`` in the background; its output in ``up.log``."""
+    def up(self, job: Path, *flags: str) -> None:
+        """``spottrain up JOB FLAGS`` in the background; its output in ``up.log``."""
         log = (self.folder / "up.log").open("wb")
         env = self.kit.controller_env(self.home)
-        argv = [sys.executable, "-m", "spottrain.controller.cli", "up", str(job)]
+        argv = [sys.executable, "-m", "spottrain.controller.cli", "up", str(job), *flags]
         self.up_proc = self.kit.box.network.run_in_switch(
             argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO
         )

@@ -59,9 +59,12 @@ class Image:
         return self.root / "opt"
 
 
-def make_base_image(dest: Path, cloud: str, *, python: Path | None = None) -> Image:
+def make_base_image(
+    dest: Path, cloud: str, *, python: Path | None = None, ca_pem: bytes = b""
+) -> Image:
     """An image from the host's ``/usr`` and a copy of its ``/etc`` without its pip
-    configuration; GCP's knows the metadata server's name, as GCE images do."""
+    configuration; GCP's knows the metadata server's name, as GCE images do; ``ca_pem`` is
+    a CA the image trusts besides the system's (in its CA bundle)."""
     etc = dest / "etc"
     shutil.copytree(
         "/etc",
@@ -79,6 +82,13 @@ def make_base_image(dest: Path, cloud: str, *, python: Path | None = None) -> Im
     # No name server: a lookup fails at once instead of waiting for one that is not there.
     (etc / "resolv.conf").unlink(missing_ok=True)
     (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+    if ca_pem:
+        bundle = etc / "ssl" / "certs" / "ca-certificates.crt"
+        if bundle.is_symlink():
+            bundle.unlink()  # a copy of the image's own, not a link to the host's
+            bundle.write_bytes(Path("/etc/ssl/certs/ca-certificates.crt").read_bytes())
+        with bundle.open("ab") as f:
+            f.write(b"\n" + ca_pem)
     (dest / "opt").mkdir(parents=True, exist_ok=True)
     return Image(f"{cloud}-base", dest, python)
 

@@ -34,6 +34,7 @@ import hmac
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -111,6 +112,8 @@ class GitHttpServer(HTTPFake):
             removed by close().
         realm: the Basic realm a 401 names.
         backend: git's ``git-http-backend`` program.
+        tls: serve HTTPS with this context (a private repository's token needs it: the boot
+            sends a token over https:// only).
 
     Attributes:
         requests: every request, oldest first.
@@ -125,6 +128,7 @@ class GitHttpServer(HTTPFake):
         *,
         realm: str = "spottrain test git",
         backend: str = BACKEND,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if not os.access(backend, os.X_OK):
             raise FileNotFoundError(f"git http-backend is not at {backend}")
@@ -139,11 +143,11 @@ class GitHttpServer(HTTPFake):
         self.internal_errors: list[str] = []
         self._lock = threading.Lock()
         self._repos: dict[str, _Repo] = {}
-        super().__init__(_Handler, thread_name="fake-git-http")
+        super().__init__(_Handler, thread_name="fake-git-http", tls=tls)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def close(self) -> None:
         super().close()

@@ -7,6 +7,7 @@ Compute Engine fakes close the connection after every answer, the GCS fake keeps
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -62,9 +63,22 @@ class HTTPFake:
     The port is bound on construction, so a test can read ``port`` before start().
     """
 
-    def __init__(self, handler: type[DispatchingHandler], *, thread_name: str) -> None:
+    def __init__(
+        self,
+        handler: type[DispatchingHandler],
+        *,
+        thread_name: str,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self._server = QuietHTTPServer(("127.0.0.1", 0), handler)
         self._server.fake = self
+        self.tls = tls is not None
+        if tls is not None:
+            # The handshake happens on each connection's first read, in its handler thread,
+            # so a client that never speaks cannot stall the accept loop.
+            self._server.socket = tls.wrap_socket(
+                self._server.socket, server_side=True, do_handshake_on_connect=False
+            )
         self._thread = threading.Thread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": 0.05},

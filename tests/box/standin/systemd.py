@@ -620,7 +620,7 @@ def _protect_home(value: str) -> str:
 class Directive:
     """How one directive is read: the UnitConfig field(s), the value parser, whether
     assignments accumulate (``list``: an empty one resets) or replace, and what the
-    stand-in does with it (for the README)."""
+    stand-in does with it (for docs/real-clouds.md)."""
 
     fields: tuple[str, ...]
     parse: Callable[[str], Any]
@@ -819,7 +819,7 @@ DIRECTIVES: dict[str, dict[str, Directive]] = {
 
 def support_table() -> dict[str, str]:
     """``{"[Section] Directive=": "enforced as ..." | "accepted, not enforced (why)"}``, for
-    the README; prefixes, specifiers and everything else not listed are refused."""
+    docs/real-clouds.md; prefixes, specifiers and everything else not listed are refused."""
     return {
         f"[{section}] {name}=": d.support
         for section, table in DIRECTIVES.items()

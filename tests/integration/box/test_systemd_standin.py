@@ -408,11 +408,15 @@ def test_shipped_unit_with_boot_drop_in_loads(tmp_path: Path) -> None:
     assert config.limits == (("NOFILE", 1048576, 1048576), ("MEMLOCK", -1, -1))
 
 
-def test_every_known_directive_says_whether_it_is_enforced() -> None:
+def test_every_known_directive_says_whether_it_is_enforced_as_the_docs_say() -> None:
     table = sd.support_table()
     assert all(v.startswith(("enforced", "accepted")) for v in table.values())
     assert table["[Service] LockPersonality="].startswith("accepted, not enforced")
     assert table["[Service] NoNewPrivileges="].startswith("enforced")
+    doc = (REPO / "docs" / "real-clouds.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| `[")]
+    escaped = {k: v.replace("<", "&lt;").replace(">", "&gt;") for k, v in table.items()}
+    assert rows == [f"| `{k}` | {v} |" for k, v in escaped.items()]
 
 
 @pytest.mark.parametrize(
