@@ -94,7 +94,7 @@ def _drain_launched(
     """Ask every running node of the run to drain (emergency checkpoint, leave), as the
     controller does when it stops a run, and wait until each has left, its VM is gone, or
     ``timeout`` passed. Returns the nodes that did not drain in time."""
-    from spottrain.protocol.notices import inject_notice
+    from spottrain.protocol.notices import CONTROLLER_DRAIN_KIND, inject_notice
 
     alive = _alive_vms(info, providers)
     agents = state.node_records(sorted(alive))
@@ -108,7 +108,7 @@ def _drain_launched(
         state.event("stopping", why="down", error=0)
     window = min(60.0, *spec.notice_windows.values())
     for node in asked:
-        inject_notice(state.client, state.keys, node, "terminate", window)
+        inject_notice(state.client, state.keys, node, CONTROLLER_DRAIN_KIND, window)
         state.event("drain", vm=alive[node].id, node_name=node, why="down")
     if asked:
         say(f"run {info.run_id}: draining {len(asked)} node(s) (up to {timeout:.0f} s)")

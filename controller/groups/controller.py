@@ -187,7 +187,7 @@ class GroupController:
 
     # --- act -----------------------------------------------------------------------------
     def act(self, p: GroupPlan, obs: GroupObserved) -> None:
-        from spottrain.protocol.notices import inject_notice
+        from spottrain.protocol.notices import CONTROLLER_DRAIN_KIND, inject_notice
 
         for a in p.actions:
             self.state.fence()  # a controller that lost the run's lease acts no more
@@ -204,7 +204,11 @@ class GroupController:
                 # (the agent dedups) instead of choosing another victim.
                 self._mark(a.id, drain_asked_at=obs.now)
                 inject_notice(
-                    self.state.client, self.state.keys, a.id, "terminate", self.notice_window_s
+                    self.state.client,
+                    self.state.keys,
+                    a.id,
+                    CONTROLLER_DRAIN_KIND,
+                    self.notice_window_s,
                 )
                 self.state.event("drain", vm=a.id, node_name=a.id, why=a.why)
             elif isinstance(a, RemoveMembers):

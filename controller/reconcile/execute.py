@@ -344,21 +344,25 @@ class Executor:
     def drain_all(self, nodes: Iterable[NodeObs]) -> None:
         """Ask every running node to drain (emergency checkpoint, leave). Repeating it is
         harmless: an agent dedups notices, so a restarted controller simply asks again."""
-        from spottrain.protocol.notices import inject_notice
+        from spottrain.protocol.notices import CONTROLLER_DRAIN_KIND, inject_notice
 
         window = self._window()
         for n in nodes:
             if n.instance is not None and n.instance.state.alive:
                 self.state.fence()
-                inject_notice(self.state.client, self.state.keys, n.name, "terminate", window)
+                inject_notice(
+                    self.state.client, self.state.keys, n.name, CONTROLLER_DRAIN_KIND, window
+                )
         crash_point("after-notice")
 
     def drain_one(self, a: Drain) -> None:
         """Ask one node to drain; once its agent has left, rule 3 ends its VM."""
-        from spottrain.protocol.notices import inject_notice
+        from spottrain.protocol.notices import CONTROLLER_DRAIN_KIND, inject_notice
 
         self.state.fence()
-        inject_notice(self.state.client, self.state.keys, a.node, "terminate", self._window())
+        inject_notice(
+            self.state.client, self.state.keys, a.node, CONTROLLER_DRAIN_KIND, self._window()
+        )
         self.state.event("drain", node_name=a.node, why=a.why)
 
     def stop(self, action: Stop, nodes: Iterable[NodeObs], now: float) -> None:

@@ -24,6 +24,10 @@ import redis
 from spottrain.protocol.keys import RunKeys
 
 DEFAULT_KIND = "injected"
+# What the controller's own drains ask for: a node that leaves because the controller asked
+# (a handover, a move, a scale-in, `down`) was not taken back by its cloud, so its drain must
+# not count as a preemption, as a "terminate" (a spot interruption's kind) would.
+CONTROLLER_DRAIN_KIND = "injected"
 # Seconds from reading a draining injected notice that gives no time to its deadline.
 DEFAULT_IN_S = 120.0
 
