@@ -67,7 +67,8 @@ class GcpMetadataWatcher:
             self.maintenance.check,
         )
         notices, errors = check_all(checks)
-        self.last_errors = [str(e) for e in errors]
+        warnings = [w for w in (self.preempted.warning, self.maintenance.warning) if w]
+        self.last_errors = [str(e) for e in errors] + warnings
         if len(errors) == len(checks):
             raise all_failed(errors)
         return notices

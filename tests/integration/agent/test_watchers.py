@@ -392,11 +392,41 @@ def test_gcp_live_migration_is_no_notice(gcp: GcpMetadataWatcher, md: MetadataSe
     assert gcp.last_errors == []
 
 
-def test_gcp_unexpected_value_is_an_error(gcp: GcpMetadataWatcher, md: MetadataServer) -> None:
+@pytest.mark.parametrize("wait", [0, 5])
+def test_gcp_unexpected_preempted_value_fails_closed_as_a_preemption(
+    gcp: GcpMetadataWatcher, md: MetadataServer, wait: float
+) -> None:
+    """The metadata server's own answer (its header is there) that is neither TRUE nor FALSE
+    drains the node, as AWS's unreadable spot notice does: ignoring it could lose the
+    emergency checkpoint. The problem is reported beside the notice."""
+    assert gcp.poll() == []  # learns the ETag, so wait > 0 would long-poll
     md.set_gcp(GCP_PREEMPTED_PATH, "MAYBE")
-    assert gcp.poll() == []
+    notices = gcp.poll(wait=wait)
+    assert len(notices) == 1, gcp.last_errors
+    notice = notices[0]
+    assert notice.kind is NoticeKind.PREEMPTED and notice.drains
+    assert notice.deadline == notice.seen_at + 30
+    assert notice.detail == {"preempted": "MAYBE", "unreadable": True}
     [error] = gcp.last_errors
-    assert "returned 'MAYBE', expected TRUE or FALSE" in error
+    assert "returned 'MAYBE', expected TRUE or FALSE; treated as a preemption" in error
+    # Seen again: the same notice, from when it was first seen.
+    [again] = gcp.poll()
+    assert again.id == notice.id and again.seen_at == notice.seen_at
+
+
+def test_gcp_unexpected_maintenance_value_fails_closed(
+    gcp: GcpMetadataWatcher, md: MetadataServer
+) -> None:
+    md.set_gcp(GCP_MAINTENANCE_PATH, "TERMINATE_SOON")
+    notices = gcp.poll()
+    assert len(notices) == 1, gcp.last_errors
+    notice = notices[0]
+    assert notice.kind is NoticeKind.MAINTENANCE
+    assert notice.deadline == notice.seen_at + 60
+    [error] = gcp.last_errors
+    assert "returned 'TERMINATE_SOON'" in error and "treated as a terminating maintenance" in error
+    md.set_gcp(GCP_MAINTENANCE_PATH, "NONE")
+    assert gcp.poll() == [] and gcp.last_errors == []
 
 
 def test_gcp_answer_without_flavor_header_is_garbage(
