@@ -24,6 +24,8 @@ class Chunker:
     """
 
     def __init__(self, chunk_s: float, chunk_bytes: int, backlog_bytes: int) -> None:
+        if chunk_bytes < 1:
+            raise ValueError(f"a chunk of {chunk_bytes} bytes holds nothing: give at least 1")
         self.chunk_s = chunk_s
         self.chunk_bytes = chunk_bytes
         self.backlog_bytes = backlog_bytes
@@ -49,9 +51,11 @@ class Chunker:
                     line = bytes(self._partial[: nl + 1])
                     del self._partial[: nl + 1]
                 elif len(self._partial) >= self.chunk_bytes:
-                    # An endless line: cut a chunk's worth, marked by a newline.
-                    line = bytes(self._partial[: self.chunk_bytes - 1]) + b"\n"
-                    del self._partial[: self.chunk_bytes - 1]
+                    # An endless line: cut a chunk's worth, marked by a newline; at least a
+                    # byte of it, or a one-byte chunk would cut nothing, forever.
+                    piece = max(1, self.chunk_bytes - 1)
+                    line = bytes(self._partial[:piece]) + b"\n"
+                    del self._partial[:piece]
                 else:
                     break
                 self._add_line(line, now)

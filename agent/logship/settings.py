@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from spottrain.protocol.boot import REDACT_FILE
 from spottrain.protocol.env import (
     ENV_LOGS_BACKLOG_MB,
     ENV_LOGS_CHUNK_MB,
@@ -27,6 +28,9 @@ DEFAULT_LOG_CHUNK_S = 15.0
 DEFAULT_LOG_CHUNK_MB = 4.0
 DEFAULT_LOG_MAX_MB = 1024.0
 DEFAULT_LOG_BACKLOG_MB = 64.0
+# The spec's logs.chunk_mb range: a smaller chunk is one PUT per line.
+MIN_LOG_CHUNK_MB = 0.01
+MAX_LOG_CHUNK_MB = 256.0
 _NOT_A_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -46,6 +50,8 @@ class ShipSettings:
         backlog_bytes: unshipped bytes held before the oldest are dropped.
         file_max_bytes: truncate ``file`` once it is read past this (0: never; the local
             cloud keeps its console file whole).
+        password_file: the Redis password's file, whose value is redacted from every chunk.
+        redact_file: the boot's list of the secret values it read, redacted too.
     """
 
     url: str
@@ -60,6 +66,8 @@ class ShipSettings:
     max_bytes: int = int(DEFAULT_LOG_MAX_MB * MB)
     backlog_bytes: int = int(DEFAULT_LOG_BACKLOG_MB * MB)
     file_max_bytes: int = 0
+    password_file: str | None = None
+    redact_file: str = REDACT_FILE
 
     def __post_init__(self) -> None:
         if not 0 < self.chunk_s <= 3600:
@@ -131,6 +139,12 @@ def ship_settings(args: argparse.Namespace) -> ShipSettings | None:
     url = args.logs_to or default_logs_url(args.ckpt_copy_to)
     if not url or not args.logs_file:
         return None
+    chunk_mb = _mb(args, "logs_chunk_mb")
+    if not MIN_LOG_CHUNK_MB <= chunk_mb <= MAX_LOG_CHUNK_MB:
+        raise ValueError(
+            f"--logs-chunk-mb {args.logs_chunk_mb!r} (or SPOTTRAIN_LOGS_CHUNK_MB) must be from "
+            f"{MIN_LOG_CHUNK_MB:g} to {MAX_LOG_CHUNK_MB:g}, as the spec's logs.chunk_mb"
+        )
     return ShipSettings(
         url=url,
         file=args.logs_file,
@@ -140,8 +154,9 @@ def ship_settings(args: argparse.Namespace) -> ShipSettings | None:
         cloud=args.cloud,
         metadata_endpoint=args.metadata_endpoint,
         chunk_s=_mb(args, "logs_chunk_seconds"),
-        chunk_bytes=int(_mb(args, "logs_chunk_mb") * MB),
+        chunk_bytes=int(chunk_mb * MB),
         max_bytes=int(_mb(args, "logs_max_mb") * MB),
         backlog_bytes=int(_mb(args, "logs_backlog_mb") * MB),
         file_max_bytes=int(_mb(args, "logs_file_max_mb") * MB),
+        password_file=getattr(args, "password_file", None) or None,
     )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from spottrain.protocol.node_logs import ChunkName, node_prefix
 
+from ..known_secrets import KnownSecrets
 from .chunker import Chunker
 from .settings import MB, ShipSettings, vm_name
 from .tail import FileTail
@@ -54,9 +55,15 @@ class LogShipper:
         *,
         store: ObjectStore | None = None,
         clock: Callable[[], float] = time.time,
+        secrets: KnownSecrets | None = None,
     ) -> None:
         self.s = settings
         self.clock = clock
+        # A worker may print the Redis password or a job secret (an env dump, a crash
+        # reporter): no chunk carries one to the store.
+        self.secrets = secrets or KnownSecrets(
+            password_file=settings.password_file, redact_file=settings.redact_file
+        )
         self.chunker = Chunker(settings.chunk_s, settings.chunk_bytes, settings.backlog_bytes)
         self.tail = FileTail(settings.file, settings.file_max_bytes)
         self.started_ms = int(clock() * 1000)
@@ -177,6 +184,7 @@ class LogShipper:
                 return False
             if self.capped:
                 return True  # past the cap: what follows stays in the VM's file only
+            data = self.secrets.redact_bytes(data)
             self._in_flight = len(data)
         body = gzip.compress(data, compresslevel=6, mtime=0)
         if self.shipped_bytes + len(body) > self.s.max_bytes - CAP_RESERVE:

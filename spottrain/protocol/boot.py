@@ -59,6 +59,28 @@ CONSOLE_TAG = "spottrain-boot:"
 # Stage names hold no quote: the console lines quote them with ''.
 FIELDS = ("vm", "stage", "state", "reason", "at", "source")
 
+# Where a VM's boot notes every secret value it read (the Redis password, the git token, the
+# job's secret_env, pip's credentials), one base64 line each, root-only on the tmpfs /run:
+# the boot and then the agent keep those values out of what they print or ship.
+REDACT_FILE = "/run/spottrain/redact"
+
+
+def parse_redact_lines(text: str) -> list[str]:
+    """The secret values of a redact file's text (a line that is not base64 of UTF-8, from
+    a write cut short, is skipped)."""
+    import base64
+    import binascii
+
+    out = []
+    for line in text.splitlines():
+        try:
+            value = base64.b64decode(line.strip(), validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            continue
+        if value:
+            out.append(value)
+    return out
+
 
 class BootState(StrEnum):
     """Where a VM's boot is: a value of the boot hash's ``state`` field."""

@@ -4,7 +4,10 @@ oldest dropped (and said so) when shipping falls behind; truncation, rotation, t
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+
+import pytest
 
 from spottrain.agent.logship.chunker import DROP_MARKER, Chunker
 from spottrain.agent.logship.tail import FileTail
@@ -93,3 +96,20 @@ def test_the_tail_follows_truncation_rotation_and_keeps_the_file_bounded(
     os.close(writer)
     assert bounded.read() == b"after\n"
     bounded.close()
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2])
+def test_the_smallest_chunks_still_cut_an_endless_line_and_end(chunk_bytes: int) -> None:
+    """A one-byte chunk once cut nothing off an endless line, forever, holding the lock."""
+    c = Chunker(chunk_s=10, chunk_bytes=chunk_bytes, backlog_bytes=10_000)
+    fed = threading.Thread(target=c.feed, args=(b"abc", 0.0), daemon=True)
+    fed.start()
+    fed.join(timeout=30)
+    assert not fed.is_alive(), "feed never returned"
+    c.flush()
+    assert b"".join(_all(c)).replace(b"\n", b"") == b"abc"
+
+
+def test_a_chunk_of_no_bytes_is_refused() -> None:
+    with pytest.raises(ValueError, match="holds nothing"):
+        Chunker(chunk_s=10, chunk_bytes=0, backlog_bytes=10)

@@ -132,6 +132,8 @@ def test_flags_spec_and_boot_script_agree(monkeypatch: pytest.MonkeyPatch) -> No
     assert ship.DEFAULT_LOG_CHUNK_MB == spec_sections.DEFAULT_LOG_CHUNK_MB
     assert ship.DEFAULT_LOG_MAX_MB == spec_sections.DEFAULT_LOG_MAX_MB
     assert ship.DEFAULT_LOG_BACKLOG_MB == spec_sections.DEFAULT_LOG_BACKLOG_MB
+    assert ship.MIN_LOG_CHUNK_MB == spec_sections.MIN_LOG_CHUNK_MB
+    assert ship.MAX_LOG_CHUNK_MB == spec_sections.MAX_LOG_CHUNK_MB
     spec = parse_spec(yaml.safe_dump(_with(LOCAL, "logs", {"chunk_seconds": 30}))).spec
     node = NodeIdentity("run-1", "node-0", "local", "local-a", "local-small")
     env = agent_env(spec, node, "redis://127.0.0.1:1", copy_to="file:///tmp/st/checkpoints")
@@ -159,6 +161,18 @@ def test_flags_spec_and_boot_script_agree(monkeypatch: pytest.MonkeyPatch) -> No
         ship_settings(build_parser().parse_args(["run"]))
 
 
+@pytest.mark.parametrize("raw", ["0.000001", "0", "300"])
+def test_a_chunk_size_outside_the_specs_range_is_refused(
+    monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
+    """Below the spec's minimum (a byte a chunk: a PUT a byte) or above its maximum."""
+    monkeypatch.setenv(env_names.ENV_LOGS_FILE, "/x")
+    monkeypatch.setenv(env_names.ENV_LOGS_TO, "file:///tmp/logs")
+    monkeypatch.setenv(env_names.ENV_LOGS_CHUNK_MB, raw)
+    with pytest.raises(ValueError, match=f"--logs-chunk-mb '{raw}'.* must be from 0.01 to 256"):
+        ship_settings(build_parser().parse_args(["run"]))
+
+
 def test_the_cost_of_shipping_at_1000_and_12500_nodes() -> None:
     small, large = shipping_cost(1000), shipping_cost(12_500)
     assert small.puts_per_s == pytest.approx(1000 / 15)
@@ -169,3 +183,47 @@ def test_the_cost_of_shipping_at_1000_and_12500_nodes() -> None:
     # A node printing past chunk_mb per chunk_s puts more often; a silent one never.
     assert shipping_cost(1, bytes_per_s=1e6).puts_per_s == pytest.approx(0.25)
     assert shipping_cost(1, bytes_per_s=0).puts_per_s == 0
+
+
+def test_no_chunk_carries_the_redis_password_a_worker_printed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers get the Redis password in their environment; one dumps it."""
+    monkeypatch.setenv("SPOTTRAIN_REDIS_PASSWORD", "env-password-123")
+    (tmp_path / "store").mkdir()
+    store = LocalStore(str(tmp_path / "store"))
+    shipper = LogShipper(_settings(tmp_path), store=store, clock=Clock())
+    (tmp_path / "node.log").write_text("SPOTTRAIN_REDIS_PASSWORD=env-password-123\nstep 1\n")
+    shipper.poll()
+    assert shipper.close(timeout=5.0)
+    shipped = b"".join(body for _, body in _chunks(store))
+    assert shipped == b"SPOTTRAIN_REDIS_PASSWORD=[redacted]\nstep 1\n"
+
+
+def test_no_chunk_carries_a_secret_the_boot_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's env dump prints the password file's value and the job's secrets: what
+    reaches the store has none, whether the boot noted a secret before the shipper started
+    or after."""
+    from spottrain.cloud.vmboot.loader import Secrets
+
+    monkeypatch.delenv("SPOTTRAIN_REDIS_PASSWORD", raising=False)
+    (tmp_path / "password").write_text("file-password-456\n")
+    noted = Secrets(str(tmp_path / "run" / "redact"))
+    noted.remember("hf_token_789")
+    settings = _settings(tmp_path, password_file=str(tmp_path / "password"), redact_file=noted.path)
+    (tmp_path / "store").mkdir()
+    store = LocalStore(str(tmp_path / "store"))
+    shipper = LogShipper(settings, store=store, clock=Clock())
+    dump = "REDIS=redis://:file-password-456@h:6379\nHF_TOKEN=hf_token_789\nGIT=ghp_later_0000\n"
+    (tmp_path / "node.log").write_text(dump)
+    noted.remember("ghp_later_0000")  # a value the boot read after the agent started
+    shipper.poll()
+    assert shipper.close(timeout=5.0)
+    shipped = b"".join(body for _, body in _chunks(store)).decode()
+    for secret in ("file-password-456", "hf_token_789", "ghp_later_0000"):
+        assert secret not in shipped
+    assert shipped.count("[redacted]") == 3 and "HF_TOKEN=[redacted]\n" in shipped
+    # The node's own file keeps what was written (the VM's disk is the VM's).
+    assert (tmp_path / "node.log").read_text() == dump
