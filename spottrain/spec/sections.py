@@ -15,6 +15,7 @@ from spottrain.protocol import env as env_names
 from spottrain.protocol.env import ENV_PREFIX
 from spottrain.redis_conn import DEFAULT_PASSWORD_ENV, RedisConfigError, parse_endpoint
 
+from .command_secrets import find_credential
 from .fields import (
     _SECRET_ENV_PARTS,
     _STORE_RE,
@@ -136,6 +137,11 @@ class TrainSpec(_Model):
         + SECRET_STORE_HINT
         + ")",
     )
+    not_secrets: tuple[str, ...] = Field(
+        (),
+        description="arguments of command, or option names (--eval-token-budget), that look "
+        "like a credential and are not one",
+    )
 
     @field_validator("command", mode="before")
     @classmethod
@@ -175,6 +181,20 @@ class TrainSpec(_Model):
     def _secret_names(cls, v: dict[str, str]) -> dict[str, str]:
         _check_secret_names(v)
         return v
+
+    @model_validator(mode="after")
+    def _no_credential_in_command(self) -> Self:
+        where = find_credential(self.command, self.not_secrets)
+        if where is not None:
+            # Never echo it: the command travels in the boot script, Redis and process lists.
+            raise ValueError(
+                f"command: {where} looks like a credential, and the command is written into "
+                "every VM's boot script and the run's events: put the value in the cloud's "
+                "secret store, name it in train.secret_env (e.g. HF_TOKEN: SECRET_NAME) and "
+                "have the script read the variable; if it is no credential, list the option "
+                "or the argument in train.not_secrets"
+            )
+        return self
 
     @model_validator(mode="after")
     def _env_or_secret(self) -> Self:
@@ -429,6 +449,8 @@ DEFAULT_LOG_CHUNK_S = 15.0
 DEFAULT_LOG_CHUNK_MB = 4.0
 DEFAULT_LOG_MAX_MB = 1024.0
 DEFAULT_LOG_BACKLOG_MB = 64.0
+MIN_LOG_CHUNK_MB = 0.01
+MAX_LOG_CHUNK_MB = 256.0
 _LOG_TO_FORMS = "s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, file:///DIR or an absolute path"
 
 
@@ -450,8 +472,8 @@ class LogsSpec(_Model):
     )
     chunk_mb: float = Field(
         DEFAULT_LOG_CHUNK_MB,
-        ge=0.01,
-        le=256,
+        ge=MIN_LOG_CHUNK_MB,
+        le=MAX_LOG_CHUNK_MB,
         description="uncompressed bytes that cut a chunk sooner",
     )
     max_mb: float = Field(
