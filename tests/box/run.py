@@ -22,6 +22,10 @@ from .kits import Kit
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "gpt_train.py"
+# What a run's waits may take together, however each is bounded (a loaded machine slows every
+# phase): a test's timeout is this, plus its down and its fixtures, so its own waits never
+# add up past it.
+RUN_BUDGET_S = 1200.0
 
 
 def job_spec(kit: Kit, name: str, code: dict[str, Any], **over: Any) -> dict[str, Any]:
@@ -61,6 +65,11 @@ class BoxRun:
         self.home = folder / "home"
         self.up_proc: subprocess.Popen[bytes] | None = None
         self.run_id = ""
+        self.deadline = time.monotonic() + RUN_BUDGET_S
+
+    def within_budget(self, timeout: float) -> float:
+        """``timeout``, cut to what is left of the run's budget."""
+        return max(0.0, min(timeout, self.deadline - time.monotonic()))
 
     def write_job(self, spec: dict[str, Any], files: dict[str, str] | None = None) -> Path:
         job = self.folder / "job"
@@ -105,6 +114,7 @@ class BoxRun:
 
     def wait_up(self, timeout: float) -> int:
         assert self.up_proc is not None
+        timeout = self.within_budget(timeout)
         try:
             return self.up_proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -156,7 +166,10 @@ class BoxRun:
 
 
 def wait(fn: Callable[[], Any], what: str, timeout: float, run: BoxRun | None = None) -> Any:
-    """Poll ``fn`` until it returns something true (every 0.5 s), and return it."""
+    """Poll ``fn`` until it returns something true (every 0.5 s), and return it; at most
+    ``timeout`` seconds, and at most what is left of ``run``'s budget."""
+    if run is not None:
+        timeout = run.within_budget(timeout)
     end = time.monotonic() + timeout
     while True:
         value = fn()

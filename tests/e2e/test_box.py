@@ -22,14 +22,15 @@ from typing import Any
 import pytest
 from box.kits import AwsKit, Kit, kit
 from box.network import box_capable, leftover_namespaces
-from box.run import BoxRun, job_spec, wait
+from box.run import RUN_BUDGET_S, BoxRun, job_spec, wait
 
 # A run takes 2 to 5 minutes on 2 cores (boots that install torch, training, backfills), most
-# of it waiting: scripts/test runs these side by side (pytest -m box -n 4).
+# of it waiting: scripts/test runs these side by side (pytest -m box -n 4). The timeout is a
+# run's budget for its waits (box.run.RUN_BUDGET_S) plus its down and fixtures.
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.box,
-    pytest.mark.timeout(900),
+    pytest.mark.timeout(RUN_BUDGET_S + 600),
     pytest.mark.skipif(not box_capable(), reason=box_capable.__doc__ or ""),
 ]
 
