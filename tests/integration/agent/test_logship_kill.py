@@ -30,8 +30,8 @@ from spottrain.ports import free_port
 from spottrain.protocol.node_logs import node_prefix, parse_chunk_key
 
 BUCKET = "spottrain-logs"
-LINE = 100  # bytes a line
-CHUNK = 20 * LINE  # --logs-chunk-mb 0.002: twenty lines cut a chunk
+LINE = 500  # bytes a line
+CHUNK = 20 * LINE  # --logs-chunk-mb 0.01 (the smallest the spec allows): twenty lines a chunk
 
 
 def _aws() -> Any:
