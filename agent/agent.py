@@ -170,8 +170,20 @@ class Agent:
             self.progress_path,
             self.cfg.orphan_timeout,
             self._orphaned,
+            workers_cpu=self._workers_cpu,
         )
         self._loops.append(watch.start())
+
+    def _workers_cpu(self) -> tuple[int, float] | None:
+        """torchrun's pid and the CPU seconds its process tree used: what tells the switch
+        that a script which reports no step trains (None: no torchrun alive)."""
+        from .local_progress import tree_cpu_s
+
+        proc = self.proc
+        if proc is None:
+            return None
+        seconds = tree_cpu_s(proc.pid)
+        return None if seconds is None else (proc.pid, seconds)
 
     def _orphaned(self, reason: str) -> None:
         """No controller and no training: drain (an emergency checkpoint, leave), then the
@@ -205,11 +217,23 @@ class Agent:
     def _end_vm(self) -> None:
         from .orphan import end_this_vm
 
-        problem = end_this_vm(self.cfg.cloud, self.cfg.self_terminate_cmd)
-        if problem:
-            log.error("could not end this VM: %s", problem)
+        ending = end_this_vm(
+            self.cfg.cloud,
+            self.cfg.self_terminate_cmd,
+            metadata_endpoint=self.cfg.metadata_endpoint,
+        )
+        for problem in ending.problems:
+            log.error("ending this VM: %s", problem)
+        if ending.how:
+            log.warning("this VM is ending itself (%s): %s", ending.how, self.orphan_reason)
         else:
-            log.warning("this VM is ending itself: %s", self.orphan_reason)
+            log.error("could not end this VM")
+        if ending.problems:
+            # Best effort, the VM may be going: why it only stopped, or is still up.
+            with contextlib.suppress(Exception):
+                self.record.event(
+                    "self-terminate-problem", how=ending.how, problems=list(ending.problems)
+                )
 
     def _run(self) -> int:
         try:

@@ -15,10 +15,10 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from spottrain.cloud.aws.errors import lifecycle_action_gone
 from spottrain.cloud.base import region_of_zone
+from spottrain.cloud.this_vm import ThisVmError
+from spottrain.cloud.this_vm.aws import AwsThisVm
 
 log = logging.getLogger(__name__)
 
@@ -51,34 +51,24 @@ def hook_region(zone: str) -> str:
 def complete(
     hook: AsgHook,
     *,
-    client: Any = None,
+    vm: AwsThisVm | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> str | None:
-    """Complete the lifecycle action with ``CONTINUE``. Returns None when done (or when no
+    """Complete the lifecycle action with ``CONTINUE`` through this VM's own identity
+    (:class:`~spottrain.cloud.this_vm.aws.AwsThisVm`). Returns None when done (or when no
     action was pending: the group moved on, or the controller completed it), else what went
     wrong after :data:`ATTEMPTS` tries; the hook's heartbeat timeout then ends the wait.
     """
-    try:
-        if client is None:
-            import boto3
-
-            client = boto3.client("autoscaling", region_name=hook.region)
-    except Exception as e:  # boto3 missing, or no credentials/region to build a client
-        return f"cannot reach Auto Scaling: {type(e).__name__}: {e}"
+    vm = vm or AwsThisVm()
     problem = ""
     for attempt in range(ATTEMPTS):
         try:
-            client.complete_lifecycle_action(
-                LifecycleHookName=hook.hook,
-                AutoScalingGroupName=hook.group,
-                InstanceId=hook.instance_id,
-                LifecycleActionResult="CONTINUE",
+            vm.complete_lifecycle_action(
+                group=hook.group, hook=hook.hook, instance_id=hook.instance_id, region=hook.region
             )
             return None
-        except Exception as e:
-            if lifecycle_action_gone(e):
-                return None
-            problem = f"{type(e).__name__}: {e}"
+        except ThisVmError as e:
+            problem = str(e)
             log.warning("complete_lifecycle_action failed (try %d): %s", attempt + 1, problem)
             sleep(1.0 * (attempt + 1))
     return problem

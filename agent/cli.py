@@ -205,14 +205,16 @@ def _add_run_fleet_args(run: argparse.ArgumentParser) -> None:
         "--orphan-timeout",
         type=float,
         default=float(env(ENV_ORPHAN_TIMEOUT, "0") or 0),
-        help="seconds without a controller heartbeat and without a training step on this "
-        "node after which the VM drains and ends itself (0: never)",
+        help="seconds without a controller heartbeat and without training on this node (no "
+        "new step; without the SDK's steps, workers below 0.05 of a core) after which the VM "
+        "drains and ends itself (0: never)",
     )
     run.add_argument(
         "--self-terminate-cmd",
         default=env(ENV_SELF_TERMINATE_CMD, ""),
-        help="how this VM ends itself (default: `shutdown -h now`; the local cloud: a signal "
-        "to its VM process)",
+        help="how this VM powers itself off when its cloud's API did not end it (AWS: "
+        "TerminateInstances, GCP: instances.delete, on itself); default `shutdown -h now`. "
+        "On the local cloud it replaces the signal to the VM process",
     )
     run.add_argument("--rdzv-conf", default="", help="k=v,... passed to the Redis rendezvous")
     run.add_argument(

@@ -31,6 +31,21 @@ resource "aws_iam_instance_profile" "agent" {
 }
 
 data "aws_iam_policy_document" "agent" {
+  # The dead man's switch: a VM whose controller is gone and whose training stopped
+  # terminates itself (a shutdown from inside a container cannot). Only VMs tagged with this
+  # run: code on one of them could end another of the run's VMs, nothing else.
+  statement {
+    sid       = "EndItselfAmongThisRunsVMs"
+    actions   = ["ec2:TerminateInstances"]
+    resources = ["arn:${local.partition}:ec2:${local.region}:${local.account_id}:instance/*"]
+
+    condition {
+      test     = "StringEquals"
+      variable = "aws:ResourceTag/spottrain-job"
+      values   = [var.run_id]
+    }
+  }
+
   # After its emergency checkpoint commits, the agent completes the termination hook's
   # action; the heartbeat lets it hold the VM longer for a checkpoint that needs it.
   statement {

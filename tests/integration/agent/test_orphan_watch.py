@@ -6,14 +6,22 @@ The clock is passed to each look, so no test waits on wall-clock time."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from fakes.metadata_server import MetadataServer
 
-from spottrain.agent.local_progress import ProgressFile, read_step
-from spottrain.agent.orphan import OrphanView, OrphanWatch, end_this_vm, orphaned
+from spottrain.agent.local_progress import ProgressFile, read_step, tree_cpu_s
+from spottrain.agent.orphan import OrphanView, OrphanWatch, VmEnding, end_this_vm, orphaned
+from spottrain.cloud.this_vm.gcp import GcpThisVm
 from spottrain.controller.run.embedded_redis import RedisServer
 from spottrain.protocol.keys import RunKeys
 
@@ -133,16 +141,68 @@ def test_the_progress_file_is_written_at_most_once_a_second(tmp_path: Path) -> N
     ProgressFile(None).report(9)  # no file named: nothing written, nothing raised
 
 
-def test_ending_the_vm_runs_the_configured_command(
+def test_a_vm_its_cloud_does_not_end_is_powered_off_by_the_configured_command(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("SPOTTRAIN_LOCAL_VM_PID", raising=False)
     marker = tmp_path / "ended"
-    assert end_this_vm("aws", f"touch {marker}") is None
+    with MetadataServer() as md:  # a metadata server that knows nothing of this VM
+        vm = GcpThisVm(metadata_host=md.host)
+        ending = end_this_vm("gcp", f"touch {marker}", vm=vm)
+        assert marker.exists()
+        assert ending.how == f"power-off: touch {marker}"
+        assert ending.problems == (
+            "the metadata server answered HTTP 404 for instance/zone: not a Compute Engine VM?",
+        )
+        failed = end_this_vm("gcp", "false", vm=vm)
+    assert failed.how == "" and "false exited 1" in failed.problems[-1]
+    local = end_this_vm("local")
+    assert local.how == "" and "$SPOTTRAIN_LOCAL_VM_PID is not set" in local.problems[0]
+    marker.unlink()
+    # On the local cloud the command replaces the signal to the VM process.
+    assert end_this_vm("local", f"touch {marker}") == VmEnding(f"power-off: touch {marker}")
     assert marker.exists()
-    problem = end_this_vm("gcp", "false")
-    assert problem is not None and "false exited 1" in problem
-    assert "SPOTTRAIN_LOCAL_VM_PID is not set" in (end_this_vm("local") or "")
+
+
+BUSY = "import sys, time\nwhile time.process_time() < 0.3:\n    pass\n"
+# A process whose first busy child ended (reaped: its time is in ours) and whose second is
+# alive once it made the file named in argv[1].
+TREE = f"""
+import subprocess, sys, time
+busy = {BUSY!r}
+subprocess.run([sys.executable, "-c", busy], check=True)
+made = "open(sys.argv[1], 'w').close()\\ntime.sleep(600)"
+subprocess.Popen([sys.executable, "-c", busy + made, sys.argv[1]])
+time.sleep(600)
+"""
+
+
+def test_the_workers_cpu_counts_every_process_of_the_tree_alive_or_reaped(
+    tmp_path: Path,
+) -> None:
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", TREE, str(ready)], start_new_session=True)
+    try:
+        wait_for(ready.exists, "the second busy child")
+        seconds = tree_cpu_s(proc.pid)
+        assert seconds is not None and seconds >= 0.6  # 0.3 s reaped + 0.3 s alive
+        os.killpg(proc.pid, signal.SIGKILL)
+        # Dead but not yet reaped: torchrun gone, its workers with it.
+        wait_for(lambda: tree_cpu_s(proc.pid) is None, "the root to die")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert tree_cpu_s(proc.pid) is None
+
+
+def wait_for(cond: Callable[[], bool], what: str, limit_s: float = 120.0) -> None:
+    """Poll ``cond`` until it holds; fail naming ``what`` after ``limit_s`` (a deadlock guard,
+    not a pace: every wait here ends on a condition)."""
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline, f"waited {limit_s:g} s for {what}"
+        time.sleep(0.05)
 
 
 def test_the_agent_refuses_a_negative_orphan_timeout(

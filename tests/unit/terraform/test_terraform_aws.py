@@ -634,8 +634,11 @@ def test_agent_role_completes_the_hook_on_its_own_group_only(mod: Module) -> Non
     assert _ref(secret_block["for_each"]) == (
         'var.redis_password_secret_arn == "" ? [] : [var.redis_password_secret_arn]'
     )
-    actions = {a for st in agent for a in st["actions"]}
-    assert not {a for a in actions if a.startswith("ec2:")}, "the agent needs no EC2 call"
+    ec2 = {a for st in agent for a in st["actions"] if a.startswith("ec2:")}
+    assert ec2 == {"ec2:TerminateInstances"}, "the agent's one EC2 call: ending its own VM"
+    end = by_sid["EndItselfAmongThisRunsVMs"]
+    assert end["condition"][0]["variable"] == "aws:ResourceTag/spottrain-job"
+    assert [_ref(v) for v in end["condition"][0]["values"]] == ["var.run_id"]
     copy = by_sid["CopyThisRunsCheckpoints"]
     assert "var.run_id" in _locals(mod)["copy_run_objects"]
     assert [_ref(r) for r in copy["resources"]] == ["statement.value"]
