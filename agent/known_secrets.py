@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Mapping
 
 from spottrain.protocol.boot import REDACT_FILE, parse_redact_lines
-from spottrain.safetext import MIN_SECRET_LEN, REDACTED, redact
+from spottrain.safetext import redact
 
 _Stamp = tuple[int, int, int] | None  # (inode, size, mtime_ns) of a file, None when absent
 
@@ -77,8 +77,7 @@ class KnownSecrets:
         return redact(text, self.values())
 
     def redact_bytes(self, data: bytes) -> bytes:
-        """``data`` with each known value (as UTF-8) replaced; other bytes untouched."""
-        # Longest first, so a secret containing another is replaced whole.
-        for value in sorted({v for v in self.values() if len(v) >= MIN_SECRET_LEN}, key=len)[::-1]:
-            data = data.replace(value.encode(), REDACTED.encode())
-        return data
+        """``data`` with each known value (as UTF-8) replaced; other bytes untouched (they
+        round-trip through :func:`~spottrain.safetext.redact` as surrogate escapes)."""
+        text = data.decode("utf-8", errors="surrogateescape")
+        return self.redact(text).encode("utf-8", errors="surrogateescape")

@@ -37,3 +37,14 @@ def test_known_values_are_redacted_and_a_changed_file_is_read_again(tmp_path: Pa
     assert known.redact_bytes(line.encode()) == known.redact(line).encode()
     # Nothing noted and no password: nothing to redact.
     assert KnownSecrets(redact_file=str(tmp_path / "none"), environ={}).values() == []
+
+
+def test_bytes_that_are_not_utf8_pass_untouched_beside_a_redacted_value(tmp_path: Path) -> None:
+    secret = "p\u00e4sswort-1"
+    known = KnownSecrets(
+        redact_file=str(tmp_path / "none"), environ={"SPOTTRAIN_REDIS_PASSWORD": secret}
+    )
+    data = b"\xff\xfe raw " + secret.encode() + b" \x80 p\xe4sswort-1 (latin-1, not the secret)"
+    assert known.redact_bytes(data) == (
+        b"\xff\xfe raw [redacted] \x80 p\xe4sswort-1 (latin-1, not the secret)"
+    )
