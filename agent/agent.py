@@ -2,7 +2,9 @@
 
 It registers the node in Redis and heartbeats, checks the node's health, launches elastic
 torchrun with the Redis rendezvous and the job's training command, watches every notice
-source of its cloud, and records its lifecycle and every event in Redis. On a notice the
+source of its cloud, and records its lifecycle and every event in Redis. It follows
+torchrun's output for failed workers and ends torchrun when they crash-loop
+(:mod:`~spottrain.agent.crashes`). On a notice the
 :class:`~spottrain.agent.notices.handler.NoticeHandler` drains the node: emergency
 checkpoint, explicit leave, workers stopped.
 
@@ -19,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -27,6 +30,7 @@ from typing import Any
 import redis
 
 from spottrain.process_group import child_pids, descendants
+from spottrain.protocol.crashes import CRASH_FIELD, TRAINED_FIELD, Crash
 from spottrain.protocol.env import (
     ENV_CKPT_DIR,
     ENV_NODE,
@@ -36,7 +40,7 @@ from spottrain.protocol.env import (
     ENV_RUN_ID,
 )
 from spottrain.protocol.keys import RunKeys
-from spottrain.protocol.states import NodeState
+from spottrain.protocol.states import TRAINING, NodeState
 from spottrain.redis_conn import RedisSettings, connect, ping, settings_from_url
 
 from .config import (
@@ -47,7 +51,10 @@ from .config import (
     AgentConfig,
     interface_of,
 )
+from .crashes import CrashWatch, OutputLines, OutputRelay, WorkerFailure
+from .known_secrets import KnownSecrets
 from .lifecycle import Lifecycle
+from .local_progress import read_step
 from .node_record import NodeInfo, NodeRecord
 from .notices.handler import DrainOutcome, NoticeHandler
 from .notices.notice import Notice, NoticeKind
@@ -123,6 +130,19 @@ class Agent:
         # keeps each writer to its own file, and nobody else may list or read the directory.
         os.chmod(self._progress_dir, 0o1733)
         self.progress_path = os.path.join(self._progress_dir, "step")
+        # torchrun's and its workers' output, copied to the agent's own by a relay that
+        # also watches it for failed workers (see crashes.py).
+        self.output_path = os.path.join(self._progress_dir, "torchrun.out")
+        self._output = OutputLines()
+        # What a crash keeps of the workers' lines goes to Redis: the secrets this VM knows
+        # (the Redis password, what the boot read from the secret store) are taken out.
+        self._secrets = KnownSecrets(
+            password_file=cfg.password_file,
+            environ={ENV_REDIS_PASSWORD: self.settings.password or ""},
+        )
+        self._relay: OutputRelay | None = None
+        self._crashes: CrashWatch | None = None
+        self._crash_loop: Crash | None = None
         self.orphan_reason = ""
         self._wake = threading.Event()
         self.signals = SignalMonitor(self.handler.submit, cfg.sigterm_grace, self._wake.set)
@@ -148,6 +168,8 @@ class Agent:
                     loop.stop()
             if self.proc is not None and self.proc.poll() is None:
                 self.stop_workers(5.0)
+            if self._relay is not None:
+                self._relay.stop()
             if self.orphan_reason:
                 self.record.event("self-terminate", reason=self.orphan_reason)
             if self.replica is not None:
@@ -331,7 +353,19 @@ class Agent:
                 return
             drop = self.worker.popen_kwargs() if self.worker else {}
             env = self.worker.env(env) if self.worker else env
-            self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, **drop)
+            self._crashes = CrashWatch(
+                self.cfg.node_id, time.monotonic(), redact=self._secrets.redact
+            )
+            with open(self.output_path, "ab") as out:
+                self.proc = subprocess.Popen(
+                    cmd,
+                    env=env,
+                    start_new_session=True,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    **drop,
+                )
+            self._relay = OutputRelay(self.output_path, _write_out, self._output_line).start()
         self.record.event(
             "torchrun-started",
             pid=self.proc.pid,
@@ -360,7 +394,12 @@ class Agent:
                 break
             if self.lifecycle.state is NodeState.HEALTHY and self._joined():
                 self._advance(NodeState.JOINED, "workers joined a rendezvous round")
+            if self._crash_loop is not None and not self._stopping and not self.handler.draining:
+                self._end_crash_loop()
+            self._note_training()
             time.sleep(0.2)
+        if self._relay is not None:
+            self._relay.stop()
         self.record.event("torchrun-exited", code=code)
         if self.replica is not None:
             # Its generation of the replica's rendezvous may be closed now: a backfill must
@@ -373,8 +412,84 @@ class Agent:
         if code == 0:
             self._advance(NodeState.LEFT, "training finished")
             return EXIT_OK
-        self._advance(NodeState.FAILED, f"torchrun exited with code {code}")
+        self._advance(NodeState.FAILED, self._failed_reason(code))
         return EXIT_TORCHRUN_FAILED
+
+    # -- the workers' failures (crashes.py) ------------------------------------------------
+    def _output_line(self, line: str) -> None:
+        """A line of torchrun's output (the relay's thread)."""
+        failure = self._output.feed(line)
+        if failure is not None:
+            self._worker_failed(failure)
+
+    def _worker_failed(self, failure: WorkerFailure) -> None:
+        watch = self._crashes
+        if watch is None or self.handler.draining or self._crash_loop is not None:
+            return  # a drain stops the workers on purpose; a loop found is being ended
+        step = read_step(self.progress_path)
+        crash = watch.failed(failure, time.monotonic(), step, self._gone_version())
+        self.record.put(**{CRASH_FIELD: crash.to_json()})
+        self.record.mark(**{TRAINED_FIELD: ""})
+        self.record.event(
+            "workers-failed",
+            code=crash.code,
+            local_rank=crash.rank,
+            line=crash.line,
+            step="" if crash.step is None else crash.step,
+            ran_s=round(crash.ran_s, 1),
+            in_a_row=crash.count,
+        )
+        if crash.loop:
+            log.error("crash loop: %s; ending torchrun", crash.why())
+            self._crash_loop = crash
+
+    def _end_crash_loop(self) -> None:
+        """End torchrun for good: leave the rendezvous first (torchrun stopping without
+        leaving would close it, and every other node's torchrun would end too), kill the
+        workers (nothing to save of workers that fail at every start, and a save would
+        look like training), then stop torchrun."""
+        if self.replica is None:
+            from .rendezvous.membership import leave_node
+
+            with contextlib.suppress(LookupError, redis.RedisError):
+                leave_node(self.client, self.keys, self.cfg.node_id)
+        proc = self.proc
+        if proc is not None:
+            for pid in child_pids().get(proc.pid, []):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        self.stop_workers(5.0)
+
+    def _gone_version(self) -> str | None:
+        """The rendezvous' version of its gone members ("" before any went), which moves
+        when a peer leaves or dies; None when Redis does not answer."""
+        keys = self.replica.rdzv_keys if self.replica else self.keys
+        try:
+            raw = self.client.hget(keys.rdzv_gone, "#v")
+        except redis.RedisError:
+            return None
+        return raw.decode() if isinstance(raw, bytes) else str(raw or "")
+
+    def _note_training(self) -> None:
+        """Mark the node once its workers trained for a while without failing: the
+        controller's give-up streak of failures at no known step ends on it."""
+        watch = self._crashes
+        joined = self.lifecycle.state in TRAINING
+        if watch is not None and watch.trains(time.monotonic(), joined):
+            self.record.mark(**{TRAINED_FIELD: "1"})
+
+    def _failed_reason(self, code: int) -> str:
+        """Why the node failed when torchrun exited with ``code``: the crash loop the
+        agent ended, or the workers' last failure (or torchrun's last words) once torchrun
+        gave up by itself; the crash goes to the node's record for the controller."""
+        crash = self._crash_loop
+        if crash is not None:
+            return f"crash loop: {crash.why()}"
+        if self._crashes is None:
+            return f"torchrun exited with code {code}"
+        crash = self._crashes.gave_up(code, self._output)
+        self.record.put(**{CRASH_FIELD: crash.to_json()})
+        return f"torchrun exited with code {code}: {crash.why()}"
 
     def _start_copier(self) -> str | None:
         """Bring in the newest checkpoint copy if the volume lacks it, then copy this node's
@@ -516,6 +631,16 @@ class Agent:
                 poll_interval=self.cfg.poll_interval,
             )
         )
+
+
+def _write_out(chunk: bytes) -> None:
+    """Write torchrun's output on as the agent's own (the node's log)."""
+    out = getattr(sys.stdout, "buffer", None)
+    if out is not None:
+        out.write(chunk)
+    else:
+        sys.stdout.write(chunk.decode(errors="replace"))
+    sys.stdout.flush()
 
 
 def _check_ckpt_dir(path: str) -> str | None:

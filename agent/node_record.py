@@ -152,6 +152,15 @@ class NodeRecord:
             except redis.RedisError as exc:
                 log.warning("could not record %s in Redis (the next beat retries): %s", fields, exc)
 
+    def put(self, **fields: str) -> None:
+        """Set fields of the node's record once (what is worth knowing until it is written
+        again, not on every beat: a worker failure's lines); a write that fails is
+        logged."""
+        try:
+            self.client.hset(self.keys.node(self.info.node_id), mapping=fields)
+        except redis.RedisError as exc:
+            log.warning("could not record %s in Redis: %s", ", ".join(fields), exc)
+
     def advance(self, lifecycle: Lifecycle, state: NodeState, reason: str = "") -> bool:
         """Move ``lifecycle`` to ``state`` and record it, if that move is allowed now."""
         if lifecycle.try_advance(state, reason) is None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TypeVar, overload
 
 from spottrain.cloud.base import InstanceState
-from spottrain.protocol.states import TRAINING, NodeState
+from spottrain.protocol.states import NodeState
 
 from .types import NodeObs, Policy
 
@@ -59,7 +59,8 @@ class Tally:
     prices: Counter[float]  # price per hour -> settled nodes with an offer at that price
     zones: Counter[str]  # zone -> settled nodes with an offer there
     timed: int  # nodes (of either kind) that report a compute time
-    training: int = 0  # nodes (of either kind) whose agent trains (joined, checkpointing)
+    # Nodes (of either kind) that train (NodeObs.trains: in a round, for a while).
+    training: int = 0
 
     @classmethod
     def of(cls, nodes: Iterable[NodeObs]) -> Tally:
@@ -70,7 +71,7 @@ class Tally:
         for n in nodes:
             if n.compute_s is not None:
                 timed += 1
-            if n.agent_state in TRAINING:
+            if n.trains:
                 training += 1
             if is_settled(n):
                 settled += 1
@@ -133,7 +134,7 @@ class FleetIndex(Sequence[NodeObs]):
     def _count(self, n: NodeObs) -> None:
         if n.compute_s is not None:
             self._timed += 1
-        if n.agent_state in TRAINING:
+        if n.trains:
             self._training += 1
         if is_settled(n):
             self._settled += 1
@@ -146,7 +147,7 @@ class FleetIndex(Sequence[NodeObs]):
     def _uncount(self, n: NodeObs) -> None:
         if n.compute_s is not None:
             self._timed -= 1
-        if n.agent_state in TRAINING:
+        if n.trains:
             self._training -= 1
         if self._unsettled.pop(n.name, None) is None:
             self._settled -= 1

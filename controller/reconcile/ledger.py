@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spottrain.cloud.base import Instance, InstanceState, Offer
-from spottrain.protocol.states import LIVE_LAUNCHES, TRAINING, LedgerStatus
+from spottrain.protocol.states import LIVE_LAUNCHES, LedgerStatus
 
 from .records import LaunchRecord, Ledger
 from .types import Observed, Policy
@@ -194,13 +194,17 @@ def _fold_node(
 
 def bookkeeping(obs: Observed) -> tuple[Observed, list[Step]]:
     """Stamp when training finished (once), and end the streak of VMs that failed before
-    training (:class:`~.types.FailedLaunches`) once a node trains. Returns the observation
-    as the planner sees it, and the steps."""
+    training (:class:`~.types.FailedLaunches`) once the job trains again
+    (:meth:`~.types.FailedLaunches.ended_by`: a checkpoint committed past the streak's, or
+    a node training for a while). Returns the observation as the planner sees it, and the
+    steps."""
     steps: list[Step] = []
     if obs.finished and obs.finished_at is None:
         steps.append(SetCtl({"finished_at": str(obs.now)}))
         obs = replace(obs, finished_at=obs.now)
-    if obs.failed.count and any(n.agent_state in TRAINING for n in obs.nodes):
+    if obs.failed.count and obs.failed.ended_by(
+        obs.committed_step, sum(1 for n in obs.nodes if n.trains)
+    ):
         failed = obs.failed.reset()
         steps.append(SetCtl({FAILED_LAUNCHES: failed.to_json()}))
         obs = replace(obs, failed=failed)

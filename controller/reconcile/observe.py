@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from spottrain.catalog import Catalog
 from spottrain.cloud.base import AuthError, Instance, Market, Offer, Provider, ProviderError
 from spottrain.controller.reconcile.offers import offer_query
+from spottrain.protocol.crashes import CRASH_FIELD, TRAINED_FIELD, Crash
 from spottrain.protocol.states import LIVE_LAUNCHES, NodeState
 from spottrain.spec import JobSpec
 
@@ -164,6 +165,8 @@ class Observer:
                 preempted=agents.get(r.node, {}).get("preempted", ""),
                 # Only while the node it replaces lives: after that it is an ordinary node.
                 replaces=r.replaces if r.replaces in live_names else "",
+                crash=Crash.from_json(agents.get(r.node, {}).get(CRASH_FIELD)),
+                trained=agents.get(r.node, {}).get(TRAINED_FIELD) == "1",
             )
             for r in live_records
         ]
@@ -204,11 +207,19 @@ class Observer:
             moving=bool(ctl.get("moving")),
             failed=FailedLaunches.from_json(ctl.get(FAILED_LAUNCHES)),
             last_refusal=ctl.get("last_refusal", ""),
+            committed_step=_int(self.state.ckpt_last().get("step")),
         )
 
 
 def _float(v: str | None) -> float | None:
     return float(v) if v else None
+
+
+def _int(v: str | None) -> int | None:
+    try:
+        return int(v) if v else None
+    except ValueError:
+        return None
 
 
 def _booting(agent: Mapping[str, str] | None) -> bool:

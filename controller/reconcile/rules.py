@@ -63,10 +63,14 @@ def the_end(policy: Policy, obs: Observed) -> Plan | None:
         )
     loop = crash_loop(obs.restores, policy.crash_loop_k)
     if loop is not None:
+        said = obs.failed.last or next(
+            (f"{n.name}: {n.crash.why()}" for n in obs.nodes if n.crash is not None), ""
+        )
         why = (
             f"crash loop: the job failed at step {loop.reached_step} and restored step "
-            f"{loop.restored_step} {policy.crash_loop_k} times; fix the training script "
-            "and relaunch"
+            f"{loop.restored_step} {policy.crash_loop_k} times"
+            + (f" (the last failure: {one_line(said)})" if said else "")
+            + "; fix the training script and relaunch"
         )
         return Plan((Stop(why, error=True, checkpoint=False),), why, obs.home, obs.next_index)
     if obs.failed.gives_up(policy.max_failed_launches):
@@ -197,8 +201,9 @@ def bad_nodes(p: Pass) -> Plan | None:
     Returns that stop, else None."""
     policy = p.policy
     streak = p.obs.failed
-    # A fleet that trains shows the launch works: its failures are not counted.
-    training = p.tally.training > 0
+    # Nodes that train (for a while, not only joined) show the launch works: a failure at
+    # no known training step is then that VM's own, and not counted.
+    training = p.tally.training
     for n in p.live:
         if n.instance is None or not n.instance.state.alive:
             continue
@@ -212,7 +217,12 @@ def bad_nodes(p: Pass) -> Plan | None:
                 p.actions.append(Penalise(zone_key(n.offer), f"node {n.name} was bad", node=n.name))
                 if failed.stage in IMAGE_STAGES:
                     _block_image(p, n.offer, failed)
-            streak = streak.add(failed, count=not training)
+            streak = streak.add(
+                failed,
+                count=streak.counts(failed, training),
+                committed_step=p.obs.committed_step,
+                now=p.obs.now,
+            )
             p.actions.append(LaunchFailed(failed, streak))
             if streak.gives_up(policy.max_failed_launches):
                 why = streak.why()
@@ -231,11 +241,26 @@ def bad_nodes(p: Pass) -> Plan | None:
 
 def failure(n: NodeObs, now: float, policy: Policy) -> FailedLaunch | None:
     """How ``n`` failed before training, if it did: its agent failed (its health check, or
-    later), its boot reported a failure, or it was not healthy ``boot_timeout_s`` after its
-    launch. Text from the VM is made one safe line."""
+    later: its workers crash-looped, whose reason is the crash's key and step, see
+    :func:`spottrain.protocol.crashes.same_crash`), its boot reported a failure, or it was
+    not healthy ``boot_timeout_s`` after its launch. Text from the VM is made one safe
+    line."""
     if n.health_failed or n.agent_state == NodeState.FAILED:
         said = one_line(n.agent_reason) if n.agent_reason else ""
         why = f"its agent failed: {said}" if said else "its agent failed"
+        crash = n.crash
+        if crash is not None and crash.loop and not n.health_failed:
+            tail = tuple(one_line(x, 200) for x in crash.tail)
+            return FailedLaunch(
+                n.name,
+                why,
+                reason=crash.key,
+                at_boot=False,
+                crashed=True,
+                launched_at=n.launched_at,
+                step=crash.step,
+                tail=tail,
+            )
         return FailedLaunch(n.name, why, reason=why, at_boot=n.health_failed)
     if n.agent_state not in (None, NodeState.BOOTING):
         return None

@@ -147,8 +147,10 @@ class BootLines:
     one escaped line each (:func:`boot_lines`).
 
     Attributes:
-        failed: the failed-launch streak ("2 VM(s) in a row failed at boot; the last: ...")
-            and each live node whose boot reported a failure (its VM about to be ended).
+        failed: the failed-launch streak ("2 VM(s) in a row failed at boot; the last: ..."),
+            the last lines of output of its last VM's workers when they crash-looped
+            (``n4> ModuleNotFoundError: No module named 'x'``), and each live node whose
+            boot reported a failure (its VM about to be ended).
         booting: the stage of each live node whose boot reports one (``n3: booting: fetch
             the code``), at most :data:`BOOTING_LINES` lines, the last counting the rest.
     """
@@ -176,6 +178,8 @@ def boot_lines(state: RunState, s: Summary) -> BootLines:
     if streak.count:
         when = "at boot" if streak.at_boot else "before training"
         failed.append(f"{streak.count} VM(s) in a row failed {when}; the last: {streak.last}")
+        node = streak.last.split(":", 1)[0]
+        failed.extend(f"{node}> {line}" for line in streak.tail)
     names = [n for n, st in s.nodes.items() if st in _BOOTING_STATES]
     reports = state.boot_reports(names) if names else {}
     booting: list[str] = []

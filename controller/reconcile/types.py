@@ -5,8 +5,9 @@ about as a field.
 
 :class:`FailedLaunches` is the run's one give-up policy: VMs in a row that failed before
 they trained (their boot failed, their agent failed, or they never became healthy within
-the boot timeout), counted per reason; at ``Policy.max_failed_launches`` of the same reason
-the run stops (rule 1 and rule 3 of :mod:`.planner`).
+the boot timeout, or their workers crash-looped), counted per reason; at
+``Policy.max_failed_launches`` of the same reason the run stops (rule 1 and rule 3 of
+:mod:`.planner`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from enum import StrEnum
 
 from spottrain.cloud.base import Instance, Offer
 from spottrain.protocol.boot import BootReport, reason_key
+from spottrain.protocol.crashes import TAIL_LINES, Crash, same_crash
+from spottrain.protocol.states import TRAINING
 from spottrain.spec import SpotPolicy
 
 
@@ -111,6 +114,10 @@ class NodeObs:
         at_risk: why the node is at risk of preemption ("rebalance recommendation"), from
             its agent; empty when it is not.
         replaces: the at-risk node this one was launched to replace, while that node lives.
+        crash: its workers' newest failure, from its agent (None: none).
+        trained: its agent says its workers trained for a while since their last failure
+            (:data:`spottrain.protocol.crashes.TRAINED_S`): joined at the rendezvous is not
+            enough, workers that fail at every start join it too.
     """
 
     name: str
@@ -127,6 +134,13 @@ class NodeObs:
     at_risk: str = ""
     preempted: str = ""
     replaces: str = ""
+    crash: Crash | None = None
+    trained: bool = False
+
+    @property
+    def trains(self) -> bool:
+        """Its workers are in a rendezvous round and have trained for a while."""
+        return self.agent_state in TRAINING and self.trained
 
 
 @dataclass(frozen=True)
@@ -161,6 +175,12 @@ class FailedLaunch:
             without what only this VM said (its console's last line).
         at_boot: it failed at boot (its boot, its health check, the boot timeout), not
             later (its agent failed after the health check).
+        crashed: its workers crash-looped (its agent ended torchrun, or torchrun gave up).
+        launched_at: when its VM was launched (for a crash loop: see
+            :meth:`FailedLaunches.same`).
+        step: the training step its workers failed at, when they crash-looped at a known
+            one (a NaN, an out-of-memory): the same step is the same reason.
+        tail: its workers' last lines of output before they failed, oldest first.
     """
 
     node: str
@@ -168,6 +188,10 @@ class FailedLaunch:
     stage: str = ""
     reason: str = ""
     at_boot: bool = True
+    crashed: bool = False
+    launched_at: float = 0.0
+    step: int | None = None
+    tail: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -187,9 +211,9 @@ RECENT_FAILED = 64
 @dataclass(frozen=True)
 class FailedLaunches:
     """The give-up policy's streak: VMs in a row that failed before training, all for the
-    same reason (:attr:`FailedLaunch.key`); a failure for another reason starts a new streak,
-    and a node that trains ends it (:meth:`reset`). Kept in the controller's hash
-    (``failed_launches``, JSON), so a restarted controller carries it on.
+    same reason (:meth:`same`); a failure for another reason starts a new streak, and the
+    job training ends it (:meth:`ended_by`, then :meth:`reset`). Kept in the controller's
+    hash (``failed_launches``, JSON), so a restarted controller carries it on.
 
     Attributes:
         count: the failures in the streak.
@@ -197,6 +221,11 @@ class FailedLaunches:
         last: the last one's line ("n4: boot failed in '...': ...").
         at_boot: the last one failed at boot (else later, before training).
         recent: the nodes counted lately, in streaks before this one too, newest last.
+        crashed: the last one's workers crash-looped.
+        at: when the last one was counted.
+        step: the training step the last one's workers failed at (None: none known).
+        best_step: the newest checkpoint committed when the last one was counted (-1: none).
+        tail: the last one's workers' last lines of output.
     """
 
     count: int = 0
@@ -204,19 +233,75 @@ class FailedLaunches:
     last: str = ""
     at_boot: bool = True
     recent: tuple[str, ...] = ()
+    crashed: bool = False
+    at: float = 0.0
+    step: int | None = None
+    best_step: int = -1
+    tail: tuple[str, ...] = ()
 
     def counted(self, node: str) -> bool:
         """Whether ``node``'s failure was counted already (its VM still listed)."""
         return node in self.recent
 
-    def add(self, failure: FailedLaunch, *, count: bool = True) -> FailedLaunches:
-        """The streak after ``failure``: one more when it has the streak's reason, a new
-        streak of one otherwise; only remembered when not ``count`` (a node trains)."""
+    def same(self, failure: FailedLaunch) -> bool:
+        """Whether ``failure`` has the streak's reason: the same key, or the same known
+        training step (:func:`spottrain.protocol.crashes.same_crash`); or both are crash
+        loops of VMs that ran side by side (``failure``'s VM was launched before the last
+        one was counted): the workers of one job fail together, the one that hit the bug
+        and its peers whose connection to it broke, each with a line of its own."""
+        if not self.count:
+            return False
+        if same_crash(self.key, self.step, failure.key, failure.step):
+            return True
+        return self.crashed and failure.crashed and failure.launched_at < self.at
+
+    def counts(self, failure: FailedLaunch, trained: int) -> bool:
+        """Whether ``failure`` enters the streak while ``trained`` nodes train
+        (:attr:`NodeObs.trains`): a failure at a known training step always does (its
+        peers training up to that step say nothing of it); another only while none trains
+        (the launch works, the failure is that VM's)."""
+        return failure.step is not None or trained == 0
+
+    def ended_by(self, committed_step: int | None, trained: int) -> bool:
+        """Whether the job trains again, which ends the streak: a checkpoint committed
+        beyond the newest one when the last failure was counted; or, for a streak of
+        failures at no known step, a node training for a while (``trained`` of them). A
+        streak at a known step (a NaN, an out-of-memory after every resume) ends only by a
+        commit past it: a node that trains up to that step trains for a while too."""
+        if not self.count:
+            return False
+        if committed_step is not None and committed_step > self.best_step:
+            return True
+        return self.step is None and trained > 0
+
+    def add(
+        self,
+        failure: FailedLaunch,
+        *,
+        count: bool = True,
+        committed_step: int | None = None,
+        now: float = 0.0,
+    ) -> FailedLaunches:
+        """The streak after ``failure``, counted at ``now``: one more when it has the
+        streak's reason (:meth:`same`), a new streak of one otherwise; only remembered when
+        not ``count``. ``committed_step``: the newest checkpoint committed now (None:
+        none)."""
         recent = (*self.recent, failure.node)[-RECENT_FAILED:]
         if not count:
             return FailedLaunches(recent=recent)
-        n = self.count + 1 if self.count and failure.key == self.key else 1
-        return FailedLaunches(n, failure.key, failure.line, failure.at_boot, recent)
+        n = self.count + 1 if self.same(failure) else 1
+        return FailedLaunches(
+            n,
+            failure.key,
+            failure.line,
+            failure.at_boot,
+            recent,
+            crashed=failure.crashed,
+            at=now,
+            step=failure.step,
+            best_step=-1 if committed_step is None else committed_step,
+            tail=failure.tail[-TAIL_LINES:],
+        )
 
     def reset(self) -> FailedLaunches:
         """No streak (a node trains), the counted nodes still remembered."""
@@ -239,6 +324,11 @@ class FailedLaunches:
                 "last": self.last,
                 "at_boot": self.at_boot,
                 "recent": list(self.recent),
+                "crashed": self.crashed,
+                "at": self.at,
+                "step": self.step,
+                "best_step": self.best_step,
+                "tail": list(self.tail),
             }
         )
 
@@ -247,12 +337,18 @@ class FailedLaunches:
         """The streak a controller's hash holds; none for nothing or what does not parse."""
         try:
             d = json.loads(text or "{}")
+            step = d.get("step")
             return cls(
                 count=int(d.get("count", 0)),
                 key=str(d.get("key", "")),
                 last=str(d.get("last", "")),
                 at_boot=bool(d.get("at_boot", True)),
                 recent=tuple(str(n) for n in d.get("recent", ())),
+                crashed=bool(d.get("crashed", False)),
+                at=float(d.get("at", 0.0)),
+                step=None if step is None else int(step),
+                best_step=int(d.get("best_step", -1)),
+                tail=tuple(str(x) for x in d.get("tail", ())[-TAIL_LINES:]),
             )
         except (ValueError, TypeError, AttributeError):
             return cls()
@@ -280,6 +376,7 @@ class Observed:
     moving: bool = False
     failed: FailedLaunches = field(default_factory=FailedLaunches)
     last_refusal: str = ""
+    committed_step: int | None = None  # the newest checkpoint committed (None: none yet)
 
 
 class ActionKind(StrEnum):

@@ -82,7 +82,10 @@ def node(
     interrupted: bool = False,
     listed: bool = True,
     health_failed: bool = False,
+    trained: bool | None = None,
 ) -> NodeObs:
+    """A node; one in a round (joined, checkpointing) has trained for a while unless
+    ``trained`` says otherwise."""
     inst = Instance(
         id=f"i-{name}",
         cloud=o.cloud,
@@ -105,6 +108,7 @@ def node(
         alive_beat=agent is not None,
         compute_s=step_time,
         health_failed=health_failed,
+        trained=agent in ("joined", "checkpointing") if trained is None else trained,
     )
 
 

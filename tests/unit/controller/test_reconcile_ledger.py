@@ -168,14 +168,20 @@ def test_redrive_resends_fresh_intents_with_the_policys_blocks_and_gives_up_old_
     ]
 
 
-def node(name: str, agent: str | None = "joined") -> NodeObs:
-    return NodeObs(name=name, instance=inst(name), offer=OFFER, launched_at=NOW - 600,
-                   agent_state=agent, alive_beat=True)  # fmt: skip
+def node(name: str, agent: str | None = "joined", trained: bool = False) -> NodeObs:
+    n = NodeObs(name=name, instance=inst(name), offer=OFFER, launched_at=NOW - 600,
+                agent_state=agent, alive_beat=True)  # fmt: skip
+    return replace(n, trained=True) if trained else n
 
 
-def test_bookkeeping_stamps_the_finish_once_and_ends_the_failed_launch_streak_on_a_join() -> None:
+def test_bookkeeping_stamps_the_finish_once_and_ends_the_streak_on_a_node_that_trained() -> None:
     streak = FailedLaunches(2, "k", "n3: boot failed in 'x'", recent=("n2", "n3"))
-    obs = Observed(now=NOW, nodes=[node("n0")], offers=[OFFER], finished=True, failed=streak)
+    # Joined at the rendezvous is not training: workers that fail at every start join too.
+    joined = Observed(now=NOW, nodes=[node("n0")], offers=[OFFER], failed=streak)
+    assert bookkeeping(joined) == (joined, [])
+    obs = Observed(
+        now=NOW, nodes=[node("n0", trained=True)], offers=[OFFER], finished=True, failed=streak
+    )
     seen, steps = bookkeeping(obs)
     # The streak ends, and still remembers which nodes it counted.
     assert (seen.finished_at, seen.failed) == (NOW, FailedLaunches(recent=("n2", "n3")))
@@ -184,7 +190,7 @@ def test_bookkeeping_stamps_the_finish_once_and_ends_the_failed_launch_streak_on
         SetCtl({FAILED_LAUNCHES: seen.failed.to_json()}),
     ]
     assert bookkeeping(seen)[1] == []
-    booting = replace(obs, nodes=[node("n0", "booting")], finished=False)
+    booting = replace(obs, nodes=[node("n0", "booting", trained=True)], finished=False)
     assert bookkeeping(booting) == (booting, [])
 
 
