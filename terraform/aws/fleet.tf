@@ -84,6 +84,16 @@ resource "aws_launch_template" "fleet" {
       error_message = "code_archive_url needs code_archive_sha256, and git_repo needs git_commit (both pin the code every node runs)."
     }
     precondition {
+      # AWS takes at most 16 KB of user data, before base64; with an env_lock the script is
+      # gzipped (and the lock's own validation keeps it within the limit).
+      condition     = var.env_lock != "" || length(local.boot_script) <= 16384
+      error_message = "The boot script is ${length(local.boot_script)} characters, over AWS's 16 KB of user data: give fewer secret_env_arns (each adds its name and ARN), or set env_lock (the script is then gzipped)."
+    }
+    precondition {
+      condition     = var.git_token_secret_arn == "" || startswith(var.git_repo, "https://")
+      error_message = "git_token_secret_arn works with an https:// git_repo only: an ssh:// repository is read with a deploy key in the AMI, and a code archive needs no token."
+    }
+    precondition {
       condition     = (var.redis_url != "") != var.create_elasticache
       error_message = "Give exactly one of redis_url (an existing Redis) or create_elasticache = true."
     }
@@ -196,7 +206,7 @@ resource "aws_autoscaling_group" "fleet" {
     }
   }
 
-  # The VMs must be able to fetch the Redis password and mount the volume as they boot.
+  # The VMs must be able to fetch their secrets and mount the volume as they boot.
   depends_on = [
     aws_iam_role_policy.agent,
     aws_efs_mount_target.checkpoint,

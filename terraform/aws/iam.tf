@@ -69,6 +69,18 @@ data "aws_iam_policy_document" "agent" {
     }
   }
 
+  # The job's secrets (secret_env_arns, git_token_secret_arn), which the boot reads into
+  # root-only files the same way: exactly these ARNs, none other.
+  dynamic "statement" {
+    for_each = length(local.job_secret_arns) == 0 ? [] : [local.job_secret_arns]
+
+    content {
+      sid       = "ReadTheJobsSecrets"
+      actions   = ["secretsmanager:GetSecretValue"]
+      resources = statement.value
+    }
+  }
+
   dynamic "statement" {
     for_each = var.code_archive_url == "" ? [] : [local.code_archive_object]
 

@@ -90,6 +90,15 @@ locals {
   ) : var.redis_url
   redis_password_file = var.redis_password_secret_arn == "" ? "" : "/etc/spottrain/redis-password"
 
+  # --- the job's secrets, read at boot -------------------------------------------------------
+  # The ARNs the agents' role may read besides the Redis password: train.secret_env's and
+  # the git token's, exactly these.
+  job_secret_arns = distinct(concat(values(var.secret_env_arns), var.git_token_secret_arn == "" ? [] : [var.git_token_secret_arn]))
+  # train.secret_env as the boot script's table, one "NAME ARN" line each (both validated
+  # to hold no space or quote), each ending in a newline; empty without secrets.
+  # tests/unit/terraform/test_terraform_aws.py mirrors this expression; change both together.
+  secret_env_table = join("", [for name, arn in var.secret_env_arns : "${name} ${arn}\n"])
+
   # --- the training command as SPOTTRAIN_TRAIN_CMD --------------------------------------------
   # The agent splits the value like a POSIX shell (shlex.split), so each argument goes in
   # single quotes, with a ' inside written as '\''. The environment file then wraps the
@@ -160,6 +169,9 @@ locals {
     code_archive_sha256   = var.code_archive_sha256
     git_repo              = var.git_repo
     git_commit            = var.git_commit
+    git_token_secret      = var.git_token_secret_arn
+    git_token_user        = var.git_token_user
+    secret_env_table      = local.secret_env_table
     nnodes                = "${var.nodes_min}:${var.nodes_max}"
     nproc_per_node        = var.nproc_per_node
     expect_gpus           = var.gpus_per_node

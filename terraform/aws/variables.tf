@@ -491,7 +491,7 @@ variable "code_archive_sha256" {
 
 variable "git_repo" {
   type        = string
-  description = "The job's code as a git repository the VMs can fetch without credentials (https:// or ssh:// with a deploy key baked into the AMI)."
+  description = "The job's code as a git repository the VMs can fetch: https:// (a private one with git_token_secret_arn) or ssh:// with a deploy key baked into the AMI."
   default     = ""
   nullable    = false
 
@@ -518,6 +518,30 @@ variable "git_commit" {
   }
 }
 
+variable "git_token_secret_arn" {
+  type        = string
+  description = "A private https:// git_repo's access token (the spec's code.git.token_secret): the full ARN, with its 6-character suffix, of a Secrets Manager secret whose SecretString is the token. Each VM reads it at boot into /etc/spottrain/git-token (mode 0600), which a root-only GIT_ASKPASS helper hands to git, and removes both once the commit is fetched; the token is never in user data or on a command line. The agents' role may read this secret. Empty: the repository needs no credentials."
+  default     = ""
+  nullable    = false
+
+  validation {
+    condition     = var.git_token_secret_arn == "" || can(regex("^arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:[0-9]{12}:secret:[A-Za-z0-9/_+=.@-]+-[A-Za-z0-9]{6}$", var.git_token_secret_arn))
+    error_message = "git_token_secret_arn must be empty or the full ARN of a Secrets Manager secret, with the 6-character suffix AWS adds (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME-AbCdEf): IAM grants read of exactly that ARN."
+  }
+}
+
+variable "git_token_user" {
+  type        = string
+  description = "The user name git sends with git_token_secret_arn's token (the spec's code.git.token_user): GitHub ignores it, GitLab takes any, Bitbucket wants x-token-auth."
+  default     = "x-access-token"
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^[A-Za-z0-9._-]{1,64}$", var.git_token_user))
+    error_message = "git_token_user must be 1-64 letters, digits, '.', '_' or '-' (a git user name such as x-access-token)."
+  }
+}
+
 variable "train_command" {
   type        = list(string)
   description = "The training script and its arguments as torchrun starts them in each worker, one list item per argument (run from /opt/job), e.g. [\"train.py\", \"--config\", \"gpt.yaml\"]."
@@ -531,6 +555,27 @@ variable "train_command" {
     # An environment file holds one value per line.
     condition     = alltrue([for a in var.train_command : !can(regex("[\r\n]", a))])
     error_message = "train_command arguments cannot hold line breaks."
+  }
+}
+
+variable "secret_env_arns" {
+  type        = map(string)
+  description = "The job's secret environment variables (the spec's train.secret_env): ENV_NAME = the full ARN, with its 6-character suffix, of a Secrets Manager secret whose SecretString is the value (one line). Each VM reads them at boot into /etc/spottrain/agent.env (mode 0600), which the agent passes on to the workers; the values are never in user data or on a command line. The agents' role may read exactly these secrets."
+  default     = {}
+  nullable    = false
+
+  validation {
+    condition     = alltrue([for name in keys(var.secret_env_arns) : can(regex("^[A-Za-z_][A-Za-z0-9_]*$", name))])
+    error_message = "secret_env_arns: each key must be an environment variable name (letters, digits and '_', not starting with a digit), such as HF_TOKEN."
+  }
+  validation {
+    # The agent's own settings: a job variable of that name would override them.
+    condition     = alltrue([for name in keys(var.secret_env_arns) : !startswith(name, "SPOTTRAIN_")])
+    error_message = "secret_env_arns: SPOTTRAIN_* variables are set by spottrain itself; give the job's variables their own names (HF_TOKEN, WANDB_API_KEY, ...)."
+  }
+  validation {
+    condition     = alltrue([for arn in values(var.secret_env_arns) : can(regex("^arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:[0-9]{12}:secret:[A-Za-z0-9/_+=.@-]+-[A-Za-z0-9]{6}$", arn))])
+    error_message = "secret_env_arns: each value must be the full ARN of a Secrets Manager secret, with the 6-character suffix AWS adds (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME-AbCdEf): IAM grants read of exactly those ARNs."
   }
 }
 
@@ -564,7 +609,7 @@ variable "redis_password_secret_arn" {
 
 variable "kms_key_arns" {
   type        = list(string)
-  description = "Customer-managed KMS keys encrypting the Redis password secret or the checkpoint copy bucket; the roles may use them only through Secrets Manager and S3."
+  description = "Customer-managed KMS keys encrypting the secrets (Redis password, git token, secret_env_arns) or the checkpoint copy bucket; the roles may use them only through Secrets Manager and S3."
   default     = []
   nullable    = false
 

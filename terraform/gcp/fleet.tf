@@ -80,6 +80,10 @@ resource "google_compute_instance_template" "fleet" {
       error_message = "Give the job's code one way: code_archive_url with code_archive_sha256, or git_repo with git_commit (and optionally git_subdir)."
     }
     precondition {
+      condition     = var.git_token_secret == "" || startswith(var.git_repo, "https://")
+      error_message = "git_token_secret works with an https:// git_repo only: an ssh:// repository is read with a deploy key in the image, and a code archive needs no token."
+    }
+    precondition {
       condition     = var.nnodes_min <= var.nnodes_max
       error_message = "nnodes_min (${var.nnodes_min}) is above nnodes_max (${var.nnodes_max})."
     }
@@ -159,10 +163,11 @@ resource "google_compute_instance_group_manager" "fleet" {
   # No autoscaler either: its scaling signals (CPU, load balancing) mean nothing for training,
   # and it would fight the controller over the size.
 
-  # Nodes boot straight into reading the Redis password and the code archive.
+  # Nodes boot straight into reading their secrets and the code archive.
   depends_on = [
     google_project_iam_member.fleet_log_writer,
     google_secret_manager_secret_iam_member.fleet_redis_password,
+    google_secret_manager_secret_iam_member.fleet_job_secrets,
     google_storage_bucket_iam_member.fleet_ckpt_copy,
     google_storage_bucket_iam_member.fleet_code_archive,
   ]

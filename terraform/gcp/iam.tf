@@ -1,5 +1,5 @@
 # One service account per run for the nodes, holding only what a node does: write its logs,
-# read the Redis password, copy checkpoints to (and restore from) one bucket, read the code
+# read the Redis password and the job's secrets, copy checkpoints to (and restore from) one bucket, read the code
 # archive. Nothing project-wide beyond logging.
 resource "google_service_account" "fleet" {
   project = var.project
@@ -19,6 +19,16 @@ resource "google_secret_manager_secret_iam_member" "fleet_redis_password" {
   count     = var.redis_password_secret != "" ? 1 : 0
   project   = var.project
   secret_id = var.redis_password_secret
+  role      = "roles/secretmanager.secretAccessor"
+  member    = "serviceAccount:${google_service_account.fleet.email}"
+}
+
+# The job's secrets (secret_env, git_token_secret), which the startup script reads into
+# root-only files at every boot: exactly these, one binding each.
+resource "google_secret_manager_secret_iam_member" "fleet_job_secrets" {
+  for_each  = local.job_secrets
+  project   = var.project
+  secret_id = each.value
   role      = "roles/secretmanager.secretAccessor"
   member    = "serviceAccount:${google_service_account.fleet.email}"
 }

@@ -84,10 +84,22 @@ locals {
     archive_sha256 = var.code_archive_sha256
   }
   code_git_vars = {
-    git_repo    = var.git_repo
-    git_commit  = var.git_commit
-    git_workdir = var.git_subdir == "" ? "/opt/job" : "/opt/job/${var.git_subdir}"
+    git_repo         = var.git_repo
+    git_commit       = var.git_commit
+    git_workdir      = var.git_subdir == "" ? "/opt/job" : "/opt/job/${var.git_subdir}"
+    git_token_secret = var.git_token_secret
+    git_token_user   = var.git_token_user
   }
+
+  # --- the job's secrets, read at boot -------------------------------------------------------
+  # The secrets the nodes read besides the Redis password (train.secret_env's and the git
+  # token), exactly these. The Redis password's own grant (iam.tf) is left out of the set, so
+  # no binding is managed twice (destroying one copy would revoke the other).
+  job_secrets = setsubtract(toset(concat(values(var.secret_env), var.git_token_secret == "" ? [] : [var.git_token_secret])), toset([var.redis_password_secret]))
+  # train.secret_env as the startup script's table, one "NAME SECRET" line each (both
+  # validated to hold no space or quote), each ending in a newline; empty without secrets.
+  # tests/unit/terraform/test_terraform_gcp.py mirrors this expression; change both together.
+  secret_env_table = join("", [for name, secret in var.secret_env : "${name} ${secret}\n"])
 
   # --- replica mode ---------------------------------------------------------------------------
   replica = var.fault_tolerance == "replica"
@@ -140,6 +152,7 @@ locals {
     ckpt_dir              = local.ckpt_dir
     code_fetch            = local.code_fetch
     redis_password_secret = var.redis_password_secret
+    secret_env_table      = local.secret_env_table
     redis_url             = var.redis_url
     nnodes                = "${var.nnodes_min}:${var.nnodes_max}"
     nproc_per_node        = local.nproc_per_node
@@ -164,12 +177,13 @@ locals {
 
   # Access scopes only cap what the VM's token may do; the service accounts' IAM roles
   # (iam.tf) are what grant it. Secret Manager has no narrower scope than cloud-platform, so
-  # a node that reads the Redis password gets that one, still limited by its roles.
+  # a node that reads a secret (the Redis password, the job's) gets that one, still limited
+  # by its roles.
   fleet_scopes = distinct(concat(
     ["https://www.googleapis.com/auth/logging.write"],
     local.copy_bucket != "" ? ["https://www.googleapis.com/auth/devstorage.read_write"] : [],
     local.archive_bucket != "" ? ["https://www.googleapis.com/auth/devstorage.read_only"] : [],
-    var.redis_password_secret != "" ? ["https://www.googleapis.com/auth/cloud-platform"] : [],
+    var.redis_password_secret != "" || length(local.job_secrets) > 0 ? ["https://www.googleapis.com/auth/cloud-platform"] : [],
   ))
 }
 

@@ -339,6 +339,27 @@ variable "train_command" {
   }
 }
 
+variable "secret_env" {
+  type        = map(string)
+  description = "The job's secret environment variables (the spec's train.secret_env): ENV_NAME = the id of a Secret Manager secret in this project holding the value (one line). Each node reads them at every boot into /etc/spottrain/agent.env (mode 0600), which the agent passes on to the workers; the values are never in metadata or on a command line. The nodes get secretAccessor on exactly these secrets."
+  default     = {}
+  nullable    = false
+
+  validation {
+    condition     = alltrue([for name in keys(var.secret_env) : can(regex("^[A-Za-z_][A-Za-z0-9_]*$", name))])
+    error_message = "secret_env: each key must be an environment variable name (letters, digits and '_', not starting with a digit), such as HF_TOKEN."
+  }
+  validation {
+    # The agent's own settings: a job variable of that name would override them.
+    condition     = alltrue([for name in keys(var.secret_env) : !startswith(name, "SPOTTRAIN_")])
+    error_message = "secret_env: SPOTTRAIN_* variables are set by spottrain itself; give the job's variables their own names (HF_TOKEN, WANDB_API_KEY, ...)."
+  }
+  validation {
+    condition     = alltrue([for secret in values(var.secret_env) : can(regex("^[A-Za-z0-9_-]{1,255}$", secret))])
+    error_message = "secret_env: each value must be a Secret Manager secret id in this project (letters, digits, '_' and '-'), not a path or a version."
+  }
+}
+
 variable "code_archive_url" {
   type        = string
   description = "The job's code as a spottrain code archive (gs://BUCKET/.../code/<sha256>.tar.gz, as `spottrain up` uploads it). Give this and code_archive_sha256, or git_repo and git_commit."
@@ -363,7 +384,7 @@ variable "code_archive_sha256" {
 
 variable "git_repo" {
   type        = string
-  description = "The job's code as a git repository the VMs can clone (https:// or ssh), checked out at git_commit."
+  description = "The job's code as a git repository the VMs can clone (https://, a private one with git_token_secret, or ssh), checked out at git_commit."
   default     = ""
 
   validation {
@@ -385,6 +406,30 @@ variable "git_commit" {
   validation {
     condition     = var.git_commit == "" || can(regex("^[0-9a-f]{40}$", var.git_commit))
     error_message = "git_commit: the full 40-hex-digit commit id, not a branch, tag or short id."
+  }
+}
+
+variable "git_token_secret" {
+  type        = string
+  description = "A private https:// git_repo's access token (the spec's code.git.token_secret): the id of a Secret Manager secret in this project holding it. Each node reads it at boot into /etc/spottrain/git-token (mode 0600), which a root-only GIT_ASKPASS helper hands to git, and removes both once the commit is fetched; the token is never in metadata or on a command line. The nodes get secretAccessor on this secret. Empty: the repository needs no credentials."
+  default     = ""
+  nullable    = false
+
+  validation {
+    condition     = var.git_token_secret == "" || can(regex("^[A-Za-z0-9_-]{1,255}$", var.git_token_secret))
+    error_message = "git_token_secret: a Secret Manager secret id in this project (letters, digits, '_' and '-'), not a path or a version."
+  }
+}
+
+variable "git_token_user" {
+  type        = string
+  description = "The user name git sends with git_token_secret's token (the spec's code.git.token_user): GitHub ignores it, GitLab takes any, Bitbucket wants x-token-auth."
+  default     = "x-access-token"
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^[A-Za-z0-9._-]{1,64}$", var.git_token_user))
+    error_message = "git_token_user: 1-64 letters, digits, '.', '_' or '-' (a git user name such as x-access-token)."
   }
 }
 

@@ -15,13 +15,27 @@ import shlex
 import shutil
 import stat
 import subprocess
+import uuid
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import boto3
 import hcl2
 import pytest
+from fakes.git_http import GitHttpServer
+from fakes.metadata_server import MetadataServer
+from moto.server import ThreadedMotoServer
 from replica_values import replica_values
+from secret_boot import (
+    evaluate,
+    refusal,
+    run_part,
+    section,
+    shell_function,
+    variable_blocks,
+)
 from terraform_hcl import (
     TERRAFORM,
     Module,
@@ -38,6 +52,7 @@ from spottrain.agent import cli as agent_cli
 from spottrain.cloud.base import TAG_JOB
 from spottrain.controller.cli import main as spottrain_cli
 from spottrain.controller.run.boot import parse_env_file, worker_user_lines
+from spottrain.protocol.boot import parse_redact_lines
 from spottrain.spec import FleetSpec
 
 AWS = TERRAFORM / "aws"
@@ -76,6 +91,8 @@ VARIABLES = {
     "code_archive_sha256": "ab" * 32,
     "git_repo": "",
     "git_commit": "",
+    "git_token_secret_arn": "",
+    "git_token_user": "x-access-token",
     "env_lock": "",
     "redis_password_secret_arn": (
         "arn:aws:secretsmanager:us-east-1:123456789012:secret:spottrain/redis-AbCdEf"
@@ -167,7 +184,7 @@ def _dynamic(block: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _validations(mod: Module, name: str) -> list[dict[str, Any]]:
-    return _plain(mod.variables[name].get("validation", []))
+    return _plain(mod.variables.get(name, {}).get("validation", []))
 
 
 def test_the_controller_reads_the_console_of_this_runs_vms_only(mod: Module) -> None:
@@ -191,6 +208,12 @@ def _train_command_env(command: list[str]) -> str:
     return shell.replace("\\", "\\\\").replace('"', '\\"')
 
 
+def _secret_env_table(secret_env_arns: dict[str, str]) -> str:
+    """What ``local.secret_env_table`` computes (Terraform walks a map in key order; the
+    expression is pinned by :func:`test_secret_env_table_matches_its_mirror`)."""
+    return "".join(f"{name} {arn}\n" for name, arn in sorted(secret_env_arns.items()))
+
+
 def _boot_values(mod: Module, **overrides: Any) -> dict[str, str]:
     """Values for every placeholder of the boot template: the templatefile map's own
     expressions where they only name variables and locals, realistic values for what AWS
@@ -208,6 +231,7 @@ def _boot_values(mod: Module, **overrides: Any) -> dict[str, str]:
         "checkpoint_fs_options": "defaults,relatime,flock,_netdev",
         "checkpoint_copy_to": "s3://acme-spottrain/ckpt",
         "train_command": _train_command_env(overrides.get("command", HOSTILE_COMMAND)),
+        "secret_env_table": _secret_env_table(overrides.get("secret_env_arns", {})),
         **replica_values(locals_, variables, f"{CONTROLLER_IP}:{variables['lighthouse_port']}"),
     }
     computed.update({k: v for k, v in overrides.items() if k in computed})
@@ -817,6 +841,346 @@ def test_boot_creates_the_workers_user_before_the_agent_starts(mod: Module) -> N
     script = _render(mod)
     assert worker_user_lines() in script
     assert script.index(worker_user_lines()) < script.index("systemctl enable --now")
+
+
+# --- the job's secrets: train.secret_env and a private repository's token -------------------
+
+# What Secrets Manager holds: shell, systemd and JSON trip-wires in one line each.
+SECRET_VALUES = {
+    "HF_TOKEN": 'hf_"quoted" \\back$lash `id` $(id) ${PATH} value',
+    "WANDB_API_KEY": "0123456789abcdef0123456789abcdef",
+}
+GIT_TOKEN = "ghp_s3cr3tT0kenThatMustNeverLeak"
+ARN = "arn:aws:secretsmanager:us-east-1:123456789012:secret:{}-AbCdEf"
+SECRET_ARNS = {"HF_TOKEN": ARN.format("spottrain/hf"), "WANDB_API_KEY": ARN.format("wandb")}
+SECRET_ENV_LOOP = 'read_secret secret-env "$name" "$arn" /etc/spottrain/agent.env'
+REGION = "us-east-1"
+ROLE = "spottrain-agent"
+
+
+@pytest.fixture(scope="module")
+def moto_url() -> Iterator[str]:
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def aws_md() -> Iterator[MetadataServer]:
+    """IMDSv2 as a VM of the fleet sees it: its instance role's credentials, which the
+    boot's loader signs its Secrets Manager calls with."""
+    with MetadataServer() as md:
+        meta = "/latest/meta-data/"
+        md.set_aws_value(meta + "placement/region", REGION)
+        md.set_aws_value(meta + "iam/security-credentials/", ROLE)
+        creds = {
+            "Code": "Success",
+            "AccessKeyId": "ASIAEXAMPLE",
+            "SecretAccessKey": "s3cr3t",
+            "Token": "session-token",
+            "Expiration": "2099-01-01T00:00:00Z",
+        }
+        md.set_aws_value(meta + f"iam/security-credentials/{ROLE}", json.dumps(creds))
+        yield md
+
+
+def _put_secret(moto_url: str, name: str, value: str) -> str:
+    """A Secrets Manager secret holding ``value``; its ARN (with AWS's suffix)."""
+    client = boto3.client(
+        "secretsmanager",
+        endpoint_url=moto_url,
+        region_name=REGION,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    reply = client.create_secret(Name=f"{name}-{uuid.uuid4().hex[:8]}", SecretString=value)
+    return str(reply["ARN"])
+
+
+def _run_boot_part(
+    script: str, part: str, tmp_path: Path, moto_url: str, md: MetadataServer, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``part`` of the rendered script, run after its ``fail`` and the loader's settings and
+    ``read_secret`` (the secrets section), against moto and the metadata fake."""
+    secrets = section(script, "# --- secrets: read by the installed spottrain", "# --- the shared")
+    conf = {
+        "cloud": "aws",
+        "endpoints": {"secretsmanager": moto_url},
+        "redact_file": str(tmp_path / "redact"),
+    }
+    env = {"AWS_EC2_METADATA_SERVICE_ENDPOINT": md.url, **env}
+    return run_part(shell_function(script, "fail") + secrets + part, tmp_path, conf=conf, env=env)
+
+
+def _arn_patterns(mod: Module) -> list[str]:
+    patterns = [
+        p
+        for name in ("secret_env_arns", "git_token_secret_arn")
+        for v in _validations(mod, name)
+        for p in _regexes(v["condition"])
+        if p.startswith("^arn:")
+    ]
+    assert len(patterns) == 2, "secret_env_arns and git_token_secret_arn check their ARNs"
+    return patterns
+
+
+def test_secret_env_table_matches_its_mirror(mod: Module) -> None:
+    """The test's ``_secret_env_table`` is only worth what its sameness with the HCL."""
+    assert _ref(_locals(mod).get("secret_env_table", "")) == (
+        'join("", [for name, arn in var.secret_env_arns : "${name} ${arn}\\n"])'
+    )
+    assert _ref(_locals(mod)["boot_template_values"]["secret_env_table"]) == (
+        "local.secret_env_table"
+    )
+    if shutil.which("terraform"):  # and what Terraform makes of it, in key order
+        text = variable_blocks(mod.texts["variables.tf"], "secret_env_arns")
+        text += f"locals {{\n  t = {_ref(_locals(mod)['secret_env_table'])}\n}}\n"
+        arns = {"WANDB_API_KEY": ARN.format("w"), "HF_TOKEN": ARN.format("h"), "A": ARN.format("a")}
+        hcl = "{" + ", ".join(f'"{k}" = "{v}"' for k, v in arns.items()) + "}"
+        assert evaluate(text, "local.t", {"secret_env_arns": hcl}) == _secret_env_table(arns)
+
+
+def test_boot_names_each_secret_variable_and_reads_it_after_writing_the_agents_env(
+    mod: Module,
+) -> None:
+    script = _render(mod, secret_env_arns=SECRET_ARNS)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    table = "".join(f"{name} {arn}\n" for name, arn in sorted(SECRET_ARNS.items()))
+    assert f"done <<'SECRETS'\n{table}SECRETS\n" in script, "the boot names no secret of the job"
+    loop = script.index(SECRET_ENV_LOOP)
+    # After the file is written (which truncates it), before the agent starts.
+    assert script.index("cat >>/etc/spottrain/agent.env <<ENV\n") < loop
+    assert "cat >/etc/spottrain/agent.env" not in script[loop:]
+    assert loop < script.index("systemctl enable --now spottrain-agent.service")
+    # With the same loader the controller's own VMs read secrets with.
+    read = shell_function(script, "read_secret")
+    assert (
+        '"$VENV/bin/python" -m spottrain.cloud.vmboot.loader /etc/spottrain/loader.json "$@"'
+        in read
+    )
+    # Without secrets the table is empty, and the loop reads nothing.
+    assert "done <<'SECRETS'\nSECRETS\n" in _render(mod)
+
+
+def test_secret_variables_reach_the_agents_env_root_only_and_no_command_line(
+    mod: Module, tmp_path: Path, moto_url: str, aws_md: MetadataServer
+) -> None:
+    arns = {n: _put_secret(moto_url, f"spottrain/{n.lower()}", v) for n, v in SECRET_VALUES.items()}
+    for arn in arns.values():  # moto's ARNs are what the module's variable accepts
+        assert any(re.fullmatch(p, arn) for p in _arn_patterns(mod)), arn
+    script = _render(mod, secret_env_arns=arns)
+    part = section(script, "umask 077\ncat >/etc/spottrain/agent.env", "# --- the packaged")
+    done = _run_boot_part(script, part, tmp_path, moto_url, aws_md, **IMDS)
+    assert done.returncode == 0, done.stderr
+    env_file = tmp_path / "etc" / "agent.env"
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    env = parse_env_file(env_file.read_text())
+    assert {k: env[k] for k in SECRET_VALUES} == SECRET_VALUES
+    agent_cli.build_parser()  # fills RUN_ENV_VARS
+    assert set(env) - agent_cli.RUN_ENV_VARS == set(SECRET_VALUES)
+    # bash's trace shows every command with its arguments: the loader got names only.
+    loader = f"-m spottrain.cloud.vmboot.loader {tmp_path}/etc/loader.json"
+    for name, arn in arns.items():
+        assert f"{loader} secret-env {name} {arn} {env_file}\n" in done.stderr
+    for value in SECRET_VALUES.values():
+        assert value not in done.stderr and value not in script
+    # Noted for the agent's log shipping, which redacts them.
+    assert set(SECRET_VALUES.values()) <= set(parse_redact_lines((tmp_path / "redact").read_text()))
+
+
+def test_a_private_repository_is_fetched_with_its_token_through_askpass_only(
+    mod: Module, tmp_path: Path, moto_url: str, aws_md: MetadataServer
+) -> None:
+    with GitHttpServer(tmp_path / "git") as git:
+        url, commit = git.create_repo(
+            "acme/private-train",
+            {"train.py": "print('hi')\n"},
+            private=True,
+            token=GIT_TOKEN,
+            user="x-access-token",
+        )
+        arn = _put_secret(moto_url, "spottrain/git-token", GIT_TOKEN)
+        code = {"code_archive_url": "", "code_archive_sha256": "", "git_repo": url}
+        script = _render(mod, **code, git_commit=commit, git_token_secret_arn=arn)
+        part = section(script, "# --- the job's pinned code", 'install_job_requirements "$JOB_DIR')
+        job = tmp_path / "job"
+        done = _run_boot_part(script, part, tmp_path, moto_url, aws_md, JOB_DIR=str(job))
+        assert done.returncode == 0, done.stderr
+        assert git.internal_errors == []
+        assert git.count("acme/private-train", status=401) >= 1, "the repository is private"
+        assert git.users and set(git.users) == {"x-access-token"}
+    head = subprocess.run(["git", "-C", job, "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert head.stdout.strip() == commit and (job / "train.py").exists()
+    # The token was in a root-only file only while git fetched.
+    assert not (tmp_path / "etc" / "git-token").exists()
+    assert not (tmp_path / "etc" / "git-askpass").exists()
+    assert GIT_TOKEN not in done.stderr and GIT_TOKEN not in script
+    assert f"loader.json secret {arn} {tmp_path}/etc/git-token" in done.stderr
+    assert "( umask 077; cat >/etc/spottrain/git-askpass <<'SH'" in script
+    assert "chmod 0700 /etc/spottrain/git-askpass" in script
+
+
+def test_a_refused_token_stops_the_boot_and_leaves_no_token_behind(
+    mod: Module, tmp_path: Path, moto_url: str, aws_md: MetadataServer
+) -> None:
+    with GitHttpServer(tmp_path / "git") as git:
+        url, commit = git.create_repo(
+            "acme/private-train", {"train.py": "1\n"}, private=True, token=GIT_TOKEN
+        )
+        arn = _put_secret(moto_url, "spottrain/stale-token", "ghp_revokedLongAgo")
+        code = {"code_archive_url": "", "code_archive_sha256": "", "git_repo": url}
+        script = _render(mod, **code, git_commit=commit, git_token_secret_arn=arn)
+        part = section(script, "# --- the job's pinned code", 'install_job_requirements "$JOB_DIR')
+        done = _run_boot_part(
+            script, part, tmp_path, moto_url, aws_md, JOB_DIR=str(tmp_path / "job")
+        )
+    assert done.returncode == 1
+    assert f"spottrain: git could not fetch {commit} from {url} with the token of {arn}" in (
+        done.stderr
+    )
+    assert not (tmp_path / "etc" / "git-token").exists()
+    assert not (tmp_path / "etc" / "git-askpass").exists()
+
+
+def test_agent_role_reads_exactly_the_jobs_secrets(mod: Module) -> None:
+    docs = mod.resources("aws_iam_policy_document", kind="data")
+    blocks = {
+        d["statement"]["content"][0]["sid"]: d["statement"]
+        for d in _plain(docs["agent"])["dynamic"]
+        if "statement" in d
+    }
+    assert "ReadTheJobsSecrets" in blocks, "the agents' role may not read the job's secrets"
+    block = blocks["ReadTheJobsSecrets"]
+    assert _ref(block["for_each"]) == (
+        "length(local.job_secret_arns) == 0 ? [] : [local.job_secret_arns]"
+    )
+    (content,) = block["content"]
+    assert content["actions"] == ["secretsmanager:GetSecretValue"]
+    assert _ref(content["resources"]) == "statement.value"
+    assert _ref(_locals(mod)["job_secret_arns"]) == (
+        "distinct(concat(values(var.secret_env_arns), "
+        'var.git_token_secret_arn == "" ? [] : [var.git_token_secret_arn]))'
+    )
+    # The controller VM's role reads the Redis password only.
+    controller = {st["sid"] for st in _statements(_plain(docs["controller"]))}
+    assert "ReadTheJobsSecrets" not in controller
+
+
+@pytest.mark.skipif(shutil.which("terraform") is None, reason="no terraform binary here")
+@pytest.mark.parametrize(
+    ("secret_env", "token", "expected"),
+    [
+        ({}, "", []),
+        ({"HF_TOKEN": SECRET_ARNS["HF_TOKEN"]}, "", [SECRET_ARNS["HF_TOKEN"]]),
+        (SECRET_ARNS, ARN.format("gh"), [*SECRET_ARNS.values(), ARN.format("gh")]),
+        (
+            {"A": ARN.format("same"), "B": ARN.format("same")},
+            ARN.format("same"),
+            [ARN.format("same")],
+        ),
+    ],
+)
+def test_terraform_grants_the_agents_exactly_the_configured_secrets(
+    mod: Module, secret_env: dict[str, str], token: str, expected: list[str]
+) -> None:
+    """The agent policy's statement, evaluated by Terraform from the module's own
+    expressions: no statement without secrets, else one on exactly those ARNs."""
+    doc = _plain(mod.resources("aws_iam_policy_document", kind="data")["agent"])
+    blocks = [
+        d["statement"]
+        for d in doc["dynamic"]
+        if d["statement"]["content"][0]["sid"] == "ReadTheJobsSecrets"
+    ]
+    assert len(blocks) == 1, "no statement lets the agents read the job's secrets"
+    (block,) = blocks
+    text = variable_blocks(mod.texts["variables.tf"], "secret_env_arns", "git_token_secret_arn")
+    text += (
+        f"locals {{\n  job_secret_arns = {_ref(_locals(mod)['job_secret_arns'])}\n"
+        f"  statements = {_ref(block['for_each'])}\n}}\n"
+    )
+    variables = {
+        "secret_env_arns": "{" + ", ".join(f'"{k}" = "{v}"' for k, v in secret_env.items()) + "}",
+        "git_token_secret_arn": token,
+    }
+    got = evaluate(text, "local.statements", variables)
+    assert [sorted(arns) for arns in got] == ([sorted(expected)] if expected else [])
+
+
+def test_a_git_token_needs_an_https_repository(mod: Module) -> None:
+    lt = mod.resources("aws_launch_template")["fleet"]
+    conditions = [p["condition"] for p in _plain(lt["lifecycle"][0]["precondition"])]
+    assert '${var.git_token_secret_arn == "" || startswith(var.git_repo, "https://")}' in conditions
+
+
+def test_a_boot_script_over_aws_user_data_limit_is_refused_at_plan(mod: Module) -> None:
+    """Each secret variable adds a line to the (not gzipped, without env_lock) user data,
+    which AWS caps at 16 KB: a handful fit, enough of them are refused at plan."""
+    lt = mod.resources("aws_launch_template")["fleet"]
+    conditions = [p["condition"] for p in _plain(lt["lifecycle"][0]["precondition"])]
+    assert '${var.env_lock != "" || length(local.boot_script) <= 16384}' in conditions
+    few = {f"SECRET_{i}": ARN.format(f"spottrain/s{i}") for i in range(8)}
+    many = {f"SECRET_{i}": ARN.format(f"spottrain/job-secret-{i}") for i in range(60)}
+    assert len(_render(mod, secret_env_arns=few)) <= 16384 < len(_render(mod, secret_env_arns=many))
+
+
+def test_secret_variables_refuse_bad_names_and_arns(mod: Module) -> None:
+    """The validations, read from the module and run here (the regexes are RE2's and
+    Python's alike); tests below run them in Terraform itself where it is installed."""
+    names = " ".join(v["condition"] for v in _validations(mod, "secret_env_arns"))
+    assert 'startswith(name, "SPOTTRAIN_")' in names, "SPOTTRAIN_* must be refused"
+    (name_re,) = [p for p in _regexes(names) if not p.startswith("^arn:")]
+    for good in ("HF_TOKEN", "_x", "wandb_api_key2"):
+        assert re.search(name_re, good), good
+    for bad in ("1HF", "HF-TOKEN", "HF TOKEN", "", "A=B"):
+        assert not re.search(name_re, bad), bad
+    for pattern in _arn_patterns(mod):
+        for good in (
+            ARN.format("spottrain/hf"),
+            ARN.format("a.b@c+d=e_f").replace(":aws:", ":aws-us-gov:"),
+        ):
+            assert re.search(pattern, good), good
+        for bad in (
+            "spottrain/hf",
+            ARN.format("spottrain/hf").removesuffix("-AbCdEf"),
+            ARN.format("x' ; rm -rf /; '"),
+            ARN.format("x").replace("secretsmanager", "ssm"),
+        ):
+            assert not re.search(pattern, bad), bad
+    (user_re,) = [p for v in _validations(mod, "git_token_user") for p in _regexes(v["condition"])]
+    assert re.search(user_re, "x-token-auth") and not re.search(user_re, "x access")
+
+
+@pytest.mark.skipif(shutil.which("terraform") is None, reason="no terraform binary here")
+@pytest.mark.parametrize(
+    ("variable", "value", "error"),
+    [
+        ("secret_env_arns", '{"1HF" = "%s"}', "each key must be an environment variable name"),
+        ("secret_env_arns", '{"HF-TOKEN" = "%s"}', "each key must be an environment variable name"),
+        (
+            "secret_env_arns",
+            '{"SPOTTRAIN_REDIS_PASSWORD_FILE" = "%s"}',
+            "SPOTTRAIN_* variables are set by spottrain itself",
+        ),
+        ("secret_env_arns", '{"HF_TOKEN" = "spottrain/hf"}', "with the 6-character suffix"),
+        ("secret_env_arns", '{"HF_TOKEN" = "%s"}', ""),
+        ("git_token_secret_arn", "spottrain/gh", "with the 6-character suffix"),
+        ("git_token_secret_arn", "%s", ""),
+        ("git_token_secret_arn", "", ""),
+        ("git_token_user", "x access", "git_token_user must be 1-64"),
+        ("git_token_user", "x-token-auth", ""),
+    ],
+)
+def test_terraform_refuses_bad_secret_variables_with_the_fix(
+    mod: Module, variable: str, value: str, error: str
+) -> None:
+    text = variable_blocks(mod.texts["variables.tf"], variable)
+    said = refusal(text, variable, value.replace("%s", ARN.format("hf")))
+    if error:
+        assert f"{error}" in said
+    else:
+        assert said == ""
 
 
 # --- the controller VM -----------------------------------------------------------------------

@@ -9,14 +9,27 @@ import json
 import re
 import shlex
 import shutil
+import stat
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import hcl2
 import pytest
 import yaml
+from fakes.git_http import GitHttpServer
+from fakes.metadata_server import MetadataServer
+from fakes.secret_manager import SecretManagerFake
 from replica_values import replica_values
+from secret_boot import (
+    evaluate,
+    refusal,
+    run_part,
+    section,
+    shell_function,
+    variable_blocks,
+)
 from spec_samples import COMMIT, VALID, _with
 from terraform_hcl import (
     TERRAFORM,
@@ -33,6 +46,7 @@ from spottrain.cloud.base import TAG_JOB
 from spottrain.cloud.storage import parse_store_url
 from spottrain.controller.cli import main as spottrain_cli
 from spottrain.controller.run.boot import _unit_lines, parse_env_file, worker_user_lines
+from spottrain.protocol.boot import parse_redact_lines
 from spottrain.spec import parse_spec
 
 MODULE_DIR = TERRAFORM / "gcp"
@@ -135,6 +149,12 @@ def _env_value(mod: Module, value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
+def _secret_env_table(secret_env: dict[str, str]) -> str:
+    """What ``local.secret_env_table`` computes (Terraform walks a map in key order; the
+    expression is pinned by :func:`test_secret_env_table_matches_its_mirror`)."""
+    return "".join(f"{name} {secret}\n" for name, secret in sorted(secret_env.items()))
+
+
 def _template_calls(mod: Module) -> list[tuple[str, set[str]]]:
     """(template file, keys of the variables map) of every templatefile() in the module."""
     calls = []
@@ -174,6 +194,7 @@ def _render_startup(mod: Module, **overrides: Any) -> tuple[str, dict[str, Any]]
         "expect_gpus": gpus,
         "nproc_per_node": inputs["nproc_per_node"] or gpus,
         "train_cmd_env": _env_value(mod, _shell_join(mod, inputs["train_command"])),
+        "secret_env_table": _secret_env_table(inputs.get("secret_env", {})),
         **replica_values(local, inputs, f"{CONTROLLER_ADDRESS}:{inputs['lighthouse_port']}"),
     }
     values = {k: _resolve(mod, v, inputs, known) for k, v in local["startup_vars"].items()}
@@ -586,6 +607,281 @@ def test_controller_script_runs_real_spottrain_commands(mod: Module) -> None:
     assert {c.split()[0] for c in commands} == {"up", "resume"}
     for command in commands:
         spottrain_cli.build_parser().parse_args(shlex.split(command))
+
+
+# -- the job's secrets: train.secret_env and a private repository's token -------------------
+
+# What Secret Manager holds: shell, systemd and JSON trip-wires in one line each.
+SECRET_VALUES = {
+    "HF_TOKEN": 'hf_"quoted" \\back$lash `id` $(id) ${PATH} value',
+    "WANDB_API_KEY": "0123456789abcdef0123456789abcdef",
+}
+SECRET_IDS = {"HF_TOKEN": "gpt-hf-token", "WANDB_API_KEY": "gpt-wandb-key"}
+GIT_TOKEN = "ghp_s3cr3tT0kenThatMustNeverLeak"
+SECRET_ENV_LOOP = 'read_secret secret-env "$name" "$secret" "$ENV_TMP"'
+MD = "/computeMetadata/v1/"
+
+
+@pytest.fixture
+def gcp_vm() -> Iterator[tuple[MetadataServer, SecretManagerFake]]:
+    """A node's metadata server (its service account's token, its project) and the
+    project's Secret Manager."""
+    with MetadataServer() as md, SecretManagerFake() as sm:
+        md.set_gcp(MD + "project/project-id", sm.project)
+        token = {"access_token": "ya29.node-token", "expires_in": 3599, "token_type": "Bearer"}
+        md.set_gcp(MD + "instance/service-accounts/default/token", json.dumps(token), json=True)
+        yield md, sm
+
+
+def _run_startup_part(
+    script: str, part: str, tmp_path: Path, vm: tuple[MetadataServer, SecretManagerFake], **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``part`` of the rendered script, run after its ``die``, the loader's settings and
+    ``read_secret``, against the metadata and Secret Manager fakes."""
+    md, sm = vm
+    secrets = section(script, "# Secrets, read by the installed spottrain", "# The checkpoint")
+    conf = {
+        "cloud": "gcp",
+        "endpoints": {"secretmanager": sm.url},
+        "redact_file": str(tmp_path / "redact"),
+    }
+    return run_part(
+        shell_function(script, "die") + secrets + part,
+        tmp_path,
+        conf=conf,
+        env={"GCE_METADATA_HOST": md.host, **env},
+        moved={"/opt/job": tmp_path / "job"},
+    )
+
+
+def _secret_validations(mod: Module, name: str) -> str:
+    return " ".join(v["condition"] for v in mod.variables.get(name, {}).get("validation", []))
+
+
+def test_secret_env_table_matches_its_mirror(mod: Module) -> None:
+    """The test's ``_secret_env_table`` is only worth what its sameness with the HCL."""
+    assert _locals(mod).get("secret_env_table") == (
+        '${join("", [for name, secret in var.secret_env : "${name} ${secret}\\n"])}'
+    )
+    assert _locals(mod)["startup_vars"]["secret_env_table"] == "${local.secret_env_table}"
+    if shutil.which("terraform"):  # and what Terraform makes of it, in key order
+        text = variable_blocks(mod.texts["variables.tf"], "secret_env")
+        text += f"locals {{\n  t = {_locals(mod)['secret_env_table'][2:-1]}\n}}\n"
+        ids = {"WANDB_API_KEY": "w", "HF_TOKEN": "h", "A": "a"}
+        hcl = "{" + ", ".join(f'"{k}" = "{v}"' for k, v in ids.items()) + "}"
+        assert evaluate(text, "local.t", {"secret_env": hcl}) == _secret_env_table(ids)
+
+
+def test_startup_names_each_secret_variable_and_reads_it_into_the_new_env_file(
+    mod: Module,
+) -> None:
+    script, _ = _render_startup(mod, secret_env=SECRET_IDS)
+    _bash_n(script)
+    table = "".join(f"{name} {sid}\n" for name, sid in sorted(SECRET_IDS.items()))
+    assert f"done <<'SECRETS'\n{table}SECRETS\n" in script, "the script names no secret of the job"
+    loop = script.index(SECRET_ENV_LOOP)
+    # Into the file this boot writes, before it is compared with the last boot's: a rotated
+    # secret restarts the agent with the new value.
+    assert script.index("# END agent.env") < loop < script.index('cmp -s "$ENV_TMP" "$AGENT_ENV"')
+    read = shell_function(script, "read_secret")
+    assert (
+        '"$VENV/bin/python" -m spottrain.cloud.vmboot.loader /etc/spottrain/loader.json "$@"'
+        in read
+    )
+    assert script.index("read_secret() {") < script.index("# The job's code")
+    # Without secrets the table is empty, and the loop reads nothing.
+    assert "done <<'SECRETS'\nSECRETS\n" in _render_startup(mod, secret_env={})[0]
+
+
+def test_secret_variables_reach_the_agents_env_root_only_and_no_command_line(
+    mod: Module, tmp_path: Path, gcp_vm: tuple[MetadataServer, SecretManagerFake]
+) -> None:
+    _, sm = gcp_vm
+    for name, value in SECRET_VALUES.items():
+        sm.add(SECRET_IDS[name], value)
+    script, inputs = _render_startup(mod, secret_env=SECRET_IDS)
+    part = section(script, "# BEGIN agent.env", "ENV_CHANGED=1")
+    env_file = tmp_path / "agent.env"
+    shell = {
+        **NODE,
+        "ENV_TMP": str(env_file),
+        "PASSWORD_FILE": "/etc/spottrain/redis-password",
+        "REDIS_PASSWORD_SECRET": inputs["redis_password_secret"],
+    }
+    done = _run_startup_part(script, part, tmp_path, gcp_vm, **shell)
+    assert done.returncode == 0, done.stderr
+    assert sm.internal_errors == []
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    env = parse_env_file(env_file.read_text())
+    assert {k: env[k] for k in SECRET_VALUES} == SECRET_VALUES
+    agent_cli.build_parser()  # fills RUN_ENV_VARS
+    assert set(env) - agent_cli.RUN_ENV_VARS == set(SECRET_VALUES)
+    # bash's trace shows every command with its arguments: the loader got names only.
+    for name, sid in SECRET_IDS.items():
+        assert f"loader.json secret-env {name} {sid} {env_file}" in done.stderr
+    for value in SECRET_VALUES.values():
+        assert value not in done.stderr and value not in script
+    assert set(SECRET_VALUES.values()) <= set(parse_redact_lines((tmp_path / "redact").read_text()))
+
+
+def test_a_private_repository_is_fetched_with_its_token_through_askpass_only(
+    mod: Module, tmp_path: Path, gcp_vm: tuple[MetadataServer, SecretManagerFake]
+) -> None:
+    _, sm = gcp_vm
+    sm.add("gpt-git-token", GIT_TOKEN)
+    with GitHttpServer(tmp_path / "git") as git:
+        url, commit = git.create_repo(
+            "acme/private-train",
+            {"train.py": "print('hi')\n"},
+            private=True,
+            token=GIT_TOKEN,
+            user="x-token-auth",
+        )
+        script, _ = _render_startup(
+            mod,
+            git_repo=url,
+            git_commit=commit,
+            git_token_secret="gpt-git-token",
+            git_token_user="x-token-auth",
+        )
+        part = section(script, "# The job's code: the pinned commit", "install_job_requirements '")
+        done = _run_startup_part(script, part, tmp_path, gcp_vm)
+        assert done.returncode == 0, done.stderr
+        assert git.internal_errors == []
+        assert git.count("acme/private-train", status=401) >= 1, "the repository is private"
+        assert git.users and set(git.users) == {"x-token-auth"}
+    job = tmp_path / "job"
+    head = subprocess.run(["git", "-C", job, "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert head.stdout.strip() == commit and (job / "train.py").exists()
+    assert not (tmp_path / "etc" / "git-token").exists()
+    assert not (tmp_path / "etc" / "git-askpass").exists()
+    assert GIT_TOKEN not in done.stderr and GIT_TOKEN not in script
+    assert f"loader.json secret gpt-git-token {tmp_path}/etc/git-token" in done.stderr
+    assert "( umask 077; cat >/etc/spottrain/git-askpass <<'SH'" in script
+    assert "chmod 0700 /etc/spottrain/git-askpass" in script
+
+
+def test_a_refused_token_stops_the_boot_and_leaves_no_token_behind(
+    mod: Module, tmp_path: Path, gcp_vm: tuple[MetadataServer, SecretManagerFake]
+) -> None:
+    _, sm = gcp_vm
+    sm.add("gpt-git-token", "ghp_revokedLongAgo")
+    with GitHttpServer(tmp_path / "git") as git:
+        url, commit = git.create_repo(
+            "acme/private-train", {"train.py": "1\n"}, private=True, token=GIT_TOKEN
+        )
+        script, _ = _render_startup(
+            mod, git_repo=url, git_commit=commit, git_token_secret="gpt-git-token"
+        )
+        part = section(script, "# The job's code: the pinned commit", "install_job_requirements '")
+        done = _run_startup_part(script, part, tmp_path, gcp_vm)
+    assert done.returncode == 1
+    assert (
+        f"spottrain: git could not fetch {commit} from {url} with the token of gpt-git-token"
+        in done.stderr
+    )
+    assert not (tmp_path / "etc" / "git-token").exists()
+    assert not (tmp_path / "etc" / "git-askpass").exists()
+
+
+def test_nodes_read_exactly_the_jobs_secrets(mod: Module) -> None:
+    grants = mod.resources("google_secret_manager_secret_iam_member")
+    assert "fleet_job_secrets" in grants, "the nodes may not read the job's secrets"
+    grant = grants["fleet_job_secrets"]
+    assert grant["for_each"] == "${local.job_secrets}"
+    assert grant["secret_id"] == "${each.value}" and grant["project"] == "${var.project}"
+    assert grant["role"] == "roles/secretmanager.secretAccessor"
+    assert grant["member"] == "serviceAccount:${google_service_account.fleet.email}"
+    assert _locals(mod)["job_secrets"] == (
+        "${setsubtract(toset(concat(values(var.secret_env), "
+        'var.git_token_secret == "" ? [] : [var.git_token_secret])), '
+        "toset([var.redis_password_secret]))}"
+    )
+    # Secret Manager needs the cloud-platform scope; the group waits for the grants.
+    assert (
+        'var.redis_password_secret != "" || length(local.job_secrets) > 0 ? '
+        '["https://www.googleapis.com/auth/cloud-platform"] : []' in _locals(mod)["fleet_scopes"]
+    )
+    mig = mod.resources("google_compute_instance_group_manager")["fleet"]
+    assert "${google_secret_manager_secret_iam_member.fleet_job_secrets}" in mig["depends_on"]
+    # The controller VM reads the Redis password only.
+    assert all("controller" not in n for n in grants if n != "controller_redis_password")
+
+
+@pytest.mark.skipif(shutil.which("terraform") is None, reason="no terraform binary here")
+@pytest.mark.parametrize(
+    ("secret_env", "token", "redis", "expected"),
+    [
+        ({}, "", "", []),
+        ({}, "", "spottrain-redis-password", []),
+        (SECRET_IDS, "gpt-git-token", "", [*SECRET_IDS.values(), "gpt-git-token"]),
+        # The Redis password's binding is its own resource: never managed twice.
+        ({"A": "same", "B": "same"}, "redis", "redis", ["same"]),
+    ],
+)
+def test_terraform_grants_the_nodes_exactly_the_configured_secrets(
+    mod: Module, secret_env: dict[str, str], token: str, redis: str, expected: list[str]
+) -> None:
+    names = ("secret_env", "git_token_secret", "redis_password_secret")
+    text = variable_blocks(mod.texts["variables.tf"], *names)
+    text += f"locals {{\n  job_secrets = {_locals(mod)['job_secrets'][2:-1]}\n}}\n"
+    variables = {
+        "secret_env": "{" + ", ".join(f'"{k}" = "{v}"' for k, v in secret_env.items()) + "}",
+        "git_token_secret": token,
+        "redis_password_secret": redis,
+    }
+    assert sorted(evaluate(text, "local.job_secrets", variables)) == sorted(expected)
+
+
+def test_a_git_token_needs_an_https_repository(mod: Module) -> None:
+    tpl = mod.resources("google_compute_instance_template")["fleet"]
+    conditions = [p["condition"] for p in tpl["lifecycle"][0]["precondition"]]
+    assert '${var.git_token_secret == "" || startswith(var.git_repo, "https://")}' in conditions
+
+
+def test_secret_variables_refuse_bad_names_and_ids(mod: Module) -> None:
+    """The validations, read from the module and run here (the regexes are RE2's and
+    Python's alike); the test below runs them in Terraform itself where it is installed."""
+    names = _secret_validations(mod, "secret_env")
+    assert 'startswith(name, "SPOTTRAIN_")' in names, "SPOTTRAIN_* must be refused"
+    patterns = [json.loads(f'"{p}"') for p in re.findall(r'regex\("((?:[^"\\]|\\.)+)"', names)]
+    token = _secret_validations(mod, "git_token_secret")
+    patterns += [json.loads(f'"{p}"') for p in re.findall(r'regex\("((?:[^"\\]|\\.)+)"', token)]
+    assert len(patterns) == 3, "secret_env checks names and ids; git_token_secret its id"
+    name_re, *id_res = patterns
+    for good in ("HF_TOKEN", "_x", "wandb_api_key2"):
+        assert re.search(name_re, good), good
+    for bad in ("1HF", "HF-TOKEN", "HF TOKEN", "", "A=B"):
+        assert not re.search(name_re, bad), bad
+    for id_re in id_res:
+        assert re.search(id_re, "gpt-hf_token")
+        for bad in ("projects/p/secrets/s", "s/versions/1", "x' ; rm -rf /; '", ""):
+            assert not re.search(id_re, bad), bad
+
+
+@pytest.mark.skipif(shutil.which("terraform") is None, reason="no terraform binary here")
+@pytest.mark.parametrize(
+    ("variable", "value", "error"),
+    [
+        ("secret_env", '{"1HF" = "hf"}', "each key must be an environment variable name"),
+        ("secret_env", '{"HF-TOKEN" = "hf"}', "each key must be an environment variable name"),
+        ("secret_env", '{"SPOTTRAIN_RUN_ID" = "hf"}', "SPOTTRAIN_* variables are set by spottrain"),
+        ("secret_env", '{"HF_TOKEN" = "projects/p/secrets/hf"}', "not a path or a version"),
+        ("secret_env", '{"HF_TOKEN" = "gpt-hf-token"}', ""),
+        ("git_token_secret", "gh/token", "not a path or a version"),
+        ("git_token_secret", "gpt-git-token", ""),
+        ("git_token_user", "x access", "git_token_user: 1-64"),
+        ("git_token_user", "x-token-auth", ""),
+    ],
+)
+def test_terraform_refuses_bad_secret_variables_with_the_fix(
+    mod: Module, variable: str, value: str, error: str
+) -> None:
+    said = refusal(variable_blocks(mod.texts["variables.tf"], variable), variable, value)
+    if error:
+        assert error in said
+    else:
+        assert said == ""
 
 
 # -- outputs and the example -----------------------------------------------------------------
