@@ -12,7 +12,8 @@ installs as is::
 
 one line per package (canonical name, sorted), one or more hashes each; a package a direct
 URL names is ``name @ URL --hash=...``. The header says what was locked and for which
-target; nothing reads it back but people.
+target; nothing reads it back but people (a VM's boot carries the lock's sha256, never its
+text). A line with a control character, the header's too, is refused.
 
 ``spottrain.controller.run.env_lock`` makes the lock at ``spottrain up`` (or ``spottrain lock``);
 a VM's boot script installs it and then runs ``python -m spottrain.envlock verify LOCK``,
@@ -30,6 +31,9 @@ from dataclasses import dataclass, field
 from importlib import metadata
 
 HEADER = "# spottrain environment lock"
+# C0 control characters but tab, and DEL: a lock is text of printable lines; one of these in
+# a header or a package line means the file is not what `spottrain lock` wrote.
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
 _HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
 _LINE = re.compile(
     r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)\s*"
@@ -91,10 +95,19 @@ def make_lock(
     """A lock of ``packages`` (names made canonical, each hash checked).
 
     Raises:
-        LockError: a package twice, or a hash that is not ``sha256:<64 hex>``.
+        LockError: a package twice, a hash that is not ``sha256:<64 hex>``, or a control
+            character in the header's values or in a package's name, version or URL (the
+            lock's text would not read back as this lock).
     """
+    for what in (target, *requires):
+        if _CONTROL.search(what):
+            raise LockError(f"{what!r}: a lock's header holds no control character")
     seen: dict[str, LockedPackage] = {}
     for p in packages:
+        if _CONTROL.search(p.name + p.version + p.url):
+            raise LockError(
+                f"{p.name!r}: a package's name, version or URL holds a control character"
+            )
         name = canonical_name(p.name)
         if name in seen:
             raise LockError(f"{name} is in the lock twice")
@@ -111,10 +124,18 @@ def parse_lock(text: str, source: str = "the lock") -> EnvLock:
     """Read a lock file back.
 
     Raises:
-        LockError: a line is not ``name==version --hash=sha256:...`` (the message names it).
+        LockError: a line is not ``name==version --hash=sha256:...``, or a line (a header's
+            comment too) holds a control character (the message names the line).
     """
     target, requires, packages = "", [], []
     for n, raw in enumerate(text.splitlines(), 1):
+        bad = _CONTROL.search(raw)
+        if bad:
+            # Named by its escape only: the rest of the line may be a terminal's escape.
+            raise LockError(
+                f"{source}:{n}: holds the control character {bad.group()!r}, which no lock "
+                "has: make it again with `spottrain lock`"
+            )
         line = raw.strip()
         if line.startswith("# target:"):
             target = line.partition(":")[2].strip()

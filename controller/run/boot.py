@@ -22,14 +22,22 @@ agent through files and the environment, never a command line. The agent's venv 
 from the run's environment lock (:mod:`spottrain.envlock`) with hashes required, spottrain
 itself from the wheel the run shipped, and verified at every boot, so a backfilled VM runs
 the others' packages.
+
+Nothing read from the spec or a file reaches a shell as code: the lock only as its sha256;
+each value on a command line quoted (``shlex.quote``); files written through here-documents
+whose quoted delimiter no line of their text can end (:func:`heredoc`); the systemd drop-in's
+values quoted as systemd reads them (:func:`unit_word`). What none of these can carry (a
+newline, a NUL) the spec refuses at validation.
 """
 
 from __future__ import annotations
 
 import ast
 import base64
+import functools
 import gzip
 import json
+import re
 import shlex
 import sys
 from collections.abc import Mapping
@@ -210,15 +218,58 @@ def render_env_file(env: Mapping[str, str]) -> str:
     characters systemd unescapes inside them (``\\`` and ``"``) escaped.
 
     Raises:
-        ValueError: a value holds a newline (an env file cannot carry one).
+        ValueError: a value holds a newline or a NUL (an env file cannot carry either, nor
+            the boot script that writes it).
     """
     lines = []
     for k, v in env.items():
-        if "\n" in v or "\r" in v:
-            raise ValueError(f"{k}: a value in an environment file cannot hold a newline")
+        if "\n" in v or "\r" in v or "\0" in v:
+            raise ValueError(f"{k}: a value in an environment file cannot hold a newline or a NUL")
         quoted = v.replace("\\", "\\\\").replace('"', '\\"')
         lines.append(f'{k}="{quoted}"')
     return "\n".join(lines) + "\n"
+
+
+def heredoc(command: str, text: str, delimiter: str) -> str:
+    """Shell lines that give ``text`` to ``command`` as a here-document: the delimiter is
+    quoted, so the shell expands nothing in the text, and lengthened until no line of the
+    text is the delimiter, so no value in the text can end it early and run what follows.
+
+    Raises:
+        ValueError: the text holds a NUL, which bash drops from a script (joining what is
+            around it into a line that could end the here-document).
+    """
+    if "\0" in text:
+        raise ValueError(f"{command}: a boot script cannot carry a NUL character")
+    body = text if text.endswith("\n") else text + "\n"
+    lines = set(body.split("\n"))
+    while delimiter in lines:
+        delimiter += "_"
+    return f"{command} <<'{delimiter}'\n{body}{delimiter}\n"
+
+
+# What a unit file's word may hold bare: anything else is quoted (systemd.syntax).
+_UNIT_BARE = re.compile(r"[A-Za-z0-9_@+=:,./-]+\Z")
+_CONTROLS = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def unit_word(value: str, *, exec_line: bool = False) -> str:
+    """``value`` as one word of a systemd unit setting, which systemd reads back exactly:
+    bare when plain, else in double quotes with ``\\`` and ``"`` escaped; ``%`` doubled
+    (systemd's specifiers are resolved in every setting) and, on an ``Exec`` line, ``$``
+    doubled too (systemd substitutes its variables there, quoted or not).
+
+    Raises:
+        ValueError: a control character (a unit's setting is one line).
+    """
+    if _CONTROLS.search(value):
+        raise ValueError(f"{value!r}: a systemd unit's setting cannot hold a control character")
+    if _UNIT_BARE.match(value):
+        return value
+    out = value.replace("%", "%%").replace("\\", "\\\\").replace('"', '\\"')
+    if exec_line:
+        out = out.replace("$", "$$")
+    return f'"{out}"'
 
 
 # --- the boot of an AWS or GCP VM ------------------------------------------------------------
@@ -321,13 +372,12 @@ def _git_fetch_lines(spec: JobSpec) -> str:
     fetch = f"git -C {JOB_DIR} fetch -q --depth 1 {shlex.quote(g.repo)} {g.commit}"
     if not g.token_secret:
         return f"  {fetch}\n"
-    askpass = (
-        "#!/bin/sh\n"
-        f'case "$1" in Username*) echo {g.token_user} ;; *) cat {GIT_TOKEN_PATH} ;; esac\n'
-    )
+    user = shlex.quote(g.token_user)
+    askpass = f'#!/bin/sh\ncase "$1" in Username*) echo {user} ;; *) cat {GIT_TOKEN_PATH} ;; esac\n'
     return (
         f"  {_loader('secret', g.token_secret, GIT_TOKEN_PATH)}\n"
-        f"  ( umask 077; cat > {GIT_ASKPASS_PATH} <<'SH'\n{askpass}SH\n  )\n"
+        + heredoc(f"  ( umask 077; cat > {GIT_ASKPASS_PATH}", askpass, "SH")
+        + "  )\n"
         f"  chmod 0700 {GIT_ASKPASS_PATH}\n"
         f"  GIT_ASKPASS={GIT_ASKPASS_PATH} GIT_TERMINAL_PROMPT=0 {fetch} || "
         f"{{ rm -f {GIT_TOKEN_PATH} {GIT_ASKPASS_PATH}; exit 1; }}\n"
@@ -342,6 +392,7 @@ def _job_requirements(path: str, *, constrained: bool) -> str:
     if not constrained:
         return ""
     pins = f"{ENV_LOCK_PATH}.constraints"
+    path = shlex.quote(path)
     return (
         f"if [ -f {path} ]; then\n"
         f"  sed -e 's/ --hash=[^ ]*//g' {ENV_LOCK_PATH} > {pins}\n"
@@ -401,7 +452,7 @@ def _code_lines(spec: JobSpec, code: CodeRef) -> str:
             raise ValueError("code.archive: render the boot script after the upload (no URL yet)")
         return _stage(boot.STAGE_CODE) + (
             f"{VENV}/bin/python -m spottrain.cloud.code_archive fetch "
-            f"{shlex.quote(code.archive_url)} {code.archive_sha256} {JOB_DIR}\n"
+            f"{shlex.quote(code.archive_url)} {shlex.quote(code.archive_sha256)} {JOB_DIR}\n"
         )
     # An image is the job's environment and its code at once: pulled as the environment.
     assert isinstance(spec.code, ImageCode)
@@ -448,14 +499,22 @@ def _volume_lines(spec: JobSpec) -> str:
     )
 
 
+# What writes the packaged unit from the venv's spottrain (a fixed text).
+_UNIT_FROM_WHEEL = (
+    "from importlib import resources\n"
+    "unit = resources.files('spottrain.agent.systemd') / 'spottrain-agent.service'\n"
+    f"open('{UNIT_PATH}', 'w').write(unit.read_text())\n"
+)
+
+
 def _unit_lines(spec: JobSpec, ckpt_dir: str) -> str:
     """Install the packaged unit, plus a drop-in for what differs per job."""
     # The run's checkpoint directory is made once the volume is mounted (ExecStartPre runs
     # after RequiresMountsFor's mounts); the agent refuses a missing one.
-    drop = ["[Service]", f"ExecStartPre=/bin/mkdir -p {shlex.quote(ckpt_dir)}"]
+    drop = ["[Service]", f"ExecStartPre=/bin/mkdir -p {unit_word(ckpt_dir, exec_line=True)}"]
     volume = spec.checkpoint.volume.path
     if not volume.startswith(VOLUME_ROOT + "/") and volume != VOLUME_ROOT:
-        drop = ["[Unit]", f"RequiresMountsFor={volume}", "", *drop]
+        drop = ["[Unit]", f"RequiresMountsFor={unit_word(volume)}", "", *drop]
     if isinstance(spec.code, ImageCode):
         image = spec.code.image
         # The agent runs inside the job's image (which must have spottrain installed); --init
@@ -467,24 +526,19 @@ def _unit_lines(spec: JobSpec, ckpt_dir: str) -> str:
             # It ships the host file the unit appends its output to (-e: the unit's values).
             f"-v {AGENT_LOG}:{AGENT_LOG} -e {env_names.ENV_LOGS_FILE} "
             f"-e {env_names.ENV_LOGS_FILE_MAX_MB} "
-            f"--env-file /etc/spottrain/agent.docker.env {image} spottrain-agent run"
+            f"--env-file /etc/spottrain/agent.docker.env {unit_word(image, exec_line=True)} "
+            "spottrain-agent run"
         )
         drop += ["ExecStart=", f"ExecStart={docker}"]
         unit_from = _loader("unit-file", UNIT_PATH)
     else:
         drop.append(f"WorkingDirectory={JOB_DIR}")
-        unit_from = (
-            f"{VENV}/bin/python - <<'PY'\n"
-            "from importlib import resources\n"
-            "unit = resources.files('spottrain.agent.systemd') / 'spottrain-agent.service'\n"
-            f"open('{UNIT_PATH}', 'w').write(unit.read_text())\n"
-            "PY"
-        )
+        unit_from = f"{VENV}/bin/python - <<'PY'\n" + _UNIT_FROM_WHEEL + "PY"
     return (
         f"{unit_from}\n"
         f"mkdir -p {UNIT_PATH}.d\n"
-        f"cat > {UNIT_PATH}.d/job.conf <<'UNIT'\n" + "\n".join(drop) + "\nUNIT\n"
-        "systemctl daemon-reload\n"
+        + heredoc(f"cat > {UNIT_PATH}.d/job.conf", "\n".join(drop), "UNIT")
+        + "systemctl daemon-reload\n"
         "systemctl enable --now spottrain-agent.service\n"
     )
 
@@ -542,17 +596,12 @@ def render_job_boot(
         worker_user_lines(),
         _image_pull(spec) if image else _venv_lines(env_lock or ""),
         _code_lines(spec, code or CodeRef()),
-        f"( umask 077; cat > {JOB_ENV_PATH} <<'ENV'\n",
-        render_env_file(env),
-        "ENV\n)\n",
+        heredoc(f"( umask 077; cat > {JOB_ENV_PATH}", render_env_file(env), "ENV") + ")\n",
     ]
     if image:
         # docker's --env-file takes values literally (no quotes), unlike systemd.
-        parts += [
-            f"( umask 077; cat > {DOCKER_ENV_PATH} <<'ENV'\n",
-            "".join(f"{k}={v}\n" for k, v in env.items()),
-            "ENV\n)\n",
-        ]
+        docker_env = "".join(f"{k}={v}\n" for k, v in env.items())
+        parts.append(heredoc(f"( umask 077; cat > {DOCKER_ENV_PATH}", docker_env, "ENV") + ")\n")
     parts.append(_secret_env_lines(spec))
     parts.append(_volume_lines(spec))
     parts.append(_stage(boot.STAGE_AGENT))
@@ -590,6 +639,8 @@ def _stripped(path: Path) -> str:
     return ast.unparse(tree) + "\n"
 
 
+# The same text for every VM: compressed once, not at each launch.
+@functools.lru_cache(maxsize=1)
 def fetch_part() -> str:
     """The loader's first part (:mod:`spottrain.cloud.vmboot.fetch`) as the user data
     carries it: its code, gzipped and in base64 (AWS takes 16 KB of user data)."""
@@ -746,8 +797,8 @@ def render_user_data(
             f"# {FETCH_PATH}: spottrain.cloud.vmboot.fetch of spottrain {__version__} "
             "(gzip, base64)\n",
             f"base64 -d <<'B64' | gunzip > {FETCH_PATH}\n{fetch_part()}B64\n",
-            f"cat > {BOOT_CONF} <<'JSON'\n{json.dumps(settings, sort_keys=True)}\nJSON\n",
-            f"cat > {NODE_ENV_PATH} <<'ENV'\n{render_env_file(node_env(node))}ENV\n",
+            heredoc(f"cat > {BOOT_CONF}", json.dumps(settings, sort_keys=True), "JSON"),
+            heredoc(f"cat > {NODE_ENV_PATH}", render_env_file(node_env(node)), "ENV"),
             _image_check(spec.packages.python),
             _stage(boot.STAGE_FETCH),
             "".join(f"{f}\n" for f in fetches),

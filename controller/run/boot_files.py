@@ -10,9 +10,10 @@ environment lock and spottrain's own wheel, each under a key made of its sha256:
     <store>/wheels/<sha256>/spottrain-<version>-py3-none-any.whl
 
 Every VM's user data pins those sha256s, so what it fetches is what the run started with, a
-week later too. The run's directory keeps a copy of each file (``boot/``), and a controller
-that starts (``up``, ``resume``) checks that each object is still in the store, putting back
-any that went missing, before it launches anything.
+week later too. The run's directory keeps a copy of each file (``boot/``; the lock beside
+``run.json``), and a controller that starts (``up``, ``resume``) checks, before it launches
+anything, each copy against the sha256 ``run.json`` pins (an edited one stops it, in one
+line naming the file) and each object in the store, putting back any that went missing.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def ship_boot_files(
     what ``run.json`` records (``BootFiles.as_dict`` per cloud).
 
     Raises:
-        RunError: the store cannot be written, or the run's lock is not the recorded one.
+        RunError: the store cannot be written, the run's lock is not the recorded one, or a
+            value of the spec cannot be carried by a boot script.
     """
     from spottrain.cloud.stores import open_store
 
@@ -135,12 +137,64 @@ def ship_boot_files(
         raise RunError(f"cannot ship the boot files to {url}: {e}") from None
     except ResolveError as e:
         raise RunError(str(e)) from None
+    except ValueError as e:
+        # What the spec's validation let through and a boot script cannot carry.
+        raise RunError(f"cannot render the boot of the run's VMs: {e}") from None
+    return out
+
+
+def _copies(info: RunInfo) -> dict[str, tuple[str, Path]]:
+    """Each boot file the run pins, by its key in the store: (sha256, the run's copy)."""
+    wanted: dict[str, tuple[str, Path]] = {}
+    for cloud, files in info.boot_files.items():
+        for kind, f in files.items():
+            name = f.get("name", "")
+            copy_name = {
+                "wheel": f"{LOCAL_COPIES}/{name}",
+                "loader": f"{LOCAL_COPIES}/loader.py",
+                "script": f"{LOCAL_COPIES}/job-{cloud}.sh",
+                "lock": str(info.env_locks.get(cloud, {}).get("file", "")),
+            }[kind]
+            wanted[_key(kind, f["sha256"], name)] = (f["sha256"], info.dir / copy_name)
+    return wanted
+
+
+def _checked_copies(info: RunInfo) -> dict[str, bytes]:
+    """The run's copies of its boot files (its lock, job boot scripts, loader and wheel), by
+    key, each checked against the sha256 ``run.json`` pins: an edited copy must not reach a
+    VM launched later.
+
+    Raises:
+        RunError: a copy is missing or is not the file the run shipped (one line naming it).
+    """
+    for cloud, record in info.env_locks.items():
+        try:
+            read_run_lock(info.dir, cloud, record)
+        except ResolveError as e:
+            raise RunError(str(e)) from None
+    out = {}
+    for key, (sha, copy) in sorted(_copies(info).items()):
+        try:
+            data = copy.read_bytes()
+        except OSError as e:
+            raise RunError(
+                f"the run's boot file {copy} cannot be read ({e.strerror}): put it back, or "
+                "start a new run (spottrain up JOB.yaml)"
+            ) from None
+        if _sha256(data) != sha:
+            raise RunError(
+                f"the run's boot file {copy} is not the one this run shipped (sha256 "
+                f"{_sha256(data)[:16]}, run.json says {sha[:16]}): it was changed; put the "
+                "original back, or start a new run (spottrain up JOB.yaml)"
+            )
+        out[key] = data
     return out
 
 
 def ensure_shipped(info: RunInfo) -> None:
-    """Put back any of the run's boot files that went missing from its store (from the
-    copies in the run's directory), so a VM launched now can boot.
+    """Check the run's copies of its boot files (:func:`_checked_copies`), then put back any
+    of the files that went missing from its store, so a VM launched now boots what the run
+    started with.
 
     Raises:
         RunError: the store cannot be reached, or a copy is missing or was changed.
@@ -150,40 +204,16 @@ def ensure_shipped(info: RunInfo) -> None:
     url = info.spec().files_store()
     if not info.boot_files or url is None:
         return
-    wanted: dict[str, tuple[str, Path]] = {}  # key -> (sha256, the run's copy)
-    for cloud, files in info.boot_files.items():
-        for kind, f in files.items():
-            name = f.get("name", "")
-            copy_name = {
-                "wheel": name,
-                "loader": "loader.py",
-                "script": f"job-{cloud}.sh",
-                "lock": f"../{info.env_locks.get(cloud, {}).get('file', '')}",
-            }[kind]
-            wanted[_key(kind, f["sha256"], name)] = (
-                f["sha256"],
-                info.dir / LOCAL_COPIES / copy_name,
-            )
+    copies = _checked_copies(info)
+    pinned = {key: sha for key, (sha, _) in _copies(info).items()}
     try:
         store = open_store(url)
-        for key, (sha, copy) in sorted(wanted.items()):
+        for key, data in copies.items():
             try:
-                if store.stat(key).sha256 == sha:
+                if store.stat(key).sha256 == pinned[key]:
                     continue
             except ObjectNotFound:
                 pass
-            try:
-                data = copy.read_bytes()
-            except OSError as e:
-                raise RunError(
-                    f"{store.url(key)} is gone from the store and its copy {copy} cannot be "
-                    f"read ({e.strerror}): start a new run (spottrain up)"
-                ) from None
-            if _sha256(data) != sha:
-                raise RunError(
-                    f"{store.url(key)} is gone from the store and the copy {copy} is not the "
-                    "file the run shipped: start a new run (spottrain up)"
-                )
             store.put_bytes(key, data)
     except StorageError as e:
         raise RunError(f"cannot check the run's boot files in {url}: {e}") from None

@@ -53,6 +53,18 @@ class GitSource(_Model):
 
     @field_validator("repo")
     @classmethod
+    def _not_an_option(cls, v: str) -> str:
+        if v.startswith("-"):
+            # git would take it for an option (--upload-pack=... runs a command). No quotes
+            # in the words: an error about the clone URL hides every quotation.
+            raise ValueError(
+                "a clone URL cannot start with a dash (git would read it as an option): give "
+                "the URL of the repository"
+            )
+        return v
+
+    @field_validator("repo")
+    @classmethod
     def _no_credentials(cls, v: str) -> str:
         kind = _url_credentials(v)
         if kind:

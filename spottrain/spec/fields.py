@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, field_validator
 
 from spottrain.protocol.env import ENV_PREFIX
 
@@ -76,12 +76,46 @@ def _check_secret_names(v: Mapping[str, str]) -> None:
             raise ValueError(f"{name}: {e}") from None
 
 
+# C0 control characters but tab, and DEL.
+_CONTROL_RE = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _control_in(v: Any) -> str | None:
+    """The first control character in a field's value (its strings, its items, a mapping's
+    keys and values; a nested section checks its own)."""
+    if isinstance(v, str):
+        m = _CONTROL_RE.search(v)
+        return m.group() if m else None
+    if isinstance(v, tuple | list):
+        return next((c for c in map(_control_in, v) if c), None)
+    if isinstance(v, Mapping):
+        return next((c for c in map(_control_in, [*v.keys(), *v.values()]) if c), None)
+    return None
+
+
 class _Model(BaseModel):
     # Frozen: a parsed spec is a value the controller hands around, never edits. No .inf or
     # .nan in any number: the planner's arithmetic would carry them into every decision.
     model_config = ConfigDict(
         extra="forbid", frozen=True, str_strip_whitespace=True, allow_inf_nan=False
     )
+
+    @field_validator("*")
+    @classmethod
+    def _one_line(cls, v: Any) -> Any:
+        # A spec's text travels into the VMs' boot script, environment files and systemd
+        # unit, none of which carries a newline, a CR or a NUL exactly (a value could end a
+        # line there and start another); no field needs a control character.
+        c = _control_in(v)
+        if c is not None:
+            # No quotes in the words: an error in a secret place hides every quotation.
+            name = {"\n": "a newline", "\r": "a carriage return", "\0": "a NUL"}.get(c)
+            raise ValueError(
+                f"holds {name or f'the control character U+{ord(c):04X}'}: write it on one "
+                "line without control characters (a VM boot script, environment file or "
+                "unit carries none)"
+            )
+        return v
 
 
 def _amount(high: float) -> str:

@@ -471,3 +471,63 @@ def test_the_lock_command_works_with_an_index_that_has_no_spottrain(
     assert cli.main(["up", job, "--env-lock", f"aws={out}"]) == 2
     assert "no aws VM" in capsys.readouterr().err
     assert not (tmp_path / "home" / "runs").exists()
+
+
+# --- resume -----------------------------------------------------------------------------------
+
+
+def _run_with_a_given_lock(tmp_path: Path, redis_url: str) -> Any:
+    """A run on AWS made by ``up --env-lock`` (no resolution): its lock pins this
+    controller's own wheel."""
+    from spottrain.controller.run.create import create_run
+    from spottrain.controller.run.wheel import self_wheel
+    from spottrain.envlock import LockedPackage, make_lock
+    from spottrain.spec import load_spec
+
+    wheel = self_wheel(tmp_path / "home" / "wheels")  # the one `up` builds: cached there
+    pinned = LockedPackage("spottrain", __version__, (f"sha256:{wheel.sha256}",))
+    given = tmp_path / "aws.lock"
+    given.write_text(make_lock([pinned], target=LockTarget().describe()).text())
+    (tmp_path / "code").mkdir()
+    (tmp_path / "store").mkdir()
+    (tmp_path / "code" / "train.py").write_text("print('hi')\n")
+    data = _with(
+        _aws_data(), "code", {"archive": {"path": "code", "store": f"file://{tmp_path}/store"}}
+    )
+    data = _with(_with(data, "checkpoint.copy_to", ...), "redis", {"url": redis_url})
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(data))
+    return create_run(load_spec(job), env_locks={"aws": given})
+
+
+@pytest.mark.parametrize("edited", ["env-aws.lock", "job-aws.sh", "loader.py", "wheel"])
+def test_resume_refuses_a_run_whose_lock_boot_script_or_wheel_was_edited(
+    edited: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_server: Any
+) -> None:
+    """The run's directory keeps the lock, each cloud's job boot, the loader and the wheel
+    it shipped; a controller that starts (`spottrain resume`) checks each against the
+    sha256 in run.json, so an edited copy never reaches a VM launched later: it stops before
+    anything launches, in one line naming the file and the fix."""
+    from spottrain.controller.run.records import RunError, RunInfo
+    from spottrain.controller.run.wiring import build_controller
+
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
+    info = _run_with_a_given_lock(tmp_path, redis_server.url)
+    build_controller(RunInfo.load(info.run_id))  # as it was shipped: the controller starts
+    copies = {
+        "env-aws.lock": info.dir / "env-aws.lock",
+        "job-aws.sh": info.dir / "boot" / "job-aws.sh",
+        "loader.py": info.dir / "boot" / "loader.py",
+        "wheel": info.dir / "boot" / str(info.wheel["filename"]),
+    }
+    path = copies[edited]
+    with path.open("ab") as f:
+        f.write(b"\n# edited\n")
+    with pytest.raises(RunError) as refused:
+        build_controller(RunInfo.load(info.run_id))
+    said = str(refused.value)
+    assert "\n" not in said and str(path) in said, said
+    assert "changed" in said and "put the original back" in said and "spottrain up" in said
+    path.unlink()
+    with pytest.raises(RunError, match=f"{path} cannot be read"):
+        build_controller(RunInfo.load(info.run_id))
