@@ -144,6 +144,7 @@ class Agent:
         self._crashes: CrashWatch | None = None
         self._crash_loop: Crash | None = None
         self.orphan_reason = ""
+        self._secret_env: dict[str, str] = {}
         self._wake = threading.Event()
         self.signals = SignalMonitor(self.handler.submit, cfg.sigterm_grace, self._wake.set)
 
@@ -243,6 +244,7 @@ class Agent:
             self.cfg.cloud,
             self.cfg.self_terminate_cmd,
             metadata_endpoint=self.cfg.metadata_endpoint,
+            request_file=self.cfg.poweroff_request,
         )
         for problem in ending.problems:
             log.error("ending this VM: %s", problem)
@@ -270,6 +272,12 @@ class Agent:
                 self._advance(NodeState.FAILED, problem)
                 log.error("%s", problem)
                 return EXIT_CONFIG
+        try:
+            self._secret_env = read_secret_env(self.cfg.secret_env_file)
+        except ValueError as exc:
+            self._advance(NodeState.FAILED, str(exc))
+            log.error("%s", exc)
+            return EXIT_CONFIG
         if self.cfg.health_check:
             from .health import check_health
 
@@ -348,6 +356,7 @@ class Agent:
             env.setdefault("RUST_LOG", "warn")
         if self.cfg.password_file:
             env[ENV_REDIS_PASSWORD] = self.settings.password or ""
+        env.update(self._secret_env)
         with self._launch_lock:
             if self._stopping:
                 return
@@ -641,6 +650,29 @@ def _write_out(chunk: bytes) -> None:
     else:
         sys.stdout.write(chunk.decode(errors="replace"))
     sys.stdout.flush()
+
+
+def read_secret_env(path: str) -> dict[str, str]:
+    """The job's secret variables from ``path`` (an image job's; "": none).
+
+    Raises:
+        ValueError: the file cannot be read, or is not one (one line naming the file and
+            the fix; never a value).
+    """
+    from spottrain.protocol.boot import parse_secret_env
+
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+        raise ValueError(
+            f"cannot read the job's secret variables from {path} ({why}): the agent reads it "
+            "as root (an image whose USER is not root cannot); boot a new VM if it is gone"
+        ) from None
+    return parse_secret_env(text, path)
 
 
 def _check_ckpt_dir(path: str) -> str | None:

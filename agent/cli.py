@@ -32,6 +32,7 @@ from spottrain.protocol.env import (
     ENV_NODES_PER_REPLICA,
     ENV_NPROC_PER_NODE,
     ENV_ORPHAN_TIMEOUT,
+    ENV_POWEROFF_REQUEST,
     ENV_QUORUM,
     ENV_QUORUM_HEARTBEAT_TIMEOUT,
     ENV_QUORUM_JOIN_TIMEOUT,
@@ -39,6 +40,7 @@ from spottrain.protocol.env import (
     ENV_REDIS,
     ENV_REDIS_PASSWORD_FILE,
     ENV_RUN_ID,
+    ENV_SECRET_ENV_FILE,
     ENV_SELF_TERMINATE_CMD,
     ENV_SIGTERM_GRACE,
     ENV_TRAIN_CMD,
@@ -216,6 +218,18 @@ def _add_run_fleet_args(run: argparse.ArgumentParser) -> None:
         "TerminateInstances, GCP: instances.delete, on itself); default `shutdown -h now`. "
         "On the local cloud it replaces the signal to the VM process",
     )
+    run.add_argument(
+        "--poweroff-request",
+        default=env(ENV_POWEROFF_REQUEST, ""),
+        help="in a container: power the host off by creating this file (a path unit of the "
+        "host watches it) rather than running --self-terminate-cmd",
+    )
+    run.add_argument(
+        "--secret-env-file",
+        default=env(ENV_SECRET_ENV_FILE, ""),
+        help="a root-only file of the job's secret variables (JSON lines, written by the "
+        "VM's boot) passed on to the workers",
+    )
     run.add_argument("--rdzv-conf", default="", help="k=v,... passed to the Redis rendezvous")
     run.add_argument(
         "--worker-user",
@@ -387,6 +401,8 @@ def _run(args: argparse.Namespace) -> int:
         asg_lifecycle_hook=args.asg_lifecycle_hook,
         orphan_timeout=args.orphan_timeout,
         self_terminate_cmd=args.self_terminate_cmd,
+        poweroff_request=args.poweroff_request,
+        secret_env_file=args.secret_env_file,
         rdzv_conf=conf,
         worker_user=args.worker_user,
         fault_tolerance=args.fault_tolerance,

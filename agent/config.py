@@ -70,6 +70,11 @@ class AgentConfig:
     # without a local training step after which the VM ends itself; 0: never.
     orphan_timeout: float = 0.0
     self_terminate_cmd: str = ""
+    # An image job's (its agent runs in a container): the file whose creation asks the host
+    # to power off, instead of `shutdown`; and the root-only file of the job's secret
+    # variables (spottrain.protocol.boot.SECRET_ENV_FILE), passed on to the workers.
+    poweroff_request: str = ""
+    secret_env_file: str = ""
     # Replica mode (train.fault_tolerance: replica): each replica of nodes_per_replica nodes
     # runs its own torchrun; elastic runs one torchrun over every node, as before.
     fault_tolerance: str = "elastic"

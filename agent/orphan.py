@@ -29,6 +29,7 @@ off.
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import subprocess
 import threading
@@ -254,6 +255,7 @@ def end_this_vm(
     *,
     vm: ThisVm | None = None,
     metadata_endpoint: str | None = None,
+    request_file: str = "",
 ) -> VmEnding:
     """End this VM, for good where its cloud allows.
 
@@ -264,7 +266,9 @@ def end_this_vm(
     2. If that failed, the power-off: ``command`` (``--self-terminate-cmd``) or ``shutdown -h
        now``. An AWS VM is launched with ``InstanceInitiatedShutdownBehavior=terminate``, so
        it terminates; a GCP VM stops (its disks stay billed). On the local cloud, ``command``
-       replaces step 1 instead, and without one there is no step 2.
+       replaces step 1 instead, and without one there is no step 2. In a container
+       (``request_file``, an image job's) the agent cannot power the host off: it creates
+       ``request_file``, which a path unit of the host watches, and the host powers off.
     """
     problems: list[str] = []
     if not (cloud == "local" and command):
@@ -276,6 +280,14 @@ def end_this_vm(
             problems.append(f"ending this {cloud} VM through its API: {type(exc).__name__}: {exc}")
         if cloud == "local":
             return VmEnding("", tuple(problems))
+    if request_file and not command:
+        try:
+            fd = os.open(request_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.close(fd)
+        except OSError as exc:
+            why = f"asking the host to power off ({request_file}): {exc}"
+            return VmEnding("", (*problems, why))
+        return VmEnding(f"power-off: asked the host ({request_file})", tuple(problems))
     argv = shlex.split(command) if command else ["shutdown", "-h", "now"]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)

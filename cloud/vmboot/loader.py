@@ -429,6 +429,21 @@ def secret_env(
     write_env_line(var, name, value, files)
 
 
+def secret_env_json(conf: dict[str, Any], secrets: Secrets, var: str, name: str, path: str) -> None:
+    """Append the cloud secret NAME as VAR to the secret variables file PATH, one JSON
+    object a line, mode 0600 (an image job's: its agent reads it in the container, so the
+    value is in no docker setting that ``docker inspect`` shows)."""
+    value = read_secret(conf, name)
+    if not value:
+        raise BootError(f"the secret {name!r} for {var} is empty: put the value in it")
+    if "\0" in value:
+        raise BootError(f"the secret {name!r} for {var} holds a NUL, which no environment carries")
+    secrets.remember(value)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write(json.dumps({"name": var, "value": value}) + "\n")
+
+
 def write_env_line(var: str, name: str, value: str, files: list[str]) -> None:
     """Append ``VAR="value"`` (systemd's quoting) to the env file ``files[0]`` and
     ``VAR=value`` to docker's (``files[1]``, if given), both mode 0600: the value is on no
@@ -474,6 +489,8 @@ def main(argv: list[str]) -> int:
     - ``secret NAME DEST``: the cloud secret NAME into DEST (0600), its value remembered;
     - ``secret-env VAR NAME FILE [DOCKER_FILE]``: the secret NAME appended as VAR to the
       env file(s);
+    - ``secret-env-json VAR NAME FILE``: the secret NAME appended as VAR to the secret
+      variables file (JSON lines, an image job's);
     - ``pip-config DEST``: pip's configuration for the spec's index into DEST (0600);
     - ``unit-file DEST``: the agent's systemd unit from the shipped wheel;
     - ``stage STAGE``: report a stage starting (console and Redis);
@@ -493,6 +510,8 @@ def main(argv: list[str]) -> int:
             write_secret(conf, secrets, args[0], args[1])
         elif cmd == "secret-env":
             secret_env(conf, secrets, args[0], args[1], args[2:])
+        elif cmd == "secret-env-json":
+            secret_env_json(conf, secrets, args[0], args[1], args[2])
         elif cmd == "pip-config":
             pip_config(conf, secrets, args[0])
         elif cmd == "unit-file":

@@ -37,6 +37,7 @@ import base64
 import functools
 import gzip
 import json
+import os
 import re
 import shlex
 import sys
@@ -68,10 +69,17 @@ GIT_ASKPASS_PATH = "/etc/spottrain/git-askpass"
 DOCKER_ENV_PATH = "/etc/spottrain/agent.docker.env"
 PIP_CONF_PATH = "/etc/spottrain/pip.conf"
 UNIT_PATH = "/etc/systemd/system/spottrain-agent.service"
+# An image job's agent, in its container, cannot power off the host: it creates POWEROFF_
+# REQUEST (a folder of the host's mounted in the container), and a path unit of the host
+# powers the VM off (the dead man's switch's fallback when the cloud's API refused).
+POWEROFF_DIR = "/run/spottrain-poweroff"
+POWEROFF_REQUEST = f"{POWEROFF_DIR}/request"
+POWEROFF_UNIT = "/etc/systemd/system/spottrain-poweroff"
 # The node's output file: the boot writes its own lines there first, the agent's unit
 # appends after them, and the agent ships the whole file (agent/logship).
 AGENT_LOG = "/var/log/spottrain-agent.log"
 VOLUME_ROOT = "/mnt/spottrain"
+REDACT_DIR = os.path.dirname(boot.REDACT_FILE)
 JOB_DIR = "/opt/job"
 VENV = "/opt/spottrain/venv"
 ENV_LOCK_PATH = "/etc/spottrain/env.lock"
@@ -354,14 +362,51 @@ def _secret_fetch(secret: str) -> str:
 
 
 def _secret_env_lines(spec: JobSpec) -> str:
-    """Lines that add ``train.secret_env`` to the agent's env file(s) (mode 0600)."""
+    """Lines that add ``train.secret_env`` to the agent's env file (mode 0600); an image
+    job's go to the secret variables file its agent reads in the container instead
+    (:data:`spottrain.protocol.boot.SECRET_ENV_FILE`): docker's ``--env-file`` would show
+    them in ``docker inspect``."""
     if not spec.train.secret_env:
         return ""
-    docker = [DOCKER_ENV_PATH] if isinstance(spec.code, ImageCode) else []
     lines = [_stage(boot.STAGE_SECRETS)]
-    for name, secret in spec.train.secret_env.items():
-        lines.append(_loader("secret-env", name, secret, JOB_ENV_PATH, *docker) + "\n")
+    if isinstance(spec.code, ImageCode):
+        lines.append(f"rm -f {boot.SECRET_ENV_FILE}\n")  # a boot again starts it afresh
+        for name, secret in spec.train.secret_env.items():
+            lines.append(_loader("secret-env-json", name, secret, boot.SECRET_ENV_FILE) + "\n")
+    else:
+        for name, secret in spec.train.secret_env.items():
+            lines.append(_loader("secret-env", name, secret, JOB_ENV_PATH) + "\n")
     return "".join(lines)
+
+
+# The host's units that power the VM off when an image job's agent asks (POWEROFF_REQUEST).
+_POWEROFF_PATH_UNIT = f"""[Unit]
+Description=spottrain: power off when the agent in its container asks
+
+[Path]
+PathExists={POWEROFF_REQUEST}
+
+[Install]
+WantedBy=multi-user.target
+"""
+_POWEROFF_SERVICE = """[Unit]
+Description=spottrain: power off (the agent's dead man's switch)
+
+[Service]
+Type=oneshot
+ExecStart=/usr/bin/systemctl poweroff --no-block
+"""
+
+
+def _poweroff_lines() -> str:
+    """The host's path unit an image job's agent asks to power off through."""
+    return (
+        f"mkdir -p -m 0700 {POWEROFF_DIR}\n"
+        + heredoc(f"cat > {POWEROFF_UNIT}.path", _POWEROFF_PATH_UNIT, "UNIT")
+        + heredoc(f"cat > {POWEROFF_UNIT}.service", _POWEROFF_SERVICE, "UNIT")
+        + "systemctl daemon-reload\n"
+        "systemctl enable --now spottrain-poweroff.path\n"
+    )
 
 
 def _git_fetch_lines(spec: JobSpec) -> str:
@@ -523,12 +568,19 @@ def _unit_lines(spec: JobSpec, ckpt_dir: str) -> str:
             "/usr/bin/docker run --rm --init --name spottrain-agent --gpus all --network host "
             "--ipc host --ulimit memlock=-1 --stop-timeout 170 "
             f"-v {VOLUME_ROOT}:{VOLUME_ROOT} -v /etc/spottrain:/etc/spottrain:ro "
+            # The secrets the boot noted (redacted from what the agent ships), and where it
+            # asks the host to power off.
+            f"-v {REDACT_DIR}:{REDACT_DIR}:ro -v {POWEROFF_DIR}:{POWEROFF_DIR} "
             # It ships the host file the unit appends its output to (-e: the unit's values).
             f"-v {AGENT_LOG}:{AGENT_LOG} -e {env_names.ENV_LOGS_FILE} "
             f"-e {env_names.ENV_LOGS_FILE_MAX_MB} "
             f"--env-file /etc/spottrain/agent.docker.env {unit_word(image, exec_line=True)} "
             "spottrain-agent run"
         )
+        # /run is a tmpfs: after a reboot the mounts' folders are made again (first: the
+        # checkpoint directory's line stays the last ExecStartPre).
+        at = drop.index("[Service]") + 1
+        drop.insert(at, f"ExecStartPre=/bin/mkdir -p -m 0700 {REDACT_DIR} {POWEROFF_DIR}")
         drop += ["ExecStart=", f"ExecStart={docker}"]
         unit_from = _loader("unit-file", UNIT_PATH)
     else:
@@ -599,8 +651,12 @@ def render_job_boot(
         heredoc(f"( umask 077; cat > {JOB_ENV_PATH}", render_env_file(env), "ENV") + ")\n",
     ]
     if image:
-        # docker's --env-file takes values literally (no quotes), unlike systemd.
-        docker_env = "".join(f"{k}={v}\n" for k, v in env.items())
+        # docker's --env-file takes values literally (no quotes), unlike systemd. What
+        # `docker inspect` may show: never a secret (those come in SECRET_ENV_FILE).
+        in_docker = {**env, env_names.ENV_POWEROFF_REQUEST: POWEROFF_REQUEST}
+        if spec.train.secret_env:
+            in_docker[env_names.ENV_SECRET_ENV_FILE] = boot.SECRET_ENV_FILE
+        docker_env = "".join(f"{k}={v}\n" for k, v in in_docker.items())
         parts.append(heredoc(f"( umask 077; cat > {DOCKER_ENV_PATH}", docker_env, "ENV") + ")\n")
     parts.append(_secret_env_lines(spec))
     parts.append(_volume_lines(spec))
@@ -614,6 +670,8 @@ def render_job_boot(
             f"( umask 077; sed -e 's/^\\([A-Z_]*\\)=\"\\(.*\\)\"$/\\1=\\2/' {NODE_ENV_PATH} "
             f">> {DOCKER_ENV_PATH} )\n"
         )
+    if image:
+        parts.append(_poweroff_lines())
     parts.append(_unit_lines(spec, env[env_names.ENV_CKPT_DIR]))
     parts.append(_loader("booted") + "\n")
     return "".join(parts)

@@ -82,6 +82,52 @@ def parse_redact_lines(text: str) -> list[str]:
     return out
 
 
+# An image job's secret variables (train.secret_env) on its VM: root-only, one JSON object a
+# line ({"name": VAR, "value": ...}), written by the boot's loader and read by the agent in
+# the container (the host's /etc/spottrain is mounted there read-only). JSON, not an env
+# file: a value arrives exact whatever it holds, and nothing here is parsed as shell.
+SECRET_ENV_FILE = "/etc/spottrain/secret-env.jsonl"
+
+
+class SecretEnvError(ValueError):
+    """A secret variables file that cannot be read as one: the message names the file and
+    the line, never a value."""
+
+
+def parse_secret_env(text: str, source: str = SECRET_ENV_FILE) -> dict[str, str]:
+    """The variables of a secret variables file's text (:data:`SECRET_ENV_FILE`).
+
+    Raises:
+        SecretEnvError: a line is not ``{"name": NAME, "value": VALUE}`` with a variable's
+            name, or a value holds a NUL (no process environment carries one).
+    """
+    import json
+    import re
+
+    out: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except ValueError:
+            d = None
+        name = d.get("name") if isinstance(d, dict) else None
+        value = d.get("value") if isinstance(d, dict) else None
+        if not (
+            isinstance(name, str)
+            and isinstance(value, str)
+            and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)
+            and "\0" not in value
+        ):
+            raise SecretEnvError(
+                f'{source}:{n}: not a secret variable\'s line ({{"name": VAR, "value": '
+                "...}}): the VM's boot writes this file; boot a new VM"
+            )
+        out[name] = value
+    return out
+
+
 class BootState(StrEnum):
     """Where a VM's boot is: a value of the boot hash's ``state`` field."""
 

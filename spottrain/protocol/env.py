@@ -54,6 +54,11 @@ ENV_MAX_RESTARTS = "SPOTTRAIN_MAX_RESTARTS"
 ENV_ASG_NAME = "SPOTTRAIN_ASG_NAME"
 ENV_ASG_LIFECYCLE_HOOK = "SPOTTRAIN_ASG_LIFECYCLE_HOOK"
 ENV_SELF_TERMINATE_CMD = "SPOTTRAIN_SELF_TERMINATE_CMD"
+# An image job's agent runs in a container: its secret variables come in a root-only file
+# the host's boot wrote (not docker's --env-file, which `docker inspect` shows), and it asks
+# the host to power off by creating a file a systemd path unit of the host watches.
+ENV_SECRET_ENV_FILE = "SPOTTRAIN_SECRET_ENV_FILE"
+ENV_POWEROFF_REQUEST = "SPOTTRAIN_POWEROFF_REQUEST"
 ENV_WORKER_USER = "SPOTTRAIN_WORKER_USER"
 
 # -- replica mode (train.fault_tolerance: replica) -------------------------------------------

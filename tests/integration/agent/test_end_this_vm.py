@@ -131,3 +131,27 @@ def test_a_gcp_vm_whose_account_may_not_delete_it_powers_off_and_says_what_to_gr
     assert "grant this VM's service account compute.instances.delete on itself" in problem
     gcp.fake.clear_faults()
     assert gcp.fake.instance(name) is not None
+
+
+def test_an_agent_in_a_container_asks_the_host_to_power_off_when_the_api_refuses(
+    gcp: GcpHarness, md: MetadataServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An image job's agent runs in docker, where `shutdown` cannot reach the host: once the
+    cloud's API refused, it creates the request file the host's path unit watches (the boot
+    mounts the host's folder there) rather than running a power-off of its own."""
+    _on_gcp_vm(gcp, md, monkeypatch)
+    gcp.fake.inject_auth_error(403)
+    request = tmp_path / "poweroff" / "request"
+    request.parent.mkdir()
+    ending = end_this_vm("gcp", request_file=str(request))
+    assert request.exists()
+    assert ending.how == f"power-off: asked the host ({request})"
+    assert "grant this VM's service account" in ending.problems[0]
+    gcp.fake.clear_faults()
+    # Its folder gone (the boot's mount missing): said, not a power-off of the container.
+    request.unlink()
+    request.parent.rmdir()
+    gcp.fake.inject_auth_error(403)
+    failed = end_this_vm("gcp", request_file=str(request))
+    assert failed.how == "" and not request.exists()
+    assert f"asking the host to power off ({request})" in failed.problems[-1]

@@ -292,3 +292,27 @@ def test_the_loader_imports_the_standard_library_only() -> None:
             for name in names:
                 top = name.split(".")[0]
                 assert top in sys.stdlib_module_names or top == "__future__", (module, name)
+
+
+def test_an_image_jobs_secret_variables_reach_its_agent_exact_and_no_docker_setting(
+    aws_vm: Vm, tmp_path: Path
+) -> None:
+    """An image job's secret variables go to a root-only file of JSON lines the agent reads
+    in its container (not docker's --env-file, which `docker inspect` shows): the values
+    arrive exact, quotes, dollars and backslashes included, and the loader remembers them
+    for redaction."""
+    from spottrain.agent.agent import read_secret_env
+
+    values = {"HF_TOKEN": "hf_\"q'uo$te\\d`x`", "WANDB_API_KEY": "0123456789abcdef=="}
+    sm = _client("secretsmanager", aws_vm.conf["endpoints"]["secretsmanager"])
+    dest = tmp_path / "secret-env.jsonl"
+    for var, value in values.items():
+        sm.create_secret(Name=f"{aws_vm.conf['run_id']}/{var}", SecretString=value)
+        name = f"{aws_vm.conf['run_id']}/{var}"
+        done = aws_vm.run("loader.py", "secret-env-json", var, name, str(dest))
+        assert done.returncode == 0, done.stderr
+        assert values[var] not in done.stdout + done.stderr
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o600
+    assert read_secret_env(str(dest)) == values
+    redact = (aws_vm.folder / "redact").read_text()
+    assert len(redact.splitlines()) == 2 and values["WANDB_API_KEY"] not in redact

@@ -53,6 +53,7 @@ from spottrain.controller.run.boot import (
     JOB_SCRIPT,
     LOADER_PATH,
     PASSWORD_PATH,
+    POWEROFF_REQUEST,
     UNIT_PATH,
     BootFile,
     BootFiles,
@@ -66,7 +67,13 @@ from spottrain.controller.run.boot import (
     render_user_data,
 )
 from spottrain.envlock import EnvLock, LockedPackage, LockError, make_lock, parse_lock
-from spottrain.protocol.env import ENV_CKPT_DIR, ENV_TRAIN_CMD
+from spottrain.protocol.boot import SECRET_ENV_FILE
+from spottrain.protocol.env import (
+    ENV_CKPT_DIR,
+    ENV_POWEROFF_REQUEST,
+    ENV_SECRET_ENV_FILE,
+    ENV_TRAIN_CMD,
+)
 from spottrain.protocol.keys import make_run_id
 from spottrain.spec import ArchiveCode, GitCode, ImageCode, JobSpec, SpecError, parse_spec
 
@@ -562,7 +569,11 @@ def check_env_files(ran: Ran, vm: Vm) -> dict[str, str]:
     assert agent == {**job, **node_env(vm.node)}
     if isinstance(spec.code, ImageCode):
         lines = ran.text(DOCKER_ENV_PATH).splitlines()
-        assert dict(line.split("=", 1) for line in lines) == agent
+        # Besides the agent's: where it asks the host to power off and reads its secrets.
+        extra = {ENV_POWEROFF_REQUEST: POWEROFF_REQUEST}
+        if spec.train.secret_env:
+            extra[ENV_SECRET_ENV_FILE] = SECRET_ENV_FILE
+        assert dict(line.split("=", 1) for line in lines) == {**agent, **extra}
     assert shlex.split(agent[ENV_TRAIN_CMD]) == list(spec.train.command)
     return agent
 
@@ -573,9 +584,12 @@ def check_argv(ran: Ran, vm: Vm) -> None:
     said = ran.argv_of("python3")
     if spec.redis.password_secret:
         assert [*loader, "secret", spec.redis.password_secret, PASSWORD_PATH] in said
-    docker = [DOCKER_ENV_PATH] if isinstance(spec.code, ImageCode) else []
+    image = isinstance(spec.code, ImageCode)
     for name, secret in spec.train.secret_env.items():
-        assert [*loader, "secret-env", name, secret, JOB_ENV_PATH, *docker] in said
+        if image:
+            assert [*loader, "secret-env-json", name, secret, SECRET_ENV_FILE] in said
+        else:
+            assert [*loader, "secret-env", name, secret, JOB_ENV_PATH] in said
     venv_python = ran.argv_of("python")
     if isinstance(spec.code, GitCode):
         g = spec.code.git

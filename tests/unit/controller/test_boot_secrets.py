@@ -30,7 +30,8 @@ from spottrain.controller.run.boot import (
     parse_env_file,
     render_local_boot,
 )
-from spottrain.spec import JobSpec, SpecError, parse_spec
+from spottrain.protocol.boot import SECRET_ENV_FILE
+from spottrain.spec import ImageCode, JobSpec, SpecError, parse_spec
 
 AWS = NodeIdentity("gpt-small-1795000000", "node-3", "aws", "us-east-1a", "p4d.24xlarge")
 GCP = NodeIdentity("gpt-small-1795000000", "node-3", "gcp", "us-central1-a", "a2-highgpu-8g")
@@ -131,9 +132,13 @@ def test_boot_scripts_fetch_secrets_at_boot_and_stay_valid_bash(node: NodeIdenti
     for spec in (_secret_spec(), _git_spec()):
         script = whole_boot(spec, node, REDIS, password_secret="spottrain/redis")
         subprocess.run(["bash", "-n"], input=script, text=True, check=True)
-        # The loader reads each secret with the VM's own identity, into the env file.
+        # The loader reads each secret with the VM's own identity, into the env file; an
+        # image job's into the secret variables file its agent reads in the container.
+        image = isinstance(spec.code, ImageCode)
         for var, secret in (("HF_TOKEN", "hf/token"), ("WANDB_API_KEY", "wandb-key")):
             line = f"{LOADER} secret-env {var} {secret} {JOB_ENV_PATH}"
+            if image:
+                line = f"{LOADER} secret-env-json {var} {secret} {SECRET_ENV_FILE}"
             assert line in script
         assert f"{LOADER} secret spottrain/redis /etc/spottrain/redis-password" in script
         env = agent_env_of(script)

@@ -17,7 +17,11 @@ from spec_samples import COMMIT, LOCAL, VALID, _with
 from spottrain.agent.cli import RUN_ENV_VARS, build_parser
 from spottrain.controller.run.boot import (
     BOOT_CONF,
+    DOCKER_ENV_PATH,
     LOADER_PATH,
+    POWEROFF_DIR,
+    POWEROFF_REQUEST,
+    POWEROFF_UNIT,
     CodeRef,
     NodeIdentity,
     parse_env_file,
@@ -26,7 +30,8 @@ from spottrain.controller.run.boot import (
     run_ckpt_dir,
     worker_user_lines,
 )
-from spottrain.protocol.boot import STAGES
+from spottrain.protocol.boot import SECRET_ENV_FILE, STAGES
+from spottrain.protocol.env import ENV_POWEROFF_REQUEST, ENV_SECRET_ENV_FILE
 from spottrain.spec import JobSpec, parse_spec
 
 NODE = NodeIdentity("gpt-small-1795000000", "node-3", "aws", "us-east-1a", "p4d.24xlarge")
@@ -121,7 +126,9 @@ def test_image_code_runs_the_agent_in_the_pinned_image() -> None:
     script = whole_boot(_spec(VALID), NODE, REDIS)
     image = VALID["code"]["image"]
     assert f"docker pull {image}" in script
-    exec_start = next(line for line in script.splitlines() if line.startswith("ExecStart=/"))
+    exec_start = next(
+        line for line in script.splitlines() if line.startswith("ExecStart=/usr/bin/docker ")
+    )
     assert "--init" in exec_start and exec_start.endswith(f"{image} spottrain-agent run")
     # The agent in the container ships the host file the packaged unit appends its output
     # to: mounted at the same path, with the unit's path and cap passed through.
@@ -219,3 +226,46 @@ def test_local_boot_fetches_the_code_archive_then_execs_the_agent() -> None:
     )
     assert "&& cd /w/n0 && exec " in script and script.endswith("--sigterm-grace=30")
     assert script.startswith("mkdir -p /tmp/ckpt/tiny-1795000000/local-a && ")
+
+
+def _heredoc(script: str, start: str) -> str:
+    """The text a boot's here-document gives the command line starting with ``start``."""
+    lines = script.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(start))
+    delimiter = lines[at].rsplit("<<", 1)[1].strip("'")
+    end = lines.index(delimiter, at + 1)
+    return "\n".join(lines[at + 1 : end]) + "\n"
+
+
+def test_an_image_jobs_secrets_stay_out_of_docker_and_its_agent_can_power_off_the_host() -> None:
+    """docker's --env-file shows in `docker inspect`: an image job's secret variables are
+    not in it (the agent reads them from the root-only file the loader writes, mounted with
+    /etc/spottrain), only where to read them; and the agent, which cannot power off the host
+    from its container, asks through a folder of the host's a path unit watches."""
+    secrets = {"HF_TOKEN": "hf/token", "WANDB_API_KEY": "wandb-key"}
+    script = whole_boot(_spec(_with(VALID, "train.secret_env", secrets)), NODE, REDIS)
+    docker_env = _heredoc(script, f"( umask 077; cat > {DOCKER_ENV_PATH}")
+    names = {line.split("=", 1)[0] for line in docker_env.splitlines()}
+    assert not names & set(secrets)
+    assert f"{ENV_SECRET_ENV_FILE}={SECRET_ENV_FILE}" in docker_env.splitlines()
+    assert f"{ENV_POWEROFF_REQUEST}={POWEROFF_REQUEST}" in docker_env.splitlines()
+    loads = [line for line in script.splitlines() if " secret-env" in line]
+    assert len(loads) == 2 and all(DOCKER_ENV_PATH not in line for line in loads)
+    assert all(shlex.split(x)[-1] == SECRET_ENV_FILE for x in loads)
+    exec_start = next(
+        line for line in script.splitlines() if line.startswith("ExecStart=/usr/bin/docker ")
+    )
+    assert f"-v {POWEROFF_DIR}:{POWEROFF_DIR} " in exec_start
+    assert "-v /run/spottrain:/run/spottrain:ro " in exec_start  # what to redact
+    path_unit = _heredoc(script, f"cat > {POWEROFF_UNIT}.path")
+    assert f"PathExists={POWEROFF_REQUEST}" in path_unit.splitlines()
+    service = _heredoc(script, f"cat > {POWEROFF_UNIT}.service")
+    assert "ExecStart=/usr/bin/systemctl poweroff --no-block" in service.splitlines()
+    assert "systemctl enable --now spottrain-poweroff.path" in script.splitlines()
+    # A job that is not an image's has neither: its agent runs on the host.
+    plain = whole_boot(
+        _spec(_with(VALID, "code", {"git": {"repo": "https://x/y.git", "commit": COMMIT}})),
+        NODE,
+        REDIS,
+    )
+    assert POWEROFF_DIR not in plain and ENV_SECRET_ENV_FILE not in plain
