@@ -37,6 +37,7 @@ from spottrain.protocol.env import (
     ENV_PROGRESS_FILE,
     ENV_REDIS,
     ENV_REDIS_PASSWORD,
+    ENV_REDIS_USERNAME,
     ENV_RUN_ID,
 )
 from spottrain.protocol.keys import RunKeys
@@ -67,6 +68,7 @@ from .processes import (
     torchrun_command,
 )
 from .replica_node import ReplicaNode
+from .worker_acl import WorkerAcl
 
 log = logging.getLogger("spottrain.agent")
 
@@ -139,7 +141,10 @@ class Agent:
         self._secrets = KnownSecrets(
             password_file=cfg.password_file,
             environ={ENV_REDIS_PASSWORD: self.settings.password or ""},
+            run_keys=self.keys,
         )
+        # torchrun and the workers log in as a Redis user limited to this run's keys.
+        self._worker_acl = WorkerAcl(self.client, self.keys, self.settings.password)
         self._relay: OutputRelay | None = None
         self._crashes: CrashWatch | None = None
         self._crash_loop: Crash | None = None
@@ -322,6 +327,7 @@ class Agent:
         conf = dict(self.cfg.rdzv_conf)
         if self.settings.tls:
             conf.setdefault("tls", "true")
+        login = self._redis_login(conf)
         cmd = torchrun_command(
             script=self.cfg.train_cmd[0],
             script_args=self.cfg.train_cmd[1:],
@@ -354,8 +360,7 @@ class Agent:
             # torchft's Rust manager logs every quorum whole at info: ~100 bytes a replica a
             # step (1.25 MB a step at 12,500). Warnings only, unless the operator asked.
             env.setdefault("RUST_LOG", "warn")
-        if self.cfg.password_file:
-            env[ENV_REDIS_PASSWORD] = self.settings.password or ""
+        env.update(login)
         env.update(self._secret_env)
         with self._launch_lock:
             if self._stopping:
@@ -395,6 +400,20 @@ class Agent:
         names = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
         return {n: iface for n in names if not env.get(n)}
 
+    def _redis_login(self, conf: dict[str, str]) -> dict[str, str]:
+        """How torchrun (``conf``, its rendezvous') and the workers (the returned variables)
+        log in to Redis: as the run's workers' user (:mod:`.worker_acl`), or with the run's
+        password where Redis cannot make that user (said once, in an event)."""
+        password = self.settings.password
+        if not password:
+            return {}
+        creds = self._worker_acl.ensure(time.monotonic())
+        if creds is None:
+            self.record.event("workers-get-the-run-password", why=self._worker_acl.problem)
+            return {ENV_REDIS_PASSWORD: password}
+        conf["username"] = creds.username
+        return {ENV_REDIS_USERNAME: creds.username, ENV_REDIS_PASSWORD: creds.password}
+
     def _supervise(self) -> int:
         assert self.proc is not None
         while True:
@@ -406,6 +425,7 @@ class Agent:
             if self._crash_loop is not None and not self._stopping and not self.handler.draining:
                 self._end_crash_loop()
             self._note_training()
+            self._worker_acl.ensure(time.monotonic())
             time.sleep(0.2)
         if self._relay is not None:
             self._relay.stop()

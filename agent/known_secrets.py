@@ -17,7 +17,10 @@ import threading
 from collections.abc import Callable, Mapping
 
 from spottrain.protocol.boot import REDACT_FILE, parse_redact_lines
+from spottrain.protocol.keys import RunKeys
 from spottrain.safetext import redact
+
+from .worker_acl import worker_credentials
 
 _Stamp = tuple[int, int, int] | None  # (inode, size, mtime_ns) of a file, None when absent
 
@@ -44,6 +47,8 @@ class KnownSecrets:
     redact_file: the boot's list of secret values (base64 lines).
     password_env: the variable that may hold the Redis password instead.
     environ: where ``password_env`` is read (the process's environment by default).
+    run_keys: the run's keys: the workers' Redis password, derived from the run's
+        (:func:`~spottrain.agent.worker_acl.worker_credentials`), is known too.
     """
 
     def __init__(
@@ -53,7 +58,10 @@ class KnownSecrets:
         redact_file: str = REDACT_FILE,
         password_env: str = "SPOTTRAIN_REDIS_PASSWORD",
         environ: Mapping[str, str] | None = None,
+        run_keys: RunKeys | None = None,
     ) -> None:
+        self._run_keys = run_keys
+        self._redact_file = redact_file
         self._files: dict[str, Callable[[str], list[str]]] = {redact_file: parse_redact_lines}
         if password_file:
             self._files[password_file] = lambda text: [text.strip()] if text.strip() else []
@@ -71,7 +79,17 @@ class KnownSecrets:
                 if stamp != self._stamps.get(path, ()):
                     self._stamps[path] = stamp
                     self._values[path] = parse(_read(path)) if stamp else []
-            return [*self._fixed, *(v for vs in self._values.values() for v in vs)]
+            known = [*self._fixed, *(v for vs in self._values.values() for v in vs)]
+        if self._run_keys is not None:
+            keys = self._run_keys
+            known += [worker_credentials(keys, v).password for v in self._passwords()]
+        return known
+
+    def _passwords(self) -> list[str]:
+        """The run's Redis password, from where this VM holds it."""
+        with self._lock:
+            files = [vs for path, vs in self._values.items() if path != self._redact_file]
+        return [*self._fixed, *(v for vs in files for v in vs)]
 
     def redact(self, text: str) -> str:
         return redact(text, self.values())

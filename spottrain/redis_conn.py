@@ -17,7 +17,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from spottrain.protocol.env import ENV_REDIS_PASSWORD
+from spottrain.protocol.env import ENV_REDIS_PASSWORD, ENV_REDIS_USERNAME
 
 DEFAULT_PORT = 6379
 DEFAULT_PASSWORD_ENV = ENV_REDIS_PASSWORD  # the variable read when a spec names none
@@ -204,11 +204,15 @@ def settings_from_url(
         RedisConfigError: the endpoint or the password file is wrong.
     """
     host, port, tls, db = parse_endpoint(url)
+    # A password from the environment may be a user's (a node's workers get their run's
+    # workers' user: agent/worker_acl.py); a password file is always the default user's.
+    username = os.environ.get(ENV_REDIS_USERNAME) if password_env and not password_file else None
     return RedisSettings(
         host=host,
         port=port,
         db=db or 0,
         tls=bool(tls),
+        username=username or None,
         password=resolve_password(password_env, password_file),
         socket_timeout=socket_timeout,
     )

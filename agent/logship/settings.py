@@ -19,6 +19,7 @@ from spottrain.protocol.env import (
     ENV_LOGS_TO,
     ENV_VM_ID,
 )
+from spottrain.protocol.keys import DEFAULT_PREFIX
 from spottrain.protocol.node_logs import default_logs_url
 
 MB = 1_000_000
@@ -52,6 +53,8 @@ class ShipSettings:
             cloud keeps its console file whole).
         password_file: the Redis password's file, whose value is redacted from every chunk.
         redact_file: the boot's list of the secret values it read, redacted too.
+        key_prefix: the run's Redis key prefix (the workers' Redis password, derived from
+            the run's and its keys, is redacted too).
     """
 
     url: str
@@ -68,6 +71,7 @@ class ShipSettings:
     file_max_bytes: int = 0
     password_file: str | None = None
     redact_file: str = REDACT_FILE
+    key_prefix: str = DEFAULT_PREFIX
 
     def __post_init__(self) -> None:
         if not 0 < self.chunk_s <= 3600:
@@ -158,5 +162,6 @@ def ship_settings(args: argparse.Namespace) -> ShipSettings | None:
         max_bytes=int(_mb(args, "logs_max_mb") * MB),
         backlog_bytes=int(_mb(args, "logs_backlog_mb") * MB),
         file_max_bytes=int(_mb(args, "logs_file_max_mb") * MB),
+        key_prefix=getattr(args, "key_prefix", DEFAULT_PREFIX),
         password_file=getattr(args, "password_file", None) or None,
     )

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.node_logs import ChunkName, node_prefix
 
 from ..known_secrets import KnownSecrets
@@ -62,7 +63,9 @@ class LogShipper:
         # A worker may print the Redis password or a job secret (an env dump, a crash
         # reporter): no chunk carries one to the store.
         self.secrets = secrets or KnownSecrets(
-            password_file=settings.password_file, redact_file=settings.redact_file
+            password_file=settings.password_file,
+            redact_file=settings.redact_file,
+            run_keys=RunKeys(settings.run_id, settings.key_prefix),
         )
         self.chunker = Chunker(settings.chunk_s, settings.chunk_bytes, settings.backlog_bytes)
         self.tail = FileTail(settings.file, settings.file_max_bytes)

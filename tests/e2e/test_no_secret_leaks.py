@@ -40,7 +40,12 @@ import hashlib, os, runpy, sys
 value = os.environ.get("JOB_TOKEN", "")
 if hashlib.sha256(value.encode()).hexdigest() != sys.argv[1]:
     sys.exit("JOB_TOKEN is missing or wrong in the worker's environment")
-open(os.path.join(sys.argv[2], f"seen-{os.getpid()}"), "w").close()
+# How the worker logs in to Redis (the password by its hash only).
+login = os.environ.get("SPOTTRAIN_REDIS_USERNAME", "") + " " + hashlib.sha256(
+    os.environ.get("SPOTTRAIN_REDIS_PASSWORD", "").encode()
+).hexdigest()
+with open(os.path.join(sys.argv[2], f"seen-{os.getpid()}"), "w") as f:
+    f.write(login)
 sys.argv = sys.argv[3:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -200,6 +205,12 @@ def test_the_readme_job_with_secrets_leaks_them_nowhere(home: Path, tmp_path: Pa
     # The secrets were really there to leak: the workers got the token (each checked it),
     # Redis refused a client without the password, and the watch saw every kind of process.
     assert list(markers.iterdir()), "no worker saw JOB_TOKEN"
+    # The workers never held the run's password: they logged in as the run's workers' user
+    # (limited to the run's keys), and trained with it.
+    run_hash = hashlib.sha256(password.encode()).hexdigest()
+    for seen in markers.iterdir():
+        user, said_hash = seen.read_text().split(" ")
+        assert user == f"spottrain-workers-{run_id}" and said_hash != run_hash
     assert watch.anonymous_refused
     assert watch.seen == {
         "redis-server",
