@@ -343,6 +343,31 @@ def _secret_rdzv_keys(conf: dict[str, str]) -> list[str]:
     return sorted(k for k in conf if k.lower() in SECRET_RDZV_KEYS)
 
 
+def _rdzv_conf(text: str) -> dict[str, str]:
+    """``--rdzv-conf k=v,...`` as a mapping.
+
+    Raises:
+        AgentConfigError: an item is not ``k=v``, or names a secret: refused before anything
+            starts, since torchrun would carry the value on its command line (world-readable
+            in /proc) and the torchrun-started event would store it in Redis.
+    """
+    from .config import AgentConfigError
+
+    conf = {}
+    for item in filter(None, text.split(",")):
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise AgentConfigError(f"--rdzv-conf item {item!r} is not k=v")
+        conf[k.strip()] = v.strip()
+    if refused := _secret_rdzv_keys(conf):
+        raise AgentConfigError(
+            f"--rdzv-conf {', '.join(refused)} is refused: it would put the secret on "
+            f"torchrun's command line and in the run's event stream; set "
+            f"${DEFAULT_PASSWORD_ENV} or --password-file (SPOTTRAIN_REDIS_PASSWORD_FILE) instead"
+        )
+    return conf
+
+
 def _run(args: argparse.Namespace) -> int:
     from .config import AgentConfig, AgentConfigError
 
@@ -352,24 +377,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"spottrain-agent run: missing {names}", file=sys.stderr)
         return 2
     command = args.train_cmd or shlex.split(os.environ.get(ENV_TRAIN_CMD, ""))
-    conf = {}
-    for item in filter(None, args.rdzv_conf.split(",")):
-        k, sep, v = item.partition("=")
-        if not sep:
-            print(f"spottrain-agent run: --rdzv-conf item {item!r} is not k=v", file=sys.stderr)
-            return 2
-        conf[k.strip()] = v.strip()
-    if refused := _secret_rdzv_keys(conf):
-        # Refused before anything starts: torchrun would carry the value on its command line
-        # (world-readable in /proc) and the torchrun-started event would store it in Redis.
-        print(
-            f"spottrain-agent run: --rdzv-conf {', '.join(refused)} is refused: it would put "
-            f"the secret on torchrun's command line and in the run's event stream; set "
-            f"${DEFAULT_PASSWORD_ENV} or --password-file (SPOTTRAIN_REDIS_PASSWORD_FILE) instead",
-            file=sys.stderr,
-        )
-        return 2
     try:
+        conf = _rdzv_conf(args.rdzv_conf)
         address = _address(args)
     except AgentConfigError as e:
         print(f"spottrain-agent run: {e}", file=sys.stderr)
