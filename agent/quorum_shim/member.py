@@ -197,7 +197,10 @@ class RelayedQuorum:
         timeout: float = 60.0,
     ) -> Answer:
         deadline = time.monotonic() + timeout
-        item = BatchItem(replica_id, step, held_quorum_id, commit_failures, shrink_only)
+        # Refused here, not by the relay: on its connection it would fail the VM's others.
+        item = r.check_item(
+            BatchItem(replica_id, step, held_quorum_id, commit_failures, shrink_only)
+        )
         answer = self._relayed(item, deadline)
         if answer is not None:
             return answer
@@ -259,6 +262,8 @@ class RelayedQuorum:
     def _remote(self, address: str, item: BatchItem, timeout: float) -> Answer:
         with self._connecting:  # one connection per relay, however many replicas ask
             conn = self._conns.get(address)
+            if conn is not None and conn.idle(wire.IDLE_TIMEOUT_S / 2):
+                conn.close()  # before the relay closes it as idle, under a request
             if conn is None or conn.closed:
                 conn = wire.RelayClient(address, timeout)  # OSError, QuorumError: fall back
                 with self._lock:

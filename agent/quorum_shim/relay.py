@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -62,22 +63,66 @@ def lease_key(keys: RunKeys, group: int) -> str:
     return keys.quorum_relay(group)
 
 
+# A member's deadline for one relayed request, in ms: at most an hour (a hop is the join
+# plus the heartbeat timeout), so a member cannot park a request at the relay for longer.
+MAX_TIMEOUT_MS = 3_600_000
+# A request's largest body: the widest replica id and the widest numbers (the frame limit,
+# wire.MAX_REQUEST, derives from it, so an id check_replica_id accepts always fits).
+MAX_REQUEST_BYTES = scripts.MAX_REPLICA_ID_BYTES + len(
+    f" {-scripts.MAX_STEP} {scripts.MAX_HELD_QUORUM_ID} {scripts.MAX_STEP} 1 {MAX_TIMEOUT_MS}"
+)
+# Whole numbers as encode_request writes them: ASCII digits only (int() also reads other
+# scripts' digits, a "+" and "_"), at most 16 of them (MAX_STEP has 16).
+_INT = re.compile(r"-?[0-9]{1,16}")
+
+
+def check_item(item: BatchItem) -> BatchItem:
+    """Refuse a request the quorum could not take (its id, or a number its Lua cannot hold)
+    before it travels: on a relay's connection it would fail its co-located replicas too.
+
+    Raises:
+        ValueError: naming what is wrong and the limit.
+    """
+    scripts.check_replica_id(item.replica_id)
+    scripts.check_numbers(int(item.step), int(item.held_qid), max(0, int(item.commit_failures)))
+    return item
+
+
 def encode_request(item: BatchItem, timeout: float) -> bytes:
+    """Raises ValueError for an item :func:`check_item` refuses."""
+    check_item(item)
+    timeout_ms = min(MAX_TIMEOUT_MS, max(1, round(timeout * 1000)))
     return (
-        f"{item.replica_id} {item.step} {item.held_qid} {item.commit_failures} "
-        f"{int(item.shrink_only)} {max(1, round(timeout * 1000))}"
+        f"{item.replica_id} {item.step} {max(0, item.held_qid)} {max(0, item.commit_failures)} "
+        f"{int(item.shrink_only)} {timeout_ms}"
     ).encode()
 
 
+def _number(text: str, what: str, lo: int, hi: int) -> int:
+    if not _INT.fullmatch(text) or not lo <= int(text) <= hi:
+        raise ValueError(f"relay request: {what} {text[:24]!r} is not a whole number {lo}..{hi}")
+    return int(text)
+
+
 def decode_request(body: bytes) -> tuple[BatchItem, float]:
-    """Raises ValueError for anything but :func:`encode_request`'s bytes."""
+    """Raises ValueError for anything but :func:`encode_request`'s bytes: numbers in ASCII
+    digits within the quorum's ranges, shrink_only 0 or 1, a timeout of 1 ms to
+    :data:`MAX_TIMEOUT_MS`."""
     parts = body.decode().split(" ")
     if len(parts) != 6:
         raise ValueError(f"not a relay request: {body[:80]!r}")
     rid, step, held, failures, shrink, timeout_ms = parts
-    scripts.check_replica_id(rid)
-    item = BatchItem(rid, int(step), int(held), int(failures), shrink == "1")
-    return item, int(timeout_ms) / 1000.0
+    if shrink not in ("0", "1"):
+        raise ValueError(f"relay request: shrink_only {shrink[:8]!r} is not 0 or 1")
+    item = BatchItem(
+        rid,
+        _number(step, "step", -scripts.MAX_STEP, scripts.MAX_STEP),
+        _number(held, "held quorum id", 0, scripts.MAX_HELD_QUORUM_ID),
+        _number(failures, "commit failures", 0, scripts.MAX_STEP),
+        shrink == "1",
+    )
+    check_item(item)
+    return item, _number(timeout_ms, "timeout (ms)", 1, MAX_TIMEOUT_MS) / 1000.0
 
 
 def answer_line(a: Answer) -> bytes:

@@ -22,7 +22,13 @@ over this wire costs a fifth of it (relay_cost).
   takes it for an ``E`` (its old fallback), so the kinds need no new version. One
   connection carries several replicas' requests at once; answers come back in any order.
 - Anything else (a bad kind, a request that does not decode, a truncated frame) closes the
-  connection: the member falls back to Redis directly, and the relay serves the others.
+  connection: the member falls back to Redis directly, and the relay serves the others. A
+  member checks its request first (:func:`.relay.check_item`), so one replica's bad id or
+  step fails alone, never the connection its VM's other replicas share.
+- **Limits**: a member's hello has one deadline for the whole exchange (the hop's); the
+  relay closes a connection idle for :data:`IDLE_TIMEOUT_S` and holds at most
+  :data:`MAX_CONNECTIONS` (past it the oldest idle one goes, or the new one is refused),
+  each with a log line.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ import logging
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from spottrain.quorum import errors
 from spottrain.quorum.errors import (
@@ -47,6 +55,7 @@ from spottrain.quorum.errors import (
 )
 from spottrain.quorum.model import Answer, BatchItem
 from spottrain.quorum.scripts import parse_answer
+from spottrain.spec.relay import RELAY_GROUP_RANGE
 
 from . import relay as r
 
@@ -54,8 +63,11 @@ log = logging.getLogger("spottrain.agent.quorum_shim.relay")
 
 VERSION = 1
 HELLO = b"STQR" + bytes([VERSION])
-# A request is a replica id (<= 512 characters) and five numbers.
-MAX_REQUEST = 1024
+_HEAD = struct.Struct(">I")
+_MSG = struct.Struct(">IB")
+# A request: its header, then the widest replica id (counted in bytes, as the quorum checks
+# it) and the widest numbers: whatever a member may send fits.
+MAX_REQUEST = _MSG.size + r.MAX_REQUEST_BYTES
 # An answer lists every member behind (``<id>=<step>``): 12,500 of them fit many times.
 MAX_ANSWER = 16 << 20
 # A connection that has not said hello by then is not a member.
@@ -63,8 +75,13 @@ HELLO_TIMEOUT_S = 10.0
 # The relay's deadline for a request ends this long before the member's own, so the relay
 # answers (or gives up) before the member stops waiting.
 ASK_MARGIN_S = 0.05
-_HEAD = struct.Struct(">I")
-_MSG = struct.Struct(">IB")
+# A member's connection with no request in flight and no frame for this long is closed (the
+# member makes a new one when it next asks; it drops its own after half of it, so the two
+# never cross: see RelayClient.idle).
+IDLE_TIMEOUT_S = 300.0
+# Connections one relay holds: one per member VM of a group of at most 1,000 replicas, twice
+# over for reconnects. Past it the oldest idle connection is closed, or the new one refused.
+MAX_CONNECTIONS = 2 * RELAY_GROUP_RANGE[1]
 REQUEST, ANSWER, GONE, ERROR, REFUSED, NOT_FORMED = b"QAGERT"
 
 
@@ -100,16 +117,40 @@ def parse_bind(bind: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+@dataclass
+class _Conn:
+    """A member's connection as the relay's loop sees it."""
+
+    peer: object
+    last: float  # loop time of its last whole frame, or of its last answer
+    in_flight: int = 0  # its requests not answered yet: while any, it is not idle
+
+
 class RelayServer:
     """The relay method, served on ``bind`` by one asyncio loop in one thread.
 
     ``submit`` (:meth:`.relay.Batcher.submit`) takes each request and returns a future of
     its answer; the loop writes the answer frame when it resolves. The socket is bound at
-    construction, so a taken port fails there (``OSError``), not in the loop.
+    construction, so a taken port fails there (``OSError``), not in the loop. A connection
+    idle (no request in flight) for ``idle_timeout_s`` is closed; past ``max_connections``
+    the oldest idle one is closed for a new one, or the new one refused when none is idle.
     """
 
-    def __init__(self, bind: str, submit: Callable[[BatchItem, float], Future[Answer]]) -> None:
+    def __init__(
+        self,
+        bind: str,
+        submit: Callable[[BatchItem, float], Future[Answer]],
+        *,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        if not idle_timeout_s > 0 or max_connections < 1:
+            raise ValueError(
+                f"a quorum relay needs idle_timeout_s > 0 and max_connections >= 1 (got "
+                f"{idle_timeout_s} and {max_connections})"
+            )
         self.submit = submit
+        self.idle_timeout_s, self.max_connections = idle_timeout_s, max_connections
         host, port = parse_bind(bind)
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         self._sock = socket.socket(info[0], socket.SOCK_STREAM)
@@ -123,7 +164,7 @@ class RelayServer:
                 f"the quorum relay cannot listen on {bind}: is the port taken? {exc}"
             ) from exc
         self._loop = asyncio.new_event_loop()
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._conns: dict[asyncio.StreamWriter, _Conn] = {}
         self._answered: list[tuple[asyncio.StreamWriter, int, Future[Answer]]] = []
         self._answered_lock = threading.Lock()
         self._server: asyncio.Server | None = None
@@ -141,6 +182,7 @@ class RelayServer:
             self._server = await asyncio.start_server(self._connection, sock=self._sock)
 
         self._loop.run_until_complete(serve())
+        self._loop.call_soon(self._close_idle)
         self._loop.run_forever()
         self._loop.close()
 
@@ -155,19 +197,65 @@ class RelayServer:
         def close() -> None:
             if self._server is not None:
                 self._server.close()
-            for w in list(self._writers):
+            for w in list(self._conns):
                 w.close()
             self._loop.call_later(0.05, self._loop.stop)
 
         self._loop.call_soon_threadsafe(close)
         self._thread.join(2)
 
+    def _close_idle(self) -> None:
+        """Close the connections idle past the timeout (a member that went silently, or one
+        that sent half a frame and stopped); runs again a quarter of the timeout later."""
+        now = self._loop.time()
+        for writer, c in list(self._conns.items()):
+            if c.in_flight == 0 and now - c.last > self.idle_timeout_s:
+                log.warning(
+                    "quorum relay: closing the connection from %s: idle for %.1f s (the "
+                    "member reconnects when it next asks)",
+                    c.peer,
+                    now - c.last,
+                )
+                del self._conns[writer]
+                writer.close()
+        self._loop.call_later(min(self.idle_timeout_s / 4, 5.0), self._close_idle)
+
+    def _admit(self, writer: asyncio.StreamWriter, peer: object) -> bool:
+        """Whether a new connection may stay (at the cap, the oldest idle one goes for it)."""
+        if len(self._conns) >= self.max_connections:
+            idle = [
+                (c.last, n, w) for n, (w, c) in enumerate(self._conns.items()) if not c.in_flight
+            ]
+            if not idle:
+                log.warning(
+                    "quorum relay: refusing the connection from %s: %d connections held (the "
+                    "cap), every one with a request in flight; it asks the quorum directly",
+                    peer,
+                    len(self._conns),
+                )
+                return False
+            oldest = min(idle)[2]
+            log.warning(
+                "quorum relay: %d connections held (the cap): closing the oldest idle one, "
+                "from %s, for one from %s",
+                len(self._conns),
+                self._conns[oldest].peer,
+                peer,
+            )
+            del self._conns[oldest]
+            oldest.close()
+        self._conns[writer] = _Conn(peer, self._loop.time())
+        return True
+
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._writers.add(writer)
+        if not self._admit(writer, peer):
+            writer.close()
+            return
+        conn = self._conns[writer]
         try:
             hello = await asyncio.wait_for(self._read(reader), HELLO_TIMEOUT_S)
             writer.write(frame(HELLO))
@@ -175,17 +263,19 @@ class RelayServer:
                 raise FrameError(f"hello {hello[:16]!r}, this relay speaks {HELLO!r}")
             while True:
                 request_id, kind, payload = split_message(await self._read(reader))
+                conn.last = self._loop.time()
                 if kind != REQUEST:
                     raise FrameError(f"message kind {kind} from a member (requests are Q)")
                 try:
                     item, timeout = r.decode_request(payload)
-                except (ValueError, UnicodeDecodeError) as exc:
+                except ValueError as exc:  # UnicodeDecodeError too
                     raise FrameError(str(exc)) from exc
                 try:
                     future = self.submit(item, timeout)
                 except Exception as exc:  # a stopped relay: the member asks directly
                     future = Future()
                     future.set_exception(exc)
+                conn.in_flight += 1
                 future.add_done_callback(functools.partial(self._done, writer, request_id))
         except FrameError as exc:
             self.bad_frames += 1
@@ -193,7 +283,8 @@ class RelayServer:
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass  # the member went (or cut a frame short): its requests fall back directly
         finally:
-            self._writers.discard(writer)
+            if self._conns.get(writer) is conn:
+                del self._conns[writer]
             writer.close()
 
     @staticmethod
@@ -214,7 +305,12 @@ class RelayServer:
     def _flush(self) -> None:
         with self._answered_lock:
             answered, self._answered = self._answered, []
+        now = self._loop.time()
         for writer, request_id, future in answered:
+            conn = self._conns.get(writer)
+            if conn is not None:
+                conn.in_flight -= 1
+                conn.last = now
             if writer.is_closing():
                 continue  # the member went: it asked directly
             if writer.transport.get_write_buffer_size() > MAX_ANSWER:
@@ -244,19 +340,31 @@ class RelayClient:
     reader thread matches answers to requests by id. Any failure closes the connection
     (every request on it fails: they fall back directly); the next ask makes a new one.
 
-    Raises (constructor): ``OSError`` when the relay cannot be reached, ``QuorumError``
-    when it speaks another protocol version.
+    Raises (constructor): ``OSError`` when the relay cannot be reached (``TimeoutError``
+    when it did not complete the hello within ``timeout``), ``QuorumError`` when it speaks
+    another protocol version.
     """
 
     def __init__(self, address: str, timeout: float) -> None:
         self.address = address
         host, port = parse_bind(address)
+        # One deadline for the connect and the whole hello: a relay that trickles its hello
+        # a byte at a time would otherwise keep this member (and every replica of its VM,
+        # waiting on the connection lock) one socket timeout per byte.
+        deadline = time.monotonic() + timeout
         self._sock = socket.create_connection((host, port), timeout=timeout)
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock.sendall(frame(HELLO))
             self._buf = bytearray()
-            theirs = self._next_frame()
+            try:
+                theirs = self._next_frame(deadline)
+            except TimeoutError as exc:
+                raise TimeoutError(
+                    f"the quorum relay at {address} did not complete its hello within "
+                    f"{timeout} s: asking the quorum directly"
+                ) from exc
+            self._sock.settimeout(timeout)
             if theirs is None or theirs != HELLO:
                 raise QuorumError(
                     f"the quorum relay at {address} answered hello {theirs!r}, this agent "
@@ -268,19 +376,30 @@ class RelayClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._waiting: dict[int, Future[Answer]] = {}
+        self._used = time.monotonic()  # the last ask
         self.closed = False
         threading.Thread(target=self._reader, name="spottrain-relay-client", daemon=True).start()
 
+    def idle(self, longer_than_s: float) -> bool:
+        """Whether nothing was asked on this connection for ``longer_than_s`` and nothing
+        waits: a member drops such a connection before the relay closes it as idle
+        (:data:`IDLE_TIMEOUT_S`), so its next ask never meets that close."""
+        with self._lock:
+            return not self._waiting and time.monotonic() - self._used > longer_than_s
+
     def ask(self, item: BatchItem, timeout: float) -> Answer:
+        """Raises ValueError for a request the relay would refuse (:func:`.relay.check_item`):
+        it fails alone, before the connection its VM's replicas share carries it."""
+        # The relay's own deadline ends first, so it answers (or gives up) in time.
+        body = r.encode_request(item, max(0.01, timeout - ASK_MARGIN_S))
         future: Future[Answer] = Future()
         with self._lock:
             if self.closed:
                 raise QuorumError(f"the connection to the quorum relay {self.address} closed")
             request_id = next(self._ids) & 0xFFFFFFFF
             self._waiting[request_id] = future
+            self._used = time.monotonic()
             try:
-                # The relay's own deadline ends first, so it answers (or gives up) in time.
-                body = r.encode_request(item, max(0.01, timeout - ASK_MARGIN_S))
                 self._sock.sendall(message(request_id, REQUEST, body))
             except OSError as exc:
                 self._close_locked(exc)
@@ -307,9 +426,10 @@ class RelayClient:
             if not f.done():
                 f.set_exception(QuorumError(f"the quorum relay {self.address} failed: {why}"))
 
-    def _next_frame(self) -> bytes | None:
+    def _next_frame(self, deadline: float | None = None) -> bytes | None:
         """The next frame off the socket (None: the relay closed it). A socket timeout
-        while a frame is half read keeps what arrived (the next call goes on from it)."""
+        while a frame is half read keeps what arrived (the next call goes on from it). With
+        a ``deadline`` (monotonic), the whole frame must arrive by it (else TimeoutError)."""
         while True:
             if len(self._buf) >= _HEAD.size:
                 length = check_length(_HEAD.unpack_from(self._buf)[0], MAX_ANSWER)
@@ -317,6 +437,11 @@ class RelayClient:
                     body = bytes(self._buf[_HEAD.size : _HEAD.size + length])
                     del self._buf[: _HEAD.size + length]
                     return body
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the frame did not arrive by its deadline")
+                self._sock.settimeout(left)
             chunk = self._sock.recv(65536)
             if not chunk:
                 return None

@@ -64,7 +64,7 @@ local S = {}
 local DIRTY_FIELDS = {}
 local HOT = {'round', 'qid', 'opened', 'joined_prev', 'active', 'grace_until', 'nreq', 'nprev',
   'nhb', 'steady', 'rstep', 'relayed'}
-local COLD = {'epoch', 'version', 'max_step', 'formed', 'dirty', 'held', 'ranks_v'}
+local COLD = {'epoch', 'version', 'max_step', 'formed', 'dirty', 'held', 'ranks_v', 'created'}
 
 local function set(field, v) S[field] = v; DIRTY_FIELDS[field] = true end
 
@@ -117,9 +117,11 @@ end
 local L  -- the rest of the functions, built by lib() when a call needs them
 local lib
 
--- lost: a script other than JOIN found no state, so Redis lost it (an empty restart): grant
--- a grace of one heartbeat timeout for the live replicas to heartbeat again before anyone
--- counts as unhealthy or a round forms on the slow path.
+-- lost: the caller knew a state, so finding none means Redis lost it (an empty restart):
+-- grant a grace of one heartbeat timeout for the live replicas to heartbeat again before
+-- anyone counts as unhealthy or a round forms on the slow path. JOIN and HEARTBEAT cannot
+-- tell a loss from a new run (a replica may heartbeat before it joins): they pass false, and
+-- a REQUEST that then finds its replica unjoined grants the grace (note_unjoined).
 local function load_state(lost)
   local v, found = parse(HOT), false
   for i = 1, #HOT do found = found or v[i] ~= false end
@@ -128,16 +130,35 @@ local function load_state(lost)
     for _, f in ipairs(COLD) do set(f, 0) end
     -- The epoch: the creation time and the creating client's random part, unique per state.
     set('epoch', string.format('%x', NOW) .. EPOCH_NEW)
-    set('round', 1); set('opened', ''); set('active', NOW)
+    set('round', 1); set('opened', ''); set('active', NOW); set('created', NOW)
     if lost then set('grace_until', NOW + HB_TIMEOUT) end
     lib().recount()
     return
   end
   if not v[9] then lib().recount() end  -- a state written before the counts were kept
-  -- STALL GUARD: every replica calls in at least every timeout/2 (heartbeats), so a longer
-  -- gap means Redis itself did not run (fork, pause, restart): drop nobody for a timeout.
-  if NOW - S.active > HB_TIMEOUT / 2 then set('grace_until', NOW + HB_TIMEOUT) end
+  -- STALL GUARD: a gap of over timeout/2 since the last call may mean Redis itself did not
+  -- run (fork, pause, restart): drop nobody for a timeout. Replicas that call seldom make
+  -- such gaps too, and a grace blocks the slow path (a first round among them): so once a
+  -- call came in a grace, only a gap of a whole timeout starts the next one. The first call
+  -- after a grace then sweeps and may form, for any caller that calls at least once a
+  -- timeout (a waiter's first round comes at most a timeout and two of its calls after its
+  -- request). The cost: a second stall of under a timeout right after a grace gets none
+  -- (a replica heartbeating every timeout/5 is dropped only by one of 0.8-1 timeout).
+  local gap, came_in_grace = NOW - S.active, S.active < S.grace_until
+  if gap > HB_TIMEOUT or (gap > HB_TIMEOUT / 2 and not came_in_grace) then
+    set('grace_until', NOW + HB_TIMEOUT)
+  end
   set('active', NOW)
+end
+
+-- A replica asked although the state does not know it: its client joined it in a state Redis
+-- has lost since. When a call that could not tell a loss (JOIN, HEARTBEAT) made this state,
+-- grant the loss's grace now, up to a timeout after the state was made.
+local function note_unjoined()
+  local created = lib() and S.created
+  if created > 0 and S.grace_until < created + HB_TIMEOUT and NOW < created + HB_TIMEOUT then
+    set('grace_until', created + HB_TIMEOUT)
+  end
 end
 
 -- Drop up to 64 replicas whose heartbeat expired (none during a grace): run by every call

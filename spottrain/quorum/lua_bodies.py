@@ -53,7 +53,11 @@ local member = rc(K_PREV, 'SISMEMBER', id) == 1
 if not member then
   local why = rc(K_GONE, 'HGET', id)
   if why then save(); return redis.error_reply('QGONE ' .. id .. ' ' .. why) end
-  if rc(K_INFO, 'HEXISTS', id) == 0 then save(); return redis.error_reply('QJOIN ' .. id) end
+  if rc(K_INFO, 'HEXISTS', id) == 0 then
+    note_unjoined()
+    save()
+    return redis.error_reply('QJOIN ' .. id)
+  end
 end
 -- A retry of a request whose round already formed: its answer waits in the list.
 local waiting = rc(REPLY .. id, 'LRANGE', 0, -1)
@@ -128,7 +132,7 @@ return result
 
 # ARGV[5..]: replica ids. Returns the ids that are gone.
 HEARTBEAT_BODY = r"""
-load_state(true)
+load_state(false)  -- a replica may heartbeat before it joins: a first one is no loss
 local dropped = sweep()
 local live, gone = {}, {}
 for i = 5, #ARGV, CHUNK do

@@ -39,7 +39,8 @@ if #others > 0 then
   local why, info = rc(K_GONE, 'HMGET', unpack(others)), rc(K_INFO, 'HMGET', unpack(others))
   local had = rc(K_REQ, 'HMGET', unpack(others))
   for j, id in ipairs(others) do
-    if why[j] then refused[id] = 'gone ' .. why[j] elseif not info[j] then refused[id] = 'join'
+    if why[j] then refused[id] = 'gone ' .. why[j]
+    elseif not info[j] then refused[id] = 'join'; note_unjoined()
     elseif not had[j] then new_other = new_other + 1 end
   end
 end

@@ -110,14 +110,52 @@ def config_args(keys: RunKeys, config: QuorumConfig, epoch_candidate: str) -> li
     ]
 
 
+# A replica id's limit in bytes (UTF-8), not characters: the relay's frames are sized from
+# it (agent/quorum_shim/relay.py), so an id this check accepts always fits one.
+MAX_REPLICA_ID_BYTES = 512
+# Lua's numbers are doubles, exact only up to 2**53 (and its %d of a larger one wraps): a
+# step or commit-failure count past this would come back changed from the scripts.
+MAX_STEP = 2**53 - 1
+# Quorum ids count up from the largest held one by INCR, which Lua reads back as a double:
+# held ids stop here so the ids after them stay exact for 2**52 more rounds.
+MAX_HELD_QUORUM_ID = 2**52
+
+
 def check_replica_id(replica_id: str) -> str:
     """A replica id travels inside space-separated lines: refuse what would break them."""
-    if not replica_id or any(c.isspace() for c in replica_id) or len(replica_id) > 512:
+    if (
+        not replica_id
+        or any(c.isspace() for c in replica_id)
+        or len(replica_id.encode(errors="surrogatepass")) > MAX_REPLICA_ID_BYTES
+    ):
         raise ValueError(
-            f"replica id {replica_id!r} cannot be used by the Redis quorum: use 1-512 "
-            "characters without whitespace"
+            f"replica id {replica_id[:80]!r} cannot be used by the Redis quorum: use 1-"
+            f"{MAX_REPLICA_ID_BYTES} bytes (UTF-8; a CJK character takes 3) without whitespace"
         )
     return replica_id
+
+
+def check_numbers(step: int, held_quorum_id: int, commit_failures: int) -> None:
+    """Refuse a request's numbers that the scripts' Lua cannot hold exactly.
+
+    Raises:
+        ValueError: one is out of range (naming it and the range).
+    """
+    if not -MAX_STEP <= step <= MAX_STEP:
+        raise ValueError(
+            f"step {step} is out of the Redis quorum's range -{MAX_STEP}..{MAX_STEP} (its "
+            "Lua holds numbers as doubles): pass the training step"
+        )
+    if held_quorum_id > MAX_HELD_QUORUM_ID:
+        raise ValueError(
+            f"held quorum id {held_quorum_id} is out of the Redis quorum's range "
+            f"0..{MAX_HELD_QUORUM_ID}: no quorum hands out such an id, so the run's quorum "
+            f"keys hold garbage; stop the run's replicas and delete them to reset the quorum"
+        )
+    if not 0 <= commit_failures <= MAX_STEP:
+        raise ValueError(
+            f"commit failures {commit_failures} is out of the Redis quorum's range 0..{MAX_STEP}"
+        )
 
 
 def member_json(member: Member) -> str:
@@ -132,7 +170,12 @@ def request_args(
     replica_id: str, step: int, held_quorum_id: int, commit_failures: int, shrink_only: bool,
     token: str,
 ) -> list[str]:  # fmt: skip
-    """REQUEST's own ARGV (after ``config_args``)."""
+    """REQUEST's own ARGV (after ``config_args``).
+
+    Raises:
+        ValueError: a number the scripts cannot hold exactly (:func:`check_numbers`).
+    """
+    check_numbers(int(step), int(held_quorum_id), max(0, int(commit_failures)))
     return [
         replica_id,
         str(int(step)),
@@ -152,7 +195,13 @@ def relay_args(batch: str, items: Sequence[BatchItem], held: Sequence[int]) -> l
     """RELAY_REQUEST's own ARGV (``held``: each item's held quorum id, the client's own
     record included): the batch, then "U", the step, the largest held id and the ids when
     every item is at one step with no commit failure and no shrink_only (a steady round's
-    batch: a fifth of the arguments), else "V" and five per item."""
+    batch: a fifth of the arguments), else "V" and five per item.
+
+    Raises:
+        ValueError: an item's number the scripts cannot hold exactly (:func:`check_numbers`).
+    """
+    for item, h in zip(items, held, strict=True):
+        check_numbers(int(item.step), int(h), max(0, int(item.commit_failures)))
     steps = {int(x.step) for x in items}
     if len(steps) == 1 and not any(x.commit_failures > 0 or x.shrink_only for x in items):
         top = max(0, *(int(h) for h in held))
