@@ -19,11 +19,16 @@ every optimizer step::
 **Compute time.** Synchronous data-parallel training makes every rank's wall time per step
 the same (the gradient all-reduce waits for the slowest), so a slow node cannot be told
 from that. A script wraps its forward and backward, before the all-reduce, in
-``with session.compute():`` (or passes ``compute_s=`` to :meth:`TrainSession.step`); each
-rank reports the median of its own compute seconds per step to its node's record in Redis
-(``compute:<local rank>``), and the controller takes a node's slowest local rank as the
-node's figure when it looks for stragglers. On a GPU the span is timed with CUDA events on
-the current stream, read once they completed (no synchronisation is added).
+``with session.compute():`` (or passes ``compute_s=`` to :meth:`TrainSession.step`); a
+``DistributedDataParallel`` model, whose all-reduce runs inside the backward, is handed to
+:meth:`TrainSession.time_ddp` once, so that the span ends when its last gradient bucket is
+ready rather than after the wait for the slowest rank. Each rank reports the median of its
+own compute seconds per step, and how many steps that covers, to its node's record in Redis
+(``compute:<local rank>``, ``compute_n:<local rank>``), and the controller takes a node's
+slowest local rank as the node's figure when it looks for stragglers (it replaces one only
+on a sustained, corroborated signal: see the controller's ``StragglerPolicy``). On a GPU
+the span is timed with CUDA events on the current stream, read once they completed (no
+synchronisation is added).
 
 **Agreeing on the step.** At agreement steps, :meth:`TrainSession.step` starts one tiny
 all-reduce (MAX of six integers) on a gloo group of its own, and at the next agreement step

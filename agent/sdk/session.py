@@ -360,6 +360,28 @@ class TrainSession:
         in one step (micro-batches) add up."""
         return self._timer.compute()
 
+    def time_ddp(self, model: Any, hook: Any = None, state: Any = None) -> None:
+        """Let :meth:`compute` leave out a ``DistributedDataParallel`` model's wait for its
+        gradient all-reduce, which DDP runs inside the backward: a span around the forward
+        and backward then ends when the backward's last gradient bucket is ready, before
+        the wait for the slowest rank's gradients (without this, every rank's figure
+        evens out at the slowest's and the controller cannot tell a straggler).
+
+        It registers a DDP communication hook that marks the time and calls ``hook`` (the
+        hook the script would register itself, ``hook(state, bucket)``; default: DDP's own
+        all-reduce, ``state`` the process group, None for the default one). Call it once,
+        instead of ``model.register_comm_hook``. A forward's ``broadcast_buffers`` (on by
+        default, when the model has buffers) still waits for every rank inside the span;
+        FSDP has no such hook: its all-gathers stay in the span.
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        inner = allreduce_hook if hook is None else hook
+        timer = self._timer
+        # A lambda: DDP refuses a hook whose ``bucket`` annotation is not the GradBucket
+        # class itself, and this module's annotations are strings.
+        model.register_comm_hook(state, lambda st, bucket: _marked(timer, inner, st, bucket))
+
     @property
     def compute_time(self) -> float | None:
         """Median compute seconds per step over the recent steps (None: not timed)."""
@@ -485,3 +507,9 @@ def _replica_session() -> type[TrainSession]:
         __doc__ = ReplicaMode.__doc__
 
     return ReplicaTrainSession
+
+
+def _marked(timer: StepTimer, hook: Any, state: Any, bucket: Any) -> Any:
+    """Mark the compute span's end (this bucket's gradients are ready), then run ``hook``."""
+    timer.mark_compute_end()
+    return hook(state, bucket)

@@ -27,6 +27,10 @@ class StepTimer:
         self._compute_acc = 0.0  # this step's compute seconds so far (host clock)
         self._computed = False  # whether compute() ran in this step
         self._gpu_marks: list[tuple[Any, Any]] = []  # this step's CUDA event pairs
+        # Where the span in progress's compute ended, when something marked it (a DDP
+        # bucket hook: the backward's end, before the wait on the all-reduce).
+        self._end_mark: Any = None
+        self._in_span = False
         self.gpu_pending: deque[list[tuple[Any, Any]]] = deque()  # steps not yet read
 
     @contextlib.contextmanager
@@ -37,16 +41,33 @@ class StepTimer:
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
         t0 = time.monotonic()
+        self._end_mark, self._in_span = None, True
         try:
             yield
         finally:
+            mark, self._end_mark, self._in_span = self._end_mark, None, False
             if cuda:
-                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                end.record()
+                end = mark
+                if end is None:
+                    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                    end.record()
                 self._gpu_marks.append((start, end))
             else:
-                self._compute_acc += time.monotonic() - t0
+                self._compute_acc += (time.monotonic() if mark is None else mark) - t0
             self._computed = True
+
+    def mark_compute_end(self) -> None:
+        """The span in progress computed up to here; what follows in it is a wait (called
+        as each DDP gradient bucket is ready: the last call is the backward's end). On a GPU
+        the mark is an event on the current stream. Outside a span it does nothing."""
+        if not self._in_span:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            mark = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            mark.record()
+            self._end_mark = mark
+        else:
+            self._end_mark = time.monotonic()
 
     def close_compute(self, compute_s: float | None) -> None:
         """File the step's compute time; CUDA-timed steps are read once their events have
@@ -106,6 +127,9 @@ class StepTimer:
                 # With the time it was measured: the controller ignores a rank that stopped
                 # reporting (a round with fewer local ranks, a worker that holds).
                 fields[f"compute:{local_rank}"] = f"{compute:.4f} {time.time():.0f}"
+                # How many steps the figure is the median of: the controller judges no
+                # node on its first few steps (a restart's, a joiner's, the slowest).
+                fields[f"compute_n:{local_rank}"] = str(len(self.compute_times))
             if not fields:
                 continue
             try:

@@ -49,6 +49,7 @@ from .progress import DelCtl, ProgressStep
 from .records import LaunchRecord
 from .state import RunState
 from .types import (
+    SLOW_WATCH,
     Action,
     Block,
     Drain,
@@ -60,6 +61,7 @@ from .types import (
     Report,
     Stop,
     Terminate,
+    Watch,
 )
 
 log = logging.getLogger("spottrain.controller")
@@ -216,6 +218,8 @@ class Executor:
                 self.block(a)
             elif isinstance(a, Report):
                 self.state.event("report", message=a.message)
+            elif isinstance(a, Watch):
+                self.state.set_ctl(**{SLOW_WATCH: a.slow.to_json()})
             elif isinstance(a, Stop):
                 self.stop(a, nodes, now)
             elif isinstance(a, Move):

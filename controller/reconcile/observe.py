@@ -22,8 +22,8 @@ from spottrain.spec import JobSpec
 from .ledger import FAILED_LAUNCHES, CountPreemption, Step, bookkeeping, fold_ledger
 from .records import Ledger, zone_history
 from .state import RunState
-from .summary import finished, node_compute_s
-from .types import FailedLaunches, NodeObs, Observed
+from .summary import COMPUTE_FRESH_S, finished, node_compute_s
+from .types import SLOW_WATCH, FailedLaunches, NodeObs, Observed, SlowWatch
 
 
 def catalog_offer(
@@ -150,6 +150,7 @@ class Observer:
         # one round trip (a settled node's boot is over, and its report no longer read).
         boots = self.state.boot_reports([n for n in names if _booting(agents.get(n))])
         live_names = set(names)
+        timing = {n: compute_report(agents.get(n, {}), now) for n in names}
         return [
             NodeObs(
                 name=r.node,
@@ -159,6 +160,9 @@ class Observer:
                 agent_state=agents.get(r.node, {}).get("state"),
                 alive_beat=beats.get(r.node, False),
                 compute_s=node_compute_s(agents.get(r.node, {}), now),
+                compute_at=timing[r.node].at,
+                compute_samples=timing[r.node].samples,
+                step_s=timing[r.node].step_s,
                 agent_reason=agents.get(r.node, {}).get("reason", ""),
                 boot=boots.get(r.node),
                 at_risk=agents.get(r.node, {}).get("at_risk", ""),
@@ -208,7 +212,51 @@ class Observer:
             failed=FailedLaunches.from_json(ctl.get(FAILED_LAUNCHES)),
             last_refusal=ctl.get("last_refusal", ""),
             committed_step=_int(self.state.ckpt_last().get("step")),
+            slow=SlowWatch.from_json(ctl.get(SLOW_WATCH)),
         )
+
+
+@dataclass(frozen=True)
+class ComputeReport:
+    """What the straggler check reads from a node's record besides its compute seconds
+    (:func:`.summary.node_compute_s`): when the newest fresh figure was measured, the
+    fewest steps a fresh figure is the median of (from the ``compute_n:<local rank>``
+    fields; 0 where a rank wrote none) and the node's wall seconds per step (from
+    ``step_time``)."""
+
+    at: float | None
+    samples: int
+    step_s: float | None
+
+
+def compute_report(record: Mapping[str, str], now: float) -> ComputeReport:
+    """A node's :class:`ComputeReport` from its record; garbled fields count as absent."""
+    ats: list[float] = []
+    samples: list[int] = []
+    for k, v in record.items():
+        if not k.startswith("compute:"):
+            continue
+        try:
+            secs, at = (float(x) for x in v.split())
+            n = int(record.get("compute_n:" + k[len("compute:") :], "0"))
+        except ValueError:
+            continue
+        if now - at <= COMPUTE_FRESH_S and math.isfinite(secs) and secs >= 0:
+            ats.append(at)
+            samples.append(n)
+    step = _float_or_none(record.get("step_time"))
+    return ComputeReport(
+        max(ats) if ats else None,
+        min(samples) if samples else 0,
+        step if step is not None and math.isfinite(step) and step >= 0 else None,
+    )
+
+
+def _float_or_none(v: str | None) -> float | None:
+    try:
+        return float(v) if v else None
+    except ValueError:
+        return None
 
 
 def _float(v: str | None) -> float | None:

@@ -25,8 +25,11 @@ The rules, in the order they are checked:
    also blocks every offer of the VM's region for ``refusal_block_s`` first, so another
    region's image is tried. A straggler
    (its compute time per step, forward and backward without the all-reduce's wait, well
-   above the fleet's median: wall time per step is the same on every node of a synchronous
-   job) is reported and replaced; a node that left
+   above its peers' median: wall time per step is the same on every node of a synchronous
+   job) is reported and replaced, on a sustained and corroborated signal only
+   (:class:`~.types.StragglerPolicy`: several reports over a minimum span, its peers
+   waiting for it, enough steps timed, the fleet as a whole not slowed; the count, kept in
+   :class:`~.types.SlowWatch`, ends only on a clear recovery); a node that left
    (drained, or finished) has its idle VM terminated. A node at risk (its cloud sent a
    rebalance recommendation) gets one replacement launched early (rule 5); once that
    replacement has joined, the at-risk node is drained (emergency checkpoint, leave) rather

@@ -7,6 +7,7 @@ pass early (a stop, a move), else None.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import statistics
 from collections import Counter
@@ -21,6 +22,8 @@ from spottrain.safetext import one_line
 from .fleet import FleetIndex, Tally, decrement, is_lost, is_settled, majority_home
 from .pricing import candidates, hourly_cost, spread_pick, zone_key
 from .types import (
+    FLEET_EVERY_S,
+    FLEET_WINDOW_S,
     Action,
     Block,
     Drain,
@@ -35,8 +38,12 @@ from .types import (
     Policy,
     Report,
     Restore,
+    SlowStreak,
+    SlowWatch,
     Stop,
+    StragglerPolicy,
     Terminate,
+    Watch,
 )
 
 
@@ -301,9 +308,17 @@ def _block_image(p: Pass, offer: Offer, failed: FailedLaunch) -> None:
 
 def _replace_straggler(p: Pass) -> None:
     # Fewer than three nodes timing their steps cannot make a straggler.
-    if p.tally.timed < 3:
+    if p.tally.timed < 3 and not p.obs.slow.streaks:
         return
-    found = straggler(_live_all(p.policy, p.obs), p.policy.straggler_factor, p.gone)
+    watch, found = watch_slow(
+        p.policy.straggler, p.obs.slow, _live_all(p.policy, p.obs), p.gone, p.obs.now
+    )
+    if found is not None:
+        watch = SlowWatch(
+            {k: s for k, s in watch.streaks.items() if k != found[0].name}, watch.fleet
+        )
+    if watch != p.obs.slow:
+        p.actions.append(Watch(watch))
     if found is None:
         return
     n, median = found
@@ -321,9 +336,24 @@ def _replace_straggler(p: Pass) -> None:
             decrement(p.staying_zones, n.offer.zone)
 
 
-def straggler(
-    nodes: Sequence[NodeObs], factor: float, skip: set[str]
-) -> tuple[NodeObs, float] | None:
+def watch_slow(
+    policy: StragglerPolicy,
+    watch: SlowWatch,
+    nodes: Sequence[NodeObs],
+    skip: set[str],
+    now: float,
+) -> tuple[SlowWatch, tuple[NodeObs, float] | None]:
+    """Fold this pass's compute reports into the straggler check's memory (see
+    :class:`~.types.StragglerPolicy`) and find the node to replace, if one is due.
+
+    Each node's report is looked at once (by its time, :attr:`NodeObs.compute_at`; a node
+    without one is looked at every pass). Only nodes on a streak are remembered, and a node
+    that stops timing, or that too few peers time, loses its streak.
+
+    Returns:
+        The memory after this pass, and the node to replace with its peers' median compute
+        seconds per step (the slowest against its peers when several are due), or None.
+    """
     timed = [
         n
         for n in nodes
@@ -334,13 +364,92 @@ def straggler(
         and n.agent_state == NodeState.JOINED
     ]
     if len(timed) < 3:
+        return SlowWatch({}, watch.fleet), None
+    figures = sorted(n.compute_s for n in timed if n.compute_s is not None)
+    fleet, current = _fleet_figures(watch.fleet, timed, policy.min_samples, now)
+    slowed = current is not None and current > policy.fleet_factor * min(s for _, s in fleet)
+    waits = sorted(w for n in timed if (w := _wait(n)) is not None)
+    streaks: dict[str, SlowStreak] = {}
+    due: list[tuple[float, NodeObs, float]] = []
+    for n in timed:
+        assert n.compute_s is not None
+        old = watch.streaks.get(n.name)
+        at = now if n.compute_at is None else n.compute_at
+        if old is not None and at <= old.last_at:
+            streaks[n.name] = old  # its report was looked at already
+            continue
+        median = median_without(figures, n.compute_s)
+        ratio = n.compute_s / median if median > 0 else 0.0
+        if ratio < policy.recover_factor or slowed:
+            continue  # recovered clearly, or the whole fleet slowed: the streak ends
+        counts = (
+            ratio > policy.factor
+            and n.compute_samples >= policy.min_samples
+            and _peers_wait(n, waits, n.compute_s - median, policy.corroboration)
+        )
+        if counts:
+            since = at if old is None else old.since
+            streak = SlowStreak(since, 1 if old is None else old.count + 1, at)
+            if streak.count >= policy.observations and at - since >= policy.sustain_s:
+                due.append((ratio, n, median))
+        elif old is not None:
+            streak = SlowStreak(old.since, old.count, at)  # between the marks: held
+        else:
+            continue
+        streaks[n.name] = streak
+    found = max(due, key=lambda d: (d[0], d[1].name)) if due else None
+    return SlowWatch(streaks, fleet), (None if found is None else (found[1], found[2]))
+
+
+def _fleet_figures(
+    kept: tuple[tuple[float, float], ...], timed: Sequence[NodeObs], min_samples: int, now: float
+) -> tuple[tuple[tuple[float, float], ...], float | None]:
+    """The fleet's lowest median compute time in each ``FLEET_EVERY_S`` of the last
+    ``FLEET_WINDOW_S``, this pass's included, and this pass's median (None: fewer than 3
+    nodes timed enough steps; a node's first steps are its slowest)."""
+    sampled = [
+        n.compute_s for n in timed if n.compute_s is not None and n.compute_samples >= min_samples
+    ]
+    fresh = tuple((at, s) for at, s in kept if 0 <= now - at <= FLEET_WINDOW_S)
+    if len(sampled) < 3:
+        return fresh, None
+    median = statistics.median(sampled)
+    if fresh and now - fresh[-1][0] < FLEET_EVERY_S:
+        last_at, last = fresh[-1]
+        return (fresh if median >= last else (*fresh[:-1], (last_at, median))), median
+    return (*fresh, (now, median)), median
+
+
+def _wait(n: NodeObs) -> float | None:
+    """The seconds per step ``n`` spends out of its compute (waiting for its peers)."""
+    if n.step_s is None or n.compute_s is None:
         return None
-    worst = max(timed, key=lambda n: n.compute_s or 0.0)
-    others = [n.compute_s for n in timed if n is not worst and n.compute_s is not None]
-    median = statistics.median(others)
-    if worst.compute_s is not None and median > 0 and worst.compute_s > factor * median:
-        return worst, median
-    return None
+    return max(0.0, n.step_s - n.compute_s)
+
+
+def _peers_wait(n: NodeObs, waits: Sequence[float], excess: float, share: float) -> bool:
+    """The second signal: the peers wait longer per step than ``n`` does by at least
+    ``share`` of ``n``'s excess compute (they wait for it). A node's compute figure can lag
+    its real pace (a median over its recent steps, a node starved for a moment); the wait
+    of its peers says whether the fleet is held up by it now."""
+    own = _wait(n)
+    if own is None or excess <= 0 or len(waits) < 2:
+        return False
+    return median_without(waits, own) - own >= share * excess
+
+
+def median_without(ordered: Sequence[float], x: float) -> float:
+    """The median of ``ordered`` (sorted, holding ``x``) once one ``x`` is taken out, in
+    O(log n): the straggler check takes it for every node of a big fleet."""
+    i = bisect.bisect_left(ordered, x)
+    m = len(ordered) - 1
+
+    def at(k: int) -> float:
+        return ordered[k] if k < i else ordered[k + 1]
+
+    if m % 2:
+        return at(m // 2)
+    return (at(m // 2 - 1) + at(m // 2)) / 2
 
 
 def count_staying(p: Pass) -> None:

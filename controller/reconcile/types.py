@@ -26,6 +26,112 @@ from spottrain.spec import SpotPolicy
 
 
 @dataclass(frozen=True)
+class StragglerPolicy:
+    """When a node slow against its peers is replaced (rule 3, :func:`.rules.watch_slow`).
+
+    A node's figure is its compute seconds per step (:attr:`NodeObs.compute_s`). One of its
+    reports (an *observation*) counts as slow when all of these hold: the node has timed at
+    least ``min_samples`` steps; its figure is over ``factor`` times its peers' median; the
+    peers' wait in the collectives outgrows its own by at least ``corroboration`` of its
+    excess compute (they wait for it: the second signal, from the wall time per step every
+    node reports); and the fleet's median is not over ``fleet_factor`` times its lowest of
+    the last :data:`FLEET_WINDOW_S` seconds (a loaded host slows every node, unevenly). The
+    node is replaced once ``observations`` such reports, the first and the last at least
+    ``sustain_s`` apart, came with none below ``recover_factor`` times its peers' median
+    between them (recovering clearly ends the count, a report in between holds it) and
+    none while the fleet had slowed.
+
+    Raises:
+        ValueError: a value out of range (named in the message).
+    """
+
+    factor: float = 2.0
+    recover_factor: float = 1.5
+    observations: int = 3
+    sustain_s: float = 60.0
+    min_samples: int = 10
+    corroboration: float = 0.5
+    fleet_factor: float = 1.5
+
+    def __post_init__(self) -> None:
+        if not 1.0 < self.recover_factor <= self.factor:
+            raise ValueError(
+                f"need 1 < straggler recover_factor <= factor, got {self.recover_factor}, "
+                f"{self.factor}: a node must recover clearly below the slow mark"
+            )
+        if self.observations < 1 or self.min_samples < 1:
+            raise ValueError(
+                f"straggler observations and min_samples must be >= 1, got "
+                f"{self.observations}, {self.min_samples}"
+            )
+        if self.sustain_s < 0 or not 0 <= self.corroboration <= 1 or self.fleet_factor <= 1:
+            raise ValueError(
+                f"need straggler sustain_s >= 0, 0 <= corroboration <= 1 and fleet_factor > "
+                f"1, got {self.sustain_s}, {self.corroboration}, {self.fleet_factor}"
+            )
+
+
+# How far back the fleet's lowest median compute time is the calm it is compared with, and
+# how often a figure is kept for it (a change that lasts becomes the new calm: a smaller
+# world gives each rank more micro-batches).
+FLEET_WINDOW_S = 600.0
+FLEET_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class SlowStreak:
+    """One node's run of slow reports (see :class:`StragglerPolicy`).
+
+    Attributes:
+        since: the time of the first slow report counted.
+        count: the slow reports counted.
+        last_at: the time of the newest report looked at (a report is looked at once).
+    """
+
+    since: float
+    count: int
+    last_at: float
+
+
+SLOW_WATCH = "slow_watch"  # the controller's hash field that holds the SlowWatch
+
+
+@dataclass(frozen=True)
+class SlowWatch:
+    """The straggler check's memory across passes: the nodes on a slow streak, and the
+    fleet's median compute time now and then (``(time, seconds)``, oldest first). Kept in
+    the controller's hash (``slow_watch``, JSON), so a restarted controller carries it on."""
+
+    streaks: Mapping[str, SlowStreak] = field(default_factory=dict)
+    fleet: tuple[tuple[float, float], ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "streaks": {
+                    k: [s.since, s.count, s.last_at] for k, s in sorted(self.streaks.items())
+                },
+                "fleet": [list(f) for f in self.fleet],
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str | None) -> SlowWatch:
+        """The watch a controller's hash holds; an empty one for nothing or what does not
+        parse (the check then starts over, which only delays a replacement)."""
+        try:
+            d = json.loads(text or "{}")
+            streaks = {
+                str(k): SlowStreak(float(v[0]), int(v[1]), float(v[2]))
+                for k, v in d.get("streaks", {}).items()
+            }
+            fleet = tuple((float(at), float(secs)) for at, secs in d.get("fleet", ()))
+            return cls(streaks, fleet)
+        except (ValueError, TypeError, AttributeError, IndexError):
+            return cls()
+
+
+@dataclass(frozen=True)
 class Policy:
     """What the spec asks, as the planner needs it.
 
@@ -45,8 +151,8 @@ class Policy:
         boot_timeout_s: a VM not healthy this long after its launch is replaced.
         lost_grace_s: a launched VM the cloud does not list for this long is taken as lost
             (clouds are eventually consistent).
-        straggler_factor: a node whose compute time per step exceeds this multiple of the
-            median of the others is replaced (needs at least 3 nodes reporting).
+        straggler: when a node slow against its peers is replaced (see
+            :class:`StragglerPolicy`).
         crash_loop_k: restores from the same checkpoint after failing at the same step
             that stop the job.
         max_failed_launches: VMs in a row that fail before training for the same reason
@@ -73,7 +179,7 @@ class Policy:
     refusal_block_s: float = 86_400.0
     boot_timeout_s: float = 900.0
     lost_grace_s: float = 120.0
-    straggler_factor: float = 2.0
+    straggler: StragglerPolicy = field(default_factory=lambda: StragglerPolicy())
     crash_loop_k: int = 3
     max_failed_launches: int = 3
     stall_s: float = 120.0
@@ -105,6 +211,11 @@ class NodeObs:
         alive_beat: whether its heartbeat is fresh.
         compute_s: its recent compute seconds per step (forward and backward, without
             waiting on the all-reduce; its slowest local rank's), if it reports one.
+        compute_at: when that figure was measured (unix seconds; None: no figure).
+        compute_samples: the fewest steps a local rank's figure is the median of.
+        step_s: its wall seconds per step (local rank 0's recent median), None: not
+            reported. Every node of a synchronous job has the same; the part of it that
+            is not compute is the node's wait for its peers.
         health_failed: the agent reported a failed boot health check.
         agent_reason: why the agent is in its state, as it wrote it (a failed agent's cause).
         boot: its VM's boot as last reported (the VM's boot hash, or its console read by
@@ -127,6 +238,9 @@ class NodeObs:
     agent_state: str | None = None
     alive_beat: bool = False
     compute_s: float | None = None
+    compute_at: float | None = None
+    compute_samples: int = 0
+    step_s: float | None = None
     health_failed: bool = False
     agent_reason: str = ""
     boot: BootReport | None = None
@@ -377,6 +491,7 @@ class Observed:
     failed: FailedLaunches = field(default_factory=FailedLaunches)
     last_refusal: str = ""
     committed_step: int | None = None  # the newest checkpoint committed (None: none yet)
+    slow: SlowWatch = field(default_factory=SlowWatch)
 
 
 class ActionKind(StrEnum):
@@ -389,6 +504,7 @@ class ActionKind(StrEnum):
     REPORT = "report"
     LAUNCH_FAILED = "launch-failed"
     BLOCK = "block"
+    WATCH = "watch"
 
 
 @dataclass(frozen=True)
@@ -487,7 +603,15 @@ class Report:
     kind: ActionKind = ActionKind.REPORT
 
 
-Action = Launch | Terminate | Drain | Penalise | LaunchFailed | Block | Move | Stop | Report
+@dataclass(frozen=True)
+class Watch:
+    """Record the straggler check's memory after this pass (the controller's hash)."""
+
+    slow: SlowWatch
+    kind: ActionKind = ActionKind.WATCH
+
+
+Action = Launch | Terminate | Drain | Penalise | LaunchFailed | Block | Move | Stop | Report | Watch
 
 
 @dataclass(frozen=True)

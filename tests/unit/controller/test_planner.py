@@ -29,6 +29,7 @@ from spottrain.controller.reconcile.types import (
     Report,
     Restore,
     Stop,
+    StragglerPolicy,
     Terminate,
     ZoneHistory,
 )
@@ -350,9 +351,20 @@ def test_plan_replaces_a_node_that_never_boots() -> None:
     assert "not healthy 900 s after launch" in terminates(p)[0].why
 
 
+def _timed(name: str, compute: float, wall: float = 3.6) -> NodeObs:
+    """A node whose trainers timed ``compute`` s per step over 20 steps, at the fleet's
+    wall pace ``wall`` (the slowest node's compute)."""
+    return replace(node(name, step_time=compute), compute_at=NOW, compute_samples=20, step_s=wall)
+
+
+# One report decides, as the straggler check did before it waited for a sustained signal
+# (tests/unit/controller/test_straggler_hysteresis.py checks that wait).
+ONE_REPORT = StragglerPolicy(observations=1, sustain_s=0)
+
+
 def test_plan_reports_and_replaces_a_straggler() -> None:
-    nodes = (*[node(f"n{i}", step_time=1.0) for i in range(3)], node("n3", step_time=3.5))
-    p = plan(Policy(1, 4), observed(nodes=nodes, next_index=4))
+    nodes = (*[_timed(f"n{i}", 1.0) for i in range(3)], _timed("n3", 3.5))
+    p = plan(Policy(1, 4, straggler=ONE_REPORT), observed(nodes=nodes, next_index=4))
     assert [t.node for t in terminates(p)] == ["n3"]
     (report,) = p.of(Report)
     assert isinstance(report, Report)
@@ -363,9 +375,15 @@ def test_plan_reports_and_replaces_a_straggler() -> None:
     assert [a.node for a in launches(p)] == ["n4"]
 
 
-def test_plan_leaves_a_merely_slower_node_alone() -> None:
-    nodes = (*[node(f"n{i}", step_time=1.0) for i in range(3)], node("n3", step_time=1.5))
+def test_plan_does_not_replace_a_straggler_on_one_report() -> None:
+    nodes = (*[_timed(f"n{i}", 1.0) for i in range(3)], _timed("n3", 3.5))
     assert terminates(plan(Policy(1, 4), observed(nodes=nodes, next_index=4))) == []
+
+
+def test_plan_leaves_a_merely_slower_node_alone() -> None:
+    nodes = (*[_timed(f"n{i}", 1.0, 1.6) for i in range(3)], _timed("n3", 1.5, 1.6))
+    policy = Policy(1, 4, straggler=ONE_REPORT)
+    assert terminates(plan(policy, observed(nodes=nodes, next_index=4))) == []
 
 
 def test_plan_stops_a_crash_loop_with_a_clear_error() -> None:
