@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from spottrain.cloud.base import Instance, Offer
@@ -403,6 +403,13 @@ class FailedLaunches:
         recent = (*self.recent, failure.node)[-RECENT_FAILED:]
         if not count:
             return FailedLaunches(recent=recent)
+        best = -1 if committed_step is None else committed_step
+        if self.same(failure) and not same_crash(self.key, self.step, failure.key, failure.step):
+            # It ran beside the streak's VM and failed with a line of its own: its peer's
+            # bug broke its connection, or left its rendezvous round short. The streak keeps
+            # the reason of the one that failed first, which names the bug (and keeps its
+            # time, so only VMs that ran beside that one join this way).
+            return replace(self, count=self.count + 1, recent=recent, best_step=best)
         n = self.count + 1 if self.same(failure) else 1
         return FailedLaunches(
             n,
@@ -413,7 +420,7 @@ class FailedLaunches:
             crashed=failure.crashed,
             at=now,
             step=failure.step,
-            best_step=-1 if committed_step is None else committed_step,
+            best_step=best,
             tail=failure.tail[-TAIL_LINES:],
         )
 

@@ -181,3 +181,22 @@ def test_status_shows_the_last_crash_looped_vms_last_lines_escaped() -> None:
         "  n1> Traceback (most recent call last):",
         "  n1> import x \\e]0;owned\\x07",
     ]
+
+
+def test_vms_failing_beside_the_first_keep_the_first_ones_reason() -> None:
+    """Rank 0's VM crash-loops on the bug; its peer, which ran beside it, fails after it with a
+    line of its own (its rendezvous round left short): the streak grows, and the run's reason
+    stays the bug's, not the peer's symptom (seen in CI under load)."""
+    bug = "RuntimeError: the batch has 3 rows, the model expects 4"
+    first = failure(_looped("n0", bug), NOW, Policy(1, 2))
+    assert first is not None
+    streak = FailedLaunches().add(first, now=NOW)
+    short = "torch.distributed.DistStoreError: timed out after 60 s waiting for MASTER_ADDR"
+    peer = failure(_looped("n1", short, times=1, launched_at=NOW - 600), NOW + 60, Policy(1, 2))
+    assert peer is not None and streak.same(peer)
+    both = streak.add(peer, now=NOW + 60)
+    assert both.count == 2 and both.recent == ("n0", "n1")
+    assert bug in both.last and short not in both.last and both.tail[-1] == bug
+    # A VM launched after the first one failed does not join by running beside it.
+    later = failure(_looped("n2", short, launched_at=NOW + 30), NOW + 90, Policy(1, 2))
+    assert later is not None and not both.same(later)
