@@ -121,9 +121,13 @@ def test_batches_are_nagle_style_and_never_share_a_relay_id() -> None:
 
 def test_a_steady_group_leaves_in_one_batch_when_its_last_member_asks() -> None:
     fake = FakeDirect()
-    b = r.Batcher(fake, "0-r", gather_s=0.0, max_wait_s=30.0)
+    fake.hold.clear()
+    b = r.Batcher(fake, "0-r", gather_s=0.0, max_wait_s=30.0, window_s=60.0)
     try:
+        # m0's answer is held until all three asked: were it answered first, m0 would be
+        # expected, and m1 and m2 would wait the whole max wait for it to ask again.
         first = [b.submit(BatchItem(f"m{j}", 40), 5) for j in range(3)]
+        fake.hold.set()
         assert [f.result(5) for f in first] == [_answer(f"m{j}") for j in range(3)]
         fake.batches.clear()
         # m0..m2 are expected now: two of them wait (no wall clock: the max wait is 30 s)...
