@@ -23,6 +23,12 @@ MIN_SECRET_LEN = 6
 # C0 controls but tab, DEL, and the C1 controls (U+0080..U+009F: a terminal reads U+009B as
 # CSI, the same as ESC '[').
 _CONTROLS = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+# The same but newline: text spottrain itself puts on several lines.
+_CONTROLS_BUT_NEWLINE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# What a node's own output keeps on a terminal: its colours (SGR, ``ESC [ params m``, which
+# only recolour) and CRLF line ends. Every other sequence can move the cursor over earlier
+# lines, retitle the window, or make the terminal answer back as if typed.
+_KEPT_OR_CONTROL = re.compile("(\x1b\\[[0-9;:]{0,64}m|\r\n)|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def _escape(m: re.Match[str]) -> str:
@@ -35,6 +41,18 @@ def escape_controls(text: str) -> str:
     ``\\n``, ``\\x07``...), so no byte of it can move the cursor, recolour or retitle a
     terminal."""
     return _CONTROLS.sub(_escape, text)
+
+
+def escape_lines(text: str) -> str:
+    """``text`` with every control character but tab and newline written as a visible escape:
+    for lines spottrain composed itself, some of whose parts came from a node."""
+    return _CONTROLS_BUT_NEWLINE.sub(_escape, text)
+
+
+def escape_output(text: str) -> str:
+    """A node's output made safe for a terminal: as :func:`escape_lines`, but its colour
+    codes (SGR) and CRLF line ends kept."""
+    return _KEPT_OR_CONTROL.sub(lambda m: m.group(1) or _escape(m), text)
 
 
 def redact(text: str, secrets: Iterable[str]) -> str:

@@ -8,6 +8,7 @@ from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.run_redis import open_redis
 from spottrain.protocol.keys import RunKeys
+from spottrain.safetext import escape_lines
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -16,11 +17,15 @@ EXIT_WINDOW = 3
 
 
 def err(msg: str) -> None:
-    print(f"spottrain: {msg}", file=sys.stderr)
+    """``msg`` on stderr; control characters escaped (see :func:`say`)."""
+    print(f"spottrain: {escape_lines(msg)}", file=sys.stderr)
 
 
 def say(line: str) -> None:
-    print(line, flush=True)
+    """``line`` on stdout, every control character but newline and tab escaped: its parts
+    may come from a node (a state, a reason, an event), and any node can write the run's
+    Redis."""
+    print(escape_lines(line), flush=True)
 
 
 def run_state(info: RunInfo) -> RunState | None:

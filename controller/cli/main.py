@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from spottrain.controller.cli.common import EXIT_OK
+from spottrain.controller.cli.common import EXIT_BAD_INPUT, EXIT_OK
 from spottrain.controller.cli.parser import build_parser
 
 __all__ = ["build_parser", "main"]
@@ -23,7 +23,10 @@ __all__ = ["build_parser", "main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a bad argument (said in one line), --help or --version
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     if args.command == "validate":
         from spottrain.controller.cli.validate import validate
 

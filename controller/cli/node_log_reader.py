@@ -19,6 +19,7 @@ from typing import BinaryIO
 from spottrain.cloud.storage.errors import CorruptObject, ObjectNotFound, StorageError
 from spottrain.cloud.storage.interface import ObjectStore
 from spottrain.protocol.node_logs import ChunkName
+from spottrain.safetext import escape_lines, escape_output
 
 # Chunks fetched at once: a day of a VM is thousands of chunks, each GET a round trip.
 FETCHERS = 8
@@ -214,7 +215,7 @@ class Reader:
 
     def note(self, line: str) -> None:
         sys.stdout.flush()  # a terminal shows the note where it falls in the output
-        print(f"[spottrain] {line}", file=sys.stderr, flush=True)
+        print(f"[spottrain] {escape_lines(line)}", file=sys.stderr, flush=True)
 
 
 def _plan(s: Session, final: bool) -> list[_Item]:
@@ -239,15 +240,31 @@ def _plan(s: Session, final: bool) -> list[_Item]:
 
 
 def write_out(data: bytes) -> None:
-    """The node's bytes as they are; a stdout without bytes (redirected to a StringIO)
-    gets them decoded."""
+    """The node's bytes: as they are to a file or a pipe (``> node.log`` keeps them raw);
+    to a terminal decoded, with every control character but its colours escaped
+    (:func:`~spottrain.safetext.escape_output`: a worker must not be able to drive the
+    operator's terminal). A stdout without bytes (redirected to a StringIO) gets them
+    decoded."""
     out: BinaryIO | None = getattr(sys.stdout, "buffer", None)
     if out is None:
         sys.stdout.write(data.decode(errors="replace"))
         sys.stdout.flush()
         return
+    if _is_tty(sys.stdout):
+        # Chunks hold whole lines, so no character is cut in two; bytes that are not UTF-8
+        # (a lone 0x9b is CSI to some terminals) become U+FFFD.
+        text = escape_output(data.decode(errors="replace"))
+        data = text.encode(sys.stdout.encoding or "utf-8", errors="replace")
     out.write(data)
     out.flush()
+
+
+def _is_tty(stream: object) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (OSError, ValueError):
+        return False
 
 
 def _lines_in(data: bytes) -> int:

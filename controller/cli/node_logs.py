@@ -4,7 +4,9 @@ VMs shipped to the run's logs store (``spottrain/protocol/node_logs.py`` has the
 The chunks outlive the VMs, so this answers for gone VMs (preempted, terminated, the run's
 Redis gone: the run record holds the spec, which names the store) as for live ones. stdout
 carries only the node's own bytes; everything spottrain says (a header per VM, a missing or
-corrupt chunk) goes to stderr, so ``> node.log`` keeps the raw output.
+corrupt chunk) goes to stderr, so ``> node.log`` keeps the raw output. A terminal gets the
+node's colours but every other control character escaped (a worker writes what it likes).
+``--vm`` must name one of the node's VMs in the run: anything else is refused (exit 2).
 
 A node whose boot failed says so first, on stderr (``spottrain: n3: boot failed in 'install
 the environment': pip: ...``), from its boot report in the run's Redis, or in its archived
@@ -39,6 +41,7 @@ from spottrain.cloud.storage.interface import ObjectStore
 from spottrain.cloud.stores import open_store
 from spottrain.controller.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, err, run_state
 from spottrain.controller.cli.node_log_reader import Reader, Session, write_out
+from spottrain.controller.cli.parser import check_vm_id
 from spottrain.controller.run.code import local_copy_to
 from spottrain.controller.run.records import RunInfo
 from spottrain.protocol import events as stream
@@ -310,9 +313,14 @@ def console_log(
     follow: bool = False,
     tail: int | None = None,
 ) -> int:
-    """A node's output from the local cloud's console log of its VM, kept on this machine."""
-    if vm is None:
-        vm = _local_vm(info, node)
+    """A node's output from the local cloud's console log of its VM, kept on this machine;
+    ``vm`` must be one of the node's VMs in this run (exit 2 if not): it names the file."""
+    vms = local_vms(info, node)
+    if vm is not None and vm not in vms:
+        known = ", ".join(vms) or "none"
+        err(f"node {node!r} of run {info.run_id} has no VM {vm!r}; its VMs: {known}")
+        return EXIT_BAD_INPUT
+    vm = vm or (vms[0] if vms else None)
     if not vm or not info.local_state_dir:
         err(
             f"no output kept for node {node!r} of run {info.run_id} (the local cloud keeps each "
@@ -327,20 +335,34 @@ def console_log(
     return _tail(path, follow, tail)
 
 
-def _local_vm(info: RunInfo, node: str) -> str:
+def local_vms(info: RunInfo, node: str) -> list[str]:
+    """The local cloud's VMs of ``node`` in this run, the one its ledger holds first, then
+    every VM the local cloud tagged with the run and the node; none an id could not be
+    (one is a file name: :func:`~spottrain.controller.cli.parser.check_vm_id`)."""
+    vms: list[str] = []
     state = run_state(info)
     if state is not None:
         rec = state.ledger().records.get(node)
         if rec and rec.instance_id:
-            return rec.instance_id
-    if not info.local_state_dir:
-        return ""
-    for p in sorted((Path(info.local_state_dir) / "instances").glob("*.json")):
-        rec_json = json.loads(p.read_text())
-        tags = rec_json.get("tags", {})
-        if tags.get("spottrain-job") == info.run_id and tags.get("spottrain-node") == node:
-            return str(rec_json["id"])
-    return ""
+            vms.append(rec.instance_id)
+    if info.local_state_dir:
+        for p in sorted((Path(info.local_state_dir) / "instances").glob("*.json")):
+            try:
+                rec_json = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue  # a record being written, or not one
+            tags = rec_json.get("tags", {})
+            if tags.get("spottrain-job") == info.run_id and tags.get("spottrain-node") == node:
+                vms.append(str(rec_json.get("id", "")))
+    return [v for v in dict.fromkeys(vms) if _is_vm_id(v)]
+
+
+def _is_vm_id(value: str) -> bool:
+    try:
+        check_vm_id(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _tail(path: Path, follow: bool, lines: int | None = None) -> int:

@@ -117,13 +117,17 @@ def summarize(state: RunState, now: float) -> Summary:
     nodes = {}
     for r in sorted(ledger.records.values(), key=lambda r: r.launched_at):
         if r.status in LIVE_LAUNCHES:
-            nodes[r.node] = escape_controls(agents.get(r.node, {}).get("state", "launching"))
+            node_state = agents.get(r.node, {}).get("state", "launching")
+            nodes[escape_controls(r.node)] = escape_controls(node_state)
     restores = state.restores()
     lost = sum(max(0, r.reached_step - r.restored_step) for r in restores)
     preempted = sum(1 for r in ledger.records.values() if r.interrupted)
     last = state.ckpt_last()
     loss = progress.get("loss")
-    phase = ctl.get("phase") or (RunPhase.STOPPING if ctl.get("stopping") else RunPhase.RUNNING)
+    # Any node can write the run's Redis: what reaches a terminal is escaped here.
+    phase = escape_controls(
+        ctl.get("phase") or (RunPhase.STOPPING if ctl.get("stopping") else RunPhase.RUNNING)
+    )
     final = _final_step(progress, last)
     return Summary(
         phase=phase,

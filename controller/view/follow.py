@@ -27,6 +27,7 @@ from spottrain.controller.run.replica_view import ReplicaStatus, replica_status
 from spottrain.controller.run.run_redis import open_redis
 from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.states import RunPhase
+from spottrain.safetext import escape_controls, escape_lines
 
 from .collect import Collector
 from .live import LiveView
@@ -59,9 +60,23 @@ def status_doc(
 
 def summary_of(record: Mapping[str, Any]) -> Summary:
     """A :class:`Summary` from its record (``summary.json``; a replica run's adds
-    ``replica``, which is not a field of it)."""
+    ``replica``, which is not a field of it), its text made safe to show
+    (:func:`shown_summary`)."""
     names = {f.name for f in dataclasses.fields(Summary)}
-    return Summary(**{k: v for k, v in record.items() if k in names})
+    return shown_summary(Summary(**{k: v for k, v in record.items() if k in names}))
+
+
+def shown_summary(s: Summary) -> Summary:
+    """``s`` with every text a node could have written (the phase and reason in the run's
+    control hash, node names and states, the at-risk lines) control characters escaped, for
+    a terminal; ``status --json`` and the archive keep the record as it is."""
+    return dataclasses.replace(
+        s,
+        phase=escape_controls(str(s.phase)),
+        reason=escape_controls(str(s.reason)),
+        nodes={escape_controls(k): escape_controls(str(v)) for k, v in s.nodes.items()},
+        at_risk=[escape_controls(str(x)) for x in s.at_risk],
+    )
 
 
 def _replica_of(record: Mapping[str, Any]) -> ReplicaFigures | None:
@@ -89,7 +104,7 @@ def _nodes_max(info: RunInfo) -> int:
 
 
 def _print(line: str) -> None:
-    print(line, flush=True)
+    print(escape_lines(line), flush=True)
 
 
 def follow(
@@ -118,7 +133,7 @@ def follow(
         if live is not None:
             live.stop()
         if not as_json:
-            for line in final_report(s, replica):
+            for line in final_report(shown_summary(s), replica):
                 speak(line)
         return EXIT_OK if s.final_step is not None else EXIT_FAILED
 
@@ -153,7 +168,7 @@ def follow(
                     elif collector is not None and live is not None:
                         live.show(collector.frame(s))
                     else:
-                        plain(s)
+                        plain(shown_summary(s))
                     if s.phase in ENDED:
                         return end(s, replica_summary(state))
                 except redis.RedisError:

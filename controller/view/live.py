@@ -18,6 +18,7 @@ from rich.live import Live
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import Summary
 from spottrain.controller.run.records import RunInfo
+from spottrain.safetext import escape_lines
 
 from .collect import Collector
 from .model import ViewData
@@ -88,8 +89,9 @@ class LiveView:
         return show
 
     def say(self, line: str) -> None:
-        """A line above the frame (or plain, before the first frame or after the last)."""
-        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        """A line above the frame (or plain, before the first frame or after the last),
+        control characters escaped: its parts may come from a node."""
+        self.console.print(escape_lines(line), markup=False, highlight=False, soft_wrap=True)
 
     def stop(self) -> None:
         if self._live is not None:

@@ -3,7 +3,10 @@ a terminal of a given size, and does no I/O (``live`` puts it on the screen).
 
 Every line is cut at the terminal's width (an ellipsis, never a wrap), and the frame never
 takes more lines than the terminal has: the fleet table keeps the zones that fit (one row
-per cloud, zone, type and market) and the events take what is left (the newest last)."""
+per cloud, zone, type and market) and the events take what is left (the newest last).
+
+Every text drawn has its control characters escaped here, whatever the data's maker did:
+most of it came from the run's Redis, which any node can write."""
 
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
+
+from spottrain.safetext import escape_controls
 
 from .model import EventRow, NodeRow, ViewData
 
@@ -29,7 +34,7 @@ MAX_BOOT = 4
 
 
 def _line(text: str, style: str = "") -> Text:
-    return Text(text, style=style, no_wrap=True, overflow="ellipsis", end="\n")
+    return Text(escape_controls(text), style=style, no_wrap=True, overflow="ellipsis", end="\n")
 
 
 def _duration(seconds: float) -> str:
@@ -92,7 +97,8 @@ def _fleet(nodes: list[NodeRow], rows: int, wide: bool) -> Table:
     shown = zones if len(zones) <= rows else zones[: max(0, rows - 1)]
     for z in shown:
         kind = [z.instance_type, z.market] if wide else [f"{z.instance_type} {z.market}"]
-        table.add_row(f"{z.cloud}/{z.zone}", *kind, str(len(z.nodes)), z.states())
+        cells = [f"{z.cloud}/{z.zone}", *kind, str(len(z.nodes)), z.states()]
+        table.add_row(*(Text(escape_controls(c)) for c in cells))
     if len(shown) < len(zones):
         rest = zones[len(shown) :]
         counts = Counter(n.state for z in rest for n in z.nodes)
@@ -100,7 +106,7 @@ def _fleet(nodes: list[NodeRow], rows: int, wide: bool) -> Table:
             f"+{len(rest)} more zones" if shown else f"{len(rest)} zones",
             *([""] * (2 if wide else 1)),
             str(sum(counts.values())),
-            ", ".join(f"{c} {state}" for state, c in counts.most_common()),
+            Text(escape_controls(", ".join(f"{c} {s}" for s, c in counts.most_common()))),
         )
     return table
 
@@ -108,7 +114,8 @@ def _fleet(nodes: list[NodeRow], rows: int, wide: bool) -> Table:
 def _event(e: EventRow) -> Text:
     line = Text(no_wrap=True, overflow="ellipsis")
     line.append(time.strftime("%H:%M:%S", time.localtime(e.at)), "dim")
-    line.append(f" {e.node:<10} ").append(f"{e.kind:<20}", "cyan").append(f" {e.detail}")
+    node, kind, detail = (escape_controls(x) for x in (e.node, e.kind, e.detail))
+    line.append(f" {node:<10} ").append(f"{kind:<20}", "cyan").append(f" {detail}")
     return line
 
 

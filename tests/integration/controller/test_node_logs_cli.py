@@ -292,7 +292,7 @@ def test_the_local_cloud_reads_shipped_chunks_else_its_console_files(
     home = tmp_path / "home"
     monkeypatch.setenv("SPOTTRAIN_HOME", str(home))
     state = tmp_path / "local-state"
-    for vm, node in (("local-1", "n0"), ("local-2", "n1")):
+    for vm, node in (("local-1", "n0"), ("local-2", "n1"), ("local-3", "n0")):
         tags = {"spottrain-job": RUN, "spottrain-node": node}
         (state / "instances").mkdir(parents=True, exist_ok=True)
         (state / "instances" / f"{vm}.json").write_text(json.dumps({"id": vm, "tags": tags}))
@@ -302,7 +302,8 @@ def test_the_local_cloud_reads_shipped_chunks_else_its_console_files(
     _save_run(spec, EXAMPLES, local_state_dir=str(state))
 
     assert _logs(capsys, "n0")[:2] == (0, "console of local-1\n")
-    assert _logs(capsys, "n0", "--vm", "local-2")[:2] == (0, "console of local-2\n")
+    assert _logs(capsys, "n0", "--vm", "local-3")[:2] == (0, "console of local-3\n")
+    assert _logs(capsys, "n0", "--vm", "local-2")[:2] == (2, "")  # n1's VM
     code, _, err = _logs(capsys, "n5")
     assert code == 1 and "no output kept for node 'n5'" in err
 
@@ -310,7 +311,7 @@ def test_the_local_cloud_reads_shipped_chunks_else_its_console_files(
     store = LocalStore(home / "store" / "checkpoints" / "logs", create=True)
     store.put_bytes(ChunkName(5, "local-1", 0, RUN, "n0").key(), gzip.compress(b"shipped\n"))
     assert _logs(capsys, "n0")[:2] == (0, "shipped\n")
-    assert _logs(capsys, "n0", "--vm", "local-2")[:2] == (0, "console of local-2\n")
+    assert _logs(capsys, "n0", "--vm", "local-3")[:2] == (0, "console of local-3\n")
 
 
 def test_follow_stops_when_the_runs_redis_says_it_ended(
