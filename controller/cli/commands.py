@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 from typing import Any
@@ -22,16 +23,18 @@ from spottrain.controller.cli.common import (
 )
 from spottrain.controller.reconcile.summary import BootLines, boot_lines, summarize
 from spottrain.controller.run.create import create_run
+from spottrain.controller.run.daemon import exit_on_sigterm
 from spottrain.controller.run.drive import drive_run, format_summary
 from spottrain.controller.run.env_lock import clouds_to_lock, env_lock_lines, parse_lock_args
 from spottrain.controller.run.records import RunError, RunInfo, find_run
 from spottrain.controller.run.replica_view import ReplicaStatus, replica_status
 from spottrain.controller.run.run_redis import restart_embedded_redis
-from spottrain.controller.run.wiring import spawn_controller
+from spottrain.controller.run.wiring import READY, ended_line, spawn_controller
 from spottrain.controller.view.collect import refused_line
 from spottrain.controller.view.follow import follow, status_doc, summary_of
 from spottrain.controller.view.live import LiveView
 from spottrain.protocol import events as stream
+from spottrain.protocol.states import RunPhase
 from spottrain.safetext import escape_controls
 from spottrain.spec import JobSpec, SpecError, WindowCheck, check_notice_windows, load_spec
 
@@ -70,7 +73,11 @@ def up(args: argparse.Namespace) -> int:
     for line in env_lock_lines(info.env_locks):
         say(f"  {line}")
     if args.detach:
-        pid = spawn_controller(info)
+        try:
+            pid = spawn_controller(info)
+        except RunError as e:
+            err(str(e))
+            return EXIT_FAILED
         say(f"  controller in the background (pid {pid}): {info.dir / 'controller.log'}")
         say(f"  follow: spottrain logs {info.run_id} -f    end: spottrain down {info.run_id}")
         return EXIT_OK
@@ -96,12 +103,28 @@ def _record_forced(info: RunInfo, short: list[str]) -> None:
 
 
 def _drive(info: RunInfo, interval: float) -> int:
-    info.controller_pid = os.getpid()
-    info.save()
+    # run.json names this process only once it holds the run's lease (drive_run): a
+    # refused controller writes nothing. SIGTERM (`down`) lets go of the lease on the way.
+    main = threading.current_thread() is threading.main_thread()
+    before = exit_on_sigterm() if main else None
+    try:
+        return _drive_here(info, interval)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _drive_here(info: RunInfo, interval: float) -> int:
     # A terminal gets one view redrawn in place; anything else the plain lines.
     live = LiveView.for_stdout()
     try:
-        return drive_run(info, view=live.say if live else say, interval_s=interval, live=live)
+        return drive_run(
+            info,
+            view=live.say if live else say,
+            interval_s=interval,
+            live=live,
+            on_claim=_tell_refusal,
+        )
     except KeyboardInterrupt:
         say(
             f"\ncontroller stopped; the run's VMs keep training without backfill (a VM whose "
@@ -112,18 +135,45 @@ def _drive(info: RunInfo, interval: float) -> int:
         return EXIT_FAILED
 
 
+def _tell_refusal(line: str) -> None:
+    """What drive_run says of its claim on the lease: only a refusal is news here."""
+    if line != READY:
+        err(line)
+
+
 def resume(args: argparse.Namespace) -> int:
     try:
         info = find_run(args.run)
+    except RunError as e:
+        err(str(e))
+        return EXIT_BAD_INPUT
+    if _ended_by_down(info):
+        # Its Redis is stopped: starting it again would bring back a run that is over.
+        err(ended_line(info.run_id))
+        return EXIT_FAILED
+    try:
         restart_embedded_redis(info)
     except RunError as e:
         err(str(e))
         return EXIT_BAD_INPUT
     if args.detach:
-        pid = spawn_controller(info)
+        try:
+            pid = spawn_controller(info)
+        except RunError as e:
+            err(str(e))
+            return EXIT_FAILED
         say(f"run {info.run_id}: controller running in the background (pid {pid})")
         return EXIT_OK
     return _drive(info, args.interval)
+
+
+def _ended_by_down(info: RunInfo) -> bool:
+    """Whether the run's archive says ``spottrain down`` ended it."""
+    try:
+        summary = json.loads((info.dir / "summary.json").read_text())
+        return bool(summary.get("phase") == RunPhase.DOWN)
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def status(args: argparse.Namespace) -> int:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
+import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -26,13 +27,17 @@ from spottrain.controller.reconcile.execute import end_run_vms
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import summarize
 from spottrain.controller.run.archive import archive_run
+from spottrain.controller.run.processes import ProcessMark, end_process
 from spottrain.controller.run.providers import build_providers
 from spottrain.controller.run.records import RunError, RunInfo, find_run
 from spottrain.controller.run.run_lighthouse import end_lighthouse
 from spottrain.controller.run.run_redis import stop_embedded_redis
-from spottrain.controller.run.wiring import build_controller
+from spottrain.controller.run.wiring import RunHeld, build_controller, held_line, lease_owner
 from spottrain.protocol.states import TERMINAL, RunPhase
 from spottrain.spec import JobSpec
+
+if TYPE_CHECKING:
+    from spottrain.controller.groups.controller import GroupController
 
 
 def down(args: argparse.Namespace) -> int:
@@ -46,7 +51,7 @@ def down(args: argparse.Namespace) -> int:
     if drain_s is not None and drain_s < 0:
         err(f"--drain-timeout {drain_s:g}: give seconds >= 0 (or --now to skip the drain)")
         return EXIT_BAD_INPUT
-    _stop_controller(info)
+    stop_controller(info)
     spec = info.spec()
     if spec.fleet is not None:
         return _down_fleet(info, args.timeout, now=now)
@@ -54,6 +59,29 @@ def down(args: argparse.Namespace) -> int:
         spec, local_state_dir=Path(info.local_state_dir) if info.local_state_dir else None
     )
     state = run_state(info)
+    try:
+        lease = DownLease.take(info, state) if state is not None else None
+    except RunHeld as e:
+        err(str(e))
+        return EXIT_FAILED
+    try:
+        return _end_vms(info, args, spec, providers, state, now=now, drain_s=drain_s)
+    finally:
+        if lease is not None:
+            lease.close()
+
+
+def _end_vms(
+    info: RunInfo,
+    args: argparse.Namespace,
+    spec: JobSpec,
+    providers: dict[str, Provider],
+    state: RunState | None,
+    *,
+    now: bool,
+    drain_s: float | None,
+) -> int:
+    """Drain (unless ``now``), end every VM, record and archive the run, stop its Redis."""
     try:
         if state is None:
             err(f"run {info.run_id}: its Redis does not answer: its VMs end without a drain")
@@ -149,12 +177,26 @@ def _down_fleet(info: RunInfo, timeout: float, *, now: bool = False) -> int:
     template and volume stay: `terraform destroy` removes them. ``now``: no drain."""
     from spottrain.controller.groups.controller import GroupController
 
+    owner = lease_owner("down")
     try:
-        ctl = build_controller(info)
+        ctl = build_controller(info, owner=owner)
     except (RunError, ProviderError, ValueError, ImportError) as e:
         err(f"cannot reach run {info.run_id}'s group: {e}")
         return EXIT_FAILED
     assert isinstance(ctl, GroupController)
+    try:
+        lease = DownLease.take(info, ctl.state, owner)
+    except RunHeld as e:
+        err(str(e))
+        return EXIT_FAILED
+    try:
+        return _end_group(info, ctl, timeout, now=now)
+    finally:
+        lease.close()
+
+
+def _end_group(info: RunInfo, ctl: GroupController, timeout: float, *, now: bool) -> int:
+    """Drain and remove every VM of the group (``now``: no drain); record the run."""
     if now:
         ctl.policy = replace(ctl.policy, drain_timeout_s=0.0)
     if not ctl.state.ctl().get("stopping"):
@@ -186,16 +228,70 @@ def _down_fleet(info: RunInfo, timeout: float, *, now: bool = False) -> int:
     return EXIT_OK
 
 
-def _stop_controller(info: RunInfo) -> None:
-    pid = info.controller_pid
-    if not pid or pid == os.getpid():
+def stop_controller(info: RunInfo) -> None:
+    """Stop the run's controller: the very process run.json's mark names (pid, start time,
+    boot, marker), never another that took its pid or shares a name. SIGTERM lets it go of
+    the lease; SIGKILL after 5 s."""
+    mark = ProcessMark.from_dict(info.controller)
+    if mark is None or mark.pid == os.getpid():
         return
-    with contextlib.suppress(ProcessLookupError, PermissionError, FileNotFoundError):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        if "spottrain" not in cmdline:
-            return  # the pid was reused by something else
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(100):
-            os.kill(pid, 0)
-            time.sleep(0.05)
-        os.kill(pid, signal.SIGKILL)
+    if not end_process(mark):
+        err(f"run {info.run_id}: its controller ({mark.describe()}) did not end")
+
+
+# How long down's hold of the lease lasts between renewals, and how long it waits at most
+# for a controller's lease to lapse (one that down could not stop renews it).
+DOWN_LEASE_TTL_S = 10.0
+DOWN_LEASE_WAIT_S = 60.0
+
+
+class DownLease:
+    """The run's lease held by ``down`` from before its first write to its end, renewed from
+    a thread: no controller (a ``resume``) drives the run in the middle of its end."""
+
+    def __init__(self, state: RunState, owner: str) -> None:
+        self.state, self.owner = state, owner
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def take(cls, info: RunInfo, state: RunState, owner: str | None = None) -> DownLease:
+        """Take the lease, stopping a controller that recorded itself meanwhile, and waiting
+        for the lease of one that ended without letting go to lapse.
+
+        Raises:
+            RunHeld: another controller (one down cannot stop) or another down holds it.
+        """
+        owner = owner or lease_owner("down")
+        deadline: float | None = None
+        while not state.acquire(owner, DOWN_LEASE_TTL_S):
+            with contextlib.suppress(RunError):
+                stop_controller(RunInfo.load(info.run_id))
+            if deadline is None:
+                left_s = max(0, int(state.client.pttl(state.keys.ctl_lease))) / 1000
+                deadline = time.monotonic() + min(DOWN_LEASE_WAIT_S, left_s + 1.0)
+            elif time.monotonic() > deadline:
+                raise RunHeld(_held_for_down(info.run_id, state.lease_holder()))
+            time.sleep(0.2)
+        return cls(state, owner)
+
+    def _renew(self) -> None:
+        while not self._stop.wait(DOWN_LEASE_TTL_S / 4):
+            with contextlib.suppress(redis.RedisError):
+                self.state.renew(self.owner, DOWN_LEASE_TTL_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        with contextlib.suppress(redis.RedisError):
+            self.state.release(self.owner)
+
+
+def _held_for_down(run_id: str, holder: str | None) -> str:
+    if holder and holder.startswith("down-"):
+        return held_line(run_id, holder)
+    return (
+        f"run {run_id} is driven by a controller that down cannot stop from here ({holder}); "
+        f"nothing was changed: stop that controller, then `spottrain down {run_id}` again"
+    )

@@ -74,6 +74,35 @@ def _environment(
     return wheel
 
 
+def reserve_run_dir(name: str, given: str | None = None, epoch: int | None = None) -> str:
+    """Make a new run's directory, which no other ``up`` can then have: two ``up`` of one
+    job in the same second get two runs (the later one a second on) rather than one
+    directory that mixes their records. Returns the run id.
+
+    Raises:
+        RunError: ``given`` (a run id asked for) is taken already.
+    """
+    runs = home_dir() / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    if given is not None:
+        try:
+            (runs / given).mkdir()
+        except FileExistsError:
+            raise RunError(
+                f"run {given} exists on this machine already (or another `spottrain up` is "
+                f"making it): `spottrain status {given}` shows it; give another run id"
+            ) from None
+        return given
+    at = int(time.time()) if epoch is None else epoch
+    while True:
+        rid = make_run_id(name, at)
+        try:
+            (runs / rid).mkdir()
+            return rid
+        except FileExistsError:
+            at += 1
+
+
 def create_run(
     loaded: LoadedSpec, *, run_id: str | None = None, env_locks: dict[str, Path] | None = None
 ) -> RunInfo:
@@ -85,18 +114,15 @@ def create_run(
             by cloud, instead of resolving).
     """
     spec = loaded.spec
-    if run_id:
-        rid = validate_run_id(run_id)
-    elif spec.fleet is not None:
+    given = validate_run_id(run_id) if run_id else None
+    if given is None and spec.fleet is not None:
         # The fleet's VMs were booted with the module's run id: the run must be that one.
-        rid = spec.fleet.run_id
-        if (home_dir() / "runs" / rid / "run.json").exists():
+        given = spec.fleet.run_id
+        if (home_dir() / "runs" / given / "run.json").exists():
             raise RunError(
-                f"run {rid} of this Terraform fleet already exists on this machine: "
-                f"`spottrain resume {rid}` drives it again, `spottrain down {rid}` ends it"
+                f"run {given} of this Terraform fleet already exists on this machine: "
+                f"`spottrain resume {given}` drives it again, `spottrain down {given}` ends it"
             )
-    else:
-        rid = make_run_id(spec.name)
     if "local" in spec.resources.clouds:
         local_secret_files(spec)  # fail now, before anything starts
     # Fail now, before anything starts, when the replica extra is missing: the lighthouse
@@ -105,6 +131,7 @@ def create_run(
         find_lighthouse_binary()
     elif replica_mode(spec) and "local" in spec.resources.clouds:
         find_torchft()
+    rid = reserve_run_dir(spec.name, given)
     info = RunInfo.from_loaded(
         loaded,
         rid,
@@ -112,7 +139,6 @@ def create_run(
         embedded_redis=spec.redis.url == "embedded",
         created_at=time.time(),
     )
-    info.dir.mkdir(parents=True, exist_ok=True)
     wheel = _environment(loaded, info, env_locks)
     if info.embedded_redis:
         info.redis_url = start_embedded_redis(info.dir, spec.nodes.max)

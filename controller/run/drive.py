@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,13 @@ from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.controller.run.run_lighthouse import end_lighthouse, supervise_lighthouse
 from spottrain.controller.run.run_redis import stop_embedded_redis
 from spottrain.controller.run.shortfall import LedgerCache, Shortfall, ShortWatch
-from spottrain.controller.run.wiring import build_controller
+from spottrain.controller.run.wiring import (
+    READY,
+    build_controller,
+    claim_run,
+    lease_owner,
+    record_controller,
+)
 from spottrain.controller.tracking import FleetTracker
 from spottrain.protocol.states import RunPhase
 
@@ -152,19 +159,57 @@ def drive_run(
     interval_s: float = 1.0,
     policy: dict[str, float] | None = None,
     live: LiveView | None = None,
+    on_claim: Callable[[str], Any] | None = None,
 ) -> int:
     """Run the controller of ``info`` until the run ends; keep its record; report.
 
+    The run's lease is taken before anything is written: a run another controller (or a
+    ``down``) holds is refused in one line with its records, run.json and Redis untouched.
+    Once held, this process records itself in run.json (``down`` stops it by that mark).
     With a ``wandb:`` section in the spec, each pass is logged to the run's fleet run in
     wandb (:mod:`spottrain.controller.tracking`). ``live``: a terminal's live view, redrawn
-    each pass (else ``view`` gets the plain lines).
+    each pass (else ``view`` gets the plain lines). ``on_claim``: told
+    :data:`~spottrain.controller.run.wiring.READY` once the lease is held, or the line that
+    refused it (which ``view`` then does not get).
 
     Returns:
         0 when training finished, 1 when the run stopped before (budget, crash loop, a cloud
-        or Redis refusing).
+        or Redis refusing, another controller holding it).
     """
+    owner = lease_owner()
     try:
-        ctl = build_controller(info, interval_s=interval_s, policy=policy)
+        claimed = claim_run(info, owner)
+    except RunError as e:
+        if on_claim is not None:
+            on_claim(str(e))
+        else:
+            view(f"spottrain: {e}")
+        return EXIT_FAILED
+    try:
+        return _drive_claimed(info, owner, view, interval_s, policy, live, on_claim)
+    finally:
+        # Whatever stopped it (the run's end, a RunError, `down`'s SIGTERM before the passes
+        # held the lease), the lease goes now, not when it lapses. Compare and delete: a
+        # lease another controller took is left alone.
+        with contextlib.suppress(redis.RedisError):
+            claimed.release(owner)
+
+
+def _drive_claimed(
+    info: RunInfo,
+    owner: str,
+    view: Callable[[str], Any],
+    interval_s: float,
+    policy: dict[str, float] | None,
+    live: LiveView | None,
+    on_claim: Callable[[str], Any] | None,
+) -> int:
+    """:func:`drive_run` once ``owner`` holds the run's lease."""
+    try:
+        record_controller(info, owner)
+        if on_claim is not None:
+            on_claim(READY)
+        ctl = build_controller(info, interval_s=interval_s, policy=policy, owner=owner)
         lighthouse = supervise_lighthouse(info, ctl.state)
     except RunError as e:
         view(f"spottrain: {e}")
@@ -178,6 +223,16 @@ def drive_run(
         # while VMs still train; _drive stops it when nothing of the run runs any more.
         if lighthouse is not None:
             lighthouse.stop()
+
+
+def lost_to_another(state: RunState, owner: str) -> bool:
+    """Whether someone else holds the run's lease now: this controller must write nothing
+    more into the run (its phase, its archive, its Redis are the holder's)."""
+    try:
+        holder = state.lease_holder()
+    except redis.RedisError:
+        return False
+    return holder is not None and holder != owner
 
 
 def _drive(
@@ -205,6 +260,9 @@ def _drive(
         )
     except ControllerError as e:
         view(f"spottrain: the controller stopped: {e}")
+        if lost_to_another(ctl.state, ctl.owner):
+            fleet.finish(None)
+            return EXIT_FAILED
         try:
             ctl.state.set_ctl(phase=RunPhase.FAILED, error=str(e))
             summary = ctl.summary()

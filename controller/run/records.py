@@ -45,6 +45,10 @@ class RunInfo:
     code_url: str = ""
     code_sha256: str = ""
     controller_pid: int = 0
+    # Who drives the run: its controller's process mark (controller/run/processes.py) and
+    # lease owner, written by that controller itself once it holds the run's lease (never
+    # before: a refused controller writes nothing). `down` signals only that very process.
+    controller: dict[str, Any] = field(default_factory=dict)
     # The hashed lock of the agent's environment per cloud (controller/run/env_lock.py):
     # {cloud: {"file": "env-aws.lock", "sha256": ..., "packages": n}}, files in the run dir.
     env_locks: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import resource
-import signal
 import subprocess
 import time
 from dataclasses import replace
@@ -19,6 +17,12 @@ from spottrain.controller.run.embedded_redis import (
     config_on_stdin,
     find_redis_server,
     new_password_file,
+)
+from spottrain.controller.run.processes import (
+    end_process,
+    mark_process,
+    read_mark,
+    write_mark,
 )
 from spottrain.controller.run.records import RunError, RunInfo
 from spottrain.ports import free_port
@@ -89,6 +93,13 @@ def _embedded_password(run_dir: Path) -> str | None:
         raise RunError(f"{e}: `spottrain down` the run and start it again") from None
 
 
+def redis_mark_file(run_dir: Path) -> Path:
+    """Where the embedded Redis's :class:`~spottrain.controller.run.processes.ProcessMark`
+    is kept: only the process it names is ever signalled (never whatever ``redis.pid``
+    names, a pid that may have changed hands since)."""
+    return run_dir / "redis" / "process.json"
+
+
 def _redis_daemon(
     data: Path, port: int | str, password: str | None, vms: int | None = None
 ) -> None:
@@ -96,7 +107,8 @@ def _redis_daemon(
     in ``data``, and wait until it answers. Only this machine can reach it (127.0.0.1,
     protected mode), and only with ``password``, which goes through its standard input,
     never its command line. It takes up to :data:`EMBEDDED_MAXCLIENTS` clients, as many as
-    the open-files limit allows (a warning says when that is fewer)."""
+    the open-files limit allows (a warning says when that is fewer). Its mark is recorded
+    (:func:`redis_mark_file`)."""
     data.mkdir(mode=0o700, parents=True, exist_ok=True)
     head, config = config_on_stdin(password)
     args = [
@@ -123,11 +135,21 @@ def _redis_daemon(
         if time.monotonic() > deadline:
             raise RunError(f"the run's Redis did not start; see {data / 'redis.log'}")
         time.sleep(0.05)
+    _record_redis(data)
     with contextlib.suppress(redis.RedisError, KeyError, ValueError):
         got = int(connect(settings, retries=0).config_get("maxclients")["maxclients"])
         note = maxclients_note(got, vms=vms)
         if note:
             log.warning("%s", note)
+
+
+def _record_redis(data: Path) -> None:
+    """Keep the mark of the redis-server that now answers (its pidfile is written before it
+    listens, so it names this one; its marker: it works in ``data``)."""
+    with contextlib.suppress(OSError, ValueError):
+        mark = mark_process(int((data / "redis.pid").read_text()), str(data.resolve()))
+        if mark is not None:
+            write_mark(data / "process.json", mark)
 
 
 def _embedded_settings(url: str, password: str | None, socket_timeout: float) -> RedisSettings:
@@ -161,18 +183,16 @@ def restart_embedded_redis(info: RunInfo) -> None:
 
 
 def stop_embedded_redis(info: RunInfo) -> None:
-    pidfile = info.dir / "redis" / "redis.pid"
+    """Stop the run's embedded Redis: asked with its password first, then, if the very
+    process recorded at its start still runs, SIGTERM (and its end awaited)."""
     with contextlib.suppress(redis.RedisError, RunError):
         settings = _embedded_settings(
             info.redis_url, _embedded_password(info.dir), socket_timeout=2.0
         )
         connect(settings, retries=0).shutdown(save=False)
-    with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
-        pid = int(pidfile.read_text())
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(100):
-            os.kill(pid, 0)
-            time.sleep(0.05)
+    mark = read_mark(redis_mark_file(info.dir))
+    if mark is not None:
+        end_process(mark, kill=False)
 
 
 def _redis_up(settings: RedisSettings) -> bool:

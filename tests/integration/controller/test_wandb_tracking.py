@@ -549,6 +549,8 @@ def test_drive_run_hands_every_pass_and_the_end_to_the_fleet_tracker(
         def live_vms(self) -> list[Any]:
             return []
 
+    monkeypatch.setattr(drive, "claim_run", lambda info, owner: fleet_state)
+    monkeypatch.setattr(drive, "record_controller", lambda info, owner: None)
     monkeypatch.setattr(drive, "build_controller", lambda info, **kw: Ctl())
     monkeypatch.setattr(drive, "archive_run", lambda *a, **kw: None)
     monkeypatch.setattr(drive.FleetTracker, "start", lambda *a: Recorder())
