@@ -33,6 +33,7 @@ from spottrain.process_group import child_pids, descendants
 from spottrain.protocol.crashes import CRASH_FIELD, TRAINED_FIELD, Crash
 from spottrain.protocol.env import (
     ENV_CKPT_DIR,
+    ENV_INTEGRATION,
     ENV_NODE,
     ENV_PROGRESS_FILE,
     ENV_REDIS,
@@ -117,6 +118,8 @@ class Agent:
             scoped_leave=self.replica.leave_rendezvous if self.replica else None,
             # With the Redis quorum: the replica leaves it once its step is done.
             quorum_leave=self.replica.quorum_leave if self.replica else None,
+            signal_first=cfg.signals_first,
+            max_window=cfg.torchrun_shutdown_timeout,
         )
         self.proc: subprocess.Popen[bytes] | None = None
         # Held while torchrun is launched and while workers are stopped, so a notice that
@@ -347,9 +350,12 @@ class Agent:
             ENV_RUN_ID: self.cfg.run_id,
             ENV_REDIS: self.settings.address,
             # When torchrun itself is stopped (SIGTERM), it kills its workers this long after
-            # signalling them: long enough for an emergency checkpoint. (A restart for a
-            # membership change uses torch's fixed 30 s instead.)
-            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(self.cfg.worker_stop_timeout)),
+            # signalling them (torch's default: 30 s): at least the longest window the agent
+            # gives, whose own SIGKILL ends it. (A restart for a membership change uses
+            # torch's fixed 30 s instead.)
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(self.cfg.torchrun_shutdown_timeout),
+            # So an integration can check that the spec names it.
+            ENV_INTEGRATION: self.cfg.integration,
         }
         if self.cfg.ckpt_dir:
             env[ENV_CKPT_DIR] = self.cfg.ckpt_dir

@@ -22,6 +22,7 @@ from spottrain.protocol.env import (
     ENV_EXPECT_GPUS,
     ENV_FAULT_TOLERANCE,
     ENV_INSTANCE_TYPE,
+    ENV_INTEGRATION,
     ENV_LIGHTHOUSE,
     ENV_MANAGER_PORT,
     ENV_MAX_RESTARTS,
@@ -167,7 +168,16 @@ def _add_run_checkpoint_args(run: argparse.ArgumentParser) -> None:
         "--notice-margin",
         type=float,
         default=5.0,
-        help="stop waiting for the emergency checkpoint this many seconds before the deadline",
+        help="seconds before a notice's deadline the agent keeps for itself (leaving the "
+        "rendezvous, copying the checkpoint out, shipping logs): it stops waiting for the "
+        "emergency checkpoint then, and with --integration plain SIGKILLs the workers then",
+    )
+    run.add_argument(
+        "--integration",
+        default=env(ENV_INTEGRATION, "sdk"),
+        help="how the training script meets spottrain (the spec's train.integration): sdk, "
+        "hf, accelerate or lightning answer the agent's checkpoint request; plain (a script "
+        "that imports nothing of ours) gets SIGTERM at once on a notice",
     )
     run.add_argument(
         "--sigterm-grace",
@@ -403,6 +413,7 @@ def _run(args: argparse.Namespace) -> int:
         notice_margin=args.notice_margin,
         sigterm_grace=args.sigterm_grace,
         worker_stop_timeout=args.worker_stop_timeout,
+        integration=args.integration,
         metadata_endpoint=args.metadata_endpoint,
         poll_interval=args.poll_interval,
         max_restarts=args.max_restarts,

@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass, field
 
 from spottrain.protocol.env import (
+    ENV_INTEGRATION,
     ENV_QUORUM_HEARTBEAT_TIMEOUT,
     ENV_QUORUM_JOIN_TIMEOUT,
     ENV_QUORUM_RELAY_GROUP,
@@ -28,6 +29,11 @@ EXIT_OK, EXIT_TORCHRUN_FAILED, EXIT_CONFIG, EXIT_UNHEALTHY = 0, 1, 2, 3
 # --rdzv-conf keys that would carry a secret; password_env and password_file only say where
 # it is, and stay allowed.
 SECRET_RDZV_KEYS = frozenset({"password", "requirepass", "token"})
+
+
+# train.integration's values: "plain" (a script that imports nothing of ours) gets SIGTERM at
+# once on a notice; the others answer the agent's checkpoint request through Redis.
+INTEGRATIONS = ("sdk", "hf", "accelerate", "lightning", "plain")
 
 
 class AgentConfigError(ValueError):
@@ -55,6 +61,8 @@ class AgentConfig:
     notice_margin: float = 5.0
     sigterm_grace: float = 60.0
     worker_stop_timeout: float = 150.0
+    # How the training script meets spottrain (the spec's train.integration).
+    integration: str = "sdk"
     metadata_endpoint: str | None = None
     poll_interval: float = 2.0
     monitor_interval: float = 0.1
@@ -110,6 +118,20 @@ class AgentConfig:
         return self.fault_tolerance == "replica"
 
     @property
+    def signals_first(self) -> bool:
+        """A notice SIGTERMs the workers at once: nothing in a plain script answers the
+        checkpoint request, so waiting for its commit would only eat the script's window."""
+        return self.integration == "plain"
+
+    @property
+    def torchrun_shutdown_timeout(self) -> int:
+        """Seconds a SIGTERMed torchrun lets its workers run before it SIGKILLs them
+        (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``; torch's own default is 30 s): at least the
+        longest window the agent gives them (``--worker-stop-timeout``, the SIGTERM grace),
+        so torchrun never kills a saving worker before the agent's own deadline does."""
+        return int(-(-max(self.worker_stop_timeout, self.sigterm_grace) // 1))
+
+    @property
     def redis_quorum(self) -> bool:
         """Replica mode with the quorum in Redis (this agent runs the lighthouse shim)."""
         return self.replica_mode and self.quorum == "redis"
@@ -141,6 +163,22 @@ class AgentConfig:
         if self.orphan_timeout < 0:
             raise AgentConfigError(
                 f"orphan timeout {self.orphan_timeout:g} s must be >= 0 (0 turns it off)"
+            )
+        if self.integration not in INTEGRATIONS:
+            raise AgentConfigError(
+                f"integration {self.integration!r} (--integration, {ENV_INTEGRATION}) must be "
+                f"one of {', '.join(INTEGRATIONS)}"
+            )
+        if self.integration != "sdk" and self.replica_mode:
+            raise AgentConfigError(
+                f"integration {self.integration} cannot run in replica mode, which drives "
+                "torchft from spottrain's TrainSession: use --fault-tolerance elastic or "
+                "--integration sdk"
+            )
+        if not 0 <= self.notice_margin < 60:
+            raise AgentConfigError(
+                f"notice margin {self.notice_margin:g} s (--notice-margin) must be in 0..60 "
+                "seconds: the time the agent keeps for itself before a notice's deadline"
             )
         self._validate_replica()
         lo, sep, hi = self.nnodes.partition(":")

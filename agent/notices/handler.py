@@ -6,9 +6,12 @@ draining notice while a drain runs can only bring its deadline forward. For a dr
 notice it: marks the node draining, asks the trainers for an emergency checkpoint (a request
 in Redis; rank 0 polls it and every rank saves at the same step), waits until the checkpoint
 commits or until the deadline minus a safety margin, then leaves the rendezvous explicitly
-(the peers re-form at once) and stops the workers. A rebalance recommendation asks for an
-early checkpoint and marks the node at risk in its record (``at_risk``), where the controller
-reads it to start a replacement; the node keeps training until the controller drains it.
+(the peers re-form at once) and stops the workers. A plain script (``train.integration:
+plain``) answers no request: its workers get SIGTERM at once, with the whole window less the
+margin to save on their own, then SIGKILL; the node leaves the rendezvous once they are down.
+A rebalance recommendation asks for an early checkpoint and marks the node at risk in its
+record (``at_risk``), where the controller reads it to start a replacement; the node keeps
+training until the controller drains it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,14 @@ return id
 """
 
 
+def worker_window(deadline: float, now: float, margin: float, cap: float) -> float:
+    """Seconds the workers get between SIGTERM and SIGKILL when they are signalled at ``now``
+    for a drain due at ``deadline``: up to ``margin`` before the deadline (the agent keeps
+    that for itself: the leave, the copy, the logs), at most ``cap`` (torchrun's own
+    shutdown timeout, past which it kills them itself), and never under a second."""
+    return max(1.0, min(cap, deadline - margin - now))
+
+
 @dataclass
 class DrainOutcome:
     notice: Notice
@@ -77,6 +88,10 @@ class NoticeHandler:
             drain is asked for (the replica's id leaves the quorum when its manager stops,
             at the step boundary where the worker leaves: the survivors do not wait for a
             heartbeat timeout).
+        signal_first: A plain script (``train.integration: plain``): a draining notice
+            SIGTERMs the workers at once instead of asking for a checkpoint nobody answers.
+        max_window: The most seconds the workers may get between SIGTERM and SIGKILL
+            (torchrun's shutdown timeout).
     """
 
     def __init__(
@@ -95,8 +110,12 @@ class NoticeHandler:
         on_drained: Callable[[DrainOutcome, list[Notice]], None] | None = None,
         scoped_leave: Callable[[], bool] | None = None,
         quorum_leave: Callable[[bool], None] | None = None,
+        signal_first: bool = False,
+        max_window: float = float("inf"),
     ) -> None:
         self.client = client
+        self.signal_first = signal_first
+        self.max_window = max_window
         self.quorum_leave = quorum_leave
         self.scoped_leave = scoped_leave
         self.on_drained = on_drained
@@ -181,28 +200,12 @@ class NoticeHandler:
         t0 = self.clock()
         joined = self.lifecycle.state in (NodeState.JOINED, NodeState.CHECKPOINTING)
         self._advance(NodeState.DRAINING, f"{notice.kind.value} from {notice.source}")
-        step = None
         self._refused = None
-        if joined:
-            request_id = self._request(notice, drain=True)
-            if request_id == 0:
-                # Redis cannot carry the request: stop the workers instead. torchrun passes
-                # SIGTERM on, and workers that get it save at one step with every other rank.
-                self.record.event("checkpoint-by-signal", reason="Redis refused the request")
-                remaining = max(1.0, (self._deadline or self.clock()) - self.margin - self.clock())
-                self.stop_workers(remaining)
-            self._leave_quorum()
-            step = self._wait_commit(request_id, notice.seen_at, drain=True)
+        if self.signal_first:
+            step, left = self._drain_by_signal()
         else:
-            self.record.event("drain-without-checkpoint", reason="the node had not joined")
+            step, left = self._drain_by_request(notice, joined)
         waited = self.clock() - t0
-        # Withdrawn before leaving: the round that forms next must not read it again.
-        self._clear_request()
-        left = self._leave() if self.scoped_leave is None else False
-        remaining = max(1.0, (self._deadline or self.clock()) - self.clock())
-        self.stop_workers(remaining)
-        if self.scoped_leave is not None:
-            left = self.scoped_leave()
         self.outcome = DrainOutcome(notice, step, waited, left, self._refused)
         self.record.event(
             "drained",
@@ -223,6 +226,54 @@ class NoticeHandler:
                 self.record.event("after-drain-failed", error=str(exc))
         self._advance(NodeState.LEFT, "drained")
         self.done.set()
+
+    def _drain_by_signal(self) -> tuple[int | None, bool]:
+        """A plain script's drain: SIGTERM now, SIGKILL ``margin`` before the deadline, then
+        leave the rendezvous (before, torchrun could restart the saving workers for the
+        membership change, which kills them 30 s later whatever the window)."""
+        self._signal_workers(self._window(self.margin), "integration plain: it saves on SIGTERM")
+        left = self._leave() if self.scoped_leave is None else self.scoped_leave()
+        return None, left
+
+    def _drain_by_request(self, notice: Notice, joined: bool) -> tuple[int | None, bool]:
+        """Ask for a checkpoint and wait for its commit (or the deadline minus the margin),
+        leave the rendezvous, then stop the workers by the deadline."""
+        step = None
+        if joined:
+            request_id = self._request(notice, drain=True)
+            if request_id == 0:
+                # Redis cannot carry the request: stop the workers instead. torchrun passes
+                # SIGTERM on, and workers that get it save at one step with every other rank.
+                self.record.event("checkpoint-by-signal", reason="Redis refused the request")
+                self._signal_workers(self._window(self.margin), "Redis refused the request")
+            self._leave_quorum()
+            step = self._wait_commit(request_id, notice.seen_at, drain=True)
+        else:
+            self.record.event("drain-without-checkpoint", reason="the node had not joined")
+        # Withdrawn before leaving: the round that forms next must not read it again.
+        self._clear_request()
+        left = self._leave() if self.scoped_leave is None else False
+        why = "the checkpoint committed" if step is not None else "no checkpoint by the margin"
+        self._signal_workers(self._window(0.0), why)
+        if self.scoped_leave is not None:
+            left = self.scoped_leave()
+        return step, left
+
+    def _window(self, margin: float) -> float:
+        return worker_window(self._deadline or self.clock(), self.clock(), margin, self.max_window)
+
+    def _signal_workers(self, window: float, why: str) -> None:
+        """SIGTERM the workers, SIGKILL what is left ``window`` seconds later; the node's
+        events say when and how long they had (``spottrain logs`` shows it)."""
+        self.record.event(
+            "workers-signalled",
+            signal="SIGTERM",
+            window_s=round(window, 3),
+            margin_s=self.margin,
+            deadline=self._deadline,
+            why=why,
+        )
+        self.stop_workers(window)
 
     def _leave_quorum(self) -> None:
         if self.quorum_leave is None:
@@ -353,8 +404,15 @@ class NoticeHandler:
 
     # -- the early checkpoint ---------------------------------------------------------------
     def _early(self, notice: Notice) -> None:
-        if self.lifecycle.state is not NodeState.JOINED:
-            self.record.event("early-checkpoint-skipped", reason="the node has not joined")
+        skip = (
+            "integration plain: nothing answers a checkpoint request"
+            if self.signal_first
+            else "the node has not joined"
+            if self.lifecycle.state is not NodeState.JOINED
+            else ""
+        )
+        if skip:
+            self.record.event("early-checkpoint-skipped", reason=skip)
             self._early_thread = None
             return
         self._advance(NodeState.CHECKPOINTING, f"{notice.kind.value} from {notice.source}")

@@ -45,6 +45,7 @@ def validate(args: argparse.Namespace) -> int:
                     "valid": True,
                     "name": spec.name,
                     "fault_tolerance": spec.train.fault_tolerance.value,
+                    "integration": spec.train.integration.value,
                     "replica": _replica_json(spec),
                     "checkpoint_gb": size,
                     "windows": [
@@ -67,9 +68,8 @@ def validate(args: argparse.Namespace) -> int:
             f"clouds {', '.join(spec.resources.clouds)}, spot policy {spec.spot.policy.value}, "
             f"budget ${spec.budget.max_usd:,.2f}"
         )
-        replica = describe_replica(spec)
-        if replica:
-            print(f"  {replica}")
+        for line in filter(None, (_describe_integration(spec), describe_replica(spec))):
+            print(f"  {line}")
         if spec.fleet is not None:
             f = spec.fleet
             where = f.region if f.cloud == "aws" else f"{f.project}/{f.zone}"
@@ -90,6 +90,22 @@ def validate(args: argparse.Namespace) -> int:
     if args.check_clouds and not _check_clouds(spec, quiet=args.json):
         return EXIT_FAILED
     return EXIT_OK if fits else EXIT_WINDOW
+
+
+# validate's line for an integration other than the SDK's: what a notice does for it.
+_INTEGRATION_LINES = {
+    "hf": "the Trainer's spottrain callback saves on the agent's checkpoint request",
+    "accelerate": "spottrain's Accelerate helper saves on the agent's checkpoint request",
+    "lightning": "the Lightning spottrain callback saves on the agent's checkpoint request",
+    "plain": "on a notice the workers get SIGTERM at once and have until the deadline less "
+    "the agent's notice margin (5 s) to save on their own; then SIGKILL",
+}
+
+
+def _describe_integration(spec: JobSpec) -> str | None:
+    """validate's line for a job not on the SDK (None for one on it)."""
+    value = spec.train.integration.value
+    return f"integration {value}: {_INTEGRATION_LINES[value]}" if value != "sdk" else None
 
 
 def _replica_json(spec: JobSpec) -> dict[str, int | float | str] | None:

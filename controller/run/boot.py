@@ -186,6 +186,7 @@ def job_env(
     # Logs ship to <copy_to>/logs unless logs.to says otherwise: on the local cloud that is
     # beside the copies it really makes (local_copy_to), so its demo ships too.
     env.update(spec.logs.agent_env())
+    env.update(spec.train.integration_env())
     env.update(replica_agent_env(spec))
     env.update(vm_endpoint_env(spec, cloud))
     return {**trainer_env(spec.wandb, run_id), **spec.train.env, **env}

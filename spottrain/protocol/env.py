@@ -63,6 +63,12 @@ ENV_SECRET_ENV_FILE = "SPOTTRAIN_SECRET_ENV_FILE"
 ENV_POWEROFF_REQUEST = "SPOTTRAIN_POWEROFF_REQUEST"
 ENV_WORKER_USER = "SPOTTRAIN_WORKER_USER"
 
+# -- train.integration: how the script meets spottrain -----------------------------------------
+# The agent's, set by the boot script when it is not "sdk" (the default): sdk, hf, accelerate,
+# lightning or plain ("plain": a notice sends the workers SIGTERM at once). The agent sets it
+# for the workers too, always, so an integration can check that the spec names it.
+ENV_INTEGRATION = "SPOTTRAIN_INTEGRATION"
+
 # -- replica mode (train.fault_tolerance: replica) -------------------------------------------
 # The agent's, set by the boot script: the mode, the replica's size in nodes, the quorum's
 # floor and where the lighthouse listens (host:port, reached over http).

@@ -42,6 +42,41 @@ class FaultTolerance(StrEnum):
     REPLICA = "replica"
 
 
+class Integration(StrEnum):
+    """How the training script meets spottrain (``train.integration``; the agent's and the
+    workers' ``SPOTTRAIN_INTEGRATION``)."""
+
+    # spottrain's TrainSession: it answers the agent's checkpoint request through Redis.
+    SDK = "sdk"
+    # The Hugging Face Trainer with spottrain's callback; Accelerate with spottrain's helper;
+    # Lightning with spottrain's callback: each answers the request as the SDK does, in the
+    # framework's own checkpoint format.
+    HF = "hf"
+    ACCELERATE = "accelerate"
+    LIGHTNING = "lightning"
+    # A torchrun script that imports nothing of ours: nobody answers a request, so on a
+    # notice the agent sends SIGTERM at once and the script saves on its own.
+    PLAIN = "plain"
+
+
+INTEGRATION_DOC = (
+    "how the script meets spottrain: sdk (the default: it trains with spottrain's "
+    "TrainSession), hf (a Hugging Face Trainer with spottrain's callback), accelerate "
+    "(Accelerate with spottrain's helper), lightning (PyTorch Lightning with spottrain's "
+    "callback): each of these saves on the agent's checkpoint request; plain (a torchrun "
+    "script that imports nothing of spottrain's: on a notice its workers get SIGTERM at once "
+    "and have the whole window less the agent's notice margin, 5 s, to save on their own)"
+)
+
+# Why replica mode runs only the SDK, by integration (the refusal's reason).
+_REPLICA_ONLY_SDK = {
+    Integration.HF: "the Hugging Face Trainer owns its training loop and process group",
+    Integration.ACCELERATE: "Accelerate owns its training loop and process group",
+    Integration.LIGHTNING: "Lightning owns its training loop and process group",
+    Integration.PLAIN: "a plain script has no step boundary torchft can use",
+}
+
+
 class QuorumKind(StrEnum):
     """Where replica mode's per-step quorum forms (the agent's ``SPOTTRAIN_QUORUM``)."""
 
@@ -126,6 +161,7 @@ class TrainSpec(_Model):
         description="elastic: every membership change restarts every worker from the last "
         "checkpoint; replica: replicas leave and join while the others keep training",
     )
+    integration: Integration = Field(Integration.SDK, description=INTEGRATION_DOC)
     replica: ReplicaSpec = Field(
         default_factory=ReplicaSpec, description="replica mode's grouping (replica mode only)"
     )
@@ -202,6 +238,25 @@ class TrainSpec(_Model):
         if both:
             raise ValueError(f"{', '.join(both)}: set in both env and secret_env; keep one")
         return self
+
+    @model_validator(mode="after")
+    def _replica_runs_the_sdk(self) -> Self:
+        if self.fault_tolerance is FaultTolerance.REPLICA and self.integration in _REPLICA_ONLY_SDK:
+            raise ValueError(
+                f"integration {self.integration.value} cannot run in replica mode: replica "
+                "mode drives torchft's manager and its DDP/HSDP wrappers from spottrain's "
+                f"TrainSession, and {_REPLICA_ONLY_SDK[self.integration]}: use "
+                "fault_tolerance: elastic, or train with the SDK (integration: sdk)"
+            )
+        return self
+
+    def integration_env(self) -> dict[str, str]:
+        """The agent's ``SPOTTRAIN_INTEGRATION`` (for the boot script and the local cloud's
+        boot); empty for ``sdk``, the agent's default, so an SDK job's boot is what it was
+        before the key existed."""
+        if self.integration is Integration.SDK:
+            return {}
+        return {env_names.ENV_INTEGRATION: self.integration.value}
 
     @model_validator(mode="after")
     def _replica_only_in_replica_mode(self) -> Self:

@@ -133,6 +133,12 @@ resource "aws_instance" "controller" {
     # A newer Amazon Linux release must not replace a controller in the middle of a run.
     ignore_changes = [ami]
 
+    # The workers' integration is the agent's (integration): the spec's must be the same.
+    precondition {
+      condition     = var.controller_job_spec_yaml == "" || try(yamldecode(var.controller_job_spec_yaml).train.integration, "sdk") == var.integration
+      error_message = "controller_job_spec_yaml: its train.integration must match integration (${var.integration}); change whichever is wrong."
+    }
+
     # The controller runs the spec while the fleet boots from these variables: a spec in
     # another mode would drive VMs that train differently from what it plans for.
     precondition {

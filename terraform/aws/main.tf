@@ -107,6 +107,11 @@ locals {
   train_command_shell = join(" ", [for a in var.train_command : "'${replace(a, "'", "'\\''")}'"])
   train_command_env   = replace(replace(local.train_command_shell, "\\", "\\\\"), "\"", "\\\"")
 
+  # train.integration as the agent's SPOTTRAIN_INTEGRATION line (ending in a newline); empty
+  # for "sdk", the agent's default, so an SDK job's boot script is byte for byte what it was
+  # before the variable existed. tests/unit/terraform/replica_values.py mirrors it.
+  integration_env_line = var.integration == "sdk" ? "" : "SPOTTRAIN_INTEGRATION=\"${var.integration}\"\n"
+
   # --- replica mode ---------------------------------------------------------------------------
   replica = var.fault_tolerance == "replica"
   # Which quorum the replicas use: the Redis quorum (the default) lives in the run's Redis
@@ -179,6 +184,7 @@ locals {
     asg_name              = local.asg_name
     lifecycle_hook_name   = local.lifecycle_hook_name
     replica_env_lines     = local.replica_env_lines
+    integration_env_line  = local.integration_env_line
     replica_requirement   = local.replica_requirement
   }
 

@@ -238,6 +238,18 @@ variable "fault_tolerance" {
   }
 }
 
+variable "integration" {
+  type        = string
+  description = "How the training script meets spottrain, as its spec's train.integration: sdk (spottrain's TrainSession), hf (a Hugging Face Trainer with spottrain's callback), accelerate (Accelerate with spottrain's helper), lightning (Lightning with spottrain's callback): each saves on the agent's checkpoint request; plain (a torchrun script that imports nothing of spottrain's: on a notice its workers get SIGTERM at once and have the window less the agent's 5 s notice margin to save). Replica mode runs only sdk."
+  default     = "sdk"
+  nullable    = false
+
+  validation {
+    condition     = contains(["sdk", "hf", "accelerate", "lightning", "plain"], var.integration)
+    error_message = "integration must be \"sdk\", \"hf\", \"accelerate\", \"lightning\" or \"plain\"."
+  }
+}
+
 variable "nodes_per_replica" {
   type        = number
   description = "Replica mode: nodes in one replica (the spec's train.replica.nodes_per_replica); the replica shards the model inside and replicates across. Leave at 1 in elastic mode."

@@ -76,6 +76,12 @@ resource "google_compute_instance" "controller" {
   ]
 
   lifecycle {
+    # The workers' integration is the agent's (integration): the spec's must be the same.
+    precondition {
+      condition     = var.controller_job_spec == "" || try(yamldecode(var.controller_job_spec).train.integration, "sdk") == var.integration
+      error_message = "controller_job_spec: its train.integration must match integration (${var.integration}); change whichever is wrong."
+    }
+
     # The controller runs the spec while the nodes boot from these variables: a spec in
     # another mode would drive a fleet that trains differently from what it plans for.
     precondition {

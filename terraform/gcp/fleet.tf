@@ -92,6 +92,10 @@ resource "google_compute_instance_template" "fleet" {
       error_message = "replica_quorum = \"lighthouse\" needs create_controller = true: the torchft lighthouse, which every replica asks for each step's quorum, runs on the controller VM inside the fleet's network; the default replica_quorum = \"redis\" needs no controller VM."
     }
     precondition {
+      condition     = !local.replica || var.integration == "sdk"
+      error_message = "integration = \"${var.integration}\" cannot run with fault_tolerance = \"replica\": replica mode drives torchft's manager and its DDP/HSDP wrappers from spottrain's TrainSession, while the Hugging Face Trainer, Accelerate and Lightning own their loops and process groups and a plain script has no step boundary torchft can use: use fault_tolerance = \"elastic\", or integration = \"sdk\"."
+    }
+    precondition {
       condition     = local.replica || (var.nodes_per_replica == 1 && var.min_replicas == 1 && var.replica_quorum == "redis")
       error_message = "nodes_per_replica (${var.nodes_per_replica}), min_replicas (${var.min_replicas}) and replica_quorum (${var.replica_quorum}) apply only with fault_tolerance = \"replica\": set it, or leave them at 1, 1 and \"redis\"."
     }

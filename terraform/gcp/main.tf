@@ -101,6 +101,11 @@ locals {
   # tests/unit/terraform/test_terraform_gcp.py mirrors this expression; change both together.
   secret_env_table = join("", [for name, secret in var.secret_env : "${name} ${secret}\n"])
 
+  # train.integration as the agent's SPOTTRAIN_INTEGRATION line (ending in a newline); empty
+  # for "sdk", the agent's default, so an SDK job's boot script is byte for byte what it was
+  # before the variable existed. tests/unit/terraform/replica_values.py mirrors it.
+  integration_env_line = var.integration == "sdk" ? "" : "SPOTTRAIN_INTEGRATION=\"${var.integration}\"\n"
+
   # --- replica mode ---------------------------------------------------------------------------
   replica = var.fault_tolerance == "replica"
   # Which quorum the replicas use: the Redis quorum (the default) lives in the run's Redis
@@ -160,6 +165,7 @@ locals {
     ckpt_copy_to          = var.checkpoint_copy_to
     train_cmd_env         = local.train_cmd_env
     replica_env_lines     = local.replica_env_lines
+    integration_env_line  = local.integration_env_line
     replica_requirement   = local.replica_requirement
   }
 

@@ -16,6 +16,10 @@ from typing import Any
 
 REPLICA = '${var.fault_tolerance == "replica"}'
 LIGHTHOUSE = '${local.replica && var.replica_quorum == "lighthouse"}'
+# The agent's SPOTTRAIN_INTEGRATION line: none for "sdk", the agent's default.
+INTEGRATION_LINE = (
+    '${var.integration == "sdk" ? "" : "SPOTTRAIN_INTEGRATION=\\"${var.integration}\\"\\n"}'
+)
 REQUIREMENT = '${local.replica ? " \'spottrain[replica]==${var.spottrain_version}\'" : ""}'
 _ENV_LINES = re.compile(
     r'^\$\{local\.replica \? join\("", \[for line in concat\(\[(?P<items>.*)\], '
@@ -65,8 +69,25 @@ def env_line_templates(locals_: dict[str, Any], lighthouse: bool | None = None) 
 def replica_values(
     locals_: dict[str, Any], inputs: dict[str, Any], lighthouse: str
 ) -> dict[str, str]:
-    """``replica_env_lines`` and ``replica_requirement`` as Terraform would evaluate them for
-    ``inputs`` (variable values), with ``lighthouse`` as ``local.lighthouse_address``."""
+    """``replica_env_lines``, ``replica_requirement`` and ``integration_env_line`` as
+    Terraform would evaluate them for ``inputs`` (variable values), with ``lighthouse`` as
+    ``local.lighthouse_address``."""
+    return {
+        **_replica_values(locals_, inputs, lighthouse),
+        "integration_env_line": integration_env_line(locals_, inputs),
+    }
+
+
+def integration_env_line(locals_: dict[str, Any], inputs: dict[str, Any]) -> str:
+    """``local.integration_env_line`` as Terraform evaluates it for ``inputs``."""
+    assert locals_["integration_env_line"] == INTEGRATION_LINE, locals_["integration_env_line"]
+    value = str(inputs.get("integration", "sdk"))
+    return "" if value == "sdk" else f'SPOTTRAIN_INTEGRATION="{value}"\n'
+
+
+def _replica_values(
+    locals_: dict[str, Any], inputs: dict[str, Any], lighthouse: str
+) -> dict[str, str]:
     assert locals_["replica"] == REPLICA, locals_["replica"]
     assert locals_["lighthouse"] == LIGHTHOUSE, locals_["lighthouse"]
     assert locals_["replica_requirement"] == REQUIREMENT, locals_["replica_requirement"]

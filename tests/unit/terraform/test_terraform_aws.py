@@ -109,6 +109,8 @@ VARIABLES = {
     "replica_heartbeat_timeout_s": "auto",
     "replica_join_timeout_ms": "auto",
     "replica_relay_group_size": "auto",
+    # train.integration at its default (test_terraform_integration.py renders the others).
+    "integration": "sdk",
 }
 # The controller VM's private address, as AWS would give it.
 CONTROLLER_IP = "10.0.3.21"

@@ -54,6 +54,7 @@ REPLICA_VARIABLES = {
     "replica_heartbeat_timeout_s": "auto",
     "replica_join_timeout_ms": "auto",
     "replica_relay_group_size": "auto",
+    "integration": "sdk",
 }
 # A replica-mode fleet: 3 replicas of 2 nodes at most, a quorum of at least 2, in Redis.
 REPLICA = {
@@ -223,7 +224,7 @@ def test_fleet_refuses_a_replica_mode_that_cannot_form_a_quorum(
     mods: dict[str, Module], cloud: str
 ) -> None:
     mod = mods[cloud]
-    assert len(_replica_preconditions(mod, cloud)) == 5
+    assert len(_replica_preconditions(mod, cloud)) == 6
     assert _fleet_accepts(mod, cloud) == [], "elastic mode at the defaults"
     assert _fleet_accepts(mod, cloud, **REPLICA, lo=4, hi=6) == []
     assert _fleet_accepts(mod, cloud, **LIGHTHOUSE, lo=4, hi=6) == []
@@ -237,6 +238,11 @@ def test_fleet_refuses_a_replica_mode_that_cannot_form_a_quorum(
     assert "multiples of nodes_per_replica" in partial
     (stray,) = _fleet_accepts(mod, cloud, nodes_per_replica=2, lo=2, hi=6)
     assert "apply only with fault_tolerance" in stray
+    # Replica mode runs only the SDK (issue 27), as the spec says.
+    for integration in ("hf", "accelerate", "lightning", "plain"):
+        (other,) = _fleet_accepts(mod, cloud, **REPLICA, integration=integration, lo=4, hi=6)
+        assert other.startswith('integration = \\"${var.integration}\\" cannot run with')
+        assert _fleet_accepts(mod, cloud, integration=integration, lo=2, hi=6) == []
     (stray,) = _fleet_accepts(mod, cloud, replica_quorum="lighthouse", lo=2, hi=6)
     assert "replica_quorum (${var.replica_quorum}) apply only with fault_tolerance" in stray
     # The Redis quorum's own settings mean nothing to the lighthouse: refused, as the spec does.
