@@ -214,7 +214,7 @@ class CheckpointDir:
                 are untouched.
         """
         try:
-            reason = self._stale_reason(manifest, fence)
+            reason = self.stale_reason(manifest, fence)
             if reason is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
                 epoch = f" (fencing epoch {manifest.epoch})" if manifest.epoch >= 0 else ""
@@ -266,9 +266,44 @@ class CheckpointDir:
             )
         return target
 
-    def _stale_reason(
+    def commit_in_place(
+        self,
+        path: Path,
+        manifest: Manifest,
+        fence: Callable[[int], str | None] | None = None,
+    ) -> Path:
+        """Make ``path``, a checkpoint directory a framework wrote under its own name (the
+        Hugging Face Trainer's ``checkpoint-N``), complete: its manifest, written durably
+        last, is the commit point (there is no rename). Fenced as :meth:`commit`.
+
+        Raises:
+            StaleCommitError: the writer's generation is stale; ``path`` is left as it is
+                (without a manifest it never restores).
+            CheckpointDirError: the disk refused.
+        """
+        reason = self.stale_reason(manifest, fence)
+        if reason is not None:
+            epoch = f" (fencing epoch {manifest.epoch})" if manifest.epoch >= 0 else ""
+            raise StaleCommitError(
+                f"refused to commit {path.name} from rendezvous round {manifest.round}{epoch}: "
+                f"{reason}"
+            )
+        try:
+            write_file_durably(path / MANIFEST_NAME, manifest.to_bytes(), failpoint_name="manifest")
+            fsync_dir(path)
+            fsync_dir(path.parent)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                (path / MANIFEST_NAME).unlink()
+            raise CheckpointDirError(
+                exc.errno or 0, describe_os_error(exc, self.root, f"committing {path.name}")
+            ) from exc
+        return path
+
+    def stale_reason(
         self, manifest: Manifest, fence: Callable[[int], str | None] | None
     ) -> str | None:
+        """Why a commit of ``manifest`` must be refused (see :meth:`commit`), or None."""
         # Never the rounds of the committed manifests: rounds restart at 0 with a new
         # rendezvous state, and comparing them refused every commit after such a restart.
         if manifest.epoch >= 0:

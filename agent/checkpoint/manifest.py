@@ -1,10 +1,12 @@
 """The manifest that makes a checkpoint directory a checkpoint.
 
-Written last, inside the temporary directory, before the rename that commits it. It names
-every file with its size and CRC32 (computed while the file was written, never by reading it
-back), the step, the world size, the rendezvous round and the fencing epoch of the generation
-that wrote it (-1: none; see :mod:`.directory`). It carries its own checksum, so a torn or
-edited manifest is caught rather than trusted.
+Written last, inside the temporary directory, before the rename that commits it (or, for a
+checkpoint a framework wrote under its own name, in place: the manifest is then the commit
+point). It names every file (by path relative to the directory) with its size and CRC32
+(computed while the file was written, never by reading it back; a framework's files are read
+back once, see :func:`sum_files`), the step, the world size, the rendezvous round and the
+fencing epoch of the generation that wrote it (-1: none; see :mod:`.directory`). It carries
+its own checksum, so a torn or edited manifest is caught rather than trusted.
 """
 
 from __future__ import annotations
@@ -113,10 +115,42 @@ def file_crc32(path: Path) -> int:
     return crc
 
 
+def list_files(directory: Path) -> list[str]:
+    """The files of a checkpoint directory, by path relative to it ("/"-separated, sorted),
+    in its subdirectories too (a framework's checkpoint may have them), without the
+    manifest."""
+    out = []
+    for dirpath, _, names in os.walk(directory):
+        rel = Path(dirpath).relative_to(directory)
+        out += [(rel / n).as_posix() for n in names]
+    return sorted(n for n in out if n != MANIFEST_NAME)
+
+
+def sum_files(directory: Path, names: list[str]) -> dict[str, FileSum]:
+    """The size and CRC32 of each of ``names`` (relative to ``directory``), each file synced
+    to its disk first: for checkpoints a framework wrote, whose bytes spottrain never saw go
+    out, so they are read back (from the page cache, just written).
+
+    Raises:
+        OSError: a file is missing or unreadable.
+    """
+    out = {}
+    for name in names:
+        path = directory / name
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        out[name] = FileSum(size, file_crc32(path))
+    return out
+
+
 def verify_files(directory: Path, manifest: Manifest, *, checksums: bool = True) -> list[str]:
     """What is wrong with the files of a checkpoint against its manifest (empty: all good)."""
     problems: list[str] = []
-    present = {p.name for p in directory.iterdir() if p.name != MANIFEST_NAME}
+    present = set(list_files(directory))
     for name in sorted(present - set(manifest.files)):
         problems.append(f"{name} is not in the manifest")
     for name, want in sorted(manifest.files.items()):

@@ -81,8 +81,11 @@ unchanged in both modes; ``session.step`` stays the elastic loop's call.
 fence), :mod:`.signals` (SIGTERM), :mod:`.state` (:class:`ModelState`, :class:`RngState`, the
 staging copy of an asynchronous save), :mod:`.batch` (:class:`GlobalBatch`), :mod:`.timing`
 (step and compute times), :mod:`.tracking` (wandb) and :mod:`.token_cache` (tokenized data
-cached on the shared volume). The names above are importable from this package; it loads each
-module on first use, so the token cache's tokenizing processes do not import torch. The
+cached on the shared volume); :mod:`.integrations` gives scripts on the Hugging Face
+``Trainer``, Accelerate, Lightning or plain torchrun the same checkpointing through one
+object (see ``docs/integrations.md``). The names above are importable from this package;
+it loads each module on first use, so the token cache's tokenizing processes do not import
+torch. The
 environment variables it reads are the floor's (:mod:`spottrain.protocol.env`), re-exported
 here under their documented names.
 """

@@ -37,6 +37,20 @@ def local_flags(
     return flags
 
 
+def agreed_save(flags: list[int]) -> tuple[str, bool, int] | None:
+    """The save the agreed ``flags`` ask for at this step, as (kind, whether it drains, the
+    newest request id), or None: ``emergency`` for a drain (a notice's request or a rank's
+    SIGTERM), ``requested`` for an early checkpoint, ``periodic`` for one due by time."""
+    request_id = flags[_REQUEST]
+    if flags[_DRAIN] or flags[_SIGTERM]:
+        return "emergency", True, request_id
+    if flags[_EARLY]:
+        return "requested", False, request_id
+    if flags[_PERIODIC]:
+        return "periodic", False, request_id
+    return None
+
+
 class Agreement:
     """The reduce in flight and when the next agreement is due, the same on every rank.
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from spottrain.protocol.env import ENV_RUN_ID
+from spottrain.tracking import Tracker
 
 from ..checkpoint import dcp_io
 from .signals import EXIT_TRACKING_S, exit_clean
@@ -115,28 +118,52 @@ def average(params: list[torch.nn.Parameter], extra: list[torch.Tensor], world: 
 def after_drain_save(session: TrainSession, step: int, committed: bool) -> None:
     """After an emergency save for a drain (``_after_drain_save`` of :class:`TrainSession`):
     exit if this rank got SIGTERM, else hold until torchrun restarts it (or give up)."""
-    if session._sigterm:
+    hold_or_exit(
+        step,
+        committed,
+        sigterm=lambda: session._sigterm,
+        holding=session._holding,
+        tracker=session._tracker,
+        hold_timeout=session.hold_timeout,
+    )
+    session._served_request = max(session._served_request, session._requests.newest_id())
+
+
+def hold_or_exit(
+    step: int,
+    committed: bool,
+    *,
+    sigterm: Callable[[], bool],
+    holding: threading.Event,
+    tracker: Tracker,
+    hold_timeout: float,
+) -> None:
+    """After an emergency save for a drain, of any worker (the SDK's or a framework
+    integration's): exit 0 if this rank got SIGTERM (1 if the save did not commit), else
+    hold until torchrun restarts it (a SIGTERM then, caught by :class:`~.signals.SignalWatch`
+    while ``holding`` is set, exits 0). Returns only when ``hold_timeout`` passed without
+    one: the caller trains on (and counts the pending requests as served)."""
+    if sigterm():
         if committed:
-            exit_clean(f"stopping after the emergency checkpoint at step {step}", session._tracker)
+            exit_clean(f"stopping after the emergency checkpoint at step {step}", tracker)
         log.error(
             "the emergency checkpoint at step %d did not commit: stopping anyway; the "
             "steps since the newest committed checkpoint are lost",
             step,
         )
-        exit_clean("stopping without an emergency checkpoint", session._tracker, code=1)
-    session._holding.set()
-    session._tracker.flush(EXIT_TRACKING_S)  # its artifact, before a SIGTERM ends us
+        exit_clean("stopping without an emergency checkpoint", tracker, code=1)
+    holding.set()
+    tracker.flush(EXIT_TRACKING_S)  # its artifact, before a SIGTERM ends us
     log.warning(
         "holding after the emergency checkpoint at step %d until torchrun restarts this "
         "worker (at most %.0f s)",
         step,
-        session.hold_timeout,
+        hold_timeout,
     )
-    deadline = time.monotonic() + session.hold_timeout
+    deadline = time.monotonic() + hold_timeout
     while time.monotonic() < deadline:
-        if session._sigterm:
-            exit_clean(f"stopped while holding at step {step}", session._tracker)
+        if sigterm():
+            exit_clean(f"stopped while holding at step {step}", tracker)
         time.sleep(0.05)
-    session._holding.clear()
-    log.warning("no restart came within %.0f s: training on", session.hold_timeout)
-    session._served_request = max(session._served_request, session._requests.newest_id())
+    holding.clear()
+    log.warning("no restart came within %.0f s: training on", hold_timeout)

@@ -215,7 +215,13 @@ class TrainSession:
 
     def _install_signal_watch(self) -> SignalWatch | None:
         if threading.current_thread() is threading.main_thread():
-            return SignalWatch(self)
+            return SignalWatch(
+                self._on_sigterm,
+                self._holding,
+                self._stuck,
+                lambda: time.monotonic() - self._last_progress,
+                self._tracker,
+            )
         log.warning(
             "TrainSession made off the main thread: SIGTERM is not caught, so a "
             "shutdown will not trigger an emergency checkpoint"
@@ -437,6 +443,9 @@ class TrainSession:
 
     def _mark(self) -> None:
         self._last_progress = time.monotonic()
+
+    def _on_sigterm(self) -> None:
+        self._sigterm = True
 
     def _local_flags(self) -> list[int] | None:
         """This rank's flags, or None when all are zero (the common case, made cheap)."""

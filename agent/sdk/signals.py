@@ -10,13 +10,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING
 
 from spottrain.tracking import Tracker
-
-if TYPE_CHECKING:
-    from .session import TrainSession
 
 log = logging.getLogger("spottrain.sdk")
 
@@ -46,10 +43,29 @@ class SignalWatch:
     main thread is blocked in C++: if the loop is holding it exits at once, and if the loop
     is stuck (a peer died mid-collective) it exits after the grace, so torchrun's restart is
     not held up.
+
+    Args:
+        on_sigterm: Raises the worker's SIGTERM flag (a plain assignment: it runs in the
+            signal handler, where no lock may be taken).
+        holding: Set while the worker holds after an emergency checkpoint.
+        stuck: Whether the training loop looks stuck (then the worker exits 143).
+        idle_s: Seconds since the loop last made progress (for the log).
+        tracker: Finished on a clean exit.
     """
 
-    def __init__(self, session: TrainSession) -> None:
-        self.session = session
+    def __init__(
+        self,
+        on_sigterm: Callable[[], None],
+        holding: threading.Event,
+        stuck: Callable[[], bool],
+        idle_s: Callable[[], float],
+        tracker: Tracker | None = None,
+    ) -> None:
+        self._on_sigterm = on_sigterm
+        self._holding = holding
+        self._stuck = stuck
+        self._idle_s = idle_s
+        self._tracker = tracker
         self._r, self._w = socket.socketpair()
         self._r.setblocking(True)
         self._w.setblocking(False)
@@ -60,7 +76,7 @@ class SignalWatch:
         self._thread.start()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.session._sigterm = True
+        self._on_sigterm()
 
     def _run(self) -> None:
         while not self._stopped:
@@ -72,18 +88,17 @@ class SignalWatch:
                 return
             if signal.SIGTERM not in data:
                 continue
-            self.session._sigterm = True
+            self._on_sigterm()
             while not self._stopped:
-                if self.session._holding.is_set():
+                if self._holding.is_set():
                     exit_clean(
-                        "SIGTERM while holding after the emergency checkpoint",
-                        self.session._tracker,
+                        "SIGTERM while holding after the emergency checkpoint", self._tracker
                     )
-                if self.session._stuck():
+                if self._stuck():
                     log.error(
                         "SIGTERM and the training loop has not moved for %.1f s (a peer is "
                         "gone mid-collective): exiting without a checkpoint",
-                        time.monotonic() - self.session._last_progress,
+                        self._idle_s(),
                     )
                     logging.shutdown()
                     os._exit(143)
