@@ -30,10 +30,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 
+from spottrain.safetext import LINE_CONTROLS
+
 HEADER = "# spottrain environment lock"
-# C0 control characters but tab, and DEL: a lock is text of printable lines; one of these in
-# a header or a package line means the file is not what `spottrain lock` wrote.
-_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
 _HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
 _LINE = re.compile(
     r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)\s*"
@@ -100,11 +99,11 @@ def make_lock(
             lock's text would not read back as this lock).
     """
     for what in (target, *requires):
-        if _CONTROL.search(what):
+        if LINE_CONTROLS.search(what):
             raise LockError(f"{what!r}: a lock's header holds no control character")
     seen: dict[str, LockedPackage] = {}
     for p in packages:
-        if _CONTROL.search(p.name + p.version + p.url):
+        if LINE_CONTROLS.search(p.name + p.version + p.url):
             raise LockError(
                 f"{p.name!r}: a package's name, version or URL holds a control character"
             )
@@ -129,7 +128,8 @@ def parse_lock(text: str, source: str = "the lock") -> EnvLock:
     """
     target, requires, packages = "", [], []
     for n, raw in enumerate(text.splitlines(), 1):
-        bad = _CONTROL.search(raw)
+        # A lock is text of printable lines: `spottrain lock` never wrote this one.
+        bad = LINE_CONTROLS.search(raw)
         if bad:
             # Named by its escape only: the rest of the line may be a terminal's escape.
             raise LockError(

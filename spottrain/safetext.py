@@ -20,7 +20,10 @@ REDACTED = "[redacted]"
 # no secret, and replacing it would garble the line without protecting anything.
 MIN_SECRET_LEN = 6
 
-# C0 controls but tab, DEL, and the C1 controls (U+0080..U+009F: a terminal reads U+009B as
+# C0 controls but tab, and DEL: what a value bound for one line of a file (a lock, a unit's
+# setting) or for a shell must not hold. Public: every such check uses this one.
+LINE_CONTROLS = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
+# The same and the C1 controls (U+0080..U+009F: a terminal reads U+009B as
 # CSI, the same as ESC '[').
 _CONTROLS = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 # The same but newline: text spottrain itself puts on several lines.

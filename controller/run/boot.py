@@ -56,6 +56,7 @@ from spottrain.protocol import env as env_names
 from spottrain.protocol.events import EVENTS_MAXLEN
 from spottrain.protocol.keys import RunKeys
 from spottrain.protocol.node_logs import node_prefix
+from spottrain.safetext import LINE_CONTROLS
 from spottrain.spec import ArchiveCode, GitCode, ImageCode, JobSpec, replica_agent_env
 from spottrain.tracking import trainer_env
 
@@ -259,7 +260,6 @@ def heredoc(command: str, text: str, delimiter: str) -> str:
 
 # What a unit file's word may hold bare: anything else is quoted (systemd.syntax).
 _UNIT_BARE = re.compile(r"[A-Za-z0-9_@+=:,./-]+\Z")
-_CONTROLS = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def unit_word(value: str, *, exec_line: bool = False) -> str:
@@ -271,7 +271,7 @@ def unit_word(value: str, *, exec_line: bool = False) -> str:
     Raises:
         ValueError: a control character (a unit's setting is one line).
     """
-    if _CONTROLS.search(value):
+    if LINE_CONTROLS.search(value):
         raise ValueError(f"{value!r}: a systemd unit's setting cannot hold a control character")
     if _UNIT_BARE.match(value):
         return value

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, field_validator
 
 from spottrain.protocol.env import ENV_PREFIX
+from spottrain.safetext import LINE_CONTROLS
 
 _DIGEST_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._/:-]*@sha256:[0-9a-f]{64}\Z")
 _COMMIT_RE = re.compile(r"^([0-9a-f]{40}|[0-9a-f]{64})\Z")
@@ -76,15 +77,11 @@ def _check_secret_names(v: Mapping[str, str]) -> None:
             raise ValueError(f"{name}: {e}") from None
 
 
-# C0 control characters but tab, and DEL.
-_CONTROL_RE = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
-
-
 def _control_in(v: Any) -> str | None:
     """The first control character in a field's value (its strings, its items, a mapping's
     keys and values; a nested section checks its own)."""
     if isinstance(v, str):
-        m = _CONTROL_RE.search(v)
+        m = LINE_CONTROLS.search(v)
         return m.group() if m else None
     if isinstance(v, tuple | list):
         return next((c for c in map(_control_in, v) if c), None)
