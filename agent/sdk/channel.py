@@ -173,8 +173,14 @@ class RequestChannel:
             "write_s": round(result.write_s, 4),
             "at": time.time(),
         }
+        with self._lock:
+            progress, self._progress = self._progress, None
         try:
             pipe = self.client.pipeline(transaction=False)
+            if progress is not None:
+                # A drained rank 0 exits right after this: its last step reaches the run
+                # with the commit, not at a poll it will never make.
+                pipe.hset(self.keys.progress, mapping=progress)
             pipe.hset(self.keys.ckpt_last, mapping=record)
             events.append(
                 pipe, self.keys.events, events.record_event("checkpoint-committed", record)

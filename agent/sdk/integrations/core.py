@@ -581,10 +581,14 @@ class FrameworkSession:
         finally:
             self.phase = "training"
             self.last_progress = time.monotonic()
-        self.agreement.restart(pending)
-        self._served_request = max(self._served_request, order.request_id)
+        # Served before the next reduce starts, or its flags would carry this request again
+        # and the next step would save it a second time. A failed write leaves it pending:
+        # the next agreement tries again while there is time (a refusal is an answer).
+        if result.error is None:
+            self._served_request = max(self._served_request, order.request_id)
         if order.drain and result.manifest is not None:
             self._served_at = result.manifest.created_at
+        self.agreement.restart(pending)
         self.last_commit = result if result.committed else self.last_commit
         return result
 
