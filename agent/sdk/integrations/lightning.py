@@ -138,22 +138,10 @@ def loss_of(outputs: Any, metrics: dict[str, Any]) -> float | None:
     return None
 
 
-def answered(order: SaveOrder, served: int) -> bool:
-    """Whether ``order`` is an early checkpoint for a request a commit already answered: the
-    agreement restarted after a commit still carries the request's flag for one step (the
-    session marks the request served only after that restart). The same on every rank
-    (``served`` comes from commit results, which are). Drains are never dropped: a rank's
-    SIGTERM turns into the same kind of order."""
-    return order.kind == "requested" and 0 < order.request_id <= served
-
-
-def order_at(
-    step: int, agreed: SaveOrder | None, served: int, every_steps: int
-) -> SaveOrder | None:
-    """The save to make at ``step``: the agreed one (unless it asks again for a request
-    already answered, see :func:`answered`), else a periodic one every ``every_steps``
-    steps (0: never), the same on every rank."""
-    if agreed is not None and not answered(agreed, served):
+def order_at(step: int, agreed: SaveOrder | None, every_steps: int) -> SaveOrder | None:
+    """The save to make at ``step``: the agreed one, else a periodic one every
+    ``every_steps`` steps (0: never), the same on every rank."""
+    if agreed is not None:
         return agreed
     if every_steps and step % every_steps == 0:
         return SaveOrder(step, "periodic")
@@ -394,7 +382,6 @@ class SpotTrainCallback(Callback):
         self.session: FrameworkSession | None = None
         self.global_batch = 0
         self.last_step = -1
-        self.served = 0  # the newest request a commit of this session answered
 
     # -- start ---------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -409,7 +396,6 @@ class SpotTrainCallback(Callback):
         resolve_root(self.ckpt_dir)  # no volume: say so before any training
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.served = 0
         # Made here, after Lightning installed its SIGTERM handler: ours sits on top of it
         # while training runs and gives it back when the session closes.
         session = FrameworkSession("lightning", self.ckpt_dir, **self.options)
@@ -494,7 +480,7 @@ class SpotTrainCallback(Callback):
         self.last_step = step
         loss = loss_of(outputs, trainer.callback_metrics) if session.rank == 0 else None
         agreed = session.step(step, **({"loss": loss} if loss is not None else {}))
-        order = order_at(step, agreed, self.served, self.every_steps)
+        order = order_at(step, agreed, self.every_steps)
         if order is not None:
             self.save(trainer, order)
 
@@ -512,8 +498,6 @@ class SpotTrainCallback(Callback):
             result = session.commit_staged(
                 order, extra={"global_batch": self.global_batch, "file": CKPT_FILE}
             )
-        if result.committed:
-            self.served = max(self.served, order.request_id)
         session.after_commit(result)
         return result
 

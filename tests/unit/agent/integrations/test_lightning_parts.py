@@ -16,7 +16,6 @@ from spottrain.agent.sdk.integrations.lightning import (
     ResumableDataLoader,
     SpotTrainCallback,
     accumulation_for,
-    answered,
     batch_change_warning,
     check_resumed_from,
     epoch_order,
@@ -46,19 +45,12 @@ def test_a_changed_global_batch_is_reported_with_the_figures_and_the_fix() -> No
     assert batch_change_warning(0, 8, 16, 4) is None  # a checkpoint that did not record it
 
 
-def test_an_early_request_already_committed_is_not_saved_again() -> None:
-    assert answered(SaveOrder(6, "requested", False, 3), served=3)
-    assert not answered(SaveOrder(6, "requested", False, 4), served=3)
-    # A drain is never dropped: a rank's SIGTERM makes the same kind of order.
-    assert not answered(SaveOrder(6, "emergency", True, 3), served=3)
-
-
 def test_periodic_saves_come_every_n_steps_and_agreed_ones_first() -> None:
     early = SaveOrder(10, "requested", False, 2)
-    assert order_at(10, early, served=0, every_steps=5) == early
-    assert order_at(10, early, served=2, every_steps=5) == SaveOrder(10, "periodic")
-    assert order_at(11, None, served=0, every_steps=5) is None
-    assert order_at(10, None, served=0, every_steps=0) is None
+    assert order_at(10, early, every_steps=5) == early
+    assert order_at(10, None, every_steps=5) == SaveOrder(10, "periodic")
+    assert order_at(11, None, every_steps=5) is None
+    assert order_at(10, None, every_steps=0) is None
 
 
 def test_the_loss_comes_from_the_step_output_then_the_logged_metrics() -> None:
