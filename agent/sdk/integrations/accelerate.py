@@ -73,6 +73,7 @@ from .core import (
     CommitResult,
     FrameworkSession,
     SaveOrder,
+    accumulation_for,
     check_inside,
     resolve_root,
     warn_version,
@@ -95,7 +96,6 @@ __all__ = [
     "Position",
     "PositionState",
     "SpotAccelerate",
-    "accumulation_steps",
     "global_batch_change",
     "resume_skip",
 ]
@@ -119,31 +119,6 @@ class Position:
     def global_batch(self) -> int:
         """Samples per optimizer step (0 when ``per_device`` is unknown)."""
         return self.per_device * self.accumulation * self.world
-
-
-def accumulation_steps(global_batch: int, per_device: int, world: int) -> int:
-    """Micro-batches per optimizer step that keep ``global_batch`` samples per step with
-    ``per_device`` samples per rank and ``world`` ranks.
-
-    Raises:
-        ValueError: a size is not positive, or ``global_batch`` is not a multiple of
-            ``per_device x world`` (the message gives the figures).
-    """
-    if global_batch <= 0 or per_device <= 0 or world <= 0:
-        raise ValueError(
-            f"global batch {global_batch}, per-device batch {per_device} and world size "
-            f"{world} must all be positive"
-        )
-    per_round = per_device * world
-    if global_batch % per_round:
-        raise ValueError(
-            f"global batch {global_batch} is not a multiple of per-device batch {per_device} "
-            f"x world size {world} = {per_round}: gradient accumulation cannot keep it at this "
-            "world size; choose a global batch that every allowed world size x "
-            f"{per_device} divides (e.g. {per_round * max(1, global_batch // per_round)}), "
-            "or a per-device batch that divides it"
-        )
-    return global_batch // per_round
 
 
 def resume_skip(saved: Position, world: int, per_device: int) -> tuple[int, str | None]:
@@ -304,7 +279,7 @@ class SpotAccelerate:
                     f"global_batch={global_batch} needs per_device=<the dataloader's batch "
                     "size> to compute the gradient accumulation"
                 )
-            steps = accumulation_steps(global_batch, per_device, world)
+            steps = accumulation_for(global_batch, per_device, world, "gradient_accumulation_steps")
             accelerator.gradient_accumulation_steps = steps
             log.warning(
                 "global batch %d = per-device %d x world size %d x gradient accumulation %d",

@@ -197,6 +197,32 @@ def warn_version(dist_name: str, extra: str) -> str | None:
     return problem
 
 
+def accumulation_for(global_batch: int, per_device: int, world: int, setting: str) -> int:
+    """Micro-batches per optimizer step (the framework's ``setting``) that keep the global
+    batch at ``global_batch`` with ``per_device`` samples per rank and ``world`` ranks: how
+    a job keeps its optimisation when a node leaves or joins.
+
+    Raises:
+        ValueError: a size is not positive, or ``global_batch`` is not a multiple of
+            ``per_device x world`` (the message gives the figures and a fit).
+    """
+    if global_batch <= 0 or per_device <= 0 or world <= 0:
+        raise ValueError(
+            f"global batch {global_batch}, per-device batch {per_device} and world size "
+            f"{world} must all be positive"
+        )
+    per_step = per_device * world
+    if global_batch % per_step:
+        raise ValueError(
+            f"global batch {global_batch} is not a multiple of per-device batch {per_device} x "
+            f"world size {world} = {per_step}: {setting} cannot keep it at this world size; "
+            f"choose a global batch that every allowed world size x {per_device} divides "
+            f"(e.g. {per_step * max(1, global_batch // per_step)}), or a per-device batch "
+            "that divides it"
+        )
+    return global_batch // per_step
+
+
 def check_inside(path: str | os.PathLike[str], root: Path, setting: str) -> Path:
     """``path`` if it is inside the checkpoint volume ``root``.
 

@@ -63,6 +63,7 @@ from ...checkpoint.manifest import Manifest, ManifestError
 from .core import (
     FrameworkSession,
     SaveOrder,
+    accumulation_for,
     check_inside,
     find_complete,
     resolve_root,
@@ -106,21 +107,7 @@ def accumulation_steps(global_batch: int, per_device: int, world: int | None = N
             ``per_device x world`` (the message gives the figures and the nearest fits).
     """
     w = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    if global_batch <= 0 or per_device <= 0 or w <= 0:
-        raise ValueError(
-            f"global batch {global_batch}, per-device batch {per_device} and world size {w} "
-            "must all be positive"
-        )
-    per_step = per_device * w
-    if global_batch % per_step:
-        raise ValueError(
-            f"global batch {global_batch} is not a multiple of per-device batch {per_device} x "
-            f"world size {w} = {per_step}: the Trainer cannot keep it at this world size; "
-            f"choose a global batch that every allowed world size x {per_device} divides "
-            f"(e.g. {per_step * max(1, global_batch // per_step)}), or a per-device batch "
-            "that divides it"
-        )
-    return global_batch // per_step
+    return accumulation_for(global_batch, per_device, w, "gradient_accumulation_steps")
 
 
 def last_checkpoint(output_dir: str | os.PathLike[str]) -> str | None:

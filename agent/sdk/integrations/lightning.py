@@ -69,6 +69,7 @@ from .core import (
     CommitResult,
     FrameworkSession,
     SaveOrder,
+    accumulation_for,
     outside_root,
     resolve_root,
     warn_version,
@@ -84,28 +85,6 @@ class CallbackAttachedTwiceError(RuntimeError):
 
 
 # -- pure parts ---------------------------------------------------------------------------------
-def accumulation_for(global_batch: int, per_device: int, world: int) -> int:
-    """``accumulate_grad_batches`` that keeps the global batch at ``global_batch`` with
-    ``per_device`` samples per device and ``world`` ranks.
-
-    Raises:
-        ValueError: a size is not positive, or ``global_batch`` is not a multiple of
-            ``per_device x world`` (the message gives the figures and a fit).
-    """
-    if global_batch <= 0 or per_device <= 0 or world <= 0:
-        raise ValueError(
-            f"global batch {global_batch}, per-device batch {per_device} and world size "
-            f"{world} must all be positive"
-        )
-    per_step = per_device * world
-    if global_batch % per_step:
-        raise ValueError(
-            f"global batch {global_batch} is not a multiple of per-device batch {per_device} x "
-            f"world size {world} = {per_step}: accumulate_grad_batches cannot keep it at this "
-            f"world size; choose a global batch that every allowed world size x {per_device} "
-            f"divides (e.g. {per_step * max(1, global_batch // per_step)})"
-        )
-    return global_batch // per_step
 
 
 def batch_change_warning(before: int, before_world: int, now: int, world: int) -> str | None:
@@ -450,7 +429,9 @@ class SpotTrainCallback(Callback):
         if not isinstance(per_device, int):
             return 0
         if self.wanted_batch is not None:
-            accumulate = accumulation_for(self.wanted_batch, per_device, world)
+            accumulate = accumulation_for(
+                self.wanted_batch, per_device, world, "accumulate_grad_batches"
+            )
             if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):  # type: ignore[attr-defined]
                 log.warning(
                     "GradientAccumulationScheduler sets accumulate_grad_batches itself: "
@@ -532,6 +513,5 @@ __all__ = [
     "ResumableDataLoader",
     "ResumableSampler",
     "SpotTrainCallback",
-    "accumulation_for",
     "last_checkpoint",
 ]

@@ -9,23 +9,28 @@ import pytest
 from spottrain.agent.sdk.integrations.accelerate import (
     Position,
     PositionState,
-    accumulation_steps,
     global_batch_change,
     resume_skip,
 )
+from spottrain.agent.sdk.integrations.core import accumulation_for
 
 
 def test_accumulation_keeps_the_global_batch_at_each_world_size() -> None:
-    assert [accumulation_steps(32, 4, w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert [accumulation_for(32, 4, w, "gradient_accumulation_steps") for w in (1, 2, 4, 8)] == [
+        8,
+        4,
+        2,
+        1,
+    ]
 
 
 def test_a_global_batch_the_world_cannot_divide_is_refused_with_the_figures() -> None:
     with pytest.raises(
         ValueError, match=r"global batch 32 is not a multiple of .* = 12.*e\.g\. 24"
     ):
-        accumulation_steps(32, 4, 3)
+        accumulation_for(32, 4, 3, "gradient_accumulation_steps")
     with pytest.raises(ValueError, match="must all be positive"):
-        accumulation_steps(32, 0, 2)
+        accumulation_for(32, 0, 2, "gradient_accumulation_steps")
 
 
 def test_at_the_saved_world_size_the_resume_skips_the_batches_each_rank_took() -> None:

@@ -10,12 +10,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from spottrain.agent.sdk.integrations.core import CheckpointPathError, SaveOrder
+from spottrain.agent.sdk.integrations.core import CheckpointPathError, SaveOrder, accumulation_for
 from spottrain.agent.sdk.integrations.lightning import (
     CallbackAttachedTwiceError,
     ResumableDataLoader,
     SpotTrainCallback,
-    accumulation_for,
     batch_change_warning,
     check_resumed_from,
     epoch_order,
@@ -26,14 +25,16 @@ from spottrain.agent.sdk.integrations.lightning import (
 
 
 def test_accumulation_keeps_the_global_batch_as_the_world_shrinks() -> None:
-    assert [accumulation_for(32, 4, world) for world in (8, 4, 2, 1)] == [1, 2, 4, 8]
+    assert [
+        accumulation_for(32, 4, world, "accumulate_grad_batches") for world in (8, 4, 2, 1)
+    ] == [1, 2, 4, 8]
 
 
 def test_a_global_batch_the_world_cannot_divide_is_refused_with_a_fit() -> None:
     with pytest.raises(ValueError, match=r"not a multiple of per-device batch 4 x world size 3"):
-        accumulation_for(32, 4, 3)
+        accumulation_for(32, 4, 3, "accumulate_grad_batches")
     with pytest.raises(ValueError, match="must all be positive"):
-        accumulation_for(32, 0, 2)
+        accumulation_for(32, 0, 2, "accumulate_grad_batches")
 
 
 def test_a_changed_global_batch_is_reported_with_the_figures_and_the_fix() -> None:
