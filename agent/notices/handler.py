@@ -41,7 +41,7 @@ CLOCK_SLACK = 2.0  # seconds of clock difference allowed between this host and r
 
 # Number the request and publish it in one step: a request visible under a lower id than
 # one published after it would let "the newest id was served" skip it.
-_REQUEST_LUA = """
+REQUEST_LUA = """
 local id = redis.call('INCR', KEYS[1])
 local body = cjson.decode(ARGV[2])
 body['id'] = id
@@ -295,7 +295,7 @@ class NoticeHandler:
         try:
             request_id = int(
                 self.client.eval(
-                    _REQUEST_LUA,
+                    REQUEST_LUA,
                     2,
                     self.keys.ckpt_request_seq,
                     self.keys.ckpt_requests,
