@@ -178,6 +178,10 @@ class CheckpointCopier:
         from spottrain.cloud.storage import CorruptObject, IncompleteCopy, download_dir
 
         step = _step_of(name)
+        # A framework's copy (checkpoint-N) is not a step-N that committed() sees: an earlier
+        # boot on this shared volume may have brought it in already.
+        if (self.ckpt_dir / name).is_dir() and ckdir.check(step, self.ckpt_dir / name) is None:
+            return None
         # A name that no writer uses, and that pruning clears as a dead temporary directory.
         tmp = self.ckpt_dir / f".tmp-{name}-r-1-pull"
         shutil.rmtree(tmp, ignore_errors=True)  # a pull that died here before

@@ -814,6 +814,24 @@ def test_with_no_usable_copy_a_node_with_an_empty_volume_refuses_to_start_from_n
     assert [s for s, _ in own.committed()] == [5]
 
 
+def test_a_frameworks_copy_already_brought_in_by_a_node_of_the_zone_is_used_by_the_next(
+    backend: Backend, tmp_path: Path, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    """A framework's checkpoint-N (the Trainer's, committed in place) is not a step-N of the
+    volume's own: the second node to boot on the zone's shared volume finds the copy the
+    first brought in, rather than failing to rename its download onto it."""
+    old = CheckpointDir(_mkdir(tmp_path / "zone-a"))
+    framework = _mkdir(tmp_path / "zone-a" / "hf") / "checkpoint-5"
+    _commit_checkpoint(old, 5).rename(framework)
+    _copy_out(backend, run_keys, framework)
+    volume = tmp_path / "zone-b"
+    first = _copier(backend, volume, redis_client, run_keys).pull_newest()
+    second = _copier(backend, volume, redis_client, run_keys).pull_newest()
+    assert (first.step, second.step) == (5, 5)
+    assert CheckpointDir(volume).check(5, volume / "checkpoint-5") is None
+    assert [p.name for p in volume.iterdir() if p.name.startswith(".tmp")] == []
+
+
 # --- backend-specific -----------------------------------------------------------------------
 
 
