@@ -8,7 +8,7 @@ local cloud: ``spottrain up examples/hf_job.yaml``.
 
 The model is built from a small config (no download) and the data is made here,
 deterministically: token rows with a pattern to learn, sample ``i`` the same in every
-process. Checkpoints are the Trainer's own, under ``$SPOTTRAIN_CKPT_DIR/hf``.
+process. Checkpoints are the Trainer's own, in ``$SPOTTRAIN_CKPT_DIR``.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def main() -> None:
     parser.add_argument(
         "--output-dir",
         type=Path,
-        default=Path(os.environ.get("SPOTTRAIN_CKPT_DIR", "checkpoints")) / "hf",
+        # The volume itself: checkpoint copies (checkpoint.copy_to) come back at its top.
+        default=Path(os.environ.get("SPOTTRAIN_CKPT_DIR", "checkpoints")),
     )
     opts = parser.parse_args()
     args = TrainingArguments(

@@ -78,7 +78,7 @@ def job_spec(volume: Path) -> dict[str, Any]:
 
 def start_reference(root: Path) -> subprocess.Popen[bytes]:
     """The uninterrupted run: the same script under a plain torchrun with two workers, no
-    Redis; its final checkpoint is ``root/hf/checkpoint-STEPS``, its output ``root/log``."""
+    Redis; its final checkpoint is ``root/checkpoint-STEPS``, its output ``root/log``."""
     root.mkdir()
     env = {
         **os.environ,
@@ -211,7 +211,7 @@ def test_a_trainer_script_survives_a_notice_and_a_kill_and_ends_with_uninterrupt
     assert done["steps_lost"] == lost, (done, restores)
     log = tmp_path / "reference" / "log"
     assert reference.wait(TIMEOUT) == 0, log.read_text(errors="replace")[-4000:]
-    want = load_file(tmp_path / "reference" / "hf" / f"checkpoint-{STEPS}" / "model.safetensors")
+    want = load_file(tmp_path / "reference" / f"checkpoint-{STEPS}" / "model.safetensors")
     got = final_weights(volume)
     assert want.keys() == got.keys()
     different = [k for k in want if not torch.equal(want[k], got[k])]
