@@ -49,7 +49,7 @@ LOCAL: dict[str, Any] = {
 }
 
 
-def _with(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+def spec_with(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
     """A copy of ``base`` with the dotted ``path`` set to ``value`` (``...`` deletes it)."""
     data = copy.deepcopy(base)
     *parents, last = path.split(".")

@@ -20,7 +20,7 @@ import redis
 import yaml
 from harnesses.asg import AsgFleet
 from harnesses.aws import AwsHarness
-from spec_samples import FLEET_AWS, _with
+from spec_samples import FLEET_AWS, spec_with
 
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.controller.cli import main as cli
@@ -99,11 +99,11 @@ def test_up_scale_status_down_on_a_terraform_fleet(
     for k, v in fleet.process_env().items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
-    data = _with(FLEET_AWS, "fleet.run_id", run_id)
-    data = _with(data, "fleet.group", fleet.name)
-    data = _with(data, "fleet.lifecycle_hook", fleet.hook_name)
-    data = _with(data, "nodes", {"min": 1, "max": 4, "gpus": 8})
-    data = _with(data, "redis", {"url": f"redis://{redis_server.endpoint}"})
+    data = spec_with(FLEET_AWS, "fleet.run_id", run_id)
+    data = spec_with(data, "fleet.group", fleet.name)
+    data = spec_with(data, "fleet.lifecycle_hook", fleet.hook_name)
+    data = spec_with(data, "nodes", {"min": 1, "max": 4, "gpus": 8})
+    data = spec_with(data, "redis", {"url": f"redis://{redis_server.endpoint}"})
     spec = tmp_path / "fleet.yaml"
     spec.write_text(yaml.safe_dump(data))
     client = redis_server.client()

@@ -25,7 +25,7 @@ import yaml
 from boot_text import whole_boot
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from spec_samples import COMMIT, VALID, _with
+from spec_samples import COMMIT, VALID, spec_with
 
 from spottrain.controller.run.boot import NodeIdentity
 from spottrain.spec import parse_spec
@@ -245,8 +245,8 @@ def test_the_readme_job_with_secrets_leaks_them_nowhere(home: Path, tmp_path: Pa
 @pytest.mark.parametrize("cloud", ["aws", "gcp"])
 def test_a_cloud_vms_boot_script_holds_no_secret(cloud: str) -> None:
     """The same secrets for a cloud job: the script names where they are, never what."""
-    data = _with(VALID, "train.secret_env", {"JOB_TOKEN": "job-token"})
-    data = _with(
+    data = spec_with(VALID, "train.secret_env", {"JOB_TOKEN": "job-token"})
+    data = spec_with(
         data,
         "code",
         {"git": {"repo": "https://github.com/acme/t", "commit": COMMIT, "token_secret": "gh"}},

@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE.parent))  # tests/ for spec_samples
 sys.path.insert(0, str(HERE))  # for golden_state
 
 from golden_state import make_state  # noqa: E402
-from spec_samples import LOCAL, _with  # noqa: E402
+from spec_samples import LOCAL, spec_with  # noqa: E402
 
 from spottrain.agent.checkpoint.directory import step_name  # noqa: E402
 from spottrain.agent.checkpoint.manifest import Manifest  # noqa: E402
@@ -105,8 +105,8 @@ def dump_run(client: redis.Redis, keys: RunKeys) -> dict[str, Any]:
 
 # -- the flow -----------------------------------------------------------------------------------
 def _controller(cloud: LocalProvider, client: redis.Redis, keys: RunKeys) -> Controller:
-    data = _with(LOCAL, "nodes", {"min": 1, "max": 2, "gpus": 0})
-    data = _with(data, "budget", {"max_usd": 1000})
+    data = spec_with(LOCAL, "nodes", {"min": 1, "max": 2, "gpus": 0})
+    data = spec_with(data, "budget", {"max_usd": 1000})
     spec = parse_spec(yaml.safe_dump(data)).spec
     return Controller(
         spec=spec,

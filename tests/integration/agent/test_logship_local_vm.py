@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from spec_samples import LOCAL, _with
+from spec_samples import LOCAL, spec_with
 
 from spottrain.cloud.base import LaunchRequest, Market, OfferQuery
 from spottrain.cloud.local.compute import LocalProvider
@@ -48,12 +48,12 @@ def _launch(
     """A local VM running node-0 of ``run``, whose training is ``train``; its VM id and
     the directory its logs are shipped to."""
     (tmp_path / "train.py").write_text(train)
-    data = _with(LOCAL, "train.command", [str(tmp_path / "train.py")])
-    data = _with(data, "checkpoint.volume.path", str(tmp_path / "volume"))
-    data = _with(data, "controller", {"orphan_timeout_minutes": 0})
-    data = _with(data, "local.notice_s", NOTICE_S)
+    data = spec_with(LOCAL, "train.command", [str(tmp_path / "train.py")])
+    data = spec_with(data, "checkpoint.volume.path", str(tmp_path / "volume"))
+    data = spec_with(data, "controller", {"orphan_timeout_minutes": 0})
+    data = spec_with(data, "local.notice_s", NOTICE_S)
     if logs:
-        data = _with(data, "logs", logs)
+        data = spec_with(data, "logs", logs)
     spec = parse_spec(yaml.safe_dump(data)).spec
     copies = tmp_path / "store" / "checkpoints"
     copies.mkdir(parents=True)

@@ -19,7 +19,7 @@ import yaml
 from box.ec2_front import Ec2Front
 from harnesses.aws import FAKE_CREDENTIALS, AwsHarness
 from harnesses.gcp import MACHINE_TYPE, GcpHarness
-from spec_samples import VALID, _with
+from spec_samples import VALID, spec_with
 from wheelhouse import lock_of
 
 from spottrain.cloud.aws import AwsProvider
@@ -72,10 +72,12 @@ def _job(tmp_path: Path, redis_url: str, **packages: Any) -> Path:
     (tmp_path / "code").mkdir(exist_ok=True)
     (tmp_path / "store").mkdir(exist_ok=True)
     (tmp_path / "code" / "train.py").write_text("print('hi')\n")
-    data = _with(VALID, "code", {"archive": {"path": "code", "store": f"file://{tmp_path}/store"}})
-    data = _with(data, "redis", {"url": redis_url})
+    data = spec_with(
+        VALID, "code", {"archive": {"path": "code", "store": f"file://{tmp_path}/store"}}
+    )
+    data = spec_with(data, "redis", {"url": redis_url})
     if packages:
-        data = _with(data, "packages", packages)
+        data = spec_with(data, "packages", packages)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

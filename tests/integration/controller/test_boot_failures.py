@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 import yaml
-from spec_samples import LOCAL, _with
+from spec_samples import LOCAL, spec_with
 
 from spottrain.cloud.base import Instance, LaunchRequest, Market, TransientError
 from spottrain.cloud.local.compute import LocalProvider
@@ -43,9 +43,9 @@ def cloud(tmp_path: Path) -> Iterator[LocalProvider]:
 
 
 def _spec(max_nodes: int = 1, max_failed: int = 3) -> JobSpec:
-    data = _with(LOCAL, "nodes", {"min": 1, "max": max_nodes, "gpus": 0})
-    data = _with(data, "budget", {"max_usd": 1000})
-    data = _with(data, "controller", {"max_failed_launches": max_failed})
+    data = spec_with(LOCAL, "nodes", {"min": 1, "max": max_nodes, "gpus": 0})
+    data = spec_with(data, "budget", {"max_usd": 1000})
+    data = spec_with(data, "controller", {"max_failed_launches": max_failed})
     return parse_spec(yaml.safe_dump(data)).spec
 
 

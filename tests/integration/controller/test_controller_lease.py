@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 import yaml
-from spec_samples import LOCAL, _with
+from spec_samples import LOCAL, spec_with
 
 from spottrain.cloud.base import Instance, LaunchRequest
 from spottrain.cloud.local.compute import LocalProvider
@@ -68,8 +68,8 @@ def cloud(tmp_path: Path) -> Iterator[LocalProvider]:
 
 
 def _controller(provider: Any, client: redis.Redis, keys: RunKeys, nodes: int) -> Controller:
-    data = _with(LOCAL, "nodes", {"min": 1, "max": nodes, "gpus": 0})
-    data = _with(data, "budget", {"max_usd": 1000})
+    data = spec_with(LOCAL, "nodes", {"min": 1, "max": nodes, "gpus": 0})
+    data = spec_with(data, "budget", {"max_usd": 1000})
     spec = parse_spec(yaml.safe_dump(data)).spec
     return Controller(
         spec=spec,

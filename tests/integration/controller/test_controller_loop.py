@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
-from spec_samples import LOCAL, _with
+from spec_samples import LOCAL, spec_with
 
 from spottrain.agent.lifecycle import Lifecycle
 from spottrain.agent.node_record import NodeInfo, NodeRecord
@@ -58,10 +58,10 @@ def _controller(
     max_nodes: int = 4,
     **train: object,
 ) -> Controller:
-    data = _with(LOCAL, "nodes", {"min": 1, "max": max_nodes, "gpus": 0})
+    data = spec_with(LOCAL, "nodes", {"min": 1, "max": max_nodes, "gpus": 0})
     for key, value in train.items():
-        data = _with(data, f"train.{key}", value)
-    data = _with(data, "budget", {"max_usd": 1000})
+        data = spec_with(data, f"train.{key}", value)
+    data = spec_with(data, "budget", {"max_usd": 1000})
     spec = parse_spec(yaml.safe_dump(data)).spec
     return Controller(
         spec=spec,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 import yaml
-from spec_samples import LOCAL, _with
+from spec_samples import LOCAL, spec_with
 
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.cloud.base import InstanceState, LaunchRequest, OfferQuery
@@ -59,9 +59,9 @@ def run(
     monkeypatch.setenv("SPOTTRAIN_HOME", str(tmp_path / "home"))
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "train.py").write_text("print('hi')\n")
-    data = _with(LOCAL, "redis", {"url": redis_server.url})
-    data = _with(data, "code", {"archive": {"path": "code"}})
-    data = _with(data, "local", {"zones": {"local-a": {"capacity": 4}}, "notice_s": 2})
+    data = spec_with(LOCAL, "redis", {"url": redis_server.url})
+    data = spec_with(data, "code", {"archive": {"path": "code"}})
+    data = spec_with(data, "local", {"zones": {"local-a": {"capacity": 4}}, "notice_s": 2})
     spec_path = tmp_path / "job.yaml"
     spec_path.write_text(yaml.safe_dump(data))
     info = create_run(load_spec(spec_path))

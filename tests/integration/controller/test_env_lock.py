@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from spec_samples import VALID, _with
+from spec_samples import VALID, spec_with
 from wheelhouse import build_wheel, build_wheelhouse, own_wheel, sha256_of
 
 from spottrain import __version__
@@ -197,7 +197,7 @@ def _lock_section(script: str, root: Path) -> str:
 def _boot_section(lock_text: str, root: Path) -> str:
     from spottrain.controller.run.boot import CodeRef, render_boot_script
 
-    spec = parse_spec(yaml.safe_dump(_with(VALID, "code", {"archive": {"path": "."}}))).spec
+    spec = parse_spec(yaml.safe_dump(spec_with(VALID, "code", {"archive": {"path": "."}}))).spec
     node = NodeIdentity("r-1", "n0", "aws", "us-east-1a", "p4d.24xlarge")
     script = render_boot_script(
         spec, node, "redis://r:6379", code=CodeRef("s3://b/c.tar.gz", "ab" * 32), env_lock=lock_text
@@ -280,9 +280,9 @@ def test_the_boot_builds_the_venv_from_the_lock_rebuilds_it_for_another_and_veri
 
 
 def _aws_data() -> dict[str, Any]:
-    data: dict[str, Any] = _with(VALID, "resources.clouds", ["aws"])
-    data = _with(data, "resources.regions", ["us-east-1"])
-    return _with(data, "resources.instance_types", ["p4d.24xlarge"])
+    data: dict[str, Any] = spec_with(VALID, "resources.clouds", ["aws"])
+    data = spec_with(data, "resources.regions", ["us-east-1"])
+    return spec_with(data, "resources.instance_types", ["p4d.24xlarge"])
 
 
 def _aws_job(tmp_path: Path, redis_url: str, index_url: str) -> Path:
@@ -291,12 +291,12 @@ def _aws_job(tmp_path: Path, redis_url: str, index_url: str) -> Path:
     (tmp_path / "code" / "train.py").write_text("print('hi')\n")
     # A job requirement the index has: locked with the agent, never moving it.
     (tmp_path / "code" / "requirements.txt").write_text("six\n")
-    data = _with(
+    data = spec_with(
         _aws_data(), "code", {"archive": {"path": "code", "store": f"file://{tmp_path}/store"}}
     )
-    data = _with(data, "checkpoint.copy_to", ...)
-    data = _with(data, "redis", {"url": redis_url})
-    data = _with(data, "packages", {"index_url": index_url})
+    data = spec_with(data, "checkpoint.copy_to", ...)
+    data = spec_with(data, "redis", {"url": redis_url})
+    data = spec_with(data, "packages", {"index_url": index_url})
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -395,10 +395,10 @@ def test_up_on_aws_ships_its_wheel_and_lock_and_the_user_data_pins_them(
 def test_up_takes_a_prebuilt_lock_and_refuses_one_for_another_spottrain(
     aws_lock: EnvLock, own: SelfWheel, tmp_path: Path
 ) -> None:
-    archive = _with(
-        _with(_aws_data(), "code", {"archive": {"path": "."}}), "checkpoint.copy_to", ...
+    archive = spec_with(
+        spec_with(_aws_data(), "code", {"archive": {"path": "."}}), "checkpoint.copy_to", ...
     )
-    archive = _with(archive, "code.archive.store", "file:///tmp")
+    archive = spec_with(archive, "code.archive.store", "file:///tmp")
     spec = parse_spec(yaml.safe_dump(archive)).spec
     lock = aws_lock
     given = tmp_path / "aws.lock"
@@ -491,10 +491,10 @@ def _run_with_a_given_lock(tmp_path: Path, redis_url: str) -> Any:
     (tmp_path / "code").mkdir()
     (tmp_path / "store").mkdir()
     (tmp_path / "code" / "train.py").write_text("print('hi')\n")
-    data = _with(
+    data = spec_with(
         _aws_data(), "code", {"archive": {"path": "code", "store": f"file://{tmp_path}/store"}}
     )
-    data = _with(_with(data, "checkpoint.copy_to", ...), "redis", {"url": redis_url})
+    data = spec_with(spec_with(data, "checkpoint.copy_to", ...), "redis", {"url": redis_url})
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(data))
     return create_run(load_spec(job), env_locks={"aws": given})

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import redis
 import yaml
-from spec_samples import LOCAL, _with
+from spec_samples import LOCAL, spec_with
 
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.cloud.base import LaunchRequest, OfferQuery
@@ -48,11 +48,11 @@ def _spec(tmp_path: Path, capacity: int = 0) -> Path:
     """A local job with an embedded Redis; ``capacity`` 0: its controller launches nothing."""
     (tmp_path / "code").mkdir(exist_ok=True)
     (tmp_path / "code" / "train.py").write_text("print('hi')\n")
-    data = _with(LOCAL, "code", {"archive": {"path": "code"}})
-    data = _with(data, "nodes", {"min": 1, "max": 1, "gpus": 0})
-    data = _with(data, "local", {"zones": {"local-a": {"capacity": capacity}}, "notice_s": 2})
-    data = _with(data, "checkpoint.volume.path", str(tmp_path / "vol"))
-    data = _with(data, "budget", {"max_usd": 1000})
+    data = spec_with(LOCAL, "code", {"archive": {"path": "code"}})
+    data = spec_with(data, "nodes", {"min": 1, "max": 1, "gpus": 0})
+    data = spec_with(data, "local", {"zones": {"local-a": {"capacity": capacity}}, "notice_s": 2})
+    data = spec_with(data, "checkpoint.volume.path", str(tmp_path / "vol"))
+    data = spec_with(data, "budget", {"max_usd": 1000})
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from spec_samples import VALID, _with
+from spec_samples import VALID, spec_with
 
 from spottrain.cloud.local.compute import LocalProvider
 from spottrain.cloud.local.settings import LocalSettings
@@ -22,7 +22,7 @@ from spottrain.controller.run.embedded_redis import RedisServer
 
 REPO = Path(__file__).resolve().parents[3]
 # VALID's 7B checkpoint does not fit GCP's notice window (`up` would stop at exit 3): 1B does.
-FITS = _with(VALID, "checkpoint.params", "1B")
+FITS = spec_with(VALID, "checkpoint.params", "1B")
 
 
 def _up(
@@ -90,7 +90,7 @@ def _dead_port() -> int:
 
 
 def test_unreachable_redis_is_a_clear_error_before_anything_launches(tmp_path: Path) -> None:
-    spec = _with(FITS, "redis", {"url": f"redis://127.0.0.1:{_dead_port()}"})
+    spec = spec_with(FITS, "redis", {"url": f"redis://127.0.0.1:{_dead_port()}"})
     out = _up(tmp_path / "home", spec, tmp_path)
     assert out.returncode == 1
     assert "spottrain: " in out.stderr and "127.0.0.1" in out.stderr
@@ -99,7 +99,7 @@ def test_unreachable_redis_is_a_clear_error_before_anything_launches(tmp_path: P
 
 def test_redis_that_wants_a_password_says_how_to_give_it(tmp_path: Path) -> None:
     with RedisServer(password="s3cret") as server:
-        spec = _with(FITS, "redis", {"url": f"redis://{server.endpoint}"})
+        spec = spec_with(FITS, "redis", {"url": f"redis://{server.endpoint}"})
         out = _up(tmp_path / "home", spec, tmp_path)
     assert out.returncode == 1
     assert "SPOTTRAIN_REDIS_PASSWORD" in out.stderr, out.stderr
@@ -147,7 +147,7 @@ def test_a_budget_that_cannot_start_a_node_is_refused(tmp_path: Path) -> None:
 
 def _too_big_for_the_window(spec: dict[str, Any]) -> dict[str, Any]:
     # 100 GB at 1 GB/s: 100 s, past the local cloud's 30 s notice window.
-    return _with(spec, "checkpoint", {**spec["checkpoint"], "size_gb": 100})
+    return spec_with(spec, "checkpoint", {**spec["checkpoint"], "size_gb": 100})
 
 
 def test_up_refuses_a_checkpoint_that_does_not_fit_a_notice_window(tmp_path: Path) -> None:

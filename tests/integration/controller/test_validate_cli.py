@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from spec_samples import LOCAL, VALID, _with
+from spec_samples import LOCAL, VALID, spec_with
 
 from spottrain.cloud.base import Market
 from spottrain.cloud.local.compute import LocalProvider
@@ -52,7 +52,7 @@ def test_every_example_spec_is_valid(example: str) -> None:
 
 
 def test_invalid_spec_exits_2_with_one_line_per_problem(tmp_path: Path) -> None:
-    bad = _with(_with(VALID, "name", "Bad_Name"), "nodes.gpu", 8)
+    bad = spec_with(spec_with(VALID, "name", "Bad_Name"), "nodes.gpu", 8)
     out = _run(str(_write(tmp_path, bad)))
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
@@ -62,7 +62,7 @@ def test_invalid_spec_exits_2_with_one_line_per_problem(tmp_path: Path) -> None:
 
 
 def test_window_that_does_not_fit_exits_3_and_json_says_which(tmp_path: Path) -> None:
-    spec = _with(VALID, "checkpoint.volume.write_gbps", 2)  # 84 GB: 42 s
+    spec = spec_with(VALID, "checkpoint.volume.write_gbps", 2)  # 84 GB: 42 s
     path = _write(tmp_path, spec)
     out = _run(str(path))
     assert out.returncode == 3
@@ -75,7 +75,7 @@ def test_window_that_does_not_fit_exits_3_and_json_says_which(tmp_path: Path) ->
 
 def test_a_copy_to_another_allowed_cloud_cannot_read_exits_2(tmp_path: Path) -> None:
     # A GCP VM has neither the S3 client nor AWS credentials: it could not restore the copy.
-    out = _run(str(_write(tmp_path, _with(VALID, "checkpoint.copy_to", "s3://acme/ckpt"))))
+    out = _run(str(_write(tmp_path, spec_with(VALID, "checkpoint.copy_to", "s3://acme/ckpt"))))
     assert out.returncode == 2
     assert "checkpoint.copy_to: s3:// (aws storage) cannot be read by gcp VMs" in out.stderr, (
         out.stderr
@@ -84,10 +84,10 @@ def test_a_copy_to_another_allowed_cloud_cannot_read_exits_2(tmp_path: Path) -> 
 
 
 def test_validate_warns_where_vms_are_reachable_from_the_internet(tmp_path: Path) -> None:
-    spec = _with(VALID, "checkpoint.params", "1B")  # fits both notice windows: exit 0
-    spec = _with(spec, "aws.public_ip", True)
-    spec = _with(spec, "gcp.external_ip", True)
-    spec = _with(spec, "gcp.service_account", "default")
+    spec = spec_with(VALID, "checkpoint.params", "1B")  # fits both notice windows: exit 0
+    spec = spec_with(spec, "aws.public_ip", True)
+    spec = spec_with(spec, "gcp.external_ip", True)
+    spec = spec_with(spec, "gcp.service_account", "default")
     path = _write(tmp_path, spec)
 
     out = _run(str(path))
@@ -110,7 +110,7 @@ def test_the_example_specs_leave_no_vm_reachable_from_the_internet(example: str)
 
 
 def test_invalid_spec_as_json(tmp_path: Path) -> None:
-    out = _run(str(_write(tmp_path, _with(VALID, "budget.max_usd", 0))), "--json")
+    out = _run(str(_write(tmp_path, spec_with(VALID, "budget.max_usd", 0))), "--json")
     assert out.returncode == 2
     result = json.loads(out.stdout)
     assert result == {
@@ -123,7 +123,7 @@ def test_invalid_spec_as_json(tmp_path: Path) -> None:
 
 
 def test_a_missing_trace_file_is_reported(tmp_path: Path) -> None:
-    spec = _with(LOCAL, "local.preemptions", {"trace": "nope.yaml"})
+    spec = spec_with(LOCAL, "local.preemptions", {"trace": "nope.yaml"})
     out = _run(str(_write(tmp_path, spec)))
     assert out.returncode == 2
     assert "local.preemptions.trace: preemption trace" in out.stderr
@@ -204,9 +204,9 @@ def test_offer_query_follows_the_spot_policy_and_each_clouds_names() -> None:
     assert aws.max_price_per_hour == 20 and aws.min_gpus == 8
     gcp = offer_query(spec, "gcp")
     assert gcp.regions == ("us-central1",) and gcp.instance_types == ("a2-highgpu-8g",)
-    spot_only = parse_spec(yaml.safe_dump(_with(VALID, "spot", {"policy": "spot"}))).spec
+    spot_only = parse_spec(yaml.safe_dump(spec_with(VALID, "spot", {"policy": "spot"}))).spec
     assert offer_query(spot_only, "aws").markets == (Market.SPOT,)
-    od = parse_spec(yaml.safe_dump(_with(VALID, "spot", {"policy": "on-demand"}))).spec
+    od = parse_spec(yaml.safe_dump(spec_with(VALID, "spot", {"policy": "on-demand"}))).spec
     assert offer_query(od, "gcp").markets == (Market.ON_DEMAND,)
 
 
@@ -224,7 +224,7 @@ def test_preemption_injector_is_built_from_the_spec_and_its_trace(tmp_path: Path
     from spottrain.controller.run.providers import preemption_injector
 
     (tmp_path / "trace.yaml").write_text("- {at_s: 5, notice: false}\n")
-    data = _with(LOCAL, "local.preemptions", {"rate_per_hour": 2, "trace": "trace.yaml"})
+    data = spec_with(LOCAL, "local.preemptions", {"rate_per_hour": 2, "trace": "trace.yaml"})
     spec = parse_spec(yaml.safe_dump(data), base_dir=tmp_path).spec
     provider = build_provider(spec, "local", local_state_dir=tmp_path / "cloud")
     inj = preemption_injector(spec, provider, "job-1", started_at=10.0, base_dir=tmp_path)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from spec_samples import VALID, _with
+from spec_samples import VALID, spec_with
 
 from spottrain.controller.cli import main as cli
 from spottrain.controller.run.create import create_run
@@ -68,7 +68,7 @@ def _write(tmp_path: Path, data: dict[str, Any]) -> Path:
 def test_validate_never_prints_a_secret_in_text_or_json(
     tmp_path: Path, path: str, value: Any, names: str
 ) -> None:
-    spec = _write(tmp_path, _with(VALID, path, value))
+    spec = _write(tmp_path, spec_with(VALID, path, value))
     human = _validate(spec)
     assert human.returncode == 2, human.stderr
     assert names in human.stderr
@@ -131,7 +131,7 @@ def loader_count(monkeypatch: pytest.MonkeyPatch) -> Callable[[], int]:
 def test_validate_parses_the_spec_once(
     tmp_path: Path, loader_count: Callable[[], int], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = _write(tmp_path, _with(VALID, "checkpoint.volume.write_gbps", 8))
+    path = _write(tmp_path, spec_with(VALID, "checkpoint.volume.write_gbps", 8))
     before = loader_count()
     assert cli.main(["validate", str(path)]) == 0
     assert loader_count() - before == 1

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from spec_samples import LOCAL, _with
+from spec_samples import LOCAL, spec_with
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -34,7 +34,7 @@ def _write(tmp_path: Path, data: dict[str, object]) -> Path:
 
 
 def test_a_plain_jobs_validate_says_what_a_notice_gives_its_script(tmp_path: Path) -> None:
-    spec = _write(tmp_path, _with(LOCAL, "train.integration", "plain"))
+    spec = _write(tmp_path, spec_with(LOCAL, "train.integration", "plain"))
     out = _run(str(spec))
     assert out.returncode == 0, out.stderr
     assert (
@@ -48,7 +48,9 @@ def test_a_plain_jobs_validate_says_what_a_notice_gives_its_script(tmp_path: Pat
 
 
 def test_replica_mode_with_a_framework_is_refused_in_one_line(tmp_path: Path) -> None:
-    data = _with(_with(LOCAL, "train.fault_tolerance", "replica"), "train.integration", "hf")
+    data = spec_with(
+        spec_with(LOCAL, "train.fault_tolerance", "replica"), "train.integration", "hf"
+    )
     out = _run(str(_write(tmp_path, data)))
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()

@@ -24,7 +24,7 @@ import pytest
 import redis
 import torch
 import yaml
-from spec_samples import VALID, _with
+from spec_samples import VALID, spec_with
 
 from spottrain import tracking
 from spottrain.agent.sdk import ModelState, RngState, TrainSession
@@ -405,7 +405,7 @@ def test_online_without_credentials_is_refused_rather_than_prompted(
 
 # -- the controller ---------------------------------------------------------------------------
 def _spec(wandb: dict[str, Any] | None) -> JobSpec:
-    data = _with(VALID, "wandb", wandb) if wandb is not None else VALID
+    data = spec_with(VALID, "wandb", wandb) if wandb is not None else VALID
     return parse_spec(yaml.safe_dump(data)).spec
 
 
@@ -573,8 +573,8 @@ def test_the_wandb_section_reaches_the_trainers_environment() -> None:
 
     spec = parse_spec(
         yaml.safe_dump(
-            _with(
-                _with(VALID, "wandb", {"project": PROJECT, "mode": "offline"}),
+            spec_with(
+                spec_with(VALID, "wandb", {"project": PROJECT, "mode": "offline"}),
                 "train.env",
                 {"WANDB_PROJECT": "my-own"},
             )

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from spec_samples import COMMIT, VALID, _with
+from spec_samples import COMMIT, VALID, spec_with
 from terraform_hcl import block_text, render_template, template_names, terraform_console
 from wheelhouse import lock_of, realistic_lock_text
 
@@ -51,12 +51,12 @@ def _spec(data: dict[str, Any]) -> JobSpec:
 
 
 def _archive_spec() -> JobSpec:
-    return _spec(_with(VALID, "code", {"archive": {"path": "."}}))
+    return _spec(spec_with(VALID, "code", {"archive": {"path": "."}}))
 
 
 def _git_spec() -> JobSpec:
     return _spec(
-        _with(VALID, "code", {"git": {"repo": "https://github.com/a/t", "commit": COMMIT}})
+        spec_with(VALID, "code", {"git": {"repo": "https://github.com/a/t", "commit": COMMIT}})
     )
 
 
@@ -114,7 +114,9 @@ def test_a_venv_built_from_another_lock_is_rebuilt_and_one_from_this_lock_reused
 
 def test_the_image_check_wants_the_locked_python_and_its_venv_module() -> None:
     spec = _spec(
-        _with(_with(VALID, "code", {"archive": {"path": "."}}), "packages", {"python": "3.12"})
+        spec_with(
+            spec_with(VALID, "code", {"archive": {"path": "."}}), "packages", {"python": "3.12"}
+        )
     )
     script = _render(spec, realistic_lock_text())
     check = script[script.index("spottrain_stage 'check the image'") :]
@@ -197,7 +199,7 @@ def test_a_bad_lock_is_refused_before_anything_launches(tmp_path: Path) -> None:
 def test_a_job_that_installs_an_environment_needs_its_lock() -> None:
     with pytest.raises(ValueError, match="environment lock"):
         _render(_archive_spec(), None)
-    image = _spec(_with(VALID, "code", {"image": "r/i@sha256:" + "a" * 64}))
+    image = _spec(spec_with(VALID, "code", {"image": "r/i@sha256:" + "a" * 64}))
     script = _render(image, None)
     assert ENV_LOCK_PATH not in script and "spottrain.envlock" not in script
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 from boot_text import whole_boot
-from spec_samples import COMMIT, VALID, _with
+from spec_samples import COMMIT, VALID, spec_with
 from wheelhouse import realistic_lock_text
 
 from spottrain.controller.run.boot import (
@@ -96,7 +96,7 @@ def test_nothing_of_a_lock_but_its_sha256_reaches_a_vms_boot() -> None:
     text = realistic_lock_text().replace("python 3.11 cp manylinux_2_28_x86_64", target)
     assert parse_lock(text).target == target
     lines = text.splitlines()
-    spec = _spec(_with(VALID, "code", {"archive": {"path": "."}}))
+    spec = _spec(spec_with(VALID, "code", {"archive": {"path": "."}}))
     script = whole_boot(spec, NODE, REDIS, lock=text)
     assert "zqmark" not in script and lock_sha256(text) in script
     assert not [line for line in lines[2:] if line in script]
@@ -119,7 +119,7 @@ def test_spec_text_a_boot_cannot_carry_is_refused_in_one_line_naming_the_field(
     path: str, value: Any, said: str
 ) -> None:
     with pytest.raises(SpecError) as refused:
-        parse_spec(yaml.safe_dump(_with(VALID, path, value)))
+        parse_spec(yaml.safe_dump(spec_with(VALID, path, value)))
     (problem,) = refused.value.problems
     assert problem.startswith(path) and f"holds {said}" in problem, problem
     assert "\n" not in problem and "\r" not in problem and "\x1b" not in problem
@@ -128,7 +128,9 @@ def test_spec_text_a_boot_cannot_carry_is_refused_in_one_line_naming_the_field(
 def test_a_clone_url_git_would_read_as_an_option_is_refused() -> None:
     repo = "--upload-pack=touch /tmp/owned"
     with pytest.raises(SpecError) as refused:
-        parse_spec(yaml.safe_dump(_with(VALID, "code", {"git": {"repo": repo, "commit": COMMIT}})))
+        parse_spec(
+            yaml.safe_dump(spec_with(VALID, "code", {"git": {"repo": repo, "commit": COMMIT}}))
+        )
     (problem,) = refused.value.problems
     assert problem.startswith("code.git.repo") and "cannot start with a dash" in problem
     assert "upload-pack" not in problem  # a clone URL is never echoed
@@ -137,7 +139,7 @@ def test_a_clone_url_git_would_read_as_an_option_is_refused() -> None:
 def test_a_git_subdir_reaches_the_shell_as_one_quoted_word() -> None:
     subdir = "src dir;$(touch owned)`id`'\""
     git = {"repo": "https://x/y", "commit": COMMIT, "subdir": subdir}
-    script = whole_boot(_spec(_with(VALID, "code", {"git": git})), NODE, REDIS)
+    script = whole_boot(_spec(spec_with(VALID, "code", {"git": git})), NODE, REDIS)
     path = f"/opt/job/{subdir}/requirements.txt"
     (line,) = [x for x in script.splitlines() if x.startswith("if [ -f ")]
     assert _split(shlex.split, line) == ["if", "[", "-f", path, "];", "then"]
@@ -168,7 +170,7 @@ def test_the_units_drop_in_names_the_volume_and_the_runs_directory_exactly(volum
     """As systemd reads the drop-in: % is a specifier everywhere (%% a %), and an Exec line
     substitutes $NAME and ${NAME} (quoted or not; $$ is a $)."""
     systemd = _systemd()
-    spec = _spec(_with(VALID, "checkpoint.volume.path", volume))
+    spec = _spec(spec_with(VALID, "checkpoint.volume.path", volume))
     job = render_job_boot(spec, "aws", NODE.run_id, REDIS, env_lock=None)
     body = job[job.index(f"cat > {UNIT_PATH}.d/job.conf <<'UNIT'\n") :].split("\n", 1)[1]
     drop_in = body[: body.index("\nUNIT\n") + 1]

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 from boot_text import agent_env_of, whole_boot
-from spec_samples import LOCAL, VALID, _with
+from spec_samples import LOCAL, VALID, spec_with
 
 from spottrain.agent.cli import RUN_ENV_VARS, build_parser
 from spottrain.controller.run.boot import CodeRef, NodeIdentity, render_local_boot
@@ -42,7 +42,7 @@ def _boot(spec: JobSpec, node: NodeIdentity) -> str:
 def test_the_aws_and_gcp_boot_scripts_give_the_agent_the_integration() -> None:
     for node in (NODE, GCP_NODE):
         for value in ("plain", "hf", "accelerate", "lightning"):
-            script = _boot(_spec(_with(VALID, "train.integration", value)), node)
+            script = _boot(_spec(spec_with(VALID, "train.integration", value)), node)
             subprocess.run(["bash", "-n"], input=script, text=True, check=True)
             env = agent_env_of(script)
             assert env.get(VAR) == value, (node.cloud, value)
@@ -55,13 +55,13 @@ def test_the_aws_and_gcp_boot_scripts_give_the_agent_the_integration() -> None:
 
 def test_an_sdk_jobs_boot_is_unchanged_by_the_key() -> None:
     for node in (NODE, GCP_NODE):
-        explicit = _boot(_spec(_with(VALID, "train.integration", "sdk")), node)
+        explicit = _boot(_spec(spec_with(VALID, "train.integration", "sdk")), node)
         assert explicit == _boot(_spec(VALID), node)
         assert VAR not in agent_env_of(explicit)
 
 
 def test_the_local_clouds_agent_gets_the_integration() -> None:
-    plain = _spec(_with(LOCAL, "train.integration", "plain"))
+    plain = _spec(spec_with(LOCAL, "train.integration", "plain"))
     boot = json.loads(render_local_boot(plain, LOCAL_NODE, "redis://127.0.0.1:7000", workdir="/w"))
     assert boot["env"].get(VAR) == "plain"
     sdk = json.loads(

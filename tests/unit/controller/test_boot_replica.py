@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from boot_text import agent_env_of, whole_boot
-from spec_samples import LOCAL, VALID, _with
+from spec_samples import LOCAL, VALID, spec_with
 
 from spottrain import __version__
 from spottrain.agent.cli import RUN_ENV_VARS, build_parser
@@ -70,8 +70,8 @@ def _spec(data: dict[str, Any]) -> JobSpec:
 
 
 def _replica_spec(base: dict[str, Any] = VALID, **replica: int) -> JobSpec:
-    data = _with(base, "train.fault_tolerance", "replica")
-    return _spec(_with(data, "train.replica", replica) if replica else data)
+    data = spec_with(base, "train.fault_tolerance", "replica")
+    return _spec(spec_with(data, "train.replica", replica) if replica else data)
 
 
 def _archive(spec: JobSpec, node: NodeIdentity = NODE, lock: str | None = None) -> str:
@@ -86,7 +86,7 @@ def _archive(spec: JobSpec, node: NodeIdentity = NODE, lock: str | None = None) 
 
 
 def test_a_replica_jobs_agent_gets_the_mode_the_replica_size_and_the_quorum_floor() -> None:
-    spec = _replica_spec(_with(VALID, "nodes", {"min": 4, "max": 8}), nodes_per_replica=2)
+    spec = _replica_spec(spec_with(VALID, "nodes", {"min": 4, "max": 8}), nodes_per_replica=2)
     script = whole_boot(spec, NODE, REDIS, password_secret="spottrain/redis")
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     env = agent_env_of(script)
@@ -101,7 +101,7 @@ def test_a_replica_jobs_agent_gets_the_mode_the_replica_size_and_the_quorum_floo
     # Everything else is an elastic job's: the same settings, read by the same agent flags.
     elastic = agent_env_of(
         whole_boot(
-            _spec(_with(VALID, "nodes", {"min": 4, "max": 8})),
+            _spec(spec_with(VALID, "nodes", {"min": 4, "max": 8})),
             NODE,
             REDIS,
             password_secret="spottrain/redis",
@@ -117,14 +117,14 @@ def test_an_elastic_jobs_agent_settings_are_unchanged() -> None:
     env = agent_env(spec, NODE, REDIS, password_file="/p")
     assert {k for k in env if k.startswith("SPOTTRAIN_")} == ELASTIC_AGENT_VARS
     # Saying elastic out loud (or giving train.replica's defaults) renders the same bytes.
-    explicit = _with(VALID, "train.fault_tolerance", "elastic")
-    explicit = _with(explicit, "train.replica", {"nodes_per_replica": 1, "min_replicas": 1})
+    explicit = spec_with(VALID, "train.fault_tolerance", "elastic")
+    explicit = spec_with(explicit, "train.replica", {"nodes_per_replica": 1, "min_replicas": 1})
     for node in (NODE, GCP_NODE):
         assert _archive(_spec(explicit), node) == _archive(spec, node)
 
 
 def test_the_local_clouds_agent_gets_the_same_replica_settings() -> None:
-    spec = _replica_spec(_with(LOCAL, "nodes", {"min": 2, "max": 4, "gpus": 0}), min_replicas=2)
+    spec = _replica_spec(spec_with(LOCAL, "nodes", {"min": 2, "max": 4, "gpus": 0}), min_replicas=2)
     node = NodeIdentity("tiny-1795000000", "n0", "local", "local-a", "local-cpu")
     boot = json.loads(render_local_boot(spec, node, "redis://127.0.0.1:7000", workdir="/w"))
     assert boot["env"][env_names.ENV_FAULT_TOLERANCE] == "replica"
@@ -133,7 +133,7 @@ def test_the_local_clouds_agent_gets_the_same_replica_settings() -> None:
     assert boot["env"][env_names.ENV_QUORUM] == "redis"
     assert env_names.ENV_QUORUM_RELAY_GROUP not in boot["env"]  # auto: none at 4 replicas
     relayed = _replica_spec(
-        _with(LOCAL, "nodes", {"min": 2, "max": 4, "gpus": 0}), relay_group_size=2
+        spec_with(LOCAL, "nodes", {"min": 2, "max": 4, "gpus": 0}), relay_group_size=2
     )
     boot = json.loads(render_local_boot(relayed, node, "redis://127.0.0.1:7000", workdir="/w"))
     assert boot["env"][env_names.ENV_QUORUM_RELAY_GROUP] == "2"
@@ -148,7 +148,7 @@ def test_a_replica_jobs_vms_install_torchft_and_an_elastic_jobs_do_not(tmp_path:
     assert agent_requirement("aws") == f"spottrain[agent,aws]=={v}"
     assert agent_requirement("gcp", replica=True) == f"spottrain[agent,gcp,replica]=={v}"
     assert spec_agent_requirement(_spec(VALID), "aws") == f"spottrain[agent,aws]=={v}"
-    replica = _with(VALID, "code", {"archive": {"path": "."}})
+    replica = spec_with(VALID, "code", {"archive": {"path": "."}})
     spec = _replica_spec(replica)
     assert spec_agent_requirement(spec, "gcp") == f"spottrain[agent,gcp,replica]=={v}"
     # The run resolves its lock with this controller's own wheel, given to pip by its path.
@@ -156,7 +156,7 @@ def test_a_replica_jobs_vms_install_torchft_and_an_elastic_jobs_do_not(tmp_path:
     assert spec_agent_requirement(spec, "aws", wheel) == (
         f"spottrain[agent,aws,replica] @ {wheel.file_url}"
     )
-    elastic = _spec(_with(VALID, "code", {"archive": {"path": "."}}))
+    elastic = _spec(spec_with(VALID, "code", {"archive": {"path": "."}}))
     assert spec_agent_requirement(elastic, "gcp", wheel) == (
         f"spottrain[agent,gcp] @ {wheel.file_url}"
     )
@@ -196,8 +196,8 @@ def test_a_given_lock_without_torchft_is_refused_for_a_replica_job(tmp_path: Pat
         read_lock_file(no_grpc, "aws", replica=True)
     assert "torchft" in read_lock_file(with_torchft, "aws", replica=True).versions()
     # The run's lock capture applies it for a replica spec, and only for one.
-    aws_only = _with(VALID, "code", {"archive": {"path": "."}})
-    aws_only = _with(aws_only, "resources", {"clouds": ["aws"], "regions": ["us-east-1"]})
+    aws_only = spec_with(VALID, "code", {"archive": {"path": "."}})
+    aws_only = spec_with(aws_only, "resources", {"clouds": ["aws"], "regions": ["us-east-1"]})
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     wheel = _wheel(tmp_path, "cd" * 32)  # the wheel the locks pin
@@ -215,12 +215,12 @@ def test_validate_prints_the_replica_line_and_json(
 ) -> None:
     from spottrain.controller.cli.validate import validate
 
-    data = _with(
-        _with(LOCAL, "train.fault_tolerance", "replica"),
+    data = spec_with(
+        spec_with(LOCAL, "train.fault_tolerance", "replica"),
         "train.replica",
         {"nodes_per_replica": 2, "min_replicas": 2, "quorum": "lighthouse"},
     )
-    data = _with(data, "nodes", {"min": 4, "max": 8, "gpus": 0})
+    data = spec_with(data, "nodes", {"min": 4, "max": 8, "gpus": 0})
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(data))
     args = argparse.Namespace(spec=str(path), json=False, check_clouds=False)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from boot_text import agent_env_of, whole_boot
-from spec_samples import COMMIT, LOCAL, VALID, _with
+from spec_samples import COMMIT, LOCAL, VALID, spec_with
 
 from spottrain.cloud.vmboot.fetch import BootError
 from spottrain.cloud.vmboot.loader import write_env_line
@@ -54,8 +54,10 @@ def _problems(data: dict[str, Any]) -> list[str]:
 
 
 def _secret_spec(code: dict[str, Any] | None = None) -> JobSpec:
-    data = _with(VALID, "train.secret_env", {"HF_TOKEN": "hf/token", "WANDB_API_KEY": "wandb-key"})
-    return _spec(_with(data, "code", code) if code else data)
+    data = spec_with(
+        VALID, "train.secret_env", {"HF_TOKEN": "hf/token", "WANDB_API_KEY": "wandb-key"}
+    )
+    return _spec(spec_with(data, "code", code) if code else data)
 
 
 def _git_spec() -> JobSpec:
@@ -72,7 +74,7 @@ def _git_spec() -> JobSpec:
     ],
 )
 def test_a_clone_url_with_credentials_is_refused_without_echoing_them(repo: str) -> None:
-    problems = _problems(_with(VALID, "code", {"git": {"repo": repo, "commit": COMMIT}}))
+    problems = _problems(spec_with(VALID, "code", {"git": {"repo": repo, "commit": COMMIT}}))
     assert len(problems) == 1 and problems[0].startswith("code.git.repo")
     assert "token_secret" in problems[0] and "Secrets Manager" in problems[0]
     assert TOKEN not in problems[0]
@@ -82,13 +84,13 @@ def test_a_clone_url_with_credentials_is_refused_without_echoing_them(repo: str)
     "repo", [REPO, "git@github.com:acme/t.git", "ssh://git@github.com/acme/t.git"]
 )
 def test_a_clone_url_without_credentials_is_accepted(repo: str) -> None:
-    spec = _spec(_with(VALID, "code", {"git": {"repo": repo, "commit": COMMIT}}))
+    spec = _spec(spec_with(VALID, "code", {"git": {"repo": repo, "commit": COMMIT}}))
     assert spec.code.git.repo == repo  # type: ignore[union-attr]
 
 
 def test_a_token_secret_needs_an_https_clone_url() -> None:
     code = {"git": {"repo": "git@github.com:acme/t.git", "commit": COMMIT, "token_secret": "t"}}
-    (problem,) = _problems(_with(VALID, "code", code))
+    (problem,) = _problems(spec_with(VALID, "code", code))
     assert "https://" in problem and "token_secret" in problem
 
 
@@ -96,7 +98,7 @@ def test_a_token_secret_needs_an_https_clone_url() -> None:
     "name", ["HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "token"]
 )
 def test_a_credential_in_train_env_is_refused_with_the_secret_env_form(name: str) -> None:
-    (problem,) = _problems(_with(VALID, "train.env", {name: TOKEN}))
+    (problem,) = _problems(spec_with(VALID, "train.env", {name: TOKEN}))
     assert problem.startswith("train.env") and name in problem
     assert f"train.secret_env ({name}: SECRET_NAME)" in problem
     assert TOKEN not in problem
@@ -104,7 +106,7 @@ def test_a_credential_in_train_env_is_refused_with_the_secret_env_form(name: str
 
 def test_ordinary_variables_that_mention_tokens_stay_in_train_env() -> None:
     env = {"TOKENIZERS_PARALLELISM": "false", "MAX_TOKENS": "2048", "NCCL_DEBUG": "WARN"}
-    assert _spec(_with(VALID, "train.env", env)).train.env == env
+    assert _spec(spec_with(VALID, "train.env", env)).train.env == env
 
 
 @pytest.mark.parametrize(
@@ -117,12 +119,14 @@ def test_ordinary_variables_that_mention_tokens_stay_in_train_env() -> None:
     ],
 )
 def test_bad_secret_env_entries_are_refused(secret_env: dict[str, str], expected: str) -> None:
-    (problem,) = _problems(_with(VALID, "train.secret_env", secret_env))
+    (problem,) = _problems(spec_with(VALID, "train.secret_env", secret_env))
     assert problem.startswith("train.secret_env") and expected in problem
 
 
 def test_a_variable_in_both_env_and_secret_env_is_refused() -> None:
-    data = _with(_with(VALID, "train.env", {"HF_HOME": "/x"}), "train.secret_env", {"HF_HOME": "h"})
+    data = spec_with(
+        spec_with(VALID, "train.env", {"HF_HOME": "/x"}), "train.secret_env", {"HF_HOME": "h"}
+    )
     (problem,) = _problems(data)
     assert "HF_HOME" in problem and "both env and secret_env" in problem
 
@@ -209,7 +213,7 @@ def test_local_boot_reads_secret_env_from_files_into_the_agents_environment(
 ) -> None:
     secret = tmp_path / "hf-token"
     secret.write_text(VALUES["hf/token"] + "\n")
-    spec = _spec(_with(LOCAL, "train.secret_env", {"HF_TOKEN": "hf-token"}))
+    spec = _spec(spec_with(LOCAL, "train.secret_env", {"HF_TOKEN": "hf-token"}))
     node = NodeIdentity("tiny-1", "n1", "local", "local-a", "local-cpu")
     boot = json.loads(
         render_local_boot(

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 from boot_text import agent_env_of, whole_boot
-from spec_samples import COMMIT, LOCAL, VALID, _with
+from spec_samples import COMMIT, LOCAL, VALID, spec_with
 
 from spottrain.agent.cli import RUN_ENV_VARS, build_parser
 from spottrain.controller.run.boot import (
@@ -59,7 +59,7 @@ def test_boot_script_is_valid_bash() -> None:
         {"archive": {"path": "."}},
     ):
         script = whole_boot(
-            _spec(_with(VALID, "code", code)),
+            _spec(spec_with(VALID, "code", code)),
             NODE,
             REDIS,
             code=CodeRef("s3://acme/code/" + "ab" * 32 + ".tar.gz", "ab" * 32),
@@ -77,7 +77,7 @@ def test_boot_script_is_valid_bash() -> None:
 
 
 def test_agent_env_is_accepted_by_the_real_agent_parser(monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = _spec(_with(VALID, "train.env", {"NCCL_DEBUG": "WARN"}))
+    spec = _spec(spec_with(VALID, "train.env", {"NCCL_DEBUG": "WARN"}))
     env = agent_env_of(whole_boot(spec, NODE, REDIS, password_secret="s"))
     build_parser()  # registers the variables `run` reads
     agent_vars = {k for k in env if k.startswith("SPOTTRAIN_")}
@@ -105,7 +105,7 @@ def test_training_command_with_quotes_survives_the_env_file(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     command = ["train.py", "--name", "gpt 1.3b", "--note", 'say "hi"']
-    spec = _spec(_with(VALID, "train.command", command))
+    spec = _spec(spec_with(VALID, "train.command", command))
     env = agent_env_of(whole_boot(spec, NODE, REDIS))
     assert shlex.split(env["SPOTTRAIN_TRAIN_CMD"]) == command
 
@@ -148,7 +148,7 @@ def test_image_code_runs_the_agent_in_the_pinned_image() -> None:
 
 
 def test_git_code_checks_out_and_verifies_the_pinned_commit() -> None:
-    spec = _spec(_with(VALID, "code", {"git": {"repo": "https://x/y", "commit": COMMIT}}))
+    spec = _spec(spec_with(VALID, "code", {"git": {"repo": "https://x/y", "commit": COMMIT}}))
     script = whole_boot(spec, NODE, REDIS)
     assert f"fetch -q --depth 1 https://x/y {COMMIT}" in script
     assert f'test "$(git -C /opt/job rev-parse HEAD)" = {COMMIT}' in script
@@ -156,7 +156,7 @@ def test_git_code_checks_out_and_verifies_the_pinned_commit() -> None:
 
 
 def test_archive_code_needs_its_upload_first() -> None:
-    spec = _spec(_with(VALID, "code", {"archive": {"path": "."}}))
+    spec = _spec(spec_with(VALID, "code", {"archive": {"path": "."}}))
     with pytest.raises(ValueError, match="after the upload"):
         whole_boot(spec, NODE, REDIS, code=None)
     sha = "cd" * 32
@@ -181,7 +181,7 @@ def test_boot_creates_the_workers_user_before_the_agent_starts() -> None:
 
 
 def test_a_volume_outside_mnt_spottrain_is_required_by_the_unit() -> None:
-    spec = _spec(_with(VALID, "checkpoint.volume.path", "/fsx/ckpt"))
+    spec = _spec(spec_with(VALID, "checkpoint.volume.path", "/fsx/ckpt"))
     assert "RequiresMountsFor=/fsx/ckpt" in whole_boot(spec, NODE, REDIS)
 
 
@@ -243,7 +243,7 @@ def test_an_image_jobs_secrets_stay_out_of_docker_and_its_agent_can_power_off_th
     /etc/spottrain), only where to read them; and the agent, which cannot power off the host
     from its container, asks through a folder of the host's a path unit watches."""
     secrets = {"HF_TOKEN": "hf/token", "WANDB_API_KEY": "wandb-key"}
-    script = whole_boot(_spec(_with(VALID, "train.secret_env", secrets)), NODE, REDIS)
+    script = whole_boot(_spec(spec_with(VALID, "train.secret_env", secrets)), NODE, REDIS)
     docker_env = _heredoc(script, f"( umask 077; cat > {DOCKER_ENV_PATH}")
     names = {line.split("=", 1)[0] for line in docker_env.splitlines()}
     assert not names & set(secrets)
@@ -264,7 +264,7 @@ def test_an_image_jobs_secrets_stay_out_of_docker_and_its_agent_can_power_off_th
     assert "systemctl enable --now spottrain-poweroff.path" in script.splitlines()
     # A job that is not an image's has neither: its agent runs on the host.
     plain = whole_boot(
-        _spec(_with(VALID, "code", {"git": {"repo": "https://x/y.git", "commit": COMMIT}})),
+        _spec(spec_with(VALID, "code", {"git": {"repo": "https://x/y.git", "commit": COMMIT}})),
         NODE,
         REDIS,
     )

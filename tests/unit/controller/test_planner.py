@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import yaml
-from spec_samples import VALID, _with
+from spec_samples import VALID, spec_with
 
 from spottrain.cloud.base import Instance, InstanceState, Market, Offer
 from spottrain.controller.reconcile.controller import policy_from_spec
@@ -223,11 +223,11 @@ def test_a_job_whose_checkpoints_are_not_copied_does_not_move(
 ) -> None:
     # Without checkpoint.copy_to the new zone's volumes hold nothing of the job (or an older
     # checkpoint): the job stays and the reason says why, instead of silently restarting.
-    data = _with(VALID, "resources.clouds", ["aws"])
-    data = _with(data, "resources.regions", ["us-east-1"])
-    data = _with(data, "resources.instance_types", ["p4d.24xlarge"])
-    data = _with(data, "gcp", ...)
-    data = _with(data, "checkpoint.copy_to", copy_to or ...)
+    data = spec_with(VALID, "resources.clouds", ["aws"])
+    data = spec_with(data, "resources.regions", ["us-east-1"])
+    data = spec_with(data, "resources.instance_types", ["p4d.24xlarge"])
+    data = spec_with(data, "gcp", ...)
+    data = spec_with(data, "checkpoint.copy_to", copy_to or ...)
     policy = replace(
         policy_from_spec(parse_spec(yaml.safe_dump(data)).spec),
         min_nodes=2,
@@ -634,7 +634,7 @@ def test_escape_sequences_from_a_vm_never_reach_the_reason_raw() -> None:
 def test_policy_refuses_a_give_up_limit_below_one_and_reads_it_from_the_spec() -> None:
     with pytest.raises(ValueError, match="max_failed_launches must be >= 1"):
         Policy(1, 1, max_failed_launches=0)
-    data = _with(VALID, "controller", {"max_failed_launches": 5})
+    data = spec_with(VALID, "controller", {"max_failed_launches": 5})
     assert policy_from_spec(parse_spec(yaml.safe_dump(data)).spec).max_failed_launches == 5
     assert policy_from_spec(parse_spec(yaml.safe_dump(VALID)).spec).max_failed_launches == 3
 

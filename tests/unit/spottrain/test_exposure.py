@@ -6,17 +6,17 @@ from typing import Any
 
 import pytest
 import yaml
-from spec_samples import VALID, _with
+from spec_samples import VALID, spec_with
 
 from spottrain.spec import parse_spec
 from spottrain.spec.exposure import exposure_warnings
 
 AWS_SUBNETS = {"us-east-1a": "subnet-0a1b2c3d4e5f60718"}
 # The VALID spec, locked down: private subnets for its zone, own groups, its own subnetwork.
-PRIVATE = _with(
-    _with(
-        _with(
-            _with(VALID, "resources.zones", ["us-east-1a", "us-central1-a"]),
+PRIVATE = spec_with(
+    spec_with(
+        spec_with(
+            spec_with(VALID, "resources.zones", ["us-east-1a", "us-central1-a"]),
             "aws.subnets",
             AWS_SUBNETS,
         ),
@@ -55,38 +55,38 @@ def test_a_locked_down_spec_gives_no_warning() -> None:
     ],
 )
 def test_each_opening_gives_one_warning(path: str, value: Any, starts: str) -> None:
-    (warning,) = warnings_of(_with(PRIVATE, path, value))
+    (warning,) = warnings_of(spec_with(PRIVATE, path, value))
     assert warning.startswith(starts)
 
 
 def test_the_default_account_with_the_cloud_platform_scope_says_so() -> None:
-    data = _with(PRIVATE, "gcp.service_account", "default")
+    data = spec_with(PRIVATE, "gcp.service_account", "default")
     (broad,) = warnings_of(data)
     assert "cloud-platform scope" in broad
-    (narrow,) = warnings_of(_with(data, "gcp.scopes", ["devstorage.read_only"]))
+    (narrow,) = warnings_of(spec_with(data, "gcp.scopes", ["devstorage.read_only"]))
     assert "cloud-platform" not in narrow
 
 
 def test_private_vms_without_a_network_of_their_own_are_told_what_they_cannot_reach() -> None:
-    (aws,) = warnings_of(_with(PRIVATE, "aws.subnets", {}))
+    (aws,) = warnings_of(spec_with(PRIVATE, "aws.subnets", {}))
     assert "cannot reach Redis outside the VPC, the package registry or S3" in aws
-    (gcp,) = warnings_of(_with(PRIVATE, "gcp.subnetwork", ...))
+    (gcp,) = warnings_of(spec_with(PRIVATE, "gcp.subnetwork", ...))
     assert "Cloud NAT or Private Google Access" in gcp
 
 
 def test_only_the_clouds_the_job_uses_are_checked() -> None:
-    data = _with(_with(PRIVATE, "resources.clouds", ["gcp"]), "aws.public_ip", True)
-    data = _with(data, "resources.regions", ["us-central1"])
-    data = _with(data, "resources.zones", ["us-central1-a"])
-    assert warnings_of(_with(data, "resources.instance_types", ["a2-highgpu-8g"])) == []
+    data = spec_with(spec_with(PRIVATE, "resources.clouds", ["gcp"]), "aws.public_ip", True)
+    data = spec_with(data, "resources.regions", ["us-central1"])
+    data = spec_with(data, "resources.zones", ["us-central1-a"])
+    assert warnings_of(spec_with(data, "resources.instance_types", ["a2-highgpu-8g"])) == []
 
 
 def test_a_terraform_fleet_is_left_to_its_module() -> None:
-    data = _with(PRIVATE, "resources.clouds", ["aws"])
-    data = _with(data, "resources.regions", ["us-east-1"])
-    data = _with(data, "resources.zones", ...)
-    data = _with(data, "resources.instance_types", ["p4d.24xlarge"])
-    data = _with(data, "aws.public_ip", True)
+    data = spec_with(PRIVATE, "resources.clouds", ["aws"])
+    data = spec_with(data, "resources.regions", ["us-east-1"])
+    data = spec_with(data, "resources.zones", ...)
+    data = spec_with(data, "resources.instance_types", ["p4d.24xlarge"])
+    data = spec_with(data, "aws.public_ip", True)
     data["fleet"] = {
         "managed_by": "terraform",
         "cloud": "aws",

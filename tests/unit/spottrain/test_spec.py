@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
-from spec_samples import COMMIT, DIGEST, LOCAL, VALID, _with
+from spec_samples import COMMIT, DIGEST, LOCAL, VALID, spec_with
 
 from spottrain.spec import (
     AGREE_INTERVAL_S,
@@ -57,12 +57,12 @@ def test_local_spec_parses_and_splits_a_string_command() -> None:
 
 
 def test_scalar_nodes_means_a_fixed_size() -> None:
-    spec = parse_spec(yaml.safe_dump(_with(LOCAL, "nodes", 3)), "job.yaml").spec
+    spec = parse_spec(yaml.safe_dump(spec_with(LOCAL, "nodes", 3)), "job.yaml").spec
     assert (spec.nodes.min, spec.nodes.max) == (3, 3)
 
 
 def test_git_code_needs_a_full_commit() -> None:
-    ok = _with(VALID, "code", {"git": {"repo": "https://github.com/acme/t", "commit": COMMIT}})
+    ok = spec_with(VALID, "code", {"git": {"repo": "https://github.com/acme/t", "commit": COMMIT}})
     assert isinstance(parse_spec(yaml.safe_dump(ok)).spec.code, GitCode)
 
 
@@ -251,24 +251,24 @@ def test_git_code_needs_a_full_commit() -> None:
     ],
 )
 def test_bad_value_names_key_line_and_what_is_allowed(path: str, value: Any, expected: str) -> None:
-    assert _problems(_with(VALID, path, value)) == [expected]
+    assert _problems(spec_with(VALID, path, value)) == [expected]
 
 
 def test_redis_password_is_never_echoed() -> None:
-    problems = _problems(_with(VALID, "redis.url", "redis://:hunter2@host:6379"))
+    problems = _problems(spec_with(VALID, "redis.url", "redis://:hunter2@host:6379"))
     assert "hunter2" not in " ".join(problems)
-    problems = _problems(_with(VALID, "redis.password", "hunter2"))
+    problems = _problems(spec_with(VALID, "redis.password", "hunter2"))
     assert "hunter2" not in " ".join(problems)
 
 
 def test_every_problem_is_reported_at_once() -> None:
-    data = _with(_with(VALID, "name", "Bad"), "budget.max_usd", 0)
-    data = _with(data, "nodes.gpu", 1)
+    data = spec_with(spec_with(VALID, "name", "Bad"), "budget.max_usd", 0)
+    data = spec_with(data, "nodes.gpu", 1)
     assert len(_problems(data)) == 3
 
 
 def test_unknown_instance_type_suggests_close_names() -> None:
-    data = _with(VALID, "resources.instance_types", ["p4d.24xlarge", "p5.48xlarg"])
+    data = spec_with(VALID, "resources.instance_types", ["p4d.24xlarge", "p5.48xlarg"])
     (problem,) = _problems(data)
     assert problem.startswith("resources.instance_types: aws instance type 'p5.48xlarg' is not")
     assert "did you mean p5.48xlarge" in problem
@@ -276,10 +276,10 @@ def test_unknown_instance_type_suggests_close_names() -> None:
 
 
 def test_unknown_region_and_zone_outside_regions_are_errors() -> None:
-    data = _with(VALID, "resources.regions", ["us-east-1", "mars-north1"])
+    data = spec_with(VALID, "resources.regions", ["us-east-1", "mars-north1"])
     (problem,) = _problems(data)
     assert problem.startswith("resources.regions: 'mars-north1' is not a region of aws, gcp")
-    data = _with(VALID, "resources.zones", ["us-west-2a"])
+    data = spec_with(VALID, "resources.zones", ["us-west-2a"])
     (problem,) = _problems(data)
     assert problem == (
         "resources.zones: 'us-west-2a' is not in any of resources.regions (us-east-1, us-central1)"
@@ -287,22 +287,22 @@ def test_unknown_region_and_zone_outside_regions_are_errors() -> None:
 
 
 def test_local_zone_must_exist_in_the_local_cloud() -> None:
-    data = _with(LOCAL, "resources.zones", ["local-z"])
+    data = spec_with(LOCAL, "resources.zones", ["local-z"])
     assert _problems(data) == [
         "resources.zones: 'local-z' is not a zone of local.zones (local-a, local-b)"
     ]
 
 
 def test_local_cloud_cannot_mix_with_real_clouds() -> None:
-    data = _with(VALID, "resources.clouds", ["aws", "local"])
+    data = spec_with(VALID, "resources.clouds", ["aws", "local"])
     assert _problems(data) == [
         "(top level): resources.clouds: the local cloud cannot be mixed with real clouds"
     ]
 
 
 def test_archive_code_on_a_real_cloud_needs_somewhere_to_upload() -> None:
-    data = _with(VALID, "code", {"archive": {"path": "."}})
-    data = _with(data, "checkpoint.copy_to", ...)
+    data = spec_with(VALID, "code", {"archive": {"path": "."}})
+    data = spec_with(data, "checkpoint.copy_to", ...)
     assert _problems(data) == [
         "(top level): code.archive: say where to upload the archive (code.archive.store or "
         "checkpoint.copy_to)"
@@ -338,7 +338,7 @@ def test_parse_count_reads_suffixes(text: str, count: float) -> None:
 
 def test_window_check_fits_aws_but_not_gcp() -> None:
     # 7B params x 12 bytes = 84 GB at 2 GB/s = 42 s: inside AWS's 120 s, outside GCP's 30 s.
-    data = _with(VALID, "checkpoint.volume.write_gbps", 2)
+    data = spec_with(VALID, "checkpoint.volume.write_gbps", 2)
     spec = parse_spec(yaml.safe_dump(data)).spec
     checks = {c.cloud: c for c in check_notice_windows(spec)}
     assert checks["aws"].fits and not checks["gcp"].fits
@@ -355,8 +355,8 @@ def test_window_check_fits_aws_but_not_gcp() -> None:
 def test_window_check_counts_the_notice_detection_and_the_agreement_lag() -> None:
     # 37 GB at 2 GB/s = 18.5 s: 28.5 s with the commit alone would fit GCP's 30 s, but the
     # notice is seen up to 2 s late and the ranks take up to 0.6 s more to start the save.
-    data = _with(VALID, "checkpoint.volume.write_gbps", 2)
-    data = _with(data, "checkpoint.size_gb", 37)
+    data = spec_with(VALID, "checkpoint.volume.write_gbps", 2)
+    data = spec_with(data, "checkpoint.size_gb", 37)
     gcp = {c.cloud: c for c in check_notice_windows(parse_spec(yaml.safe_dump(data)).spec)}["gcp"]
     assert not gcp.fits and gcp.needed_s == pytest.approx(31.1)
     text = gcp.describe(37.0, 2)
@@ -367,7 +367,7 @@ def test_window_check_counts_the_notice_detection_and_the_agreement_lag() -> Non
         "window: does NOT fit: 1 s short"
     ) in text
     # Slow steps agree every step: two 5 s steps before the save can start.
-    slow = _with(_with(data, "checkpoint.size_gb", 1), "checkpoint.step_s", 5)
+    slow = spec_with(spec_with(data, "checkpoint.size_gb", 1), "checkpoint.step_s", 5)
     gcp = {c.cloud: c for c in check_notice_windows(parse_spec(yaml.safe_dump(slow)).spec)}["gcp"]
     assert gcp.agree_s == pytest.approx(10.2) and gcp.needed_s == pytest.approx(22.7)
     assert gcp.fits and "step time unknown" not in gcp.describe(1.0, 2)
@@ -409,15 +409,15 @@ def test_window_model_matches_the_agents_defaults() -> None:
 def test_a_store_some_allowed_cloud_cannot_read_is_refused(
     clouds: list[str], where: str, url: str, owner: str, other: str
 ) -> None:
-    data = _with(VALID, "resources.clouds", clouds)
+    data = spec_with(VALID, "resources.clouds", clouds)
     if clouds == ["gcp"]:
-        data = _with(data, "resources.regions", ["us-central1"])
-        data = _with(data, "resources.instance_types", ["a2-highgpu-8g"])
-        data = _with(data, "aws", ...)
+        data = spec_with(data, "resources.regions", ["us-central1"])
+        data = spec_with(data, "resources.instance_types", ["a2-highgpu-8g"])
+        data = spec_with(data, "aws", ...)
     if where == "code.archive.store":
-        data = _with(data, "code", {"archive": {"path": ".", "store": url}})
+        data = spec_with(data, "code", {"archive": {"path": ".", "store": url}})
     else:
-        data = _with(data, where, url)
+        data = spec_with(data, where, url)
     scheme = url.split("/", 1)[0]
     assert _problems(data) == [
         f"(top level): {where}: {scheme}// ({owner} storage) cannot be read by {other} VMs "
@@ -429,16 +429,16 @@ def test_a_store_some_allowed_cloud_cannot_read_is_refused(
 
 
 def test_stores_every_allowed_cloud_reads_are_accepted() -> None:
-    aws_only = _with(VALID, "resources.clouds", ["aws"])
-    aws_only = _with(aws_only, "resources.regions", ["us-east-1"])
-    aws_only = _with(aws_only, "resources.instance_types", ["p4d.24xlarge"])
-    aws_only = _with(_with(aws_only, "gcp", ...), "checkpoint.copy_to", "s3://acme/ckpt")
+    aws_only = spec_with(VALID, "resources.clouds", ["aws"])
+    aws_only = spec_with(aws_only, "resources.regions", ["us-east-1"])
+    aws_only = spec_with(aws_only, "resources.instance_types", ["p4d.24xlarge"])
+    aws_only = spec_with(spec_with(aws_only, "gcp", ...), "checkpoint.copy_to", "s3://acme/ckpt")
     for data in (aws_only, VALID):  # VALID: aws + gcp, a file:// copy
         assert parse_spec(yaml.safe_dump(data)).spec.checkpoint.copy_to is not None
 
 
 def test_window_check_is_empty_without_a_size() -> None:
-    data = _with(VALID, "checkpoint.params", ...)
+    data = spec_with(VALID, "checkpoint.params", ...)
     assert check_notice_windows(parse_spec(yaml.safe_dump(data)).spec) == []
 
 
@@ -464,7 +464,7 @@ def test_cloud_sections_default_to_private_encrypted_vms() -> None:
 
 
 def test_gcp_scopes_take_short_names_or_urls() -> None:
-    data = _with(VALID, "gcp.scopes", ["devstorage.read_only", CLOUD_PLATFORM])
+    data = spec_with(VALID, "gcp.scopes", ["devstorage.read_only", CLOUD_PLATFORM])
     spec = parse_spec(yaml.safe_dump(data), "job.yaml").spec
     assert spec.gcp is not None
     assert spec.gcp.scopes == (
@@ -474,11 +474,11 @@ def test_gcp_scopes_take_short_names_or_urls() -> None:
 
 
 def test_gcp_needs_a_named_service_account() -> None:
-    (problem,) = _problems(_with(VALID, "gcp.service_account", ...))
+    (problem,) = _problems(spec_with(VALID, "gcp.service_account", ...))
     assert problem.startswith("gcp (line ")
     assert "service_account: name the service account the VMs run as" in problem
     assert "'default' picks the Compute Engine default account" in problem
-    spec = parse_spec(yaml.safe_dump(_with(VALID, "gcp.service_account", "default"))).spec
+    spec = parse_spec(yaml.safe_dump(spec_with(VALID, "gcp.service_account", "default"))).spec
     assert spec.gcp is not None and spec.gcp.service_account == "default"
 
 
@@ -494,12 +494,12 @@ def test_gcp_needs_a_named_service_account() -> None:
     ],
 )
 def test_bad_network_and_identity_keys_name_the_key(path: str, value: Any, fragment: str) -> None:
-    (problem,) = _problems(_with(VALID, path, value))
+    (problem,) = _problems(spec_with(VALID, path, value))
     assert problem.startswith(path + " (line ") and fragment in problem
 
 
 def test_a_kms_key_needs_encryption_on() -> None:
-    data = _with(VALID, "aws.root_volume_kms_key", "alias/spottrain")
-    data = _with(data, "aws.root_volume_encrypted", False)
+    data = spec_with(VALID, "aws.root_volume_kms_key", "alias/spottrain")
+    data = spec_with(data, "aws.root_volume_encrypted", False)
     (problem,) = _problems(data)
     assert "root_volume_kms_key is set but root_volume_encrypted is false" in problem

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
-from spec_samples import VALID, _with
+from spec_samples import VALID, spec_with
 
 from spottrain.spec import SpecError, parse_spec
 from spottrain.spec.command_secrets import find_credential
@@ -20,9 +20,9 @@ AWS_KEY_ID = "AK" + "IA" + "ABCDEFGHIJKLMNOP"
 
 
 def _problems(command: Any, **train: Any) -> list[str]:
-    data = _with(VALID, "train.command", command)
+    data = spec_with(VALID, "train.command", command)
     for key, value in train.items():
-        data = _with(data, f"train.{key}", value)
+        data = spec_with(data, f"train.{key}", value)
     with pytest.raises(SpecError) as err:
         parse_spec(yaml.safe_dump(data), "job.yaml")
     return err.value.problems
@@ -66,7 +66,7 @@ def test_a_credential_in_the_command_is_refused_without_echoing_it(
 )
 def test_what_only_names_where_a_credential_is_passes(command: list[str]) -> None:
     assert find_credential(command) is None
-    parse_spec(yaml.safe_dump(_with(VALID, "train.command", command)), "job.yaml")
+    parse_spec(yaml.safe_dump(spec_with(VALID, "train.command", command)), "job.yaml")
 
 
 def test_a_false_positive_is_accepted_by_naming_it() -> None:
@@ -74,8 +74,8 @@ def test_a_false_positive_is_accepted_by_naming_it() -> None:
     assert _problems(command)
     spec = parse_spec(
         yaml.safe_dump(
-            _with(
-                _with(VALID, "train.command", command),
+            spec_with(
+                spec_with(VALID, "train.command", command),
                 "train.not_secrets",
                 ["--eval-token", HF],
             )

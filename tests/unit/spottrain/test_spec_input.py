@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from spec_samples import LOCAL, VALID, _with
+from spec_samples import LOCAL, VALID, spec_with
 
 from spottrain.spec import MAX_SPEC_BYTES, SpecError, load_spec, parse_spec
 
@@ -114,16 +114,16 @@ def _problems_of(text: str) -> list[str]:
 def test_non_finite_and_absurd_numbers_are_refused_with_the_range(
     path: str, value: Any, expected: str
 ) -> None:
-    assert _problems(_with(VALID, path, value)) == [expected]
+    assert _problems(spec_with(VALID, path, value)) == [expected]
 
 
 def test_local_cloud_numbers_are_bounded_too() -> None:
-    data = _with(LOCAL, "local.preemptions", {"rate_per_hour": float("inf")})
+    data = spec_with(LOCAL, "local.preemptions", {"rate_per_hour": float("inf")})
     assert _problems(data) == [
         "local.preemptions.rate_per_hour (line 29): use a number from 0 up to 3,600 per "
         "node-hour (got inf)"
     ]
-    data = _with(LOCAL, "local.zones", {"local-a": {"capacity": 10**12}})
+    data = spec_with(LOCAL, "local.zones", {"local-a": {"capacity": 10**12}})
     assert _problems(data) == [
         "local.zones.local-a.capacity (line 25): must be less than or equal to 100000 "
         "(got 1000000000000)"
@@ -131,9 +131,9 @@ def test_local_cloud_numbers_are_bounded_too() -> None:
 
 
 def test_numbers_at_their_bounds_are_accepted() -> None:
-    data = _with(VALID, "resources.max_price_per_hour", 1000)
-    data = _with(data, "budget.max_usd", 100_000_000)
-    data = _with(data, "checkpoint.volume.write_gbps", 10_000)
+    data = spec_with(VALID, "resources.max_price_per_hour", 1000)
+    data = spec_with(data, "budget.max_usd", 100_000_000)
+    data = spec_with(data, "checkpoint.volume.write_gbps", 10_000)
     spec = parse_spec(yaml.safe_dump(data), "job.yaml").spec
     assert spec.resources.max_price_per_hour == 1000
     assert spec.budget.max_usd == 100_000_000
@@ -159,7 +159,7 @@ def test_an_alias_bomb_is_refused_before_it_expands() -> None:
 
 
 def test_aliases_that_stay_small_are_allowed() -> None:
-    text = yaml.safe_dump(_with(LOCAL, "local", ...), sort_keys=False)
+    text = yaml.safe_dump(spec_with(LOCAL, "local", ...), sort_keys=False)
     text += "local:\n  zones:\n    local-a: &zone {capacity: 2}\n    local-b: *zone\n"
     spec = parse_spec(text, "job.yaml").spec
     assert spec.local is not None
@@ -285,4 +285,4 @@ SECRET_PLACES = [
 def test_a_secret_is_never_echoed_but_the_key_and_fix_are(
     path: str, value: Any, expected: str
 ) -> None:
-    assert _problems(_with(VALID, path, value)) == [expected]
+    assert _problems(spec_with(VALID, path, value)) == [expected]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
-from spec_samples import LOCAL, VALID, _with
+from spec_samples import LOCAL, VALID, spec_with
 
 from spottrain.protocol import env as env_names
 from spottrain.spec import JobSpec, SpecError, parse_spec
@@ -28,12 +28,12 @@ def test_a_spec_without_the_key_uses_the_sdk_and_each_value_parses() -> None:
     for base in (VALID, LOCAL):
         assert getattr(_parse(base).train, "integration", None) == "sdk"
     for value in ("sdk", "hf", "accelerate", "lightning", "plain"):
-        assert _parse(_with(LOCAL, "train.integration", value)).train.integration == value
-    assert _parse(_with(VALID, "train.integration", "sdk")) == _parse(VALID)
+        assert _parse(spec_with(LOCAL, "train.integration", value)).train.integration == value
+    assert _parse(spec_with(VALID, "train.integration", "sdk")) == _parse(VALID)
 
 
 def test_a_bad_value_is_one_line_naming_the_values() -> None:
-    assert _problems(_with(LOCAL, "train.integration", "keras")) == [
+    assert _problems(spec_with(LOCAL, "train.integration", "keras")) == [
         "train.integration (line 7): use 'sdk', 'hf', 'accelerate', 'lightning' or 'plain' "
         "(got 'keras')"
     ]
@@ -49,19 +49,23 @@ def test_a_bad_value_is_one_line_naming_the_values() -> None:
     ],
 )
 def test_replica_mode_refuses_every_integration_but_the_sdk(integration: str, why: str) -> None:
-    data = _with(_with(LOCAL, "train.fault_tolerance", "replica"), "train.integration", integration)
+    data = spec_with(
+        spec_with(LOCAL, "train.fault_tolerance", "replica"), "train.integration", integration
+    )
     assert _problems(data) == [
         f"train (line 5): integration {integration} cannot run in replica mode: replica mode "
         "drives torchft's manager and its DDP/HSDP wrappers from spottrain's TrainSession, "
         f"and {why}: use fault_tolerance: elastic, or train with the SDK (integration: sdk)"
     ]
-    sdk = _with(_with(LOCAL, "train.fault_tolerance", "replica"), "train.integration", "sdk")
+    sdk = spec_with(
+        spec_with(LOCAL, "train.fault_tolerance", "replica"), "train.integration", "sdk"
+    )
     assert _parse(sdk).train.integration == "sdk"
 
 
 def test_the_agents_setting_is_named_only_when_it_is_not_the_sdk() -> None:
     assert _parse(LOCAL).train.integration_env() == {}
-    plain = _parse(_with(LOCAL, "train.integration", "plain"))
+    plain = _parse(spec_with(LOCAL, "train.integration", "plain"))
     assert plain.train.integration_env() == {env_names.ENV_INTEGRATION: "plain"}
     assert env_names.ENV_INTEGRATION == "SPOTTRAIN_INTEGRATION"
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import yaml
-from spec_samples import LOCAL, VALID, _with
+from spec_samples import LOCAL, VALID, spec_with
 
 from spottrain.spec import SpecError, parse_spec
 
@@ -24,22 +24,22 @@ def test_logs_default_beside_the_checkpoint_copies_and_can_be_named() -> None:
     assert spec.logs_url() == "file:///mnt/shared/ckpt/logs"
     # No copy location and no logs.to: nothing is shipped.
     assert parse_spec(yaml.safe_dump(LOCAL), "job.yaml").spec.logs_url() is None
-    named = _with(LOCAL, "logs", {"to": "/srv/logs", "chunk_seconds": 5, "chunk_mb": 1})
+    named = spec_with(LOCAL, "logs", {"to": "/srv/logs", "chunk_seconds": 5, "chunk_mb": 1})
     spec = parse_spec(yaml.safe_dump(named), "job.yaml").spec
     assert spec.logs_url() == "/srv/logs"
     assert spec.logs.chunk_seconds == 5
 
 
 def test_logs_refuses_bad_stores_bounds_and_another_clouds_bucket() -> None:
-    assert _problems(_with(LOCAL, "logs", {"to": "logs/here"})) == [
+    assert _problems(spec_with(LOCAL, "logs", {"to": "logs/here"})) == [
         "logs.to (line 29): use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, file:///DIR or an "
         "absolute path (got 'logs/here')"
     ]
-    (p,) = _problems(_with(LOCAL, "logs", {"chunk_seconds": 0}))
+    (p,) = _problems(spec_with(LOCAL, "logs", {"chunk_seconds": 0}))
     assert p.startswith("logs.chunk_seconds") and "greater than or equal to 1" in p
-    (p,) = _problems(_with(LOCAL, "logs", {"chunk_mb": 8, "backlog_mb": 4}))
+    (p,) = _problems(spec_with(LOCAL, "logs", {"chunk_mb": 8, "backlog_mb": 4}))
     assert "backlog_mb (4) must hold at least one chunk (chunk_mb 8)" in p
-    (p,) = _problems(_with(LOCAL, "logs", {"lines": 3}))
+    (p,) = _problems(spec_with(LOCAL, "logs", {"lines": 3}))
     assert "logs.lines" in p and "unknown key" in p
-    (p,) = _problems(_with(VALID, "logs", {"to": "s3://acme-logs/run"}))
+    (p,) = _problems(spec_with(VALID, "logs", {"to": "s3://acme-logs/run"}))
     assert "logs.to: aws storage cannot be written by gcp VMs" in p

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from spec_samples import FLEET_AWS, LOCAL, VALID, _with
+from spec_samples import FLEET_AWS, LOCAL, VALID, spec_with
 
 from spottrain.catalog import bundled
 from spottrain.protocol import env as env_names
@@ -46,11 +46,11 @@ def _problems(data: dict[str, Any]) -> list[str]:
 
 def _replica(base: dict[str, Any], size: Any = None, **replica: Any) -> dict[str, Any]:
     """``base`` in replica mode, with ``train.replica`` and (``size``) ``nodes`` set."""
-    data = _with(base, "train.fault_tolerance", "replica")
+    data = spec_with(base, "train.fault_tolerance", "replica")
     if replica:
-        data = _with(data, "train.replica", replica)
+        data = spec_with(data, "train.replica", replica)
     if size is not None:
-        data = _with(data, "nodes", size)
+        data = spec_with(data, "nodes", size)
     return data
 
 
@@ -64,8 +64,8 @@ def test_a_spec_without_the_keys_is_elastic_with_default_replica_settings() -> N
         assert replica_agent_env(spec) == {}
         assert describe_replica(spec) is None
     # Saying elastic out loud, or giving the defaults, is the same spec.
-    assert _parse(_with(VALID, "train.fault_tolerance", "elastic")) == _parse(VALID)
-    same = _with(VALID, "train.replica", {"nodes_per_replica": 1, "min_replicas": 1})
+    assert _parse(spec_with(VALID, "train.fault_tolerance", "elastic")) == _parse(VALID)
+    same = spec_with(VALID, "train.replica", {"nodes_per_replica": 1, "min_replicas": 1})
     assert _parse(same) == _parse(VALID)
 
 
@@ -87,12 +87,12 @@ def test_replica_mode_parses_with_its_settings() -> None:
     ("data", "expected"),
     [
         (
-            _with(LOCAL, "train.replica", {"min_replicas": 2}),
+            spec_with(LOCAL, "train.replica", {"min_replicas": 2}),
             "train (line 5): replica (nodes_per_replica 1, min_replicas 2) applies only in "
             "replica mode: set fault_tolerance: replica, or drop the replica block",
         ),
         (
-            _with(LOCAL, "train.fault_tolerance", "quorum"),
+            spec_with(LOCAL, "train.fault_tolerance", "quorum"),
             "train.fault_tolerance (line 7): use 'elastic' or 'replica' (got 'quorum')",
         ),
         (
@@ -114,7 +114,7 @@ def test_replica_mode_parses_with_its_settings() -> None:
             "train.replica.quorum (line 9): use 'redis' or 'lighthouse' (got 'etcd')",
         ),
         (
-            _with(LOCAL, "train.replica", {"quorum": "lighthouse"}),
+            spec_with(LOCAL, "train.replica", {"quorum": "lighthouse"}),
             "train (line 5): replica (nodes_per_replica 1, min_replicas 1, quorum lighthouse) "
             "applies only in replica mode: set fault_tolerance: replica, or drop the replica "
             "block",
@@ -149,7 +149,7 @@ def test_replica_mode_parses_with_its_settings() -> None:
             "number of replicas 2..1000 (got 1)",
         ),
         (
-            _with(LOCAL, "train.replica", {"relay_group_size": 50}),
+            spec_with(LOCAL, "train.replica", {"relay_group_size": 50}),
             "train (line 5): replica (nodes_per_replica 1, min_replicas 1, relay_group_size "
             "50) applies only in replica mode: set fault_tolerance: replica, or drop the "
             "replica block",
@@ -166,7 +166,7 @@ def test_replica_mode_parses_with_its_settings() -> None:
             "milliseconds from 50 to 60000 (got 'soon')",
         ),
         (
-            _with(LOCAL, "train.replica", {"join_timeout_ms": 500}),
+            spec_with(LOCAL, "train.replica", {"join_timeout_ms": 500}),
             "train (line 5): replica (nodes_per_replica 1, min_replicas 1, join_timeout_ms "
             "500) applies only in replica mode: set fault_tolerance: replica, or drop the "
             "replica block",
@@ -208,17 +208,17 @@ def test_what_replica_mode_cannot_run_is_refused_in_one_line(
 
 
 def test_spread_placement_that_would_mix_gpu_types_across_replicas_is_refused() -> None:
-    mixed = _with(_replica(VALID), "resources.placement", "spread")
-    mixed = _with(mixed, "resources.instance_types", ["p4d.24xlarge", "a3-highgpu-8g"])
+    mixed = spec_with(_replica(VALID), "resources.placement", "spread")
+    mixed = spec_with(mixed, "resources.instance_types", ["p4d.24xlarge", "a3-highgpu-8g"])
     assert _problems(mixed) == [
         "resources.placement: spread in replica mode would mix GPU types across replicas "
         "(A100-40GB: p4d.24xlarge; H100: a3-highgpu-8g): list instance types of one GPU "
         "type in resources.instance_types, or use placement: same-zone"
     ]
     # No instance types: the planner may pick any type with nodes.gpus GPUs.
-    (line,) = _problems(_with(mixed, "resources.instance_types", []))
+    (line,) = _problems(spec_with(mixed, "resources.instance_types", []))
     every = sorted(
-        allowed_gpu_types(_parse(_with(VALID, "resources.instance_types", [])), bundled())
+        allowed_gpu_types(_parse(spec_with(VALID, "resources.instance_types", [])), bundled())
     )
     assert len(every) > 1
     assert line.startswith(
@@ -229,15 +229,19 @@ def test_spread_placement_that_would_mix_gpu_types_across_replicas_is_refused() 
 
 def test_what_replica_mode_can_run_is_accepted() -> None:
     # Spread over types of one GPU (p4d.24xlarge and a2-highgpu-8g are both A100-40GB).
-    one_gpu = _with(_replica(VALID), "resources.placement", "spread")
+    one_gpu = spec_with(_replica(VALID), "resources.placement", "spread")
     assert allowed_gpu_types(_parse(VALID), bundled()) == {
         "A100-40GB": ["p4d.24xlarge", "a2-highgpu-8g"]
     }
     _parse(one_gpu)
     # Same-zone keeps every node on one type, whatever the list allows.
-    _parse(_with(_replica(VALID), "resources.instance_types", ["p4d.24xlarge", "a3-highgpu-8g"]))
+    _parse(
+        spec_with(_replica(VALID), "resources.instance_types", ["p4d.24xlarge", "a3-highgpu-8g"])
+    )
     # The local cloud has one type: spread over its zones is fine.
-    _parse(_with(_replica(LOCAL, {"min": 2, "max": 4, "gpus": 0}), "resources.placement", "spread"))
+    _parse(
+        spec_with(_replica(LOCAL, {"min": 2, "max": 4, "gpus": 0}), "resources.placement", "spread")
+    )
     # A Terraform fleet: the module renders the replica settings (it checks they match).
     _parse(_replica(FLEET_AWS))
     # Whole replicas from nodes.min up, with a quorum that fits in nodes.min.
@@ -246,10 +250,10 @@ def test_what_replica_mode_can_run_is_accepted() -> None:
 
 def test_an_elastic_job_keeps_todays_rules() -> None:
     # Neither spread over GPU types, nor a fleet, nor any node count is refused for it.
-    spread = _with(VALID, "resources.placement", "spread")
-    _parse(_with(spread, "resources.instance_types", ["p4d.24xlarge", "a3-highgpu-8g"]))
+    spread = spec_with(VALID, "resources.placement", "spread")
+    _parse(spec_with(spread, "resources.instance_types", ["p4d.24xlarge", "a3-highgpu-8g"]))
     _parse(FLEET_AWS)
-    _parse(_with(LOCAL, "nodes", {"min": 1, "max": 3, "gpus": 0}))
+    _parse(spec_with(LOCAL, "nodes", {"min": 1, "max": 3, "gpus": 0}))
 
 
 def test_the_agent_settings_of_a_replica_job() -> None:
@@ -331,7 +335,7 @@ def test_validates_line_names_the_mode_the_replicas_and_where_torchft_comes_from
     assert "its quorum from torchft's lighthouse, which the controller runs;" in str(
         describe_replica(lighthouse)
     )
-    git = _parse(_with(_replica(VALID), "code", {"archive": {"path": "."}}))
+    git = _parse(spec_with(_replica(VALID), "code", {"archive": {"path": "."}}))
     assert str(describe_replica(git)).endswith("; each VM installs spottrain[replica] (torchft)")
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from spec_samples import LOCAL, VALID, _with
+from spec_samples import LOCAL, VALID, spec_with
 
 from spottrain.controller.run import lighthouse as lighthouse_run
 from spottrain.protocol import env as env_names
@@ -48,9 +48,9 @@ def _problems(data: dict[str, Any]) -> list[str]:
 
 def _fleet(nodes_max: int, nodes_per_replica: int = 1, **replica: Any) -> dict[str, Any]:
     """VALID in replica mode with up to ``nodes_max`` 8-GPU nodes."""
-    data = _with(VALID, "train.fault_tolerance", "replica")
-    data = _with(data, "train.replica", {"nodes_per_replica": nodes_per_replica, **replica})
-    return _with(data, "nodes", {"min": 16, "max": nodes_max, "gpus": 8})
+    data = spec_with(VALID, "train.fault_tolerance", "replica")
+    data = spec_with(data, "train.replica", {"nodes_per_replica": nodes_per_replica, **replica})
+    return spec_with(data, "nodes", {"min": 16, "max": nodes_max, "gpus": 8})
 
 
 def _share_of_a_core(replicas: int, timeout_s: float) -> float:
@@ -68,9 +68,9 @@ def test_twelve_thousand_five_hundred_one_node_replicas_validate() -> None:
         100,
     )
     # A quorum floor of every replica, and replicas of many nodes, are within the caps too.
-    whole = _parse(_with(_fleet(12_500, min_replicas=12_500), "nodes.min", 12_500))
+    whole = _parse(spec_with(_fleet(12_500, min_replicas=12_500), "nodes.min", 12_500))
     assert replica_problem(whole) is None
-    halves = _with(_fleet(MAX_NODES, nodes_per_replica=MAX_NODES // 2), "nodes.min", MAX_NODES)
+    halves = spec_with(_fleet(MAX_NODES, nodes_per_replica=MAX_NODES // 2), "nodes.min", MAX_NODES)
     assert replica_problem(_parse(halves)) is None
 
 
@@ -81,7 +81,7 @@ def test_counts_of_nodes_stop_at_one_hundred_thousand() -> None:
     assert _problems(_fleet(16, nodes_per_replica=MAX_NODES + 1)) == [
         "train.replica.nodes_per_replica: must be less than or equal to 100000 (got 100001)"
     ]
-    local = _with(LOCAL, "local.zones", {"local-a": {"capacity": MAX_NODES}})
+    local = spec_with(LOCAL, "local.zones", {"local-a": {"capacity": MAX_NODES}})
     assert _parse(local).local is not None
 
 
@@ -174,10 +174,12 @@ def test_the_lighthouse_and_elastic_mode_take_no_heartbeat_timeout() -> None:
         )
         assert "its own fixed 1 s" in problem and "use quorum: redis" in problem
     # In elastic mode even 1 is refused: the replica block applies to replica mode only.
-    elastic = _with(LOCAL, "train.replica", {"heartbeat_timeout_s": 1})
+    elastic = spec_with(LOCAL, "train.replica", {"heartbeat_timeout_s": 1})
     (problem,) = _problems(elastic)
     assert "heartbeat_timeout_s 1) applies only in replica mode" in problem
-    assert _parse(_with(LOCAL, "train.replica", {"heartbeat_timeout_s": "auto"})) == _parse(LOCAL)
+    assert _parse(spec_with(LOCAL, "train.replica", {"heartbeat_timeout_s": "auto"})) == _parse(
+        LOCAL
+    )
 
 
 def test_validate_prints_the_resolved_heartbeat_timeout(

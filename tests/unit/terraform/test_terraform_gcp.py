@@ -30,7 +30,7 @@ from secret_boot import (
     shell_function,
     variable_blocks,
 )
-from spec_samples import COMMIT, VALID, _with
+from spec_samples import COMMIT, VALID, spec_with
 from terraform_hcl import (
     TERRAFORM,
     Module,
@@ -567,7 +567,9 @@ def test_startup_script_pins_spottrain_and_installs_the_packaged_unit(mod: Modul
     # The same unit and drop-in the controller's own VMs get (bootstrap.py).
     spec = parse_spec(
         yaml.safe_dump(
-            _with(VALID, "code", {"git": {"repo": "https://github.com/acme/t", "commit": COMMIT}})
+            spec_with(
+                VALID, "code", {"git": {"repo": "https://github.com/acme/t", "commit": COMMIT}}
+            )
         )
     ).spec
     ckpt_dir = re.search(r'^SPOTTRAIN_CKPT_DIR="([^"]*)"$', script, re.M)

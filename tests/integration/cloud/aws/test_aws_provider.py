@@ -26,7 +26,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 from harnesses.aws import AwsHarness, client_error
-from spec_samples import VALID, _with
+from spec_samples import VALID, spec_with
 
 from spottrain.catalog import Catalog
 from spottrain.cloud.aws import AwsProvider, AwsSettings
@@ -431,9 +431,9 @@ def test_launch_leaves_encryption_to_the_account_when_the_setting_is_off(
 
 
 def _spec_provider(aws: AwsHarness, **aws_keys: Any) -> AwsProvider:
-    data = _with(VALID, "resources.clouds", ["aws"])
-    data = _with(data, "resources.regions", [REGION])
-    data = _with(data, "resources.instance_types", [P4D])
+    data = spec_with(VALID, "resources.clouds", ["aws"])
+    data = spec_with(data, "resources.regions", [REGION])
+    data = spec_with(data, "resources.instance_types", [P4D])
     del data["gcp"]
     data["aws"] = {
         "images": {REGION: aws.settings.image_ids[REGION]},

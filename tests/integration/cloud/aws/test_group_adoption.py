@@ -17,7 +17,7 @@ import redis
 import yaml
 from harnesses.asg import AsgFleet
 from harnesses.aws import AwsHarness
-from spec_samples import FLEET_AWS, _with
+from spec_samples import FLEET_AWS, spec_with
 
 from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.cloud.base import BadRequestError
@@ -54,9 +54,9 @@ class Clock:
 def controller(
     fleet: AsgFleet, client: redis.Redis, keys: RunKeys, clock: Clock, nodes_max: int = 3
 ) -> GroupController:
-    data = _with(FLEET_AWS, "fleet.run_id", keys.run_id)
-    data = _with(data, "fleet.group", fleet.name)
-    data = _with(data, "nodes", {"min": 1, "max": nodes_max, "gpus": 8})
+    data = spec_with(FLEET_AWS, "fleet.run_id", keys.run_id)
+    data = spec_with(data, "fleet.group", fleet.name)
+    data = spec_with(data, "nodes", {"min": 1, "max": nodes_max, "gpus": 8})
     spec = parse_spec(yaml.safe_dump(data)).spec
     return GroupController(
         spec=spec,
@@ -337,14 +337,14 @@ def test_validate_check_clouds_describes_the_fleets_group(
 
     for k, v in fleet.process_env().items():
         monkeypatch.setenv(k, v)
-    data = _with(FLEET_AWS, "fleet.run_id", run_keys.run_id)
+    data = spec_with(FLEET_AWS, "fleet.run_id", run_keys.run_id)
     spec = tmp_path / "job.yaml"
-    spec.write_text(yaml.safe_dump(_with(data, "fleet.group", fleet.name)))
+    spec.write_text(yaml.safe_dump(spec_with(data, "fleet.group", fleet.name)))
     assert cli.main(["validate", str(spec), "--check-clouds"]) == 0
     out = capsys.readouterr().out
     assert f"fleet: the aws group {fleet.name} in us-east-1" in out
     assert f"aws: group {fleet.name}: size 3 of at most 6, 3 VMs running or starting" in out
-    spec.write_text(yaml.safe_dump(_with(data, "fleet.group", "spottrain-typo")))
+    spec.write_text(yaml.safe_dump(spec_with(data, "fleet.group", "spottrain-typo")))
     assert cli.main(["validate", str(spec), "--check-clouds"]) == 1
     assert "no Auto Scaling group 'spottrain-typo'" in capsys.readouterr().err
 

@@ -24,7 +24,7 @@ from google.auth import exceptions as auth_exc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 from harnesses.gcp import MACHINE_TYPE, REGION, GcpHarness
-from spec_samples import VALID, _with
+from spec_samples import VALID, spec_with
 
 from spottrain.cloud.base import (
     TAG_JOB,
@@ -272,10 +272,10 @@ def test_launch_gives_no_external_ip_and_no_service_account_unless_asked(gcp: Gc
 
 
 def _spec_provider(gcp: GcpHarness, **gcp_keys: Any) -> GcpProvider:
-    data = _with(VALID, "resources.clouds", ["gcp"])
-    data = _with(data, "resources.regions", [REGION])
-    data = _with(data, "resources.instance_types", [MACHINE_TYPE])
-    data = _with(data, "checkpoint.copy_to", "gs://acme/ckpt")
+    data = spec_with(VALID, "resources.clouds", ["gcp"])
+    data = spec_with(data, "resources.regions", [REGION])
+    data = spec_with(data, "resources.instance_types", [MACHINE_TYPE])
+    data = spec_with(data, "checkpoint.copy_to", "gs://acme/ckpt")
     del data["aws"]
     data["gcp"] = {**data["gcp"], "project": gcp.fake.project, **gcp_keys}
     spec = parse_spec(yaml.safe_dump(data), "job.yaml").spec

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from spec_samples import LOCAL, _with
+from spec_samples import LOCAL, spec_with
 
 from spottrain.agent.cli import build_parser
 from spottrain.agent.logship import settings as ship
@@ -134,7 +134,7 @@ def test_flags_spec_and_boot_script_agree(monkeypatch: pytest.MonkeyPatch) -> No
     assert ship.DEFAULT_LOG_BACKLOG_MB == spec_sections.DEFAULT_LOG_BACKLOG_MB
     assert ship.MIN_LOG_CHUNK_MB == spec_sections.MIN_LOG_CHUNK_MB
     assert ship.MAX_LOG_CHUNK_MB == spec_sections.MAX_LOG_CHUNK_MB
-    spec = parse_spec(yaml.safe_dump(_with(LOCAL, "logs", {"chunk_seconds": 30}))).spec
+    spec = parse_spec(yaml.safe_dump(spec_with(LOCAL, "logs", {"chunk_seconds": 30}))).spec
     node = NodeIdentity("run-1", "node-0", "local", "local-a", "local-small")
     env = agent_env(spec, node, "redis://127.0.0.1:1", copy_to="file:///tmp/st/checkpoints")
     assert env_names.ENV_LOGS_TO not in env
@@ -150,7 +150,7 @@ def test_flags_spec_and_boot_script_agree(monkeypatch: pytest.MonkeyPatch) -> No
     assert s.url == "file:///tmp/st/checkpoints/logs"
     assert (s.chunk_s, s.chunk_bytes, s.max_bytes) == (30.0, 4_000_000, 1_024_000_000)
     assert (s.run_id, s.node, s.file) == ("run-1", "node-0", "/var/log/x.log")
-    named = _with(LOCAL, "logs", {"to": "/srv/logs"})
+    named = spec_with(LOCAL, "logs", {"to": "/srv/logs"})
     env = agent_env(parse_spec(yaml.safe_dump(named)).spec, node, "redis://127.0.0.1:1")
     assert env[env_names.ENV_LOGS_TO] == "/srv/logs"
     monkeypatch.delenv(env_names.ENV_LOGS_FILE)
