@@ -16,6 +16,7 @@ from spottrain.trace import load_trace
 from .clouds import LocalCloudSpec
 from .code import ArchiveCode
 from .replica import replica_gpu_types_problem
+from .sections import Integration
 
 if TYPE_CHECKING:
     from .job import JobSpec
@@ -167,6 +168,9 @@ class WindowCheck:
     detect_s: float = NOTICE_DETECT_S
     agree_s: float = REQUEST_POLL_S + 2 * AGREE_INTERVAL_S
     step_known: bool = False
+    # A plain script (train.integration: plain) gets SIGTERM at once and stops at its next
+    # step: no request to read, no agreement spacing.
+    plain: bool = False
 
     @property
     def needed_s(self) -> float:
@@ -185,27 +189,40 @@ class WindowCheck:
             if self.step_known
             else " (step time unknown: steps of at most 0.2 s assumed; set checkpoint.step_s)"
         )
+        agree = (
+            "for the script to finish its step after SIGTERM"
+            if self.plain
+            else "to read the request and agree on the step"
+        )
         return (
             f"{self.cloud}: {size_gb:.3g} GB at {gbps:g} GB/s takes {self.write_s:.1f} s; with "
-            f"{self.detect_s:.1f} s to see the notice, {self.agree_s:.1f} s to read the "
-            f"request and agree on the step{step} and {DRAIN_OVERHEAD_S:.0f} s to commit and "
-            f"leave, {self.needed_s:.1f} s of the {self.window_s:.0f} s notice window: {verdict}"
+            f"{self.detect_s:.1f} s to see the notice, {self.agree_s:.1f} s {agree}{step} and "
+            f"{DRAIN_OVERHEAD_S:.0f} s to commit and leave, {self.needed_s:.1f} s of the "
+            f"{self.window_s:.0f} s notice window: {verdict}"
         )
 
 
 def check_notice_windows(spec: JobSpec) -> list[WindowCheck]:
     """For each allowed cloud, whether an emergency checkpoint of the job's estimated size
     fits the notice window at the volume's aggregate write bandwidth, after the notice is
-    seen and the step agreed. Empty when the spec gives no size (``checkpoint.size_gb`` or
+    seen and the step agreed (a plain script: once it finished the step SIGTERM found it
+    in). Empty when the spec gives no size (``checkpoint.size_gb`` or
     ``checkpoint.params``)."""
     size = spec.checkpoint.estimated_gb
     if size is None:
         return []
     write_s = size / spec.checkpoint.volume.write_gbps
-    agree_s = REQUEST_POLL_S + agreement_lag_s(spec.checkpoint.step_s)
+    step_s = spec.checkpoint.step_s
+    plain = spec.train.integration is Integration.PLAIN
+    if plain:
+        agree_s = AGREE_INTERVAL_S if step_s is None else step_s
+    else:
+        agree_s = REQUEST_POLL_S + agreement_lag_s(step_s)
     needed = NOTICE_DETECT_S + agree_s + write_s + DRAIN_OVERHEAD_S
-    known = spec.checkpoint.step_s is not None
+    known = step_s is not None
     return [
-        WindowCheck(cloud, window, write_s, needed <= window, NOTICE_DETECT_S, agree_s, known)
+        WindowCheck(
+            cloud, window, write_s, needed <= window, NOTICE_DETECT_S, agree_s, known, plain
+        )
         for cloud, window in spec.notice_windows.items()
     ]

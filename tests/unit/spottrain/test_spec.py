@@ -503,3 +503,21 @@ def test_a_kms_key_needs_encryption_on() -> None:
     data = spec_with(data, "aws.root_volume_encrypted", False)
     (problem,) = _problems(data)
     assert "root_volume_kms_key is set but root_volume_encrypted is false" in problem
+
+
+def test_a_plain_script_window_counts_its_own_step_not_the_sdks_agreement() -> None:
+    # A plain script gets SIGTERM at the notice and stops at the end of the step it is in:
+    # with 5 s steps that is one step (5 s), where the SDK's agreement takes two (10.2 s).
+    data = spec_with(VALID, "checkpoint.volume.write_gbps", 2)
+    data = spec_with(spec_with(data, "checkpoint.size_gb", 1), "checkpoint.step_s", 5)
+    sdk = {c.cloud: c for c in check_notice_windows(parse_spec(yaml.safe_dump(data)).spec)}
+    plain_data = spec_with(data, "train.integration", "plain")
+    plain = {
+        c.cloud: c for c in check_notice_windows(parse_spec(yaml.safe_dump(plain_data)).spec)
+    }
+    assert sdk["gcp"].agree_s == pytest.approx(10.2)
+    assert plain["gcp"].agree_s == pytest.approx(5.0)
+    assert plain["gcp"].needed_s == pytest.approx(2 + 5 + 0.5 + 10)
+    text = plain["gcp"].describe(1.0, 2)
+    assert "5.0 s for the script to finish its step after SIGTERM" in text
+    assert "read the request" not in text
