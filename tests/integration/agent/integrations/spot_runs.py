@@ -14,10 +14,10 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 import torch
@@ -58,6 +58,53 @@ class Run:
         return torch.load(self.report / "final.pt", weights_only=True)  # type: ignore[no-any-return]
 
 
+class Process(Protocol):
+    """A run of the tests: its torchrun, and its output once it ended."""
+
+    proc: subprocess.Popen[str] | None
+    log: str
+
+
+def torchrun(
+    worker: Path,
+    argv: Sequence[str],
+    *,
+    ckpt: Path,
+    redis_url: str,
+    node: str,
+    run_id: str,
+    workers: int = 2,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen[str]:
+    """torchrun of ``worker ARGV`` with ``workers`` workers on this machine, checkpoints in
+    ``ckpt``, progress to ``redis_url`` as node ``node``; ``env`` adds to the environment
+    (the caller's own SPOTTRAIN_ settings never leak in)."""
+    full = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("SPOTTRAIN_")},
+        "SPOTTRAIN_CKPT_DIR": str(ckpt),
+        "SPOTTRAIN_REDIS": redis_url,
+        "SPOTTRAIN_NODE": node,
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={workers}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--rdzv-id={run_id}",
+        "--max-restarts=0",
+        str(worker),
+        *argv,
+    ]
+    return subprocess.Popen(
+        cmd, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
 def start(
     worker: Path, root: Path, name: str, redis_url: str, *args: str, ckpt: Path | None = None
 ) -> Run:
@@ -68,34 +115,23 @@ def start(
     )
     run.ckpt.mkdir(exist_ok=True)
     run.report.mkdir()
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("SPOTTRAIN_")},
-        "SPOTTRAIN_CKPT_DIR": str(run.ckpt),
-        "SPOTTRAIN_REDIS": redis_url,
-        "SPOTTRAIN_NODE": f"node-{name}",
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc-per-node=2",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        f"--rdzv-id={run.run_id}",
-        "--max-restarts=0",
-        str(worker),
-        str(run.report),
-        *args,
-    ]
-    run.proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    run.proc = torchrun(
+        worker,
+        [str(run.report), *args],
+        ckpt=run.ckpt,
+        redis_url=redis_url,
+        node=f"node-{name}",
+        run_id=run.run_id,
     )
     return run
 
 
-def finish(run: Run, timeout: float = RUN_TIMEOUT) -> int:
+def finish(run: Process, timeout: float = RUN_TIMEOUT) -> int:
+    """Wait for the run's end and keep its output.
+
+    Raises:
+        AssertionError: it did not end within ``timeout`` (it is killed).
+    """
     assert run.proc is not None
     try:
         run.log = run.proc.communicate(timeout=timeout)[0]
@@ -106,7 +142,8 @@ def finish(run: Run, timeout: float = RUN_TIMEOUT) -> int:
     return run.proc.returncode
 
 
-def wait_for(pred: Callable[[], bool], run: Run, what: str) -> None:
+def wait_for(pred: Callable[[], bool], run: Process, what: str) -> None:
+    """Poll ``pred`` until it holds; fail at once, with the output, if the run ends first."""
     assert run.proc is not None
     deadline = time.monotonic() + RUN_TIMEOUT
     while not pred():
@@ -119,20 +156,34 @@ def wait_for(pred: Callable[[], bool], run: Run, what: str) -> None:
         time.sleep(0.05)
 
 
-def agent_for(client: redis.Redis, run: Run) -> NoticeHandler:
-    """The agent's notice handler of the run's node, stopping torchrun after its drain."""
+def notice_handler(
+    client: redis.Redis,
+    run: Process,
+    run_id: str,
+    node: str,
+    stopped: list[float] | None = None,
+) -> NoticeHandler:
+    """The agent's notice handler of node ``node``; its drain ends by stopping torchrun,
+    which passes the SIGTERM on to its workers (each stop's timeout goes to ``stopped``)."""
     lifecycle = Lifecycle()
     for state in (NodeState.HEALTHY, NodeState.JOINED):
         lifecycle.advance(state)
 
     def stop_workers(timeout: float) -> None:
+        if stopped is not None:
+            stopped.append(timeout)
         assert run.proc is not None
         if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGTERM)  # torchrun passes it on to its workers
+            run.proc.send_signal(signal.SIGTERM)
 
+    record = NodeRecord(client, RunKeys(run_id), NodeInfo(node, "local"))
+    return NoticeHandler(client, RunKeys(run_id), node, lifecycle, record, stop_workers)
+
+
+def agent_for(client: redis.Redis, run: Run) -> NoticeHandler:
+    """The agent's notice handler of the run's node, stopping torchrun after its drain."""
     node = f"node-{run.report.name.removeprefix('report-')}"
-    record = NodeRecord(client, RunKeys(run.run_id), NodeInfo(node, "local"))
-    return NoticeHandler(client, RunKeys(run.run_id), node, lifecycle, record, stop_workers)
+    return notice_handler(client, run, run.run_id, node)
 
 
 def plant_torn(ckpt: Path, source: str, step: int) -> str:

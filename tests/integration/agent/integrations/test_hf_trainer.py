@@ -10,11 +10,8 @@ one property of what they left."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,22 +22,18 @@ from typing import Any, cast
 import pytest
 import redis
 import torch
+from spot_runs import RUN_TIMEOUT, finish, notice_handler, torchrun, wait_for
 
 from spottrain.agent.checkpoint.manifest import MANIFEST_NAME, Manifest
-from spottrain.agent.lifecycle import Lifecycle
-from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.agent.notices.handler import NoticeHandler
 from spottrain.agent.notices.notice import Notice, NoticeKind
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.ports import free_port
 from spottrain.protocol.keys import RunKeys
-from spottrain.protocol.states import NodeState
 
 WORKER = Path(__file__).with_name("hf_worker.py")
 GATE = 2  # the request is written at step 2, and acted on at step 4 (see hf_worker.py)
 DRAIN_STEP = GATE + 2
 MAX_STEPS = 12
-RUN_TIMEOUT = 180.0
 
 
 @dataclass
@@ -76,59 +69,21 @@ def start(
     run = Run(output or root / "ckpt" / name, root / f"report-{name}", f"hf-{uuid.uuid4().hex[:8]}")
     run.output.parent.mkdir(parents=True, exist_ok=True)
     run.report.mkdir()
-    env = {
-        **os.environ,
-        "SPOTTRAIN_CKPT_DIR": str(root / "ckpt"),
-        "SPOTTRAIN_REDIS": redis_url,
-        "SPOTTRAIN_NODE": f"node-{name}",
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        f"--nproc-per-node={workers}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        f"--rdzv-id={run.run_id}",
-        "--max-restarts=0",
-        str(WORKER),
-        str(run.output),
-        str(run.report),
-        *args,
-    ]
-    run.proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    run.proc = torchrun(
+        WORKER,
+        [str(run.output), str(run.report), *args],
+        ckpt=root / "ckpt",
+        redis_url=redis_url,
+        node=f"node-{name}",
+        run_id=run.run_id,
+        workers=workers,
+        env={
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        },
     )
     return run
-
-
-def finish(run: Run, timeout: float = RUN_TIMEOUT) -> int:
-    assert run.proc is not None
-    try:
-        run.log = run.proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        run.proc.kill()
-        run.log = run.proc.communicate()[0]
-        raise AssertionError(f"the run did not end:\n{run.log[-6000:]}") from None
-    return run.proc.returncode
-
-
-def wait_for(pred: Callable[[], bool], run: Run, what: str) -> None:
-    assert run.proc is not None
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not pred():
-        if run.proc.poll() is not None:
-            raise AssertionError(
-                f"the run ended before {what}:\n{run.proc.communicate()[0][-6000:]}"
-            )
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {RUN_TIMEOUT:.0f} s")
-        time.sleep(0.05)
 
 
 @dataclass
@@ -140,20 +95,8 @@ class Agent:
 
 
 def agent_for(client: redis.Redis, run: Run, node: str) -> Agent:
-    lifecycle = Lifecycle()
-    for state in (NodeState.HEALTHY, NodeState.JOINED):
-        lifecycle.advance(state)
     stopped: list[float] = []
-
-    def stop_workers(timeout: float) -> None:
-        stopped.append(timeout)
-        assert run.proc is not None
-        if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGTERM)  # torchrun passes it on to its workers
-
-    record = NodeRecord(client, RunKeys(run.run_id), NodeInfo(node, "local"))
-    handler = NoticeHandler(client, RunKeys(run.run_id), node, lifecycle, record, stop_workers)
-    return Agent(handler, stopped)
+    return Agent(notice_handler(client, run, run.run_id, node, stopped), stopped)
 
 
 @dataclass(frozen=True)

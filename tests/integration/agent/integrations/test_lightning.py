@@ -14,30 +14,24 @@ what they left."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 import torch
+from spot_runs import RUN_TIMEOUT, finish, notice_handler, torchrun, wait_for
 
 from spottrain.agent.checkpoint.manifest import MANIFEST_NAME, Manifest
-from spottrain.agent.lifecycle import Lifecycle
-from spottrain.agent.node_record import NodeInfo, NodeRecord
 from spottrain.agent.notices.handler import NoticeHandler
 from spottrain.agent.notices.notice import Notice, NoticeKind
 from spottrain.controller.run.embedded_redis import RedisServer
-from spottrain.ports import free_port
 from spottrain.protocol.keys import RunKeys
-from spottrain.protocol.states import NodeState
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 GATE = 3  # the request is written at step 3 and acted on at step 5 (see lightning_worker.py)
@@ -45,7 +39,6 @@ SAVE_STEP = GATE + 2
 TORN_STEP = 8
 MAX_STEPS = 12
 SAMPLES_PER_STEP_PER_RANK = 4  # 2 per batch x accumulate 2
-RUN_TIMEOUT = 180.0
 
 
 @dataclass
@@ -74,78 +67,22 @@ def start(root: Path, name: str, redis_url: str, *args: str, ckpt: str = "ckpt")
     run = Run(root / ckpt, root / f"report-{name}", f"pl-{uuid.uuid4().hex[:8]}")
     run.ckpt.mkdir(exist_ok=True)
     run.report.mkdir()
-    env = {
-        **os.environ,
-        "SPOTTRAIN_CKPT_DIR": str(run.ckpt),
-        "SPOTTRAIN_REDIS": redis_url,
-        "SPOTTRAIN_NODE": f"node-{name}",
-        "OMP_NUM_THREADS": "1",
-        "PL_DISABLE_FORK": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc-per-node=2",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        f"--rdzv-id={run.run_id}",
-        "--max-restarts=0",
-        str(WORKER),
-        str(run.report),
-        *args,
-    ]
-    run.proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    run.proc = torchrun(
+        WORKER,
+        [str(run.report), *args],
+        ckpt=run.ckpt,
+        redis_url=redis_url,
+        node=f"node-{name}",
+        run_id=run.run_id,
+        env={"PL_DISABLE_FORK": "1"},
     )
     return run
-
-
-def finish(run: Run, timeout: float = RUN_TIMEOUT) -> int:
-    assert run.proc is not None
-    try:
-        run.log = run.proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        run.proc.kill()
-        run.log = run.proc.communicate()[0]
-        raise AssertionError(f"the run did not end:\n{run.log[-6000:]}") from None
-    return run.proc.returncode
-
-
-def wait_for(pred: Callable[[], bool], run: Run, what: str) -> None:
-    assert run.proc is not None
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while not pred():
-        if run.proc.poll() is not None:
-            raise AssertionError(
-                f"the run ended before {what}:\n{run.proc.communicate()[0][-6000:]}"
-            )
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {RUN_TIMEOUT:.0f} s")
-        time.sleep(0.05)
-
-
-def handler_for(client: redis.Redis, run: Run, node: str) -> NoticeHandler:
-    """The agent's notice handler of one node; its drain ends by stopping torchrun, which
-    passes the SIGTERM on to its workers."""
-    lifecycle = Lifecycle()
-    for state in (NodeState.HEALTHY, NodeState.JOINED):
-        lifecycle.advance(state)
-
-    def stop_workers(timeout: float) -> None:
-        assert run.proc is not None
-        if run.proc.poll() is None:
-            run.proc.send_signal(signal.SIGTERM)
-
-    record = NodeRecord(client, RunKeys(run.run_id), NodeInfo(node, "local"))
-    return NoticeHandler(client, RunKeys(run.run_id), node, lifecycle, record, stop_workers)
 
 
 def at_gate(client: redis.Redis, run: Run) -> NoticeHandler:
     keys = RunKeys(run.run_id)
     wait_for(lambda: int(client.hget(keys.progress, "step") or 0) >= GATE, run, "the gate")
-    return handler_for(client, run, f"node-{run.report.name}")
+    return notice_handler(client, run, run.run_id, f"node-{run.report.name}")
 
 
 def plant_torn(root: Path) -> None:
