@@ -37,6 +37,9 @@ RUN_TIMEOUT = 180.0
 
 @dataclass
 class Run:
+    """One torchrun of a worker: where it checkpoints (for the Trainer, its output_dir),
+    where its ranks report (``rank<R>.jsonl``, ``final.pt``), its run id, and its output."""
+
     ckpt: Path
     report: Path
     run_id: str
@@ -53,6 +56,10 @@ class Run:
 
     def steps(self, rank: int) -> list[int]:
         return [r["step"] for r in self.rows(rank) if "ids" in r]
+
+    def saves(self, rank: int) -> list[int]:
+        """The steps this rank saved at."""
+        return [r["save"] for r in self.rows(rank) if "save" in r]
 
     def final(self) -> dict[str, torch.Tensor]:
         return torch.load(self.report / "final.pt", weights_only=True)  # type: ignore[no-any-return]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from typing import Any, cast
 
 import pytest
 import redis
+import spot_runs
 import torch
 from spot_runs import RUN_TIMEOUT, finish, notice_handler, torchrun, wait_for
 
@@ -36,26 +36,9 @@ DRAIN_STEP = GATE + 2
 MAX_STEPS = 12
 
 
-@dataclass
-class Run:
-    output: Path
-    report: Path
-    run_id: str
-    proc: subprocess.Popen[str] | None = None
-    log: str = ""
-
-    def rows(self, rank: int) -> list[dict[str, int]]:
-        path = self.report / f"rank{rank}.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def saves(self, rank: int) -> list[int]:
-        return [r["save"] for r in self.rows(rank) if "save" in r]
-
+class Run(spot_runs.Run):
     def losses(self) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in self.rows(0) if "loss" in r}
-
-    def final(self) -> dict[str, torch.Tensor]:
-        return torch.load(self.report / "final.pt", weights_only=True)  # type: ignore[no-any-return]
 
 
 def start(
@@ -67,11 +50,11 @@ def start(
     workers: int = 2,
 ) -> Run:
     run = Run(output or root / "ckpt" / name, root / f"report-{name}", f"hf-{uuid.uuid4().hex[:8]}")
-    run.output.parent.mkdir(parents=True, exist_ok=True)
+    run.ckpt.parent.mkdir(parents=True, exist_ok=True)
     run.report.mkdir()
     run.proc = torchrun(
         WORKER,
-        [str(run.output), str(run.report), *args],
+        [str(run.ckpt), str(run.report), *args],
         ckpt=root / "ckpt",
         redis_url=redis_url,
         node=f"node-{name}",
@@ -131,11 +114,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) ->
     finish(drained)
     progress = {k.decode(): v.decode() for k, v in client.hgetall(keys.progress).items()}
     ckpt_last = {k.decode(): v.decode() for k, v in client.hgetall(keys.ckpt_last).items()}
-    listing = sorted(p.name for p in drained.output.iterdir())
+    listing = sorted(p.name for p in drained.ckpt.iterdir())
     shrunk_output = root / "ckpt" / "shrunk"
-    shutil.copytree(drained.output, shrunk_output)
+    shutil.copytree(drained.ckpt, shrunk_output)
 
-    resumed = start(root, "resumed", url, "--resume", output=drained.output)
+    resumed = start(root, "resumed", url, "--resume", output=drained.ckpt)
     assert finish(resumed) == 0, resumed.log[-6000:]
     restores = [json.loads(r) for r in client.lrange(RunKeys(resumed.run_id).restores, 0, -1)]
     shrunk = start(root, "shrunk", url, "--resume", output=shrunk_output, workers=1)
@@ -156,7 +139,7 @@ def test_a_drain_request_makes_every_rank_save_the_same_step(runs: Runs) -> None
 def test_the_drain_checkpoint_is_committed_with_a_manifest_of_every_ranks_files(
     runs: Runs,
 ) -> None:
-    path = runs.drained.output / f"checkpoint-{DRAIN_STEP}"
+    path = runs.drained.ckpt / f"checkpoint-{DRAIN_STEP}"
     manifest = Manifest.read(path)
     assert (manifest.step, manifest.kind, manifest.world_size) == (DRAIN_STEP, "emergency", 2)
     assert manifest.extra["drain"] is True and manifest.extra["framework"] == "hf"
@@ -218,7 +201,7 @@ def test_a_run_resumed_at_half_the_world_size_trains_on_the_same_samples_per_ste
 
 def test_the_trainers_own_periodic_saves_are_committed(runs: Runs) -> None:
     for step, kind in ((5, "periodic"), (10, "periodic"), (MAX_STEPS, "final")):
-        manifest = Manifest.read(runs.plain.output / f"checkpoint-{step}")
+        manifest = Manifest.read(runs.plain.ckpt / f"checkpoint-{step}")
         assert (manifest.step, manifest.kind, manifest.extra["drain"]) == (step, kind, False)
 
 
@@ -232,7 +215,7 @@ def test_a_torn_checkpoint_is_skipped_where_transformers_would_pick_it(
     from spottrain.agent.sdk.integrations.hf import last_checkpoint
 
     out = tmp_path / "out"
-    shutil.copytree(runs.plain.output, out)
+    shutil.copytree(runs.plain.ckpt, out)
     # A save that died before its manifest, and one whose file changed after its commit.
     shutil.copytree(out / "checkpoint-12", out / "checkpoint-14")
     (out / "checkpoint-14" / MANIFEST_NAME).unlink()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import spot_runs
 import torch
 from spot_runs import RUN_TIMEOUT, finish, notice_handler, torchrun, wait_for
 
@@ -41,26 +41,9 @@ MAX_STEPS = 12
 SAMPLES_PER_STEP_PER_RANK = 4  # 2 per batch x accumulate 2
 
 
-@dataclass
-class Run:
-    ckpt: Path
-    report: Path
-    run_id: str
-    proc: subprocess.Popen[str] | None = None
-    log: str = ""
-
-    def rows(self, rank: int) -> list[dict[str, int]]:
-        path = self.report / f"rank{rank}.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def saves(self, rank: int) -> list[int]:
-        return [r["save"] for r in self.rows(rank) if "save" in r]
-
+class Run(spot_runs.Run):
     def seen(self, rank: int) -> list[int]:
         return json.loads((self.report / f"seen{rank}.json").read_text())  # type: ignore[no-any-return]
-
-    def final(self) -> dict[str, torch.Tensor]:
-        return torch.load(self.report / "final.pt", weights_only=True)  # type: ignore[no-any-return]
 
 
 def start(root: Path, name: str, redis_url: str, *args: str, ckpt: str = "ckpt") -> Run:
