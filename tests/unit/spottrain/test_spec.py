@@ -512,9 +512,7 @@ def test_a_plain_script_window_counts_its_own_step_not_the_sdks_agreement() -> N
     data = spec_with(spec_with(data, "checkpoint.size_gb", 1), "checkpoint.step_s", 5)
     sdk = {c.cloud: c for c in check_notice_windows(parse_spec(yaml.safe_dump(data)).spec)}
     plain_data = spec_with(data, "train.integration", "plain")
-    plain = {
-        c.cloud: c for c in check_notice_windows(parse_spec(yaml.safe_dump(plain_data)).spec)
-    }
+    plain = {c.cloud: c for c in check_notice_windows(parse_spec(yaml.safe_dump(plain_data)).spec)}
     assert sdk["gcp"].agree_s == pytest.approx(10.2)
     assert plain["gcp"].agree_s == pytest.approx(5.0)
     assert plain["gcp"].needed_s == pytest.approx(2 + 5 + 0.5 + 10)
