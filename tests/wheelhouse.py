@@ -3,14 +3,17 @@
 :func:`build_wheelhouse` writes a stand-in ``spottrain`` (its extras ``agent``, ``aws``,
 ``gcp`` require the tiny ``alpha``, ``beta``, ``delta`` wheels, and it carries the real
 ``spottrain/envlock.py``, so a venv built from a lock can verify itself) and a few versions
-of each. Point pip at it with ``--no-index --find-links DIR`` (or ``PIP_NO_INDEX=1``,
-``PIP_FIND_LINKS=DIR``).
+of each; its framework extras (``hf``, ``accelerate``, ``lightning``) require what
+pyproject.toml's do, and stand-ins of those frameworks sit beside them at versions inside
+and outside those ranges (the newest outside, so a lock shows whose range won). Point pip
+at it with ``--no-index --find-links DIR`` (or ``PIP_NO_INDEX=1``, ``PIP_FIND_LINKS=DIR``).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import tomllib
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,6 +22,21 @@ from spottrain import __version__
 from spottrain.controller.run.wheel import SelfWheel
 
 ENVLOCK_SOURCE = Path(__file__).resolve().parents[1] / "spottrain" / "envlock.py"
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+FRAMEWORK_EXTRAS = ("hf", "accelerate", "lightning")
+# The stand-in frameworks: name, versions (pyproject's ranges: transformers 5.18.x,
+# accelerate 1.15.x, lightning 2.6.6 up to 2.7).
+FRAMEWORK_WHEELS = {
+    "transformers": ("5.17.0", "5.18.0", "5.20.0"),
+    "accelerate": ("1.15.0", "1.16.0"),
+    "lightning": ("2.6.6", "2.7.0"),
+}
+
+
+def framework_requires() -> list[str]:
+    """pyproject.toml's framework extras as the wheel's ``Requires-Dist`` strings."""
+    extras = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]
+    return [f'{r}; extra == "{e}"' for e in FRAMEWORK_EXTRAS for r in extras[e]]
 
 
 def _record_hash(data: bytes) -> str:
@@ -72,8 +90,9 @@ def build_wheelhouse(folder: Path) -> dict[str, Path]:
                 'alpha>=1; extra == "agent"',
                 'beta; extra == "aws"',
                 'delta; extra == "gcp"',
+                *framework_requires(),
             ],
-            extras=("agent", "aws", "gcp"),
+            extras=("agent", "aws", "gcp", *FRAMEWORK_EXTRAS),
             files=spottrain_files,
         ),
         build_wheel(folder, "alpha", "1.0", requires=["beta<3"]),
@@ -81,6 +100,7 @@ def build_wheelhouse(folder: Path) -> dict[str, Path]:
         build_wheel(folder, "beta", "2.0"),
         build_wheel(folder, "delta", "1.0"),
         build_wheel(folder, "gamma", "1.0"),
+        *(build_wheel(folder, n, v) for n, vs in FRAMEWORK_WHEELS.items() for v in vs),
     ]
     return {p.name.split("-py3")[0]: p for p in wheels}
 

@@ -14,6 +14,7 @@ from spottrain.controller.run.env_lock import (
     lock_for_cloud,
 )
 from spottrain.envlock import lock_sha256
+from spottrain.spec import JobSpec
 
 
 def add_parser(sub: Any) -> None:
@@ -22,7 +23,9 @@ def add_parser(sub: Any) -> None:
         "lock",
         help="write the hashed lock of the environment a cloud's VMs install for a job",
         description="Resolve the agent's environment for a cloud's VMs (the spec's "
-        "packages.python, manylinux x86_64) with this machine's pip, the spec's index "
+        "packages.python, manylinux x86_64; with torchft for a replica-mode job and the "
+        "framework of its train.integration, hf, accelerate or lightning, at the range of "
+        "spottrain's extra) with this machine's pip, the spec's index "
         "(packages:) and pip's own configuration, and write it as a hashed requirements "
         "file. spottrain itself is this controller's own wheel, pinned by its sha256 (no "
         "index needs to carry it; the run ships the wheel to its VMs). `spottrain up JOB.yaml "
@@ -77,5 +80,18 @@ def command(args: Any) -> int:
         f"{len(lock.packages)} packages locked for {args.cloud} "
         f"({lock.target}), sha256 {lock_sha256(text)}; spottrain is this controller's wheel "
         f"{wheel.filename} (sha256 {wheel.sha256[:16]}), which `spottrain up` ships to the VMs"
+        + framework_note(spec, lock.versions())
     )
     return EXIT_OK
+
+
+def framework_note(spec: JobSpec, versions: dict[str, str]) -> str:
+    """The lock's framework for the job's integration, as the end of the summary line ("" for
+    sdk and plain): a lock is for one integration's jobs (``up`` refuses it for another)."""
+    from spottrain.spec import FRAMEWORK_PACKAGES, framework_extra
+
+    extra = framework_extra(spec)
+    if extra is None:
+        return ""
+    held = ", ".join(f"{n} {versions.get(n, '(none)')}" for n in FRAMEWORK_PACKAGES[extra])
+    return f"; train.integration {extra}: {held}"

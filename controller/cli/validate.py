@@ -1,4 +1,5 @@
-"""``spottrain validate``: a spec's keys, catalog, notice windows and replica mode; with
+"""``spottrain validate``: a spec's keys, catalog, notice windows, replica mode and the
+framework its integration needs (on the VMs, and in this venv for the local cloud); with
 ``--check-clouds``, each allowed cloud's offers (or a Terraform fleet's group)."""
 
 from __future__ import annotations
@@ -7,13 +8,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from spottrain.controller.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_WINDOW
 from spottrain.spec import JobSpec
 
 
 def validate(args: argparse.Namespace) -> int:
-    from spottrain.spec import SpecError, check_notice_windows, describe_replica, load_spec
+    from spottrain.controller.run.env_lock import local_framework_problem, spottrain_requires
+    from spottrain.spec import SpecError, check_notice_windows, load_spec
     from spottrain.spec.exposure import exposure_warnings
 
     try:
@@ -25,9 +28,11 @@ def validate(args: argparse.Namespace) -> int:
             print(str(e), file=sys.stderr)
         return EXIT_BAD_INPUT
     spec = loaded.spec
-    problem = spec.files_store_problem()
+    requires = spottrain_requires()
+    problem = spec.files_store_problem() or local_framework_problem(spec, requires)
     if problem:
-        # Valid YAML and keys, but `up` could not launch it: say so here, before a run.
+        # Valid YAML and keys, but `up` could not launch it (no store the VMs read, or the
+        # local VMs' venv, this one, lacks the framework): say so here, before a run.
         if args.json:
             print(json.dumps({"valid": False, "source": loaded.source, "problems": [problem]}))
         else:
@@ -47,6 +52,7 @@ def validate(args: argparse.Namespace) -> int:
                     "fault_tolerance": spec.train.fault_tolerance.value,
                     "integration": spec.train.integration.value,
                     "replica": _replica_json(spec),
+                    "framework": _framework_json(spec, requires),
                     "checkpoint_gb": size,
                     "windows": [
                         {
@@ -63,20 +69,8 @@ def validate(args: argparse.Namespace) -> int:
         )
     else:
         print(f"{loaded.source}: valid job spec for {spec.name!r}")
-        print(
-            f"  nodes {spec.nodes.min}-{spec.nodes.max} x {spec.nodes.gpus} GPUs, "
-            f"clouds {', '.join(spec.resources.clouds)}, spot policy {spec.spot.policy.value}, "
-            f"budget ${spec.budget.max_usd:,.2f}"
-        )
-        for line in filter(None, (_describe_integration(spec), describe_replica(spec))):
+        for line in _job_lines(spec, requires):
             print(f"  {line}")
-        if spec.fleet is not None:
-            f = spec.fleet
-            where = f.region if f.cloud == "aws" else f"{f.project}/{f.zone}"
-            print(
-                f"  fleet: the {f.cloud} group {f.group} in {where}, made by Terraform, "
-                f"adopted as run {f.run_id}"
-            )
         if size is None:
             print(
                 "  emergency checkpoint: size unknown (set checkpoint.size_gb or "
@@ -90,6 +84,29 @@ def validate(args: argparse.Namespace) -> int:
     if args.check_clouds and not _check_clouds(spec, quiet=args.json):
         return EXIT_FAILED
     return EXIT_OK if fits else EXIT_WINDOW
+
+
+def _job_lines(spec: JobSpec, requires: list[str]) -> list[str]:
+    """validate's lines of the job: its fleet's size and terms, its integration and the
+    framework the nodes install for it (``requires``: spottrain's ``Requires-Dist``), replica
+    mode, a Terraform fleet."""
+    from spottrain.spec import describe_framework, describe_replica
+
+    lines = [
+        f"nodes {spec.nodes.min}-{spec.nodes.max} x {spec.nodes.gpus} GPUs, "
+        f"clouds {', '.join(spec.resources.clouds)}, spot policy {spec.spot.policy.value}, "
+        f"budget ${spec.budget.max_usd:,.2f}"
+    ]
+    more = (_describe_integration(spec), describe_framework(spec, requires), describe_replica(spec))
+    lines += filter(None, more)
+    if spec.fleet is not None:
+        f = spec.fleet
+        where = f.region if f.cloud == "aws" else f"{f.project}/{f.zone}"
+        lines.append(
+            f"fleet: the {f.cloud} group {f.group} in {where}, made by Terraform, "
+            f"adopted as run {f.run_id}"
+        )
+    return lines
 
 
 # validate's line for an integration other than the SDK's: what a notice does for it.
@@ -106,6 +123,18 @@ def _describe_integration(spec: JobSpec) -> str | None:
     """validate's line for a job not on the SDK (None for one on it)."""
     value = spec.train.integration.value
     return f"integration {value}: {_INTEGRATION_LINES[value]}" if value != "sdk" else None
+
+
+def _framework_json(spec: JobSpec, requires: list[str]) -> dict[str, Any] | None:
+    """``--json``'s ``framework``: the extra the job's integration installs on every node
+    and its requirements (null for sdk and plain)."""
+    from spottrain.spec import extra_requirements, framework_extra
+
+    extra = framework_extra(spec)
+    if extra is None:
+        return None
+    reqs = [f"{r.name}{r.specifier}" for r in extra_requirements(requires, extra)]
+    return {"extra": extra, "requires": reqs}
 
 
 def _replica_json(spec: JobSpec) -> dict[str, int | float | str] | None:

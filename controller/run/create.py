@@ -13,7 +13,11 @@ from spottrain.controller.run.boot import (
 )
 from spottrain.controller.run.boot_files import ship_boot_files
 from spottrain.controller.run.code import local_secret_files, prepare_code
-from spottrain.controller.run.env_lock import ResolveError, capture_locks
+from spottrain.controller.run.env_lock import (
+    ResolveError,
+    capture_locks,
+    local_framework_problem,
+)
 from spottrain.controller.run.lighthouse import (
     find_lighthouse_binary,
     find_torchft,
@@ -131,6 +135,10 @@ def create_run(
         find_lighthouse_binary()
     elif replica_mode(spec) and "local" in spec.resources.clouds:
         find_torchft()
+    # Likewise the framework a local job's integration trains with (hf, lightning, ...).
+    problem = local_framework_problem(spec)
+    if problem:
+        raise RunError(problem)
     rid = reserve_run_dir(spec.name, given)
     info = RunInfo.from_loaded(
         loaded,

@@ -22,7 +22,10 @@ What the lock covers:
 
 - the agent requirement, ``spottrain[agent,<cloud>]==<this version>`` for the cloud, with
   the ``replica`` extra (torchft) for a replica-mode job
-  (``train.fault_tolerance: replica``);
+  (``train.fault_tolerance: replica``), and the framework's extra (``hf``, ``accelerate``,
+  ``lightning``: :mod:`spottrain.spec.frameworks`) for a job whose ``train.integration``
+  needs one: the extra's range wins, a job requirement pinning the framework outside it is
+  refused before pip runs, in one line naming both;
 - ``code.archive``: the job's ``requirements.txt`` beside it, resolved together with the
   agent, so a job requirement can never move torch: the VM installs the lock instead of the
   file;
@@ -31,7 +34,8 @@ What the lock covers:
   the lock afterwards: the job's own extra packages are pinned by version, not by hash;
 - ``code.image``: the image is the environment; no lock is made.
 
-The local cloud's VMs run in the controller's own venv: no lock either.
+The local cloud's VMs run in the controller's own venv: no lock either; a framework the
+integration needs must be in that venv, in its extra's range (:func:`local_framework_problem`).
 """
 
 from __future__ import annotations
@@ -42,8 +46,10 @@ import re
 import subprocess
 import sys
 import tempfile
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -51,7 +57,7 @@ from urllib.parse import urlparse
 from packaging.requirements import InvalidRequirement, Requirement
 
 from spottrain import __version__
-from spottrain.controller.run.wheel import SelfWheel
+from spottrain.controller.run.wheel import SelfWheel, WheelError, find_source
 from spottrain.envlock import (
     EnvLock,
     LockedPackage,
@@ -61,7 +67,18 @@ from spottrain.envlock import (
     make_lock,
     parse_lock,
 )
-from spottrain.spec import ArchiveCode, FaultTolerance, ImageCode, JobSpec
+from spottrain.spec import (
+    FRAMEWORK_PACKAGES,
+    ArchiveCode,
+    FaultTolerance,
+    ImageCode,
+    JobSpec,
+    extra_requirements,
+    framework_extra,
+    range_conflict,
+    requirement_lines,
+    venv_framework_problem,
+)
 
 LOCKED_CLOUDS = ("aws", "gcp")
 
@@ -118,11 +135,21 @@ class LockTarget:
 _PATCHES = 30
 
 
-def agent_requirement(cloud: str, *, replica: bool = False, wheel: SelfWheel | None = None) -> str:
+def agent_requirement(
+    cloud: str,
+    *,
+    replica: bool = False,
+    framework: str | None = None,
+    wheel: SelfWheel | None = None,
+) -> str:
     """What a VM of ``cloud`` installs: the agent at this controller's version (with
     ``wheel``: that very file, so pip needs no index that carries spottrain); with
-    ``replica``, also torchft (the ``replica`` extra), which only replica mode imports."""
-    extras = f"agent,{cloud},replica" if replica else f"agent,{cloud}"
+    ``replica``, also torchft (the ``replica`` extra), which only replica mode imports; with
+    ``framework`` (an extra: ``hf``, ``accelerate``, ``lightning``), the framework the job's
+    integration trains with, at the extra's range."""
+    extras = ",".join(
+        ["agent", cloud, *(["replica"] if replica else []), *filter(None, [framework])]
+    )
     if wheel is not None:
         return f"spottrain[{extras}] @ {wheel.file_url}"
     return f"spottrain[{extras}]=={__version__}"
@@ -136,7 +163,87 @@ def needs_replica_extra(spec: JobSpec) -> bool:
 
 def spec_agent_requirement(spec: JobSpec, cloud: str, wheel: SelfWheel | None = None) -> str:
     """:func:`agent_requirement` for ``spec``'s VMs on ``cloud``."""
-    return agent_requirement(cloud, replica=needs_replica_extra(spec), wheel=wheel)
+    return agent_requirement(
+        cloud, replica=needs_replica_extra(spec), framework=framework_extra(spec), wheel=wheel
+    )
+
+
+def wheel_requires(wheel: SelfWheel) -> list[str]:
+    """The ``Requires-Dist`` strings of ``wheel``'s METADATA: the extras' ranges pip
+    resolves with, read from the very file the run ships.
+
+    Raises:
+        ResolveError: the wheel cannot be read.
+    """
+    name = f"spottrain-{wheel.version}.dist-info/METADATA"
+    try:
+        with zipfile.ZipFile(wheel.path) as z:
+            text = z.read(name).decode()
+    except (OSError, KeyError, zipfile.BadZipFile) as e:
+        raise ResolveError(f"cannot read {name} in {wheel.path}: {e}") from None
+    return metadata_requires(text)
+
+
+def metadata_requires(text: str) -> list[str]:
+    """The ``Requires-Dist`` values of a METADATA text."""
+    head = text.split("\n\n", 1)[0]
+    return [
+        ln.partition(":")[2].strip() for ln in head.splitlines() if ln.startswith("Requires-Dist:")
+    ]
+
+
+def spottrain_requires() -> list[str]:
+    """This controller's spottrain's ``Requires-Dist`` strings, from the source its wheel is
+    built from (a checkout's pyproject.toml, or the installed METADATA); empty when neither
+    can be read (then only the framework's names are checked, not its range)."""
+    try:
+        return metadata_requires(find_source().metadata_text)
+    except WheelError:
+        pass
+    try:
+        return list(metadata.requires("spottrain") or [])
+    except metadata.PackageNotFoundError:
+        return []
+
+
+def installed_version(dist: str) -> str | None:
+    """The version of ``dist`` in this venv, or None: read from its metadata, so a heavy
+    framework is never imported to ask."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def local_framework_problem(spec: JobSpec, requires: Sequence[str] | None = None) -> str | None:
+    """Why this venv, where the local cloud's VMs run, cannot run the job's integration (its
+    framework missing, or outside its extra's range), in one line; None when it can, or the
+    job has no local VM or needs no framework."""
+    extra = framework_extra(spec)
+    if extra is None or "local" not in spec.resources.clouds or spec.fleet is not None:
+        return None
+    reqs = spottrain_requires() if requires is None else requires
+    installed = {name: installed_version(name) for name in FRAMEWORK_PACKAGES[extra]}
+    where = f"this venv ({sys.prefix}, where the local cloud's VMs run)"
+    return venv_framework_problem(extra, reqs, installed, where)
+
+
+def framework_lock_problem(
+    versions: Mapping[str, str], extra: str, requires: Sequence[str]
+) -> str | None:
+    """What a lock holding ``versions`` lacks for ``extra``'s integration: a framework
+    package missing, or locked outside the extra's range (``requires``: spottrain's
+    ``Requires-Dist``), in words that follow "the lock"; None when it has them."""
+    missing = [p for p in FRAMEWORK_PACKAGES[extra] if p not in versions]
+    if missing:
+        return f"holds no {' or '.join(missing)}"
+    for req in extra_requirements(requires, extra):
+        have = versions.get(req.name)
+        if have is not None and not req.specifier.contains(have, prereleases=True):
+            return (
+                f"holds {req.name} {have}, outside spottrain[{extra}]'s {req.name}{req.specifier}"
+            )
+    return None
 
 
 def pip_command(
@@ -329,26 +436,73 @@ def lock_for_cloud(
     spec: JobSpec, base_dir: Path, cloud: str, wheel: SelfWheel, **kw: Any
 ) -> EnvLock:
     """Resolve the lock a VM of ``cloud`` installs for ``spec``, spottrain being ``wheel``
-    and everything else from the spec's index (``packages:``) or pip's configuration."""
+    and everything else from the spec's index (``packages:``) or pip's configuration.
+
+    Raises:
+        ResolveError: pip failed; or, before pip runs, the job's requirements pin the
+            integration's framework outside its extra's range (one line naming both).
+    """
     kw.setdefault("target", lock_target(spec))
-    return resolve_lock(
+    files = job_requirement_files(spec, base_dir)
+    extra = framework_extra(spec)
+    requires = wheel_requires(wheel) if extra else []
+    if extra:
+        check_framework_pins(extra, requires, files, kw["target"])
+    lock = resolve_lock(
         [spec_agent_requirement(spec, cloud, wheel)],
-        requirement_files=job_requirement_files(spec, base_dir),
+        requirement_files=files,
         pip_args=[*spec.packages.pip_args(), *kw.pop("pip_args", ())],
         wheel=wheel,
         **kw,
     )
+    problem = extra and framework_lock_problem(lock.versions(), extra, requires)
+    if problem:
+        # pip warns and goes on when the wheel has no such extra (a spottrain older than the
+        # integration): the lock would hold no framework, and every worker fail at import.
+        raise ResolveError(
+            f"the lock pip made for {cloud} {problem}, which train.integration: {extra} needs "
+            f"on every VM: is spottrain's wheel {wheel.path} built with the {extra} extra?"
+        )
+    return lock
+
+
+def check_framework_pins(
+    extra: str, requires: Sequence[str], files: Sequence[Path], target: LockTarget
+) -> None:
+    """Refuse, in one line, a job requirements file that pins ``extra``'s framework outside
+    the extra's range: pip would only say that it cannot resolve, in many lines.
+
+    Raises:
+        ResolveError: the first such pin, with both ranges and the fix.
+    """
+    envs = target.environments()
+    for f in files:
+        try:
+            text = f.read_text()
+        except OSError as e:
+            raise ResolveError(f"cannot read the job's {f}: {e.strerror}") from None
+        problem = range_conflict(extra, requires, requirement_lines(text), str(f), envs)
+        if problem:
+            raise ResolveError(problem)
 
 
 def read_lock_file(
-    path: Path, cloud: str, *, replica: bool = False, wheel: SelfWheel | None = None
+    path: Path,
+    cloud: str,
+    *,
+    replica: bool = False,
+    framework: str | None = None,
+    wheel: SelfWheel | None = None,
 ) -> EnvLock:
     """A lock the user made (``spottrain lock``), checked to hold this spottrain (with
-    ``wheel``: pinned to that very wheel's sha256) and, for a ``replica`` job, torchft.
+    ``wheel``: pinned to that very wheel's sha256), for a ``replica`` job torchft, and for a
+    job whose integration needs ``framework`` (an extra) its packages in the extra's range
+    (``wheel``'s; without it, only their names): a lock made for another integration's job
+    is refused.
 
     Raises:
-        ResolveError: unreadable, malformed, for another spottrain, or a replica job's lock
-            without torchft.
+        ResolveError: unreadable, malformed, for another spottrain, a replica job's lock
+            without torchft, or a lock without the integration's framework.
     """
     try:
         lock = parse_lock(path.read_text(), str(path))
@@ -377,6 +531,14 @@ def read_lock_file(
             "replica mode (train.fault_tolerance: replica) needs on every VM: make it again "
             f"from the replica job's spec: spottrain lock JOB.yaml --cloud {cloud} -o {path}"
         )
+    requires = wheel_requires(wheel) if framework and wheel is not None else []
+    problem = framework and framework_lock_problem(lock.versions(), framework, requires)
+    if problem:
+        raise ResolveError(
+            f"--env-lock {cloud}={path}: the lock {problem}, which train.integration: "
+            f"{framework} needs on every VM: make it again from this job's spec: spottrain "
+            f"lock JOB.yaml --cloud {cloud} -o {path}"
+        )
     return lock
 
 
@@ -400,7 +562,13 @@ def capture_locks(
     for cloud in clouds_to_lock(spec):
         path = (given or {}).get(cloud)
         lock = (
-            read_lock_file(path, cloud, replica=needs_replica_extra(spec), wheel=wheel)
+            read_lock_file(
+                path,
+                cloud,
+                replica=needs_replica_extra(spec),
+                framework=framework_extra(spec),
+                wheel=wheel,
+            )
             if path
             else lock_for_cloud(spec, base_dir, cloud, wheel, **kw)
         )

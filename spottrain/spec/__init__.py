@@ -17,8 +17,9 @@ The package, by responsibility:
   (:class:`SpecError` and the words of each bad key);
 - checks: :mod:`~spottrain.spec.checks` (the catalog, the files a spec names, the stores each
   cloud can read, the notice window), :mod:`~spottrain.spec.replica` (what replica mode
-  needs of the rest of the spec) and :mod:`~spottrain.spec.exposure` (what a spec leaves
-  open to the internet, as ``validate`` warnings).
+  needs of the rest of the spec), :mod:`~spottrain.spec.frameworks` (the framework a job's
+  integration needs on every node, and its versions) and :mod:`~spottrain.spec.exposure`
+  (what a spec leaves open to the internet, as ``validate`` warnings).
 
 Importers use the names below from ``spottrain.spec``.
 """
@@ -54,6 +55,16 @@ from .fields import (
     parse_count,
     within,
 )
+from .frameworks import (
+    FRAMEWORK_EXTRAS,
+    FRAMEWORK_PACKAGES,
+    describe_framework,
+    extra_requirements,
+    framework_extra,
+    range_conflict,
+    requirement_lines,
+    venv_framework_problem,
+)
 from .job import JobSpec
 from .loading import (
     MAX_SPEC_BYTES,
@@ -88,6 +99,8 @@ from .sections import (
 __all__ = [
     "AGREE_INTERVAL_S",
     "DRAIN_OVERHEAD_S",
+    "FRAMEWORK_EXTRAS",
+    "FRAMEWORK_PACKAGES",
     "GCP_SCOPE_PREFIX",
     "MAX_AGREE_EVERY",
     "MAX_PARAMS",
@@ -137,10 +150,16 @@ __all__ = [
     "agreement_lag_s",
     "check_notice_windows",
     "check_secret_name",
+    "describe_framework",
     "describe_replica",
+    "extra_requirements",
+    "framework_extra",
     "load_spec",
     "parse_count",
     "parse_spec",
+    "range_conflict",
     "replica_agent_env",
+    "requirement_lines",
+    "venv_framework_problem",
     "within",
 ]

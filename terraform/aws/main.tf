@@ -153,39 +153,46 @@ locals {
   # torchft, for the workers' managers: a second requirement of the same pinned release,
   # whose extras pip merges with the first's.
   replica_requirement = local.replica ? " 'spottrain[replica]==${var.spottrain_version}'" : ""
+  # The framework train.integration trains with (hf, accelerate, lightning: spottrain's
+  # extra of the same name, at the versions its tests ran on), a requirement of the same
+  # pinned release; empty for sdk and plain, so their boot script is what it was. With an
+  # env_lock the lock holds it instead (fleet.tf refuses one that does not).
+  # tests/unit/terraform/replica_values.py mirrors it.
+  integration_requirement = contains(["hf", "accelerate", "lightning"], var.integration) ? " 'spottrain[${var.integration}]==${var.spottrain_version}'" : ""
 
   # Every placeholder of boot.sh.tftpl. Values in single quotes in the script are
   # validated to hold no quote; the template chooses between code sources and mounts with
   # plain bash, so it needs no template directives.
   boot_script = templatefile("${path.module}/boot.sh.tftpl", local.boot_template_values)
   boot_template_values = {
-    spottrain_version     = var.spottrain_version
-    env_lock              = var.env_lock
-    run_id                = var.run_id
-    region                = local.region
-    redis_url             = local.redis_url
-    redis_password_secret = var.redis_password_secret_arn
-    redis_password_file   = local.redis_password_file
-    checkpoint_fs_type    = local.checkpoint_fs.type
-    checkpoint_fs_source  = local.checkpoint_fs.source
-    checkpoint_fs_options = local.checkpoint_fs.options
-    checkpoint_copy_to    = local.copy_to
-    code_archive_url      = var.code_archive_url
-    code_archive_sha256   = var.code_archive_sha256
-    git_repo              = var.git_repo
-    git_commit            = var.git_commit
-    git_token_secret      = var.git_token_secret_arn
-    git_token_user        = var.git_token_user
-    secret_env_table      = local.secret_env_table
-    nnodes                = "${var.nodes_min}:${var.nodes_max}"
-    nproc_per_node        = var.nproc_per_node
-    expect_gpus           = var.gpus_per_node
-    train_command         = local.train_command_env
-    asg_name              = local.asg_name
-    lifecycle_hook_name   = local.lifecycle_hook_name
-    replica_env_lines     = local.replica_env_lines
-    integration_env_line  = local.integration_env_line
-    replica_requirement   = local.replica_requirement
+    spottrain_version       = var.spottrain_version
+    env_lock                = var.env_lock
+    run_id                  = var.run_id
+    region                  = local.region
+    redis_url               = local.redis_url
+    redis_password_secret   = var.redis_password_secret_arn
+    redis_password_file     = local.redis_password_file
+    checkpoint_fs_type      = local.checkpoint_fs.type
+    checkpoint_fs_source    = local.checkpoint_fs.source
+    checkpoint_fs_options   = local.checkpoint_fs.options
+    checkpoint_copy_to      = local.copy_to
+    code_archive_url        = var.code_archive_url
+    code_archive_sha256     = var.code_archive_sha256
+    git_repo                = var.git_repo
+    git_commit              = var.git_commit
+    git_token_secret        = var.git_token_secret_arn
+    git_token_user          = var.git_token_user
+    secret_env_table        = local.secret_env_table
+    nnodes                  = "${var.nodes_min}:${var.nodes_max}"
+    nproc_per_node          = var.nproc_per_node
+    expect_gpus             = var.gpus_per_node
+    train_command           = local.train_command_env
+    asg_name                = local.asg_name
+    lifecycle_hook_name     = local.lifecycle_hook_name
+    replica_env_lines       = local.replica_env_lines
+    integration_env_line    = local.integration_env_line
+    replica_requirement     = local.replica_requirement
+    integration_requirement = local.integration_requirement
   }
 
   # The fleet: section of a job spec that adopts this fleet instead of launching VMs.

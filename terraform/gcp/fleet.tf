@@ -92,6 +92,10 @@ resource "google_compute_instance_template" "fleet" {
       error_message = "replica_quorum = \"lighthouse\" needs create_controller = true: the torchft lighthouse, which every replica asks for each step's quorum, runs on the controller VM inside the fleet's network; the default replica_quorum = \"redis\" needs no controller VM."
     }
     precondition {
+      condition     = var.env_lock == "" || alltrue([for p in lookup({ hf = ["transformers", "accelerate"], accelerate = ["accelerate"], lightning = ["lightning"] }, var.integration, []) : length(regexall("(?m)^${p}==", var.env_lock)) > 0])
+      error_message = "env_lock is not a lock for integration = \"${var.integration}\": it lacks the framework that integration trains with (spottrain's ${var.integration} extra: hf needs transformers and accelerate, accelerate needs accelerate, lightning needs lightning), and the VMs install only the lock; make it from the job's spec, whose train.integration is ${var.integration}: spottrain lock JOB.yaml --cloud gcp -o FILE."
+    }
+    precondition {
       condition     = !local.replica || var.integration == "sdk"
       error_message = "integration = \"${var.integration}\" cannot run with fault_tolerance = \"replica\": replica mode drives torchft's manager and its DDP/HSDP wrappers from spottrain's TrainSession, while the Hugging Face Trainer, Accelerate and Lightning own their loops and process groups and a plain script has no step boundary torchft can use: use fault_tolerance = \"elastic\", or integration = \"sdk\"."
     }

@@ -147,26 +147,33 @@ locals {
   # torchft, for the workers' managers: a second requirement of the same pinned release,
   # whose extras pip merges with the first's.
   replica_requirement = local.replica ? " 'spottrain[replica]==${var.spottrain_version}'" : ""
+  # The framework train.integration trains with (hf, accelerate, lightning: spottrain's
+  # extra of the same name, at the versions its tests ran on), a requirement of the same
+  # pinned release; empty for sdk and plain, so their boot script is what it was. With an
+  # env_lock the lock holds it instead (fleet.tf refuses one that does not).
+  # tests/unit/terraform/replica_values.py mirrors it.
+  integration_requirement = contains(["hf", "accelerate", "lightning"], var.integration) ? " 'spottrain[${var.integration}]==${var.spottrain_version}'" : ""
 
   startup_vars = {
-    spottrain_version     = var.spottrain_version
-    spottrain_requirement = "spottrain[agent,gcp]==${var.spottrain_version}"
-    env_lock              = var.env_lock
-    run_id                = var.run_id
-    nfs_fstab_entry       = local.nfs_fstab_entry
-    ckpt_dir              = local.ckpt_dir
-    code_fetch            = local.code_fetch
-    redis_password_secret = var.redis_password_secret
-    secret_env_table      = local.secret_env_table
-    redis_url             = var.redis_url
-    nnodes                = "${var.nnodes_min}:${var.nnodes_max}"
-    nproc_per_node        = local.nproc_per_node
-    expect_gpus           = local.expect_gpus
-    ckpt_copy_to          = var.checkpoint_copy_to
-    train_cmd_env         = local.train_cmd_env
-    replica_env_lines     = local.replica_env_lines
-    integration_env_line  = local.integration_env_line
-    replica_requirement   = local.replica_requirement
+    spottrain_version       = var.spottrain_version
+    spottrain_requirement   = "spottrain[agent,gcp]==${var.spottrain_version}"
+    env_lock                = var.env_lock
+    run_id                  = var.run_id
+    nfs_fstab_entry         = local.nfs_fstab_entry
+    ckpt_dir                = local.ckpt_dir
+    code_fetch              = local.code_fetch
+    redis_password_secret   = var.redis_password_secret
+    secret_env_table        = local.secret_env_table
+    redis_url               = var.redis_url
+    nnodes                  = "${var.nnodes_min}:${var.nnodes_max}"
+    nproc_per_node          = local.nproc_per_node
+    expect_gpus             = local.expect_gpus
+    ckpt_copy_to            = var.checkpoint_copy_to
+    train_cmd_env           = local.train_cmd_env
+    replica_env_lines       = local.replica_env_lines
+    integration_env_line    = local.integration_env_line
+    replica_requirement     = local.replica_requirement
+    integration_requirement = local.integration_requirement
   }
 
   controller_vars = {

@@ -209,7 +209,7 @@ variable "fault_tolerance" {
 
 variable "integration" {
   type        = string
-  description = "How the training script meets spottrain, as its spec's train.integration: sdk (spottrain's TrainSession), hf (a Hugging Face Trainer with spottrain's callback), accelerate (Accelerate with spottrain's helper), lightning (Lightning with spottrain's callback): each saves on the agent's checkpoint request; plain (a torchrun script that imports nothing of spottrain's: on a notice its workers get SIGTERM at once and have the window less the agent's 5 s notice margin to save). Replica mode runs only sdk."
+  description = "How the training script meets spottrain, as its spec's train.integration: sdk (spottrain's TrainSession), hf (a Hugging Face Trainer with spottrain's callback), accelerate (Accelerate with spottrain's helper), lightning (Lightning with spottrain's callback): each saves on the agent's checkpoint request; plain (a torchrun script that imports nothing of spottrain's: on a notice its workers get SIGTERM at once and have the window less the agent's 5 s notice margin to save). hf, accelerate and lightning: every VM installs spottrain's extra of that name (the framework at the versions spottrain's tests ran on), or finds it in env_lock, which must then be made from the job's spec (`spottrain lock`). Replica mode runs only sdk."
   default     = "sdk"
   nullable    = false
 

@@ -6,7 +6,9 @@ VM cannot install, and includes an archive job's requirements so they cannot mov
 package; a venv installed from the lock verifies, one that differs names the package; the
 boot script's lock section, run for real, builds the venv from the lock, keeps it while the
 lock is the same, rebuilds it for another lock, and stops the boot when the venv was
-changed; ``up`` on moto's AWS records the lock in the run and sends it in the user data.
+changed; ``up`` on moto's AWS records the lock in the run and sends it in the user data; a
+job whose ``train.integration`` trains with a framework (hf, lightning) gets it locked at its
+extra's range, and a job requirement pinning it outside that range is refused in one line.
 """
 
 from __future__ import annotations
@@ -39,13 +41,14 @@ from spottrain.controller.run.env_lock import (
     agent_requirement,
     capture_locks,
     env_lock_lines,
+    lock_for_cloud,
     parse_lock_args,
     read_lock_file,
     resolve_lock,
 )
 from spottrain.controller.run.wheel import SelfWheel
 from spottrain.envlock import EnvLock, lock_sha256, main, parse_lock, verify
-from spottrain.spec import parse_spec
+from spottrain.spec import JobSpec, parse_spec
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[3]
@@ -175,6 +178,83 @@ def test_a_venv_from_the_lock_verifies_and_one_that_differs_names_the_package(
     assert main(["verify", str(path), "--path", str(target)]) == 1
     # pip --target leaves beta 2.0's .dist-info beside 1.0's: both are named.
     assert "beta: locked 2.0, installed " in capsys.readouterr().err
+
+
+# --- the framework a job's integration trains with ---------------------------------------------
+
+
+def _framework_job(tmp_path: Path, integration: str, requirements: str | None) -> JobSpec:
+    """An AWS job of ``code.archive`` (``code/``, with ``requirements`` as its
+    requirements.txt when given) whose ``train.integration`` is ``integration``."""
+    code = tmp_path / "code"
+    code.mkdir(exist_ok=True)
+    (code / "requirements.txt").unlink(missing_ok=True)
+    if requirements is not None:
+        (code / "requirements.txt").write_text(requirements)
+    data = spec_with(_aws_data(), "code", {"archive": {"path": "code", "store": "file:///tmp"}})
+    data = spec_with(data, "checkpoint.copy_to", ...)
+    data = spec_with(data, "train.integration", integration)
+    return parse_spec(yaml.safe_dump(data), base_dir=tmp_path).spec
+
+
+def test_an_hf_jobs_lock_pins_transformers_in_the_extras_range(
+    wheels: Path, own: SelfWheel, tmp_path: Path
+) -> None:
+    index = _index(wheels)
+    # The job asks for transformers unpinned; the index's newest, 5.20.0, is outside the
+    # extra's range (5.18.x): the extra's range wins.
+    lock = lock_for_cloud(
+        _framework_job(tmp_path, "hf", "transformers\n"), tmp_path, "aws", own, pip_args=index
+    )
+    versions = lock.versions()
+    assert versions["transformers"] == "5.18.0" and versions["accelerate"] == "1.15.0"
+    assert lock.requires == (f"spottrain[agent,aws,hf] @ {own.file_url}",)
+    wheel = wheels / "transformers-5.18.0-py3-none-any.whl"
+    (pinned,) = [p for p in lock.packages if p.name == "transformers"]
+    assert pinned.hashes == (f"sha256:{sha256_of(wheel)}",)
+    # Without a requirements.txt, and for Lightning, likewise; an SDK job's lock holds none.
+    bare = lock_for_cloud(
+        _framework_job(tmp_path, "hf", None), tmp_path, "aws", own, pip_args=index
+    )
+    assert bare.versions()["transformers"] == "5.18.0"
+    lightning = _framework_job(tmp_path, "lightning", None)
+    got = lock_for_cloud(lightning, tmp_path, "gcp", own, pip_args=index).versions()
+    assert got["lightning"] == "2.6.6" and "transformers" not in got
+    sdk = lock_for_cloud(
+        _framework_job(tmp_path, "sdk", None), tmp_path, "aws", own, pip_args=index
+    )
+    assert set(sdk.versions()) == {"alpha", "beta", "spottrain"}
+
+
+def test_a_job_pinning_the_framework_outside_the_extras_range_fails_the_lock_in_one_line(
+    wheels: Path, own: SelfWheel, tmp_path: Path
+) -> None:
+    index = _index(wheels)
+    spec = _framework_job(tmp_path, "hf", "gamma==1.0\ntransformers==5.20.0  # the newest\n")
+    with pytest.raises(ResolveError) as err:
+        lock_for_cloud(spec, tmp_path, "aws", own, pip_args=index)
+    assert str(err.value) == (
+        f"{tmp_path / 'code' / 'requirements.txt'}: transformers==5.20.0 is outside the range "
+        "spottrain[hf] pins (transformers<5.19,>=5.18, the versions its hf integration is "
+        "tested with), which every VM of a train.integration: hf job installs: change it to "
+        "transformers<5.19,>=5.18 or remove it"
+    )
+    below = _framework_job(tmp_path, "hf", "accelerate<1.15\n")
+    with pytest.raises(
+        ResolveError, match=r"^\S+: accelerate<1\.15 is outside .*accelerate<1\.16,>=1\.15"
+    ):
+        lock_for_cloud(below, tmp_path, "aws", own, pip_args=index)
+    # A spottrain wheel without the extra (older than the integration): pip only warns, so
+    # the lock would hold no framework; refused, naming the wheel.
+    older = tmp_path / "older"
+    path = build_wheel(older, "spottrain", __version__, ['alpha>=1; extra == "agent"'], ["agent"])
+    bare = SelfWheel(path, sha256_of(path), __version__, "an older checkout")
+    with pytest.raises(ResolveError, match=r"holds no transformers or accelerate, which .*hf"):
+        lock_for_cloud(_framework_job(tmp_path, "hf", None), tmp_path, "aws", bare, pip_args=index)
+    # A range that meets the extra's is the job's to narrow.
+    inside = _framework_job(tmp_path, "hf", "transformers>=5.17\n")
+    got = lock_for_cloud(inside, tmp_path, "aws", own, pip_args=index).versions()
+    assert got["transformers"] == "5.18.0"
 
 
 # --- the boot script's lock section, run for real ---------------------------------------------

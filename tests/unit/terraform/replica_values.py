@@ -21,6 +21,12 @@ INTEGRATION_LINE = (
     '${var.integration == "sdk" ? "" : "SPOTTRAIN_INTEGRATION=\\"${var.integration}\\"\\n"}'
 )
 REQUIREMENT = '${local.replica ? " \'spottrain[replica]==${var.spottrain_version}\'" : ""}'
+# The framework's extra for train.integration: hf, accelerate, lightning (none for the rest).
+INTEGRATION_REQUIREMENT = (
+    '${contains(["hf", "accelerate", "lightning"], var.integration) ? '
+    '" \'spottrain[${var.integration}]==${var.spottrain_version}\'" : ""}'
+)
+FRAMEWORK_INTEGRATIONS = ("hf", "accelerate", "lightning")
 _ENV_LINES = re.compile(
     r'^\$\{local\.replica \? join\("", \[for line in concat\(\[(?P<items>.*)\], '
     r"local\.lighthouse \? \[(?P<lighthouse>.*)\] : \[\], "
@@ -69,13 +75,26 @@ def env_line_templates(locals_: dict[str, Any], lighthouse: bool | None = None) 
 def replica_values(
     locals_: dict[str, Any], inputs: dict[str, Any], lighthouse: str
 ) -> dict[str, str]:
-    """``replica_env_lines``, ``replica_requirement`` and ``integration_env_line`` as
-    Terraform would evaluate them for ``inputs`` (variable values), with ``lighthouse`` as
-    ``local.lighthouse_address``."""
-    return {
+    """``replica_env_lines``, ``replica_requirement``, ``integration_env_line`` and
+    ``integration_requirement`` as Terraform would evaluate them for ``inputs`` (variable
+    values), with ``lighthouse`` as ``local.lighthouse_address``."""
+    out = {
         **_replica_values(locals_, inputs, lighthouse),
         "integration_env_line": integration_env_line(locals_, inputs),
     }
+    if "integration_requirement" in locals_:  # a module that installs no framework has none
+        out["integration_requirement"] = integration_requirement(locals_, inputs)
+    return out
+
+
+def integration_requirement(locals_: dict[str, Any], inputs: dict[str, Any]) -> str:
+    """``local.integration_requirement`` as Terraform evaluates it for ``inputs``."""
+    expr = locals_["integration_requirement"]
+    assert expr == INTEGRATION_REQUIREMENT, expr
+    value = str(inputs.get("integration", "sdk"))
+    if value not in FRAMEWORK_INTEGRATIONS:
+        return ""
+    return f" 'spottrain[{value}]=={inputs['spottrain_version']}'"
 
 
 def integration_env_line(locals_: dict[str, Any], inputs: dict[str, Any]) -> str:
