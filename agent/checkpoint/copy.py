@@ -1,14 +1,18 @@
 """Checkpoint copies in object storage: what lets a job move to another zone or cloud.
 
 A checkpoint volume is zonal (FSx, Filestore, a local disk), so a job that moves leaves it
-behind. The agent of the node that committed a checkpoint copies it to
-``<copy_to>/<run id>/step-N/`` in the background (its manifest last, so a partial copy is
-never taken for a whole one); before starting torchrun, an agent whose volume holds nothing
-newer than the newest complete copy brings that copy in. A copy that cannot be used (an
-object corrupt or missing, a checkpoint that does not verify once downloaded) is skipped for
-the next older one, and each one skipped is reported with why. Both directions report to the
-run's event stream; the newest copy is also recorded in ``ckpt:copied``, which the
-controller waits on before it restarts a moved job elsewhere.
+behind. The agent of the node that committed a checkpoint copies it in the background to
+``<copy_to>/<run id>/`` under its path in the volume: ``step-N/`` for spottrain's own
+commits, ``hf/checkpoint-N/`` for a Trainer whose ``output_dir`` is ``<volume>/hf`` (its
+manifest last, so a partial copy is never taken for a whole one). A checkpoint outside the
+volume has no such path and is not copied (a ``checkpoint-copy-failed`` event says so and
+how to fix it). Before starting torchrun, an agent whose volume holds nothing as new as the
+newest complete copy brings that copy in, to the same place in the volume, where the
+framework looks for it. A copy that cannot be used (an object corrupt or missing, a
+checkpoint that does not verify once downloaded, a name that would leave the volume) is
+skipped for the next older one, and each one skipped is reported with why. Both directions
+report to the run's event stream; the newest copy is also recorded in ``ckpt:copied``, which
+the controller waits on before it restarts a moved job elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import os
 import shutil
 import threading
 import time
@@ -29,7 +34,9 @@ from spottrain.fileio import fsync_dir
 from spottrain.protocol.keys import RunKeys
 
 from ..node_record import NodeRecord
+from .copy_names import CopyName, copy_name_problem, parse_copy_name, place_problem, volume_name
 from .directory import CheckpointDir
+from .in_place import TORN_PREFIX, scan_complete
 
 if TYPE_CHECKING:
     from spottrain.cloud.storage import ObjectStore
@@ -41,10 +48,6 @@ log = logging.getLogger("spottrain.agent.ckpt_copy")
 PULL_EVERY_S = 5.0
 
 
-def _step_of(name: str) -> int:
-    return int(name.rsplit("-", 1)[1])
-
-
 @dataclass(frozen=True)
 class PullResult:
     """What :meth:`CheckpointCopier.pull_newest` did.
@@ -52,10 +55,12 @@ class PullResult:
     Attributes:
         step: the step brought in, or None (the volume was as new, or no copy was usable).
         skipped: (copy name, why) of each newer copy passed over, newest first.
+        name: the copy brought in (its place in the volume), or None.
     """
 
     step: int | None
     skipped: tuple[tuple[str, str], ...] = ()
+    name: str | None = None
 
 
 class CheckpointCopier:
@@ -92,6 +97,8 @@ class CheckpointCopier:
         self.record = record
         self.poll_s = poll_s
         self.copied_step = -1
+        # The newest commit that is never copied (outside the volume): said once, not waited on.
+        self.refused_step = -1
         self._stop = threading.Event()
         self._copied = threading.Condition()
         self._upload_lock = threading.Lock()
@@ -105,50 +112,35 @@ class CheckpointCopier:
     def pull_newest(self) -> PullResult:
         """Bring in the newest usable copy if the volume has nothing as new.
 
-        Copies are tried newest first. One whose objects are corrupt or missing, or whose
-        checkpoint does not verify once downloaded, is skipped for the next older one, with
-        a ``checkpoint-copy-skipped`` event saying why; one left at ``.tmp-step-N-r-1-pull``
-        never counts as committed until it verified.
+        The volume's checkpoints are its committed ``step-N`` and, in each directory the
+        copies go to, the newest in-place one (``hf/checkpoint-N``) whose manifest and file
+        sizes verify (not checksums: every node of a zone boots through here, and reading a
+        whole checkpoint each time would hold them all up; resume checks them). Copies are
+        tried newest first. One whose objects are corrupt or missing, whose checkpoint does
+        not verify once downloaded, or whose name would put it outside the volume, is
+        skipped for the next older one, with a ``checkpoint-copy-skipped`` event saying why;
+        one left at ``.tmp-<name>-r-1-pull`` never counts as committed until it verified.
 
         Raises:
             StorageError: the store failed (unreachable, credentials), or every copy newer
                 than the volume's checkpoints was unusable and the volume has none: starting
                 from nothing would lose the run's progress unseen.
         """
-        from spottrain.cloud.storage import list_dirs
-
-        copies = sorted(list_dirs(self.store, self.prefix), key=_step_of, reverse=True)
+        copies = self._list_copies()
         if not copies:
             return PullResult(None)
         # Every node of a zone shares its volume and boots at about the same time: one
         # brings the copy in, the others wait for it and find it there.
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        skipped: list[tuple[str, str]] = []
         t0 = time.monotonic()
         with open(self.ckpt_dir / ".pull.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 ckdir = CheckpointDir(str(self.ckpt_dir))
-                local = ckdir.committed()
-                local_newest = local[-1][0] if local else -1
-                pulled = None
-                for name in copies:
-                    if _step_of(name) <= local_newest:
-                        break
-                    why = self._pull_one(ckdir, name)
-                    if why is None:
-                        pulled = name
-                        break
-                    skipped.append((name, why))
-                    log.error("skipping checkpoint copy %s/%s: %s", self.url, name, why)
-                    self.record.event(
-                        "checkpoint-copy-skipped",
-                        step=_step_of(name),
-                        source=f"{self.url}/{self.prefix}/{name}",
-                        reason=why,
-                    )
+                local_newest = self._volume_newest(ckdir, copies)
+                pulled, skipped = self._pull_first_usable(ckdir, copies, local_newest)
                 if pulled is not None:
-                    (self.ckpt_dir / "latest").write_text(pulled)
+                    (self.ckpt_dir / "latest").write_text(pulled.name)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         if pulled is None:
@@ -161,41 +153,103 @@ class CheckpointCopier:
                     + "; ".join(f"{name}: {why}" for name, why in skipped)
                 )
             return PullResult(None, tuple(skipped))
-        step = _step_of(pulled)
         self.record.event(
             "checkpoint-pulled",
-            step=step,
-            source=f"{self.url}/{self.prefix}/{pulled}",
+            step=pulled.step,
+            source=f"{self.url}/{self.prefix}/{pulled.name}",
+            dest=str(self.ckpt_dir / pulled.name),
             seconds=round(time.monotonic() - t0, 3),
             skipped=[name for name, _ in skipped],
         )
-        log.info("brought in checkpoint step %d from %s", step, self.url)
-        return PullResult(step, tuple(skipped))
+        log.info(
+            "brought in checkpoint step %d from %s to %s",
+            pulled.step,
+            self.url,
+            self.ckpt_dir / pulled.name,
+        )
+        return PullResult(pulled.step, tuple(skipped), pulled.name)
 
-    def _pull_one(self, ckdir: CheckpointDir, name: str) -> str | None:
-        """Download copy ``name`` and commit it to the volume if it verifies; return why it
-        cannot be used, or None. Transient store errors are raised, not skipped."""
+    def _list_copies(self) -> list[CopyName]:
+        """The run's complete copies, newest first (names without a step are no copies
+        spottrain made: left alone, with a warning)."""
+        from spottrain.cloud.storage import list_dirs
+
+        copies = []
+        for name in list_dirs(self.store, self.prefix, nested=True):
+            parsed = parse_copy_name(name)
+            if parsed is None:
+                log.warning(
+                    "ignoring %s/%s/%s: its name ends in no step", self.url, self.prefix, name
+                )
+                continue
+            copies.append(parsed)
+        return sorted(copies, key=lambda c: c.step, reverse=True)
+
+    def _volume_newest(self, ckdir: CheckpointDir, copies: list[CopyName]) -> int:
+        """The newest step the volume holds where ``copies`` would go (-1: none): its
+        committed ``step-N`` and, in each directory of a copy's name, the newest complete
+        checkpoint named as that copy is (see :meth:`pull_newest`)."""
+        committed = ckdir.committed()
+        newest = committed[-1][0] if committed else -1
+        places = {(c.parent, c.prefix) for c in copies if copy_name_problem(c.name) is None}
+        places.discard(("", "step-"))  # the committed ones above
+        for parent, prefix in sorted(places):
+            if parent and place_problem(self.ckpt_dir, parent) is not None:
+                continue  # no copy is brought in there: nothing there counts
+            found = scan_complete(self.ckpt_dir / parent, prefix, set_aside=False, checksums=False)
+            if found is not None:
+                newest = max(newest, found.step)
+        return newest
+
+    def _pull_first_usable(
+        self, ckdir: CheckpointDir, copies: list[CopyName], local_newest: int
+    ) -> tuple[CopyName | None, list[tuple[str, str]]]:
+        """Bring in the newest copy newer than ``local_newest`` that is usable; the one
+        brought in (None: none) and the newer ones skipped, with why, each reported."""
+        skipped: list[tuple[str, str]] = []
+        for copy in copies:
+            if copy.step <= local_newest:
+                break
+            why = copy_name_problem(copy.name) or place_problem(self.ckpt_dir, copy.name)
+            if why is None:
+                why = self._pull_one(ckdir, copy)
+            if why is None:
+                return copy, skipped
+            skipped.append((copy.name, why))
+            log.error("skipping checkpoint copy %s/%s: %s", self.url, copy.name, why)
+            self.record.event(
+                "checkpoint-copy-skipped",
+                step=copy.step,
+                source=f"{self.url}/{self.prefix}/{copy.name}",
+                reason=why,
+            )
+        return None, skipped
+
+    def _pull_one(self, ckdir: CheckpointDir, copy: CopyName) -> str | None:
+        """Download ``copy`` and commit it to its place in the volume if it verifies; return
+        why it cannot be used, or None. Transient store errors are raised, not skipped."""
         from spottrain.cloud.storage import CorruptObject, IncompleteCopy, download_dir
 
-        step = _step_of(name)
-        # A framework's copy (checkpoint-N) is not a step-N that committed() sees: an earlier
-        # boot on this shared volume may have brought it in already.
-        if (self.ckpt_dir / name).is_dir() and ckdir.check(step, self.ckpt_dir / name) is None:
-            return None
+        dest = self.ckpt_dir / copy.name
+        if dest.is_dir():
+            # Not complete, or it would have counted as the volume's (a save that died
+            # there): kept aside for a person to look at, as resume does.
+            os.rename(dest, dest.parent / f"{TORN_PREFIX}{dest.name}-{time.time_ns()}")
+        dest.parent.mkdir(parents=True, exist_ok=True)
         # A name that no writer uses, and that pruning clears as a dead temporary directory.
-        tmp = self.ckpt_dir / f".tmp-{name}-r-1-pull"
+        tmp = dest.parent / f".tmp-{dest.name}-r-1-pull"
         shutil.rmtree(tmp, ignore_errors=True)  # a pull that died here before
         try:
-            with _PullProgress(name, self._copy_bytes(name), self.ckpt_dir, tmp.name):
-                download_dir(self.store, f"{self.prefix}/{name}", tmp)
+            with _PullProgress(copy.name, self._copy_bytes(copy.name), dest.parent, tmp.name):
+                download_dir(self.store, f"{self.prefix}/{copy.name}", tmp)
         except (CorruptObject, IncompleteCopy, ValueError) as exc:
             return str(exc)
-        problem = ckdir.check(step, tmp)
+        problem = ckdir.check(copy.step, tmp)
         if problem is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             return f"its checkpoint does not verify once downloaded ({problem})"
-        tmp.rename(self.ckpt_dir / name)
-        fsync_dir(self.ckpt_dir)
+        tmp.rename(dest)
+        fsync_dir(dest.parent)
         return None
 
     def _copy_bytes(self, name: str) -> int | None:
@@ -245,16 +299,23 @@ class CheckpointCopier:
         if last is None:
             return False
         step = int(last["step"])
-        if step <= self.copied_step:
+        if step <= max(self.copied_step, self.refused_step):
             return False
         path = Path(last["path"])
         if not path.is_dir():
             return False
         from spottrain.cloud.storage import StorageError, upload_dir
 
+        try:
+            name = volume_name(path, self.ckpt_dir)
+        except ValueError as exc:
+            self.refused_step = step
+            log.error("%s", exc)
+            self.record.event("checkpoint-copy-failed", step=step, error=str(exc))
+            return False
         t0 = time.monotonic()
         try:
-            report = upload_dir(self.store, path, f"{self.prefix}/{path.name}")
+            report = upload_dir(self.store, path, f"{self.prefix}/{name}")
         except (StorageError, OSError) as exc:
             self.record.event("checkpoint-copy-failed", step=step, error=str(exc))
             return False
@@ -262,7 +323,12 @@ class CheckpointCopier:
         with contextlib.suppress(redis.RedisError):
             self.client.hset(
                 self.keys.ckpt_copied,
-                mapping={"step": str(step), "url": report.url, "at": str(time.time())},
+                mapping={
+                    "step": str(step),
+                    "name": name,
+                    "url": report.url,
+                    "at": str(time.time()),
+                },
             )
         self.record.event("checkpoint-copied", step=step, url=report.url, seconds=seconds)
         with self._copied:
@@ -271,9 +337,10 @@ class CheckpointCopier:
         return True
 
     def wait_copied(self, step: int, timeout: float) -> bool:
-        """Copy (now, on this thread) and wait until ``step`` or newer is copied."""
+        """Copy (now, on this thread) and wait until ``step`` or newer is copied (False at
+        once when it is never copied: outside the volume)."""
         deadline = time.monotonic() + timeout
-        while self.copied_step < step and time.monotonic() < deadline:
+        while max(self.copied_step, self.refused_step) < step and time.monotonic() < deadline:
             if not self.copy_newest():
                 with self._copied:
                     self._copied.wait(min(0.5, max(0.0, deadline - time.monotonic())))

@@ -306,12 +306,19 @@ def _download_keys(store: ObjectStore, prefix: str, keys: list[str], tmp: Path) 
 
 
 def list_dirs(
-    store: ObjectStore, prefix: str = "", *, commit_marker: str = DEFAULT_COMMIT_MARKER
+    store: ObjectStore,
+    prefix: str = "",
+    *,
+    commit_marker: str = DEFAULT_COMMIT_MARKER,
+    nested: bool = False,
 ) -> list[str]:
-    """The complete copies directly under ``prefix/``: names whose marker exists, sorted.
+    """The complete copies under ``prefix/``: names whose marker exists, sorted.
 
     ``list_dirs(store, "ckpt")`` gives ``["step-000000120", "step-000000140"]`` when those
     two copies are complete; ``store`` then holds them at ``"ckpt/step-000000120/..."``.
+    With ``nested``, copies at any depth are listed by their path under ``prefix``
+    (``"hf/checkpoint-40"``), except one inside another complete copy (a directory of that
+    copy's files that happens to hold a file named like the marker).
 
     Raises:
         ValueError: a bad prefix or marker.
@@ -325,7 +332,18 @@ def list_dirs(
     names = set()
     for key in store.list(base):
         rest = key[len(base) :]
+        if nested:
+            if rest.endswith("/" + commit_marker):
+                names.add(rest[: -len(commit_marker) - 1])
+            continue
         name, sep, tail = rest.partition("/")
         if sep and tail == commit_marker:
             names.add(name)
+    if nested:
+        names = {n for n in names if not _inside_any(n, names)}
     return sorted(names)
+
+
+def _inside_any(name: str, names: set[str]) -> bool:
+    parts = name.split("/")
+    return any("/".join(parts[:i]) in names for i in range(1, len(parts)))

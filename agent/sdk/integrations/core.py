@@ -28,14 +28,13 @@ import contextlib
 import functools
 import logging
 import os
-import re
 import shutil
 import socket
 import threading
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from importlib import metadata
 from pathlib import Path
@@ -56,7 +55,8 @@ from spottrain.tracking import Tracker
 from ...checkpoint import dcp_io
 from ...checkpoint.directory import CheckpointDir
 from ...checkpoint.files import CheckpointDirError, StaleCommitError
-from ...checkpoint.manifest import Manifest, ManifestError, list_files, sum_files, verify_files
+from ...checkpoint.in_place import Complete, scan_complete
+from ...checkpoint.manifest import Manifest, list_files, sum_files
 from ...local_progress import ProgressFile
 from .. import saving
 from ..agreement import Agreement, agreed_save, local_flags
@@ -65,10 +65,6 @@ from ..signals import SignalWatch
 from ..timing import StepTimer
 
 log = logging.getLogger("spottrain.sdk.integrations")
-
-# Where torn checkpoints of the in-place layout go: a name no framework's "last checkpoint"
-# logic matches (``.torn-checkpoint-40-<ns>``), kept for a person to look at.
-TORN_PREFIX = ".torn-"
 
 
 class CheckpointPathError(ValueError):
@@ -111,18 +107,6 @@ class CommitResult:
     @property
     def committed(self) -> bool:
         return self.path is not None
-
-
-@dataclass(frozen=True)
-class Complete:
-    """The newest complete checkpoint: its directory, step and manifest, and the newer ones
-    that were skipped, by name, with why (torn ones are set aside under ``.torn-<name>-*``
-    when the layout is in place)."""
-
-    path: Path
-    step: int
-    manifest: Manifest
-    skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
 # -- pure decisions -------------------------------------------------------------------------
@@ -168,12 +152,6 @@ def outside_root(path: Path, root: Path) -> bool:
     """Whether ``path`` is neither ``root`` nor inside it (links resolved)."""
     real, base = os.path.realpath(path), os.path.realpath(root)
     return real != base and not real.startswith(base.rstrip(os.sep) + os.sep)
-
-
-def step_of(name: str, prefix: str) -> int | None:
-    """N of a directory named ``<prefix>N`` (None: another name)."""
-    m = re.fullmatch(re.escape(prefix) + r"(\d+)", name)
-    return int(m.group(1)) if m else None
 
 
 # -- checks at start-up ---------------------------------------------------------------------
@@ -275,40 +253,6 @@ def _rank_of(group: Any) -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
-
-
-def scan_complete(directory: Path, prefix: str, *, set_aside: bool) -> Complete | None:
-    """The newest ``<prefix>N`` directory in ``directory`` whose manifest and files verify
-    (checksums included); each newer one is skipped and, with ``set_aside``, renamed to
-    ``.torn-<name>-<ns>`` so that the framework's own choice of its newest cannot pick it."""
-    try:
-        entries = [(step_of(e.name, prefix), e) for e in os.scandir(directory) if e.is_dir()]
-    except FileNotFoundError:
-        return None
-    skipped: list[tuple[str, str]] = []
-    for step, entry in sorted((x for x in entries if x[0] is not None), reverse=True):
-        assert step is not None
-        path = Path(entry.path)
-        try:
-            manifest = Manifest.read(path)
-            problems = (
-                [f"its manifest is for step {manifest.step}"] if manifest.step != step else []
-            )
-            problems += verify_files(path, manifest)
-        except ManifestError as exc:
-            problems = [str(exc)]
-        if not problems:
-            return Complete(path, step, manifest, skipped)
-        why = "; ".join(problems)
-        skipped.append((path.name, why))
-        if set_aside:
-            aside = directory / f"{TORN_PREFIX}{path.name}-{time.time_ns()}"
-            with contextlib.suppress(OSError):
-                os.rename(path, aside)
-            log.warning("checkpoint %s is incomplete (%s): set aside as %s", path, why, aside.name)
-        else:
-            log.warning("checkpoint %s is incomplete (%s): skipped", path, why)
-    return None
 
 
 def find_complete(

@@ -51,14 +51,13 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 import weakref
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from spottrain.protocol.env import ENV_CKPT_DIR, ENV_COPY_TO
+from spottrain.protocol.env import ENV_CKPT_DIR
 
 from ...checkpoint.manifest import Manifest, ManifestError
 from .core import (
@@ -142,21 +141,6 @@ def output_dir_of(args: TrainingArguments) -> Path:
     return Path(args.output_dir or "trainer_output")
 
 
-def copy_warning(output_dir: Path, root: Path, copy_to: str) -> str | None:
-    """Why checkpoints in ``output_dir`` would be lost to a move, or None. A checkpoint's
-    copy in object storage (``checkpoint.copy_to``) is named by its own directory only and
-    brought in at the volume's top level, where ``last_checkpoint`` of a deeper
-    ``output_dir`` does not look: a job moved to another zone would start fresh."""
-    if not copy_to or output_dir.resolve() == root.resolve():
-        return None
-    return (
-        f"{OUTPUT_DIR_SETTING} is {output_dir}, below the checkpoint volume {root}: the "
-        f"copies in {copy_to} come back at the volume's top level, where a job moved to "
-        "another zone would not find them and would start fresh; set output_dir to the "
-        f"volume itself (${ENV_CKPT_DIR})"
-    )
-
-
 class SpotTrainCallback(TrainerCallback):
     """spottrain's checkpoint on a notice, commit, resume check and progress for a
     ``Trainer`` (see the module docstring). Add it once: ``callbacks=[SpotTrainCallback()]``
@@ -203,10 +187,6 @@ class SpotTrainCallback(TrainerCallback):
         # Before the session: a bad output_dir stops training with nothing started.
         root = resolve_root(self.ckpt_dir)
         check_inside(output_dir_of(args), root, OUTPUT_DIR_SETTING)
-        lost = copy_warning(output_dir_of(args), root, os.environ.get(ENV_COPY_TO, ""))
-        if lost is not None:
-            log.warning("%s", lost)
-            warnings.warn(lost, stacklevel=2)
         session = FrameworkSession("hf", root, **self.options)
         self.session = session
         self.global_batch = (

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from spottrain.agent.checkpoint.in_place import step_of
 from spottrain.agent.sdk.integrations.core import (
     SaveOrder,
     order_from_flags,
     outside_root,
-    step_of,
     version_problem,
 )
 

@@ -638,6 +638,25 @@ def test_list_dirs_lists_only_complete_copies(backend: Backend, tmp_path: Path) 
     assert list_dirs(backend.store, "elsewhere") == []
 
 
+def test_list_dirs_nested_lists_complete_copies_at_any_depth_by_their_path(
+    backend: Backend, tmp_path: Path
+) -> None:
+    _make_tree(tmp_path / "a")
+    _make_tree(tmp_path / "a" / "sub")  # a directory of a copy's files with its own marker
+    for name in ("step-000000100", "hf/checkpoint-40", "hf/checkpoint-60", "x/y/checkpoint-7"):
+        upload_dir(backend.store, tmp_path / "a", f"ckpt/{name}")
+    backend.store.delete("ckpt/hf/checkpoint-60/MANIFEST.json")
+    # Inside a copy without its marker, nothing says "a copy's files": its sub/ is listed,
+    # and a reader that knows its names (the copier: <prefix>N) passes it over.
+    assert list_dirs(backend.store, "ckpt", nested=True) == [
+        "hf/checkpoint-40",
+        "hf/checkpoint-60/sub",
+        "step-000000100",
+        "x/y/checkpoint-7",
+    ]
+    assert list_dirs(backend.store, "ckpt") == ["step-000000100"]
+
+
 def test_upload_dir_refuses_a_directory_without_its_marker(
     backend: Backend, tmp_path: Path
 ) -> None:
@@ -742,15 +761,45 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def _copier(backend: Backend, volume: Path, client: redis.Redis, keys: RunKeys) -> CheckpointCopier:
-    record = NodeRecord(client, keys, NodeInfo("n-new", "local"))
+def _copier(
+    backend: Backend, volume: Path, client: redis.Redis, keys: RunKeys, node: str = "n-new"
+) -> CheckpointCopier:
+    record = NodeRecord(client, keys, NodeInfo(node, "local"))
     return CheckpointCopier(
-        backend.store.url(), str(volume), client, keys, "n-new", record, store=backend.store
+        backend.store.url(), str(volume), client, keys, node, record, store=backend.store
     )
 
 
-def _copy_out(backend: Backend, keys: RunKeys, path: Path) -> None:
-    upload_dir(backend.store, path, f"{keys.run_id}/{path.name}")
+def _copy_out(backend: Backend, keys: RunKeys, path: Path, name: str | None = None) -> None:
+    upload_dir(backend.store, path, f"{keys.run_id}/{name or path.name}")
+
+
+def _commit_in_place(volume: CheckpointDir, rel: str, step: int, *, torn: bool = False) -> Path:
+    """A framework's checkpoint at ``rel`` in the volume (``hf/checkpoint-5``), committed in
+    place through the real commit path, as the Trainer's callback does; ``torn``: its files
+    only, as a save that died before its manifest leaves it."""
+    path = volume.root / rel
+    path.mkdir(parents=True)
+    sums = {}
+    for name, data in {
+        "model.safetensors": os.urandom(4000),
+        "trainer_state.json": b'{"global_step": %d}' % step,
+    }.items():
+        (path / name).write_bytes(data)
+        sums[name] = FileSum(len(data), zlib.crc32(data))
+    if torn:
+        return path
+    return volume.commit_in_place(path, Manifest(step, 2, 0, "periodic", time.time(), sums))
+
+
+def _report_commit(client: redis.Redis, keys: RunKeys, path: Path, step: int) -> None:
+    """Node n-old committed ``path``, as the SDK reports a commit to the run's Redis."""
+    client.hset(keys.ckpt_last, mapping={"node": "n-old", "step": str(step), "path": str(path)})
+
+
+def _events(client: redis.Redis, keys: RunKeys, kind: str) -> list[dict[str, str]]:
+    rows = [{k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(keys.events)]
+    return [row for row in rows if row["type"] == kind]
 
 
 def test_a_new_node_falls_back_to_the_newest_usable_copy_and_says_what_it_skipped(
@@ -819,17 +868,144 @@ def test_a_frameworks_copy_already_brought_in_by_a_node_of_the_zone_is_used_by_t
 ) -> None:
     """A framework's checkpoint-N (the Trainer's, committed in place) is not a step-N of the
     volume's own: the second node to boot on the zone's shared volume finds the copy the
-    first brought in, rather than failing to rename its download onto it."""
+    first brought in as the volume's own newest, and brings in nothing."""
     old = CheckpointDir(_mkdir(tmp_path / "zone-a"))
-    framework = _mkdir(tmp_path / "zone-a" / "hf") / "checkpoint-5"
-    _commit_checkpoint(old, 5).rename(framework)
-    _copy_out(backend, run_keys, framework)
+    _copy_out(backend, run_keys, _commit_in_place(old, "checkpoint-5", 5))
     volume = tmp_path / "zone-b"
     first = _copier(backend, volume, redis_client, run_keys).pull_newest()
     second = _copier(backend, volume, redis_client, run_keys).pull_newest()
-    assert (first.step, second.step) == (5, 5)
+    assert (first.step, second.step) == (5, None)
     assert CheckpointDir(volume).check(5, volume / "checkpoint-5") is None
     assert [p.name for p in volume.iterdir() if p.name.startswith(".tmp")] == []
+    assert len(_events(redis_client, run_keys, "checkpoint-pulled")) == 1
+
+
+def test_a_trainers_checkpoint_below_the_volume_comes_back_to_its_place_in_another_zone(
+    backend: Backend, tmp_path: Path, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    """output_dir=$SPOTTRAIN_CKPT_DIR/hf: the copy keeps hf/, and the pull puts it back
+    there, where the Trainer (and last_checkpoint(output_dir)) looks."""
+    zone_a = CheckpointDir(_mkdir(tmp_path / "zone-a"))
+    path = _commit_in_place(zone_a, "hf/checkpoint-5", 5)
+    _report_commit(redis_client, run_keys, path, 5)
+    assert _copier(backend, zone_a.root, redis_client, run_keys, node="n-old").copy_newest()
+    run = run_keys.run_id
+    assert backend.store.exists(f"{run}/hf/checkpoint-5/MANIFEST.json")
+    assert not backend.store.exists(f"{run}/checkpoint-5/MANIFEST.json")
+    assert redis_client.hget(run_keys.ckpt_copied, "step") == b"5"
+
+    zone_b = tmp_path / "zone-b"
+    result = _copier(backend, zone_b, redis_client, run_keys).pull_newest()
+    assert result.step == 5
+    assert CheckpointDir(zone_b).check(5, zone_b / "hf" / "checkpoint-5") is None
+    assert not (zone_b / "checkpoint-5").exists()
+    assert [p.name for p in (zone_b / "hf").iterdir()] == ["checkpoint-5"]  # no temporary left
+    (pulled,) = _events(redis_client, run_keys, "checkpoint-pulled")
+    assert pulled["source"].endswith(f"{run}/hf/checkpoint-5")
+
+
+def test_a_checkpoint_outside_the_volume_is_never_copied_and_the_event_names_the_fix(
+    backend: Backend, tmp_path: Path, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    zone_a = CheckpointDir(_mkdir(tmp_path / "zone-a"))
+    elsewhere = CheckpointDir(_mkdir(tmp_path / "elsewhere"))
+    _report_commit(redis_client, run_keys, _commit_in_place(elsewhere, "checkpoint-5", 5), 5)
+    copier = _copier(backend, zone_a.root, redis_client, run_keys, node="n-old")
+    assert not copier.copy_newest()
+    assert not copier.copy_newest()
+    assert backend.store.list(f"{run_keys.run_id}/") == []
+    assert redis_client.hget(run_keys.ckpt_copied, "step") is None
+    (failed,) = _events(redis_client, run_keys, "checkpoint-copy-failed")  # said once
+    assert failed["step"] == "5"
+    assert "outside the checkpoint volume" in failed["error"]
+    assert "$SPOTTRAIN_CKPT_DIR" in failed["error"] and "output_dir" in failed["error"]
+
+
+@pytest.mark.parametrize("where", ["", "hf/"])
+def test_a_volume_whose_newest_is_a_trainers_checkpoint_brings_in_no_older_copy(
+    backend: Backend,
+    tmp_path: Path,
+    redis_client: redis.Redis,
+    run_keys: RunKeys,
+    where: str,
+) -> None:
+    """A complete checkpoint-N committed in place counts as the volume's, wherever the copies
+    would put theirs: an older copy is not brought in over it at every boot."""
+    zone_a = CheckpointDir(_mkdir(tmp_path / "zone-a"))
+    _copy_out(
+        backend,
+        run_keys,
+        _commit_in_place(zone_a, f"{where}checkpoint-5", 5),
+        f"{where}checkpoint-5",
+    )
+    zone_b = CheckpointDir(_mkdir(tmp_path / "zone-b"))
+    _commit_in_place(zone_b, f"{where}checkpoint-8", 8)
+    result = _copier(backend, zone_b.root, redis_client, run_keys).pull_newest()
+    assert result.step is None and result.skipped == ()
+    assert not (zone_b.root / f"{where}checkpoint-5").exists()
+    assert not (zone_b.root / "latest").exists()
+    assert _events(redis_client, run_keys, "checkpoint-pulled") == []
+
+
+def test_a_torn_trainers_checkpoint_on_the_volume_does_not_stop_a_newer_copy_coming_in(
+    backend: Backend, tmp_path: Path, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    zone_a = CheckpointDir(_mkdir(tmp_path / "zone-a"))
+    _copy_out(backend, run_keys, _commit_in_place(zone_a, "hf/checkpoint-5", 5), "hf/checkpoint-5")
+    zone_b = CheckpointDir(_mkdir(tmp_path / "zone-b"))
+    _commit_in_place(zone_b, "hf/checkpoint-3", 3)
+    _commit_in_place(zone_b, "hf/checkpoint-5", 5, torn=True)  # saves that died
+    _commit_in_place(zone_b, "hf/checkpoint-9", 9, torn=True)
+    result = _copier(backend, zone_b.root, redis_client, run_keys).pull_newest()
+    assert result.step == 5
+    hf = zone_b.root / "hf"
+    assert zone_b.check(5, hf / "checkpoint-5") is None
+    # The torn one in the copy's place is kept aside, as resume does; the newer one is left
+    # for resume (last_checkpoint) to set aside.
+    assert len(list(hf.glob(".torn-checkpoint-5-*"))) == 1
+    assert (hf / "checkpoint-9").is_dir()
+
+
+def test_a_copy_named_to_land_outside_the_volume_is_skipped_with_why(
+    backend: Backend, tmp_path: Path, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    """A name read back from the store is untrusted: '..' or an absolute path never leads a
+    download out of the volume; the copy is skipped like a corrupt one."""
+    if backend.name == "local":
+        pytest.skip("a directory of files holds no key with a '..' or an empty part")
+    zone_a = CheckpointDir(_mkdir(tmp_path / "zone-a"))
+    _copy_out(backend, run_keys, _commit_in_place(zone_a, "checkpoint-4", 4))
+    run = run_keys.run_id
+    for name in ("../../escape/checkpoint-9", "/abs/checkpoint-8"):
+        for rel, data in _read_tree(zone_a.root / "checkpoint-4").items():
+            backend.put_raw(f"{run}/{name}/{rel}", data, hashlib.sha256(data).hexdigest())
+    volume = tmp_path / "deep" / "zone-b"
+    result = _copier(backend, volume, redis_client, run_keys).pull_newest()
+    assert result.step == 4
+    assert [name for name, _ in result.skipped] == [
+        "../../escape/checkpoint-9",
+        "/abs/checkpoint-8",
+    ]
+    assert "'..' part" in result.skipped[0][1] and "absolute path" in result.skipped[1][1]
+    assert not (tmp_path / "escape").exists() and not Path("/abs").exists()
+    skipped = _events(redis_client, run_keys, "checkpoint-copy-skipped")
+    assert [e["step"] for e in skipped] == ["9", "8"]
+
+
+def test_a_copy_whose_place_in_the_volume_is_a_symbolic_link_is_skipped_with_why(
+    backend: Backend, tmp_path: Path, redis_client: redis.Redis, run_keys: RunKeys
+) -> None:
+    zone_a = CheckpointDir(_mkdir(tmp_path / "zone-a"))
+    _copy_out(backend, run_keys, _commit_in_place(zone_a, "checkpoint-4", 4))
+    _copy_out(backend, run_keys, _commit_in_place(zone_a, "hf/checkpoint-9", 9), "hf/checkpoint-9")
+    volume = _mkdir(tmp_path / "zone-b")
+    outside = _mkdir(tmp_path / "outside")
+    (volume / "hf").symlink_to(outside)
+    result = _copier(backend, volume, redis_client, run_keys).pull_newest()
+    assert result.step == 4
+    assert [name for name, _ in result.skipped] == ["hf/checkpoint-9"]
+    assert "is a symbolic link" in result.skipped[0][1]
+    assert list(outside.iterdir()) == []
 
 
 # --- backend-specific -----------------------------------------------------------------------
