@@ -445,10 +445,29 @@ class Agent:
             self._finish_copy()
             return EXIT_OK
         if code == 0:
+            if self.cfg.signals_first:
+                self._report_script_finished()
             self._advance(NodeState.LEFT, "training finished")
             return EXIT_OK
         self._advance(NodeState.FAILED, self._failed_reason(code))
         return EXIT_TORCHRUN_FAILED
+
+    def _report_script_finished(self) -> None:
+        """A plain script tells nobody it finished: its workers all returning 0, which
+        torchrun itself takes for the job done, is all there is. Said to the run here, or
+        the controller takes the node for lost and backfills it into a closed rendezvous.
+        A script of ours (SpotCheckpoints) has reported its final step already."""
+        step = read_step(self.progress_path)
+        try:
+            if self.client.hget(self.keys.progress, "finished") != b"1":
+                mapping = {"finished": "1"}
+                if step is not None:
+                    mapping["final_step"] = str(step)
+                self.client.hset(self.keys.progress, mapping=mapping)
+        except redis.RedisError as exc:
+            log.warning("end of training not reported to Redis: %s", exc)
+            return
+        self.record.event("script-finished", step="" if step is None else step)
 
     # -- the workers' failures (crashes.py) ------------------------------------------------
     def _output_line(self, line: str) -> None:

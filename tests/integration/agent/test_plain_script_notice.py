@@ -58,33 +58,7 @@ sys.exit(0)
 def test_a_plain_script_gets_sigterm_at_once_on_a_notice_and_saves_whole(
     redis_server: RedisServer, redis_client: redis.Redis, run_keys: RunKeys, tmp_path: Path
 ) -> None:
-    script, out = tmp_path / "plain.py", tmp_path / "out"
-    script.write_text(PLAIN)
-    out.mkdir()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SPOTTRAIN_")}
-    agent = subprocess.Popen(
-        [
-            *AGENT,
-            "run",
-            f"--redis={redis_server.endpoint}",
-            f"--run-id={run_keys.run_id}",
-            "--node-id=n1",
-            "--no-health-check",
-            "--max-restarts=0",
-            "--poll-interval=0.2",
-            f"--notice-margin={MARGIN_S:g}",
-            # A SIGTERM's window past torchrun's default of 150 s: torchrun must not cut it.
-            f"--sigterm-grace={SIGTERM_GRACE_S:g}",
-            "--",
-            str(script),
-            str(out),
-        ],
-        # As the boot script sets it for a spec with train.integration: plain.
-        env={**clean, ENV_INTEGRATION: "plain", "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    agent, out = start_agent(PLAIN, redis_server, run_keys, tmp_path)
     try:
         wait_for(
             lambda: ((out / "ready").exists() and _joined(redis_client, run_keys)) or _ended(agent),
@@ -119,6 +93,61 @@ def test_a_plain_script_gets_sigterm_at_once_on_a_notice_and_saves_whole(
     assert not any(e["type"] == "workers-killed" for e in events), err
     (drained,) = [e for e in events if e["type"] == "drained"]
     assert json.loads(drained["left_rendezvous"]) is True, drained
+    # A drain's exit 0 is not the end of training.
+    assert redis_client.hget(run_keys.progress, "finished") is None
+    assert not any(e["type"] == "script-finished" for e in events)
+
+
+def test_a_plain_script_that_ends_by_itself_ends_the_run(
+    redis_server: RedisServer, redis_client: redis.Redis, run_keys: RunKeys, tmp_path: Path
+) -> None:
+    # Its workers all return 0, which torchrun takes for the job done: the agent says so to
+    # the run, or the controller would take the node for lost and backfill it.
+    agent, _ = start_agent("import sys; sys.exit(0)", redis_server, run_keys, tmp_path)
+    try:
+        wait_for(lambda: _ended(agent), "the agent to end")
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        _, err = agent.communicate()
+    assert agent.returncode == 0, err
+    assert redis_client.hget(run_keys.progress, "finished") == b"1"
+    assert [e for e in _events(redis_client, run_keys) if e["type"] == "script-finished"]
+
+
+def start_agent(
+    text: str, redis_server: RedisServer, run_keys: RunKeys, tmp_path: Path
+) -> tuple[subprocess.Popen[str], Path]:
+    """The real agent of node n1, running script ``text`` (given its output folder) under
+    torchrun as a spec with ``train.integration: plain`` would."""
+    script, out = tmp_path / "plain.py", tmp_path / "out"
+    script.write_text(text)
+    out.mkdir()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SPOTTRAIN_")}
+    agent = subprocess.Popen(
+        [
+            *AGENT,
+            "run",
+            f"--redis={redis_server.endpoint}",
+            f"--run-id={run_keys.run_id}",
+            "--node-id=n1",
+            "--no-health-check",
+            "--max-restarts=0",
+            "--poll-interval=0.2",
+            f"--notice-margin={MARGIN_S:g}",
+            # A SIGTERM's window past torchrun's default of 150 s: torchrun must not cut it.
+            f"--sigterm-grace={SIGTERM_GRACE_S:g}",
+            "--",
+            str(script),
+            str(out),
+        ],
+        # As the boot script sets it for a spec with train.integration: plain.
+        env={**clean, ENV_INTEGRATION: "plain", "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return agent, out
 
 
 def _joined(client: redis.Redis, keys: RunKeys) -> bool:
