@@ -383,6 +383,8 @@ class SpotTrainCallback(Callback):
         self.warn_outside(trainer, session.root)
         self.global_batch = self.fix_global_batch(trainer, session.world)
         step = trainer.global_step
+        if step > 0:
+            self.realign_batch_count(trainer)
         manifest = manifest_beside(trainer.ckpt_path) if step > 0 else None
         if manifest is not None:
             text = batch_change_warning(
@@ -397,6 +399,23 @@ class SpotTrainCallback(Callback):
         # The step Lightning restored (its own state), not our reading of the directory.
         session.report_restore(step, manifest)
         self.last_step = step
+
+    @staticmethod
+    def realign_batch_count(trainer: pl.Trainer) -> None:
+        """Make Lightning's count of the epoch's batches the one this world size would have
+        reached. Lightning steps the optimizer when that count (restored from the checkpoint)
+        is a multiple of ``accumulate_grad_batches``: resumed at another world size, the count
+        is the old world's, and the first step would accumulate fewer batches and shift every
+        later step by part of a global batch. The four counters move together, so Lightning's
+        own restart logic sees a consistent state; at the same world size nothing moves."""
+        loader = trainer.train_dataloader
+        if not isinstance(loader, ResumableDataLoader):
+            return
+        s = loader.resumable
+        current = trainer.fit_loop.epoch_loop.batch_progress.current
+        shift = s.start // ((loader.batch_size or 1) * s.num_replicas) - current.ready
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(current, name, getattr(current, name) + shift)
 
     @staticmethod
     def warn_outside(trainer: pl.Trainer, root: Path) -> None:

@@ -46,7 +46,9 @@ class Run(spot_runs.Run):
         return json.loads((self.report / f"seen{rank}.json").read_text())  # type: ignore[no-any-return]
 
 
-def start(root: Path, name: str, redis_url: str, *args: str, ckpt: str = "ckpt") -> Run:
+def start(
+    root: Path, name: str, redis_url: str, *args: str, ckpt: str = "ckpt", workers: int = 2
+) -> Run:
     run = Run(root / ckpt, root / f"report-{name}", f"pl-{uuid.uuid4().hex[:8]}")
     run.ckpt.mkdir(exist_ok=True)
     run.report.mkdir()
@@ -57,6 +59,7 @@ def start(root: Path, name: str, redis_url: str, *args: str, ckpt: str = "ckpt")
         redis_url=redis_url,
         node=f"node-{name}",
         run_id=run.run_id,
+        workers=workers,
         env={"PL_DISABLE_FORK": "1"},
     )
     return run
@@ -95,6 +98,7 @@ class Runs:
     progress: dict[str, str]  # the requested run's progress hash, as it ended
     ckpt_last: dict[str, str]
     restores: list[dict[str, int]]  # the resumed run's restores, as Redis has them
+    shrunk: Run  # the requested run's step-5 checkpoint resumed by one worker instead of two
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +121,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) ->
     keys = RunKeys(requested.run_id)
     progress = {k.decode(): v.decode() for k, v in client.hgetall(keys.progress).items()}
     ckpt_last = {k.decode(): v.decode() for k, v in client.hgetall(keys.ckpt_last).items()}
-    # The resume, from step 5 (as after a preemption there), with a newer torn checkpoint.
+    # The resume, from step 5 (as after a preemption there), with a newer torn checkpoint;
+    # beside it, the same checkpoint resumed at half the world size (an odd step: Lightning's
+    # batch count of the old world is not a multiple of the new accumulation).
+    shutil.copytree(requested.ckpt, root / "ckpt-shrunk")
     plant_torn(requested.ckpt)
     resumed = start(root, "resumed", url, "--resume", "--every-steps", "5")
+    shrunk = start(root, "shrunk", url, "--resume", ckpt="ckpt-shrunk", workers=1)
     assert finish(resumed) == 0, resumed.log[-6000:]
+    assert finish(shrunk) == 0, shrunk.log[-6000:]
     restores = [json.loads(r) for r in client.lrange(RunKeys(resumed.run_id).restores, 0, -1)]
-    yield Runs(requested, resumed, drained, drain, killed, progress, ckpt_last, restores)
+    yield Runs(requested, resumed, drained, drain, killed, progress, ckpt_last, restores, shrunk)
     client.close()
 
 
@@ -176,6 +185,17 @@ def test_the_resumed_run_trains_on_exactly_the_samples_not_yet_seen(runs: Runs) 
     done = SAVE_STEP * SAMPLES_PER_STEP_PER_RANK
     for rank in (0, 1):
         assert runs.resumed.seen(rank) == runs.requested.seen(rank)[done:]
+
+
+def test_a_run_resumed_at_half_the_world_size_trains_on_the_samples_not_yet_seen(
+    runs: Runs,
+) -> None:
+    # One rank now takes both ranks' share, in steps of the same global batch: the same
+    # samples as the uninterrupted run's steps 6-12, none skipped, none twice.
+    done = SAVE_STEP * SAMPLES_PER_STEP_PER_RANK
+    want = sorted(runs.requested.seen(0)[done:] + runs.requested.seen(1)[done:])
+    assert sorted(runs.shrunk.seen(0)) == want
+    assert runs.shrunk.rows(0)[-1] == {"end": MAX_STEPS}
 
 
 def test_a_torn_newer_checkpoint_is_skipped(runs: Runs) -> None:
