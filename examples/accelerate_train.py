@@ -6,25 +6,30 @@ the epoch at the sample where the checkpoint stopped, ``step()`` reports progres
 every rank save at the same step on a notice (``accelerator.save_state``, committed
 atomically), and ``global_batch`` keeps the samples per optimizer step the same at any
 world size (gradient accumulation). Run it under torchrun (gloo on the CPU, NCCL on GPUs);
-on the local cloud: ``spottrain up examples/accelerate_job.yaml``.
+on the local cloud: ``spottrain up examples/accelerate_job.yaml``. ``--sample-log DIR``
+logs which samples each rank trained on in each optimizer step (examples/sample_log.py; the
+end-to-end tests read it).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
+from sample_log import SampleLog
 
 from spottrain.agent.sdk.integrations.accelerate import SpotAccelerate
 
 DIM = 32
 
 
-class Regression(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Sample ``i`` is the same in every process: a noisy linear target to learn."""
+class Regression(torch.utils.data.Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
+    """Sample ``i`` is the same in every process: a noisy linear target to learn; each item
+    carries its index ``i`` for the sample log."""
 
     def __init__(self, samples: int) -> None:
         g = torch.Generator().manual_seed(1)
@@ -35,8 +40,8 @@ class Regression(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __len__(self) -> int:
         return len(self.x)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return i, self.x[i], self.y[i]
 
 
 def main() -> None:
@@ -47,6 +52,7 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=25)
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--step-time", type=float, default=0.0, help="sleep per step (demo)")
+    parser.add_argument("--sample-log", type=Path, default=None)
     opts = parser.parse_args()
 
     torch.manual_seed(0)
@@ -68,17 +74,23 @@ def main() -> None:
         per_device=opts.per_device,
         save_every=opts.save_every,
     )
+    samples = SampleLog(opts.sample_log, accelerator.process_index, accelerator.num_processes)
     step = spot.resume()  # 0 when there is no complete checkpoint
     while step < opts.steps:
-        for x, y in spot.batches(loader):  # the rest of this epoch, from where it stopped
+        for ids, x, y in spot.batches(loader):  # the rest of this epoch, from where it stopped
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 accelerator.backward(loss)
                 opt.step()
                 opt.zero_grad()
+            # Logged from the batch just trained on: the prepared loader fetches one batch
+            # ahead, so a log in the dataset or sampler would name the next one.
+            samples.add(ids.tolist(), loss.item())
             if not accelerator.sync_gradients:
                 continue
             step += 1
+            # Before spot.step: a rank that saves there on a notice exits at once.
+            samples.step_done(step)
             spot.step(step, loss=float(loss.item()))
             if opts.step_time > 0:
                 time.sleep(opts.step_time)

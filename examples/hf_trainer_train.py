@@ -8,7 +8,9 @@ local cloud: ``spottrain up examples/hf_job.yaml``.
 
 The model is built from a small config (no download) and the data is made here,
 deterministically: token rows with a pattern to learn, sample ``i`` the same in every
-process. Checkpoints are the Trainer's own, in ``$SPOTTRAIN_CKPT_DIR``.
+process. Checkpoints are the Trainer's own, in ``$SPOTTRAIN_CKPT_DIR``. ``--sample-log DIR``
+logs which samples each rank trained on in each optimizer step (examples/sample_log.py; the
+end-to-end tests read it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sample_log import SampleLog
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -42,7 +45,8 @@ SEQ = 32
 
 class Patterns(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     """Rows of an arithmetic pattern (start and stride from the sample's index) with a
-    little noise: a causal LM learns to continue them."""
+    little noise: a causal LM learns to continue them. Each item carries its index ``i``
+    for the sample log."""
 
     def __init__(self, samples: int) -> None:
         self.samples = samples
@@ -56,7 +60,43 @@ class Patterns(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         row = (start + stride * torch.arange(SEQ)) % VOCAB
         noise = torch.rand(SEQ, generator=g) < 0.05
         row = torch.where(noise, torch.randint(0, VOCAB, (SEQ,), generator=g), row)
-        return {"input_ids": row, "labels": row}
+        return {"input_ids": row, "labels": row, "index": torch.tensor(i)}
+
+
+class SampleLoggingTrainer(Trainer):
+    """A ``Trainer`` that logs each micro-batch it trains on (``--sample-log``): a callback
+    gets no batch, and the batches the dataloader fetches run ahead of training (a step's
+    micro-batches all at once, and accelerate one more), so the log is kept where the
+    micro-batch is trained. The index leaves the batch before the model sees it."""
+
+    def __init__(self, *args: Any, sample_log: SampleLog, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.sample_log = sample_log
+
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        index = inputs.pop("index")
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # The Trainer returns the micro-batch's share of the rank's step loss (its summed
+        # token losses over the rank's tokens in the step); rows are of one length, so
+        # times the micro-batches per step this is the micro-batch's mean.
+        mean = float(loss) * self.current_gradient_accumulation_steps
+        self.sample_log.add(index.tolist(), mean)
+        return loss
+
+
+class StepDone(TrainerCallback):
+    """Writes the step's sample-log line once its optimizer step is done (every micro-batch
+    trained; a save, on a notice too, comes after ``on_step_end``)."""
+
+    def __init__(self, sample_log: SampleLog) -> None:
+        self.sample_log = sample_log
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self.sample_log.step_done(state.global_step)
 
 
 class Pace(TrainerCallback):
@@ -80,10 +120,12 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=25)
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--step-time", type=float, default=0.0)
+    parser.add_argument("--sample-log", type=Path, default=None)
     parser.add_argument(
         "--output-dir",
         type=Path,
-        # The volume itself: checkpoint copies (checkpoint.copy_to) come back at its top.
+        # On the checkpoint volume (any folder under it): what is saved elsewhere is lost
+        # with the VM.
         default=Path(os.environ.get("SPOTTRAIN_CKPT_DIR", "checkpoints")),
     )
     opts = parser.parse_args()
@@ -106,6 +148,8 @@ def main() -> None:
         seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        # Keep the items' "index" (not a model input) for SampleLoggingTrainer to take out.
+        remove_unused_columns=False,
     )
     config = GPT2Config(
         vocab_size=VOCAB,
@@ -117,14 +161,16 @@ def main() -> None:
         eos_token_id=0,
     )
     torch.manual_seed(0)
-    callbacks: list[TrainerCallback] = [SpotTrainCallback()]
+    sample_log = SampleLog(opts.sample_log, args.process_index, args.world_size)
+    callbacks: list[TrainerCallback] = [StepDone(sample_log), SpotTrainCallback()]
     if opts.step_time > 0:
         callbacks.append(Pace(opts.step_time))
-    trainer = Trainer(
+    trainer = SampleLoggingTrainer(
         model=GPT2LMHeadModel(config),  # type: ignore[no-untyped-call]
         args=args,
         train_dataset=Patterns(opts.samples),
         callbacks=callbacks,
+        sample_log=sample_log,
     )
     # The newest COMPLETE checkpoint (None: start fresh); transformers' own
     # resume_from_checkpoint=True could pick one a preemption left half written.

@@ -9,6 +9,8 @@ torchrun (any world size; gloo on the CPU); on the local cloud:
 ``spottrain up examples/lightning_job.yaml``.
 
 The data is made here, deterministically (sample ``i`` the same in every process).
+``--sample-log DIR`` logs which samples each rank trained on in each optimizer step
+(examples/sample_log.py; the end-to-end tests read it).
 Checkpoints are Lightning's own files, committed by spottrain as
 ``$SPOTTRAIN_CKPT_DIR/step-N/lightning.ckpt``.
 """
@@ -18,11 +20,13 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from sample_log import SampleLog
 
 from spottrain.agent.sdk.integrations.lightning import (
     ResumableDataLoader,
@@ -33,8 +37,9 @@ from spottrain.agent.sdk.integrations.lightning import (
 FEATURES = 16
 
 
-class Points(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """A smooth function of 16 inputs with a little noise, sample ``i`` seeded by ``i``."""
+class Points(torch.utils.data.Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
+    """A smooth function of 16 inputs with a little noise, sample ``i`` seeded by ``i``; each
+    item carries its index ``i`` for the sample log."""
 
     def __init__(self, samples: int) -> None:
         self.samples = samples
@@ -43,11 +48,11 @@ class Points(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __len__(self) -> int:
         return self.samples
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(i)
         x = torch.randn(FEATURES, generator=g)
         y = torch.sin(x @ self.w) + 0.05 * torch.randn((), generator=g)
-        return x, y
+        return i, x, y
 
 
 class Regressor(pl.LightningModule):
@@ -59,7 +64,7 @@ class Regressor(pl.LightningModule):
         )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
+        _, x, y = batch  # the indices are for the sample log only
         loss = torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
         self.log("train_loss", loss)
         return loss
@@ -81,6 +86,31 @@ class Pace(pl.Callback):
         time.sleep(self.seconds)
 
 
+class LogSamples(pl.Callback):
+    """``--sample-log``: each micro-batch's indices and loss, written when the optimizer step
+    they belong to has run. Listed before SpotTrainCallback, so that a step is logged before
+    a drain's checkpoint at that step lets the rank exit."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self.log = SampleLog(None, 0, 1)
+        self.step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.log = SampleLog(self.directory, trainer.global_rank, trainer.world_size)
+        self.step = trainer.global_step  # the step resumed from
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Lightning hands over the loss divided by the accumulation (what backward saw).
+        loss = float(outputs["loss"]) * trainer.accumulate_grad_batches
+        self.log.add(batch[0].tolist(), loss)
+        if trainer.global_step != self.step:  # this micro-batch ended an optimizer step
+            self.step = trainer.global_step
+            self.log.step_done(self.step)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -89,12 +119,14 @@ def main() -> None:
     parser.add_argument("--every-steps", type=int, default=25)
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--step-time", type=float, default=0.0)
+    parser.add_argument("--sample-log", type=Path, default=None)
     opts = parser.parse_args()
     pl.seed_everything(0, workers=True)
     callbacks: list[pl.Callback] = [
+        LogSamples(opts.sample_log),
         # The same global batch at any world size (accumulate_grad_batches follows it),
         # and a committed checkpoint every --every-steps steps for a VM lost without notice.
-        SpotTrainCallback(global_batch=opts.global_batch, every_steps=opts.every_steps)
+        SpotTrainCallback(global_batch=opts.global_batch, every_steps=opts.every_steps),
     ]
     if opts.step_time > 0:
         callbacks.append(Pace(opts.step_time))
