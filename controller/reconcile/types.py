@@ -317,6 +317,11 @@ class FailedLaunch:
         return f"{self.node}: {self.why}"
 
 
+# torch's error when a node's torchrun finds its job's rendezvous closed: its peers' torchrun
+# ended (their workers failed past their restarts), so it names their failure's effect, never
+# a cause of its own.
+CLOSED_RENDEZVOUS = "RendezvousClosedError"
+
 # How many counted nodes a streak remembers, so that a VM the cloud still lists for a pass
 # or two after it was ended is not counted again.
 RECENT_FAILED = 64
@@ -367,6 +372,8 @@ class FailedLaunches:
             return False
         if same_crash(self.key, self.step, failure.key, failure.step):
             return True
+        if CLOSED_RENDEZVOUS in failure.reason:
+            return True  # the streak's failure closed it: the same cause
         return self.crashed and failure.crashed and failure.launched_at < self.at
 
     def counts(self, failure: FailedLaunch, trained: int) -> bool:
@@ -406,7 +413,8 @@ class FailedLaunches:
         best = -1 if committed_step is None else committed_step
         if self.same(failure) and not same_crash(self.key, self.step, failure.key, failure.step):
             # It ran beside the streak's VM and failed with a line of its own: its peer's
-            # bug broke its connection, or left its rendezvous round short. The streak keeps
+            # bug broke its connection, left its rendezvous round short, or closed the
+            # rendezvous it came to join. The streak keeps
             # the reason of the one that failed first, which names the bug (and keeps its
             # time, so only VMs that ran beside that one join this way).
             return replace(self, count=self.count + 1, recent=recent, best_step=best)

@@ -200,3 +200,23 @@ def test_vms_failing_beside_the_first_keep_the_first_ones_reason() -> None:
     # A VM launched after the first one failed does not join by running beside it.
     later = failure(_looped("n2", short, launched_at=NOW + 30), NOW + 90, Policy(1, 2))
     assert later is not None and not both.same(later)
+
+
+def test_a_vm_that_finds_the_rendezvous_closed_keeps_the_streaks_reason() -> None:
+    """The bug's VMs ended their torchrun, which closed the job's rendezvous; a backfill
+    launched after them fails at once on the closed rendezvous (seen in CI under load): it
+    counts in the streak, whose reason stays the bug's."""
+    bug = "RuntimeError: the batch has 3 rows, the model expects 4"
+    first = failure(_looped("n0", bug), NOW, Policy(1, 2))
+    assert first is not None
+    streak = FailedLaunches().add(first, now=NOW)
+    closed = "torch.distributed.elastic.rendezvous.api.RendezvousClosedError"
+    late = _node("n2", agent="failed", launched_at=NOW + 30)
+    late = replace(late, agent_reason=f"torchrun exited with code 1: its workers failed: {closed}")
+    backfill = failure(late, NOW + 60, Policy(1, 2))
+    assert backfill is not None and not backfill.crashed and streak.same(backfill)
+    both = streak.add(backfill, now=NOW + 60)
+    assert both.count == 2 and bug in both.last and closed not in both.last
+    # With no streak, it is a failure of its own.
+    alone = FailedLaunches().add(backfill, now=NOW + 60)
+    assert alone.count == 1 and closed in alone.last
