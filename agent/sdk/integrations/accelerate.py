@@ -339,12 +339,9 @@ class SpotAccelerate:
         """Load the newest complete checkpoint with ``accelerator.load_state`` and return
         the step Accelerate restored (0 when there is none). Collective: every rank."""
         session = self.session
-        found = session.newest_staged()
+        found = session.resume_staged()
         if found is None:
-            session.report_restore(0)
             return 0
-        for name, why in found.skipped:
-            log.warning("resume skipped %s: %s", name, why)
         with session.saving():
             self.accelerator.load_state(str(found.path))
         saved = self.state.position

@@ -707,6 +707,17 @@ class FrameworkSession:
             self.phase = "training"
         return found
 
+    def resume_staged(self) -> Complete | None:
+        """The checkpoint to load (:meth:`newest_staged`), with each torn newer one it passed
+        over logged; None, and the fresh start reported, when there is none. Collective."""
+        found = self.newest_staged()
+        if found is None:
+            self.report_restore(0)
+            return None
+        for name, why in found.skipped:
+            log.warning("resume skipped %s: %s", name, why)
+        return found
+
     def newest_in_place(
         self, directory: str | os.PathLike[str], prefix: str = "checkpoint-"
     ) -> Complete | None:

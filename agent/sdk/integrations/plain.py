@@ -216,12 +216,9 @@ class SpotCheckpoints:
         """Load the newest complete checkpoint with ``load`` on every rank and return the
         step it restored (0, and ``load`` not called, when there is none). Collective."""
         session = self._live()
-        found = session.newest_staged()
+        found = session.resume_staged()
         if found is None:
-            session.report_restore(0)
             return 0
-        for name, why in found.skipped:
-            log.warning("resume skipped %s: %s", name, why)
         with session.saving():
             restored = self.load_fn(found.path)
         step = found.step if restored is None else int(restored)
