@@ -17,43 +17,33 @@ training has reached a step, never after a delay.
 
 from __future__ import annotations
 
-import subprocess
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-import redis
 import torch
-import yaml
 
 from spottrain.agent.checkpoint.manifest import Manifest, ManifestError
-from spottrain.cloud.local.compute import LocalProvider
-from spottrain.controller.run.records import find_run
-from spottrain.controller.run.run_redis import open_redis
 
 from ._byo import (
-    Step,
+    Fleet,
+    Reference,
     assert_same_samples,
+    assert_same_weights,
+    assert_shrunk_on_the_same_samples,
     counted_steps,
-    events,
-    loss_gap,
-    start_reference,
-    training_past,
-    vm_of,
+    job_spec,
+    notice_then_kill,
+    shrink,
 )
-from ._fleet import REPO, Cli, wait
 
-# Each wait is bounded on its own (TIMEOUT); a loaded 2-core machine may need several.
 # Mostly waiting (paced steps, notice windows): scripts/test runs it beside the box tests,
 # the module's tests on one worker, which holds their shared reference run.
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.beside,
     pytest.mark.xdist_group("byo-lightning"),
-    pytest.mark.timeout(900),
+    pytest.mark.timeout(900),  # several waits of up to TIMEOUT on a loaded machine
 ]
 
 STEPS = 40
@@ -67,7 +57,6 @@ SCRIPT = "examples/lightning_train.py"
 # before the next preemption lands, even on a loaded machine; the sleep draws no random
 # numbers.
 STEP_TIME = "0.12"
-TIMEOUT = 360.0  # any one wait, on a loaded 2-core machine
 # Across the shrink each step trains on the reference's samples at the same global batch:
 # only the order of the float32 sums differs (one rank accumulating four micro-batches vs
 # two ranks' two, all-reduced), and Adam carries those roundings on. A wrong sample moves a
@@ -75,55 +64,20 @@ TIMEOUT = 360.0  # any one wait, on a loaded 2-core machine
 LOSS_TOLERANCE = 1e-4
 
 
-@dataclass(frozen=True)
-class Reference:
-    proc: subprocess.Popen[bytes]
-    root: Path
-
-    def finished(self) -> tuple[dict[int, Step], dict[str, torch.Tensor]]:
-        """Its counted steps and final weights, once it ended."""
-        log = self.root / "log"
-        assert self.proc.wait(TIMEOUT) == 0, log.read_text(errors="replace")[-4000:]
-        return counted_steps(self.root / "samples"), final_weights(self.root)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
-    root = tmp_path_factory.mktemp("lightning") / "reference"
-    args = [*TRAIN_ARGS, "--sample-log", str(root / "samples")]
-    proc = start_reference(root, SCRIPT, args)
-    yield Reference(proc, root)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    ref = Reference(tmp_path_factory.mktemp("lightning") / "reference", SCRIPT, TRAIN_ARGS)
+    yield ref
+    ref.stop()
 
 
-def job_spec(volume: Path, samples: Path, nodes: int) -> dict[str, Any]:
+def fleet(tmp_path: Path, home: Path, nodes_min: int) -> Fleet:
+    samples = tmp_path / "samples"
     command = [SCRIPT, *TRAIN_ARGS, "--step-time", STEP_TIME, "--sample-log", str(samples)]
-    return {
-        "name": "tiny-lightning",
-        "code": {"archive": {"path": str(REPO)}},
-        "train": {
-            "command": " ".join(command),
-            "integration": "lightning",
-            # The reference's two workers on one node get one thread each from torchrun; the
-            # fleet's single worker per node would not, and the CPU's float sums depend on it.
-            "env": {"OMP_NUM_THREADS": "1"},
-        },
-        "nodes": {"min": nodes, "max": 2, "gpus": 0, "workers": 1},
-        "resources": {"clouds": ["local"]},
-        "budget": {"max_usd": 50},
-        "checkpoint": {
-            "volume": {"path": str(volume), "write_gbps": 0.5},
-            "every_steps": EVERY,
-            "size_gb": 0.001,
-        },
-        "local": {
-            "zones": {"local-a": {"capacity": 4}, "local-b": {"capacity": 4}},
-            "launch_latency_s": 1,
-            "notice_s": 20,
-        },
-    }
+    spec = job_spec(
+        "lightning", command, tmp_path / "volume", nodes_min=nodes_min, every_steps=EVERY
+    )
+    return Fleet(home, spec, tmp_path / "lightning_job.yaml")
 
 
 def final_weights(root: Path) -> dict[str, torch.Tensor]:
@@ -140,141 +94,24 @@ def final_weights(root: Path) -> dict[str, torch.Tensor]:
     raise AssertionError(f"no committed checkpoint of step {STEPS} under {root}")
 
 
-@dataclass
-class Fleet:
-    cli: Cli
-    run_id: str
-    client: redis.Redis
-    cloud: LocalProvider
-
-
-@pytest.fixture
-def up(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """``up(spec)``: the job brought up, detached; its Redis closed afterwards."""
-    fleets: list[Fleet] = []
-
-    def start(spec: dict[str, Any], path: Path) -> Fleet:
-        path.write_text(yaml.safe_dump(spec))
-        cli = Cli(home)
-        out = cli.run("up", str(path), "--detach", "--interval", "0.5")
-        assert out.returncode == 0, out.stdout + out.stderr
-        run_id = out.stdout.split()[1].rstrip(":")
-        monkeypatch.setenv("SPOTTRAIN_HOME", str(home))
-        info = find_run(run_id)
-        fleet = Fleet(
-            cli, run_id, open_redis(info, info.spec()), LocalProvider.open(home / "local")
-        )
-        fleets.append(fleet)
-        return fleet
-
-    yield start
-    for fleet in fleets:
-        fleet.client.close()
-
-
-def noticed(fleet: Fleet, node: str) -> tuple[float, int]:
-    """Preempt ``node`` with notice; wait for the drain's emergency checkpoint and the restore
-    after it, which goes back no step. Returns when the notice came and the checkpoint's
-    step."""
-    at = time.time()
-    assert fleet.cloud.preempt(vm_of(fleet.cloud, fleet.run_id, node), notice=True)
-    emergency = wait(
-        lambda: [
-            c
-            for c in events(fleet.client, fleet.run_id, "checkpoint-committed")
-            if c["kind"] == "emergency"
-        ],
-        "the emergency checkpoint",
-        TIMEOUT,
-        0.2,
-    )
-    step = int(emergency[0]["step"])
-    assert 2 < step < STEPS and emergency[0]["drain"] == "1", emergency
-    restored = wait(
-        lambda: [r for r in events(fleet.client, fleet.run_id, "restored") if float(r["at"]) > at],
-        "the restore after the notice",
-        TIMEOUT,
-        0.2,
-    )
-    assert (restored[0]["step"], restored[0]["reached"]) == (str(step), str(step)), restored
-    return at, step
-
-
-def finished(fleet: Fleet) -> dict[str, Any]:
-    """The run's status once training ended."""
-    return dict(
-        wait(
-            lambda: (s := fleet.cli.status(fleet.run_id))["final_step"] is not None and s,
-            "training to finish",
-            TIMEOUT,
-        )
-    )
-
-
 def test_a_lightning_script_survives_a_notice_and_a_kill_and_ends_with_uninterrupted_weights(
-    tmp_path: Path, reference: Reference, up: Any
+    tmp_path: Path, home: Path, reference: Reference, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    samples = tmp_path / "samples"
-    fleet = up(job_spec(tmp_path / "volume", samples, nodes=2), tmp_path / "job.yaml")
-    wait(lambda: training_past(fleet.client, fleet.run_id, 2), "two nodes training", TIMEOUT, 0.2)
-    # A preemption with notice: both ranks save step-N at one agreed step, the backfilled
-    # node joins, and training resumes at N, the step it had reached.
-    notice, step = noticed(fleet, "n1")
-    # A kill without notice, a few steps after the resume: the survivor and the next backfill
-    # restore the newest committed checkpoint and redo the steps after it.
-    wait(
-        lambda: training_past(fleet.client, fleet.run_id, step + 2),
-        "training past the notice",
-        TIMEOUT,
-        0.2,
-    )
-    killed = time.time()
-    assert fleet.cloud.preempt(vm_of(fleet.cloud, fleet.run_id, "n0"), notice=False)
-    done = finished(fleet)
-    restores = events(fleet.client, fleet.run_id, "restored")
-    assert done["final_step"] == STEPS and done["preemptions"] == 2, done
-    between = [r for r in restores if notice < float(r["at"]) < killed]
-    assert all(r["step"] == r["reached"] for r in between), between
-    assert any(float(r["at"]) > killed for r in restores), "no restore after the kill"
-    lost = sum(int(r["reached"]) - int(r["step"]) for r in restores)
-    assert done["steps_lost"] == lost, (done, restores)
-    want_steps, want = reference.finished()
-    assert_same_samples(counted_steps(samples), want_steps, STEPS)
-    got = final_weights(tmp_path / "volume")
-    assert want.keys() == got.keys()
-    different = [k for k in want if not torch.equal(want[k], got[k])]
-    assert not different, f"final weights differ from the uninterrupted run's: {different}"
-    assert fleet.cli.run("down", fleet.run_id, timeout=180).returncode == 0
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(home))
+    notice_then_kill(fleet(tmp_path, home, nodes_min=2), STEPS)
+    assert_same_samples(counted_steps(tmp_path / "samples"), reference.steps(), STEPS)
+    want = final_weights(reference.finished())
+    assert_same_weights(final_weights(tmp_path / "volume"), want)
 
 
 def test_a_lightning_script_shrinks_to_one_node_and_trains_on_the_reference_samples(
-    tmp_path: Path, reference: Reference, up: Any
+    tmp_path: Path, home: Path, reference: Reference, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Lightning counts a step's micro-batches by the batch's index in the epoch: at world
     size 1 a step takes four where it took two, so after a shrink at an odd step the count
     must be carried over to the new world, or the first step alone is short and every later
     step trains on other samples than the reference's (a shrink at an even step hides it)."""
-    samples = tmp_path / "samples"
-    fleet = up(job_spec(tmp_path / "volume", samples, nodes=1), tmp_path / "job.yaml")
-    wait(lambda: training_past(fleet.client, fleet.run_id, 2), "two nodes training", TIMEOUT, 0.2)
-    # No backfill: a stockout in every zone (the running VMs stay), then a notice on n1.
-    for zone in fleet.cloud.settings.zones:
-        fleet.cloud.set_capacity(zone, 0)
-    _, step = noticed(fleet, "n1")
-    wait(
-        lambda: training_past(fleet.client, fleet.run_id, step + 2, world=1),
-        "the survivor training alone",
-        TIMEOUT,
-        0.2,
-    )
-    done = finished(fleet)
-    assert (done["final_step"], done["preemptions"], done["steps_lost"]) == (STEPS, 1, 0), done
-    want_steps, _ = reference.finished()
-    got_steps = counted_steps(samples)
-    assert_same_samples(got_steps, want_steps, STEPS)
-    alone = [k for k, s in got_steps.items() if s.world == 1]
-    assert alone and max(alone) == STEPS, f"steps at world size 1: {alone}"
-    gap = loss_gap(got_steps, want_steps)
-    print(f"loss gap across the shrink: {gap:.3g} (tolerance {LOSS_TOLERANCE})")
-    assert gap < LOSS_TOLERANCE, gap
-    assert fleet.cli.run("down", fleet.run_id, timeout=180).returncode == 0
+    monkeypatch.setenv("SPOTTRAIN_HOME", str(home))
+    shrink(fleet(tmp_path, home, nodes_min=1), STEPS)
+    got = counted_steps(tmp_path / "samples")
+    assert_shrunk_on_the_same_samples(got, reference.steps(), STEPS, LOSS_TOLERANCE)
