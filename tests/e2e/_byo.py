@@ -256,7 +256,9 @@ def shrink(fleet: Fleet, steps: int) -> None:
     fleet.past(step + 2, world=1)
     done = fleet.finished()
     fleet.down()
-    assert (done["final_step"], done["preemptions"], done["steps_lost"]) == (steps, 1, 0), done
+    # Not the preemption count: a fast job can finish inside the notice window, before the
+    # VM it drained is gone and counted.
+    assert (done["final_step"], done["steps_lost"]) == (steps, 0), done
 
 
 def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
