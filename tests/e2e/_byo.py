@@ -222,11 +222,12 @@ class Fleet:
         assert self.cli.run("down", self.run_id, timeout=180).returncode == 0
 
 
-def notice_then_kill(fleet: Fleet, steps: int) -> None:
+def notice_then_kill(fleet: Fleet, steps: int) -> dict[str, Any]:
     """At two nodes: a notice on n1 (every rank saves one agreed step, the backfill joins,
     training resumes at that step: nothing lost), then, a few steps later, a kill of n0
     without notice (the newest committed checkpoint restored, the steps after it redone);
-    training finishes, and ``steps lost`` is only what the kill cost. Ends the run."""
+    training finishes, and ``steps lost`` is only what the kill cost. Ends the run; returns
+    its final status (the caller checks the final step)."""
     fleet.past(2)
     noticed = fleet.preempt("n1", notice=True)
     step = fleet.emergency()
@@ -234,20 +235,30 @@ def notice_then_kill(fleet: Fleet, steps: int) -> None:
     fleet.restored_after(noticed, step)
     fleet.past(step + 2)
     killed = fleet.preempt("n0", notice=False)
-    done = fleet.finished()
-    restores = fleet.events("restored")
+    restores: list[dict[str, str]] = []
+
+    def ended() -> Any:
+        # Read with each poll, before the status: once training ends the controller may stop
+        # the run's Redis before a read after the wait.
+        restores[:] = fleet.events("restored")
+        status = fleet.cli.status(fleet.run_id)
+        return status["final_step"] is not None and status
+
+    done = dict(wait(ended, "training to finish", TIMEOUT))
     fleet.down()
-    assert done["final_step"] == steps and done["preemptions"] == 2, done
+    assert done["preemptions"] == 2, done
     between = [r for r in restores if noticed < float(r["at"]) < killed]
     assert all(r["step"] == r["reached"] for r in between), between
     assert any(float(r["at"]) > killed for r in restores), "no restore after the kill"
     lost = sum(int(r["reached"]) - int(r["step"]) for r in restores)
     assert done["steps_lost"] == lost, (done, restores)
+    return done
 
 
-def shrink(fleet: Fleet, steps: int) -> None:
+def shrink(fleet: Fleet) -> dict[str, Any]:
     """From two nodes to one: a stockout everywhere, then a notice on n1; the survivor trains
-    on alone from the emergency checkpoint and finishes, nothing lost. Ends the run."""
+    on alone from the emergency checkpoint and finishes. Ends the run; returns its final
+    status (the caller checks the final step and that nothing was lost)."""
     fleet.past(2)
     fleet.stockout()
     noticed = fleet.preempt("n1", notice=True)
@@ -256,9 +267,7 @@ def shrink(fleet: Fleet, steps: int) -> None:
     fleet.past(step + 2, world=1)
     done = fleet.finished()
     fleet.down()
-    # Not the preemption count: a fast job can finish inside the notice window, before the
-    # VM it drained is gone and counted.
-    assert (done["final_step"], done["steps_lost"]) == (steps, 0), done
+    return done
 
 
 def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -97,7 +97,8 @@ def test_a_spot_checkpoints_script_survives_a_notice_and_a_kill_with_uninterrupt
     tmp_path: Path, home: Path, spot_reference: Reference, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SPOTTRAIN_HOME", str(home))
-    notice_then_kill(fleet(tmp_path, home, [SPOT, *SPOT_ARGS], nodes_min=2), STEPS)
+    done = notice_then_kill(fleet(tmp_path, home, [SPOT, *SPOT_ARGS], nodes_min=2), STEPS)
+    assert done["final_step"] == STEPS, done
     assert_same_samples(counted_steps(tmp_path / "samples"), spot_reference.steps(), STEPS)
     want = spot_final(spot_reference.finished())
     assert_same_weights(spot_final(tmp_path / "volume"), want)
@@ -110,7 +111,10 @@ def test_a_spot_checkpoints_script_shrinks_to_one_node_on_the_same_samples(
     (the example's global batch is a fixed slice of the step's epoch order, dealt to
     whatever ranks there are), and the loss curve stays within ``LOSS_TOLERANCE`` of it."""
     monkeypatch.setenv("SPOTTRAIN_HOME", str(home))
-    shrink(fleet(tmp_path, home, [SPOT, *SPOT_ARGS], nodes_min=1), STEPS)
+    done = shrink(fleet(tmp_path, home, [SPOT, *SPOT_ARGS], nodes_min=1))
+    # Not the preemption count: a fast job can finish inside the notice window, before the
+    # VM it drained is gone and counted.
+    assert (done["final_step"], done["steps_lost"]) == (STEPS, 0), done
     got = counted_steps(tmp_path / "samples")
     assert_shrunk_on_the_same_samples(got, spot_reference.steps(), STEPS, LOSS_TOLERANCE)
 
