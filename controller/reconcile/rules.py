@@ -22,12 +22,14 @@ from spottrain.safetext import one_line
 from .fleet import FleetIndex, Tally, decrement, is_lost, is_settled, majority_home
 from .pricing import candidates, hourly_cost, spread_pick, zone_key
 from .types import (
+    CLOSED_RENDEZVOUS,
     FLEET_EVERY_S,
     FLEET_WINDOW_S,
     Action,
     Block,
     Drain,
     FailedLaunch,
+    FailedLaunches,
     Launch,
     LaunchFailed,
     Move,
@@ -80,9 +82,10 @@ def the_end(policy: Policy, obs: Observed) -> Plan | None:
             + "; fix the training script and relaunch"
         )
         return Plan((Stop(why, error=True, checkpoint=False),), why, obs.home, obs.next_index)
-    if obs.failed.gives_up(policy.max_failed_launches):
+    if obs.failed.gives_up(policy.max_failed_launches) and not obs.failed.effects_only:
         # Rule 3 stops the run as the streak reaches the limit; this repeats the stop for a
-        # controller restarted before it was recorded.
+        # controller restarted before it was recorded. A streak of closed rendezvous may
+        # wait there for its cause.
         why = obs.failed.why()
         return Plan((Stop(why, error=True, checkpoint=False),), why, obs.home, obs.next_index)
     return None
@@ -231,19 +234,56 @@ def bad_nodes(p: Pass) -> Plan | None:
                 now=p.obs.now,
             )
             p.actions.append(LaunchFailed(failed, streak))
-            if streak.gives_up(policy.max_failed_launches):
+            if _gives_up(p, streak):
                 why = streak.why()
                 return p.ending(Stop(why, error=True, checkpoint=False), why)
         elif n.agent_state == NodeState.LEFT:
             why = "its agent left (drained or done)"
             p.actions.append(Terminate(n.name, n.instance.id, why, preempted=n.preempted))
             p.gone.add(n.name)
+    if streak is p.obs.failed and _gives_up(p, streak):
+        # A streak of closed rendezvous that waited for the failure that closed it, which
+        # never came (its node ended otherwise, or took too long).
+        why = streak.why()
+        return p.ending(Stop(why, error=True, checkpoint=False), why)
     p.n_staying = p.tally.settled
     p.staying_zones = p.tally.zones
     _replace_straggler(p)
     if p.gone:
         p.reasons.append(f"replacing {len(p.gone)} bad node(s)")
     return None
+
+
+# How long a streak of VMs that found the job's rendezvous closed waits at its limit for the
+# failure that closed it, from a node whose workers were failing: its agent ends them within
+# seconds (a crash loop is three quick failures).
+CAUSE_WAIT_S = 120.0
+
+
+def _gives_up(p: Pass, streak: FailedLaunches) -> bool:
+    """Whether the streak ends the run now: at its limit, unless it is only VMs that found
+    the rendezvous closed while a node whose workers fail (the likely closer) is still up and
+    has not said why, for at most :data:`CAUSE_WAIT_S`; its failure then names the cause."""
+    if not streak.gives_up(p.policy.max_failed_launches):
+        return False
+    if not streak.effects_only or p.obs.now - streak.at >= CAUSE_WAIT_S:
+        return True
+    failing = [
+        n.name
+        for n in _live_all(p.policy, p.obs)
+        if n.name not in p.gone
+        and n.instance is not None
+        and n.instance.state.alive
+        and not n.trains
+        and n.crash is not None
+        and CLOSED_RENDEZVOUS not in n.crash.line
+    ]
+    if failing:
+        p.reasons.append(
+            f"{streak.count} VMs found the rendezvous closed; waiting for why "
+            f"{', '.join(failing)}'s workers failed"
+        )
+    return not failing
 
 
 def failure(n: NodeObs, now: float, policy: Policy) -> FailedLaunch | None:

@@ -316,6 +316,12 @@ class FailedLaunch:
     def line(self) -> str:
         return f"{self.node}: {self.why}"
 
+    @property
+    def found_closed(self) -> bool:
+        """Its torchrun found the job's rendezvous closed: an effect of a peer's failure,
+        never a cause of its own (:data:`CLOSED_RENDEZVOUS`)."""
+        return CLOSED_RENDEZVOUS in self.why
+
 
 # torch's error when a node's torchrun finds its job's rendezvous closed: its peers' torchrun
 # ended (their workers failed past their restarts), so it names their failure's effect, never
@@ -372,9 +378,16 @@ class FailedLaunches:
             return False
         if same_crash(self.key, self.step, failure.key, failure.step):
             return True
-        if CLOSED_RENDEZVOUS in failure.reason:
-            return True  # the streak's failure closed it: the same cause
+        if failure.found_closed or self.effects_only:
+            return True  # the streak's failure closed it, or this one is what closed it
         return self.crashed and failure.crashed and failure.launched_at < self.at
+
+    @property
+    def effects_only(self) -> bool:
+        """Every failure in the streak found the job's rendezvous closed: the peer whose
+        failure closed it has not been counted yet (its agent is still ending its workers),
+        and the run's error waits for it (:meth:`add`)."""
+        return self.count > 0 and CLOSED_RENDEZVOUS in self.last
 
     def counts(self, failure: FailedLaunch, trained: int) -> bool:
         """Whether ``failure`` enters the streak while ``trained`` nodes train
@@ -411,14 +424,17 @@ class FailedLaunches:
         if not count:
             return FailedLaunches(recent=recent)
         best = -1 if committed_step is None else committed_step
-        if self.same(failure) and not same_crash(self.key, self.step, failure.key, failure.step):
+        same = self.same(failure)
+        keeps = same and not same_crash(self.key, self.step, failure.key, failure.step)
+        if keeps and not (self.effects_only and not failure.found_closed):
             # It ran beside the streak's VM and failed with a line of its own: its peer's
             # bug broke its connection, left its rendezvous round short, or closed the
-            # rendezvous it came to join. The streak keeps
-            # the reason of the one that failed first, which names the bug (and keeps its
-            # time, so only VMs that ran beside that one join this way).
+            # rendezvous it came to join. The streak keeps the reason of the one that failed
+            # first, which names the bug (and keeps its time, so only VMs that ran beside
+            # that one join this way); a streak of closed rendezvous only takes the reason of
+            # the first failure that says something else, the one that closed it.
             return replace(self, count=self.count + 1, recent=recent, best_step=best)
-        n = self.count + 1 if self.same(failure) else 1
+        n = self.count + 1 if same else 1
         return FailedLaunches(
             n,
             failure.key,

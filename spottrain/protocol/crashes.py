@@ -50,6 +50,11 @@ LINE_CHARS = 300
 _TORCH_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+\s+\S+\]")
 # A Python traceback's frames, source lines and carets: never the line that says why.
 _FRAME = re.compile(r"^(Traceback \(most recent call last\):|File \".*\", line \d+|[\s~^]+$)")
+# What the C++ runtime prints when a process aborts on its way out after its error was said
+# (a worker that raised exits with a gloo or NCCL thread still running): never the cause.
+_ABORT = re.compile(
+    r"^(\[rank\d+\]:\s*)?terminate called (without an active exception|recursively)$"
+)
 
 
 @dataclass(frozen=True)
@@ -156,10 +161,11 @@ def is_torch_log(line: str) -> bool:
 def failing_line(lines: Sequence[str]) -> str:
     """The line that says why, of the workers' last lines of output: the last one that is
     not blank nor a traceback's frame, source line or carets (a traceback ends with the
-    exception; argparse ends with ``prog: error: ...``); "" when there is none."""
+    exception; argparse ends with ``prog: error: ...``) nor the C++ runtime's abort on the
+    way out; "" when there is none."""
     for raw in reversed(lines):
         line = raw.strip()
-        if line and not _FRAME.match(line):
+        if line and not _FRAME.match(line) and not _ABORT.match(line):
             return line[:LINE_CHARS]
     return ""
 

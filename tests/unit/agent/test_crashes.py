@@ -64,6 +64,15 @@ def test_the_failing_line_is_what_the_error_says_not_a_frame_or_a_caret() -> Non
     assert failing_line([]) == ""
 
 
+def test_the_failing_line_is_not_the_abort_of_a_worker_that_raised_with_a_thread_running() -> None:
+    """Seen under load: a worker raised, then aborted on its way out (exit code -6) with a
+    gloo thread still running; the C++ runtime's last words are not the cause."""
+    error = "[rank0]: RuntimeError: the batch has 3 rows, the model expects 4"
+    lines = ["[rank0]: Traceback (most recent call last):", error]
+    assert failing_line([*lines, "terminate called without an active exception"]) == error
+    assert failing_line([*lines, "terminate called recursively", ""]) == error
+
+
 def test_a_crash_key_blanks_what_differs_between_vms_and_keeps_the_exit_code() -> None:
     line = "FileNotFoundError: /srv/runs/job-1795895586/nodes/n0/data.bin"
     other = "FileNotFoundError: /srv/runs/job-1795895586/nodes/n7/data.bin"

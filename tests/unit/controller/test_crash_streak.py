@@ -13,7 +13,7 @@ from spottrain.cloud.base import Instance, InstanceState, Market, Offer
 from spottrain.controller.reconcile.ledger import FAILED_LAUNCHES, bookkeeping
 from spottrain.controller.reconcile.planner import plan
 from spottrain.controller.reconcile.records import LaunchRecord
-from spottrain.controller.reconcile.rules import failure, request_id
+from spottrain.controller.reconcile.rules import CAUSE_WAIT_S, failure, request_id
 from spottrain.controller.reconcile.state import RunState
 from spottrain.controller.reconcile.summary import boot_lines, summarize
 from spottrain.controller.reconcile.types import (
@@ -220,3 +220,69 @@ def test_a_vm_that_finds_the_rendezvous_closed_keeps_the_streaks_reason() -> Non
     # With no streak, it is a failure of its own.
     alone = FailedLaunches().add(backfill, now=NOW + 60)
     assert alone.count == 1 and closed in alone.last
+
+
+CLOSED = "torch.distributed.elastic.rendezvous.api.RendezvousClosedError"
+BUG = "RuntimeError: the batch has 3 rows, the model expects 4"
+
+
+def _closed(name: str, launched_at: float = NOW - 600) -> NodeObs:
+    """A node whose torchrun exited by itself at once: the job's rendezvous was closed (its
+    agent keeps the crash of a torchrun that gave up, whose key is lowercase)."""
+    crash = Crash(1, CLOSED, crash_key(1, CLOSED, name), (CLOSED,), -1, None, 0.5, 1, True)
+    reason = f"torchrun exited with code 1: {crash.why()}"
+    return replace(
+        _node(name, "failed", launched_at), agent_reason=reason, crash=crash, trained=False
+    )
+
+
+def test_a_vm_whose_torchrun_found_the_rendezvous_closed_joins_by_its_crash_too() -> None:
+    """Seen in CI: the backfill's torchrun gave up on the closed rendezvous by itself, so its
+    failure is a crash whose key is lowercase; it joins the bug's streak all the same."""
+    first = failure(_looped("n0", BUG), NOW, Policy(1, 2))
+    backfill = failure(_closed("n2", launched_at=NOW + 30), NOW + 60, Policy(1, 2))
+    assert first is not None and backfill is not None and backfill.found_closed
+    both = FailedLaunches().add(first, now=NOW).add(backfill, now=NOW + 60)
+    assert both.count == 2 and BUG in both.last and not both.effects_only
+
+
+def test_a_streak_of_closed_rendezvous_takes_the_reason_of_the_failure_that_closed_it() -> None:
+    """The VMs that found the rendezvous closed were counted before the one whose workers'
+    failure closed it: the streak goes on and names that one's bug."""
+    a = failure(_closed("n1"), NOW, Policy(1, 2))
+    b = failure(_closed("n2", launched_at=NOW + 30), NOW + 40, Policy(1, 2))
+    bug = failure(_looped("n0", BUG), NOW + 50, Policy(1, 2))
+    assert a is not None and b is not None and bug is not None
+    effects = FailedLaunches().add(a, now=NOW).add(b, now=NOW + 40)
+    assert effects.count == 2 and effects.effects_only and "n2" in effects.last
+    named = effects.add(bug, now=NOW + 50)
+    assert named.count == 3 and BUG in named.last and not named.effects_only
+    # Another VM that finds it closed afterwards keeps the bug's reason.
+    late = failure(_closed("n3", launched_at=NOW + 45), NOW + 60, Policy(1, 2))
+    assert late is not None and BUG in named.add(late, now=NOW + 60).last
+
+
+def test_at_its_limit_a_streak_of_closed_rendezvous_waits_for_the_failing_peer_to_say_why() -> None:
+    policy = Policy(1, 2, max_failed_launches=2)
+    a = failure(_closed("n1"), NOW - 10, policy)
+    assert a is not None
+    effects = FailedLaunches().add(a, now=NOW - 10)
+    # n0's workers are failing (a crash record, not a loop yet): the stop waits for it.
+    crash = Crash(1, BUG, crash_key(1, BUG, "n0"), (BUG,), 0, None, 1.0, 2)
+    failing = replace(_node("n0"), crash=crash)
+    waits = plan(policy, _observed(failing, _closed("n2", launched_at=NOW - 5), failed=effects))
+    assert not waits.of(Stop) and "waiting for why n0's workers failed" in waits.reason
+    streak = _streak(waits)
+    assert streak.count == 2 and streak.effects_only
+    # n0's crash loop comes: the run stops and names the bug.
+    done = plan(policy, _observed(_looped("n0", BUG), failed=streak))
+    (stop,) = done.of(Stop)
+    assert isinstance(stop, Stop) and stop.why.startswith("3 VMs in a row failed before")
+    assert BUG in stop.why and CLOSED not in stop.why
+    # With no failing node left, or past the wait, the streak stops the run as it is.
+    for obs in (
+        _observed(_node("n0"), failed=streak),
+        replace(_observed(failing, failed=streak), now=NOW + CAUSE_WAIT_S),
+    ):
+        (stop,) = plan(policy, obs).of(Stop)
+        assert isinstance(stop, Stop) and CLOSED in stop.why
