@@ -19,7 +19,7 @@ import yaml
 
 from ._fleet import Cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]
 
 # A plain torchrun script (no SDK): the two nodes all-reduce a few times, then rank 0 hits a
 # bug; the other node's worker fails on the lost connection, with a line of its own.

@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.waits
 def test_the_spot_demo_loses_no_step_to_a_notice_or_a_shutdown() -> None:
     res = subprocess.run(
         [sys.executable, str(REPO / "examples" / "spot_demo.py"), "--steps", "200"],

@@ -14,7 +14,7 @@ from spottrain.agent.checkpoint.directory import CheckpointDir
 
 from ._fleet import REPO, cli, wait
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]
 
 
 def _spec(tmp: Path) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from spec_samples import COMMIT, VALID, spec_with
 from spottrain.controller.run.boot import NodeIdentity
 from spottrain.spec import parse_spec
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -29,7 +29,7 @@ from spottrain.protocol.keys import RunKeys
 
 from ._fleet import REPO, cli, wait
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]
 
 TIMEOUT_S = 3.0
 STEP_S = 0.05

@@ -15,7 +15,7 @@ import yaml
 
 from ._fleet import REPO, Cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]
 
 STEPS = 240
 # Generous: a noticed leave costs the survivors about one step plus the lighthouse's join

@@ -112,6 +112,7 @@ def test_readme_job_trains_through_preemptions_and_down_leaves_nothing(home: Pat
     _no_processes_left(run_id)
 
 
+@pytest.mark.waits
 def test_zone_stockout_moves_the_job_and_it_resumes_from_its_copied_checkpoint(
     tmp_path: Path, home: Path
 ) -> None:
@@ -163,6 +164,7 @@ def test_zone_stockout_moves_the_job_and_it_resumes_from_its_copied_checkpoint(
     _no_processes_left(run_id)
 
 
+@pytest.mark.waits
 def test_a_node_that_computes_slowly_is_reported_and_replaced(tmp_path: Path, home: Path) -> None:
     """Every node steps at the slow node's pace (the all-reduce waits for it); only its own
     compute time, measured by its workers, gives it away."""
@@ -201,6 +203,7 @@ def test_a_node_that_computes_slowly_is_reported_and_replaced(tmp_path: Path, ho
     _no_processes_left(run_id)
 
 
+@pytest.mark.waits
 def test_a_rebalance_recommendation_hands_the_node_over_before_it_is_preempted(
     tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
