@@ -25,10 +25,14 @@ beside its anchor (these machines are noisy: read the ratios):
 
 Write figures are medians over --reps after one warm-up round (the first write on these
 virtual disks is often much slower); modes are interleaved within each round. GB/s means 10^9
-bytes per second. Targets are printed, not asserted: emergency >= 0.85 x raw and >= DCP,
-overhead <= 1 %.
+bytes per second. Beside each write rate, its CPU-seconds per GB: both ranks' process CPU time
+(every thread: DCP's writers, the checksum threads) over the timed span, per 10^9 bytes; on
+tmpfs (``--dir /dev/shm/...``), where a write is a memory copy, that CPU is all a save costs.
+Targets are printed, not asserted: emergency >= 0.85 x raw and >= DCP with no more CPU per GB
+than DCP, overhead <= 1 %.
 
     .venv/bin/python bench/checkpoint.py [--dir build/bench-ckpt] [--size-gib 1] [--reps 3]
+    .venv/bin/python bench/checkpoint.py --writes-only --reps 7 --dir /dev/shm/bench-ckpt
     .venv/bin/python bench/checkpoint.py --quick     # a smoke test: 0.25 GiB, 1 rep, 60 steps
 
 The last line of stdout is one JSON object.
@@ -182,6 +186,9 @@ def main() -> None:
     p.add_argument("--size-gib", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--quick", action="store_true", help="0.25 GiB, 1 rep, 60 steps")
+    p.add_argument(
+        "--writes-only", action="store_true", help="(a)-(c) only: no notice, no step overhead"
+    )
     p.add_argument("--role", choices=["write", "notice", "steps"], help=argparse.SUPPRESS)
     p.add_argument("--tag", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -205,32 +212,41 @@ def main() -> None:
             f"checkpoint bench in {workdir}: {args.size_gib:g} GiB, {args.reps} rep(s)", flush=True
         )
         w = _bench_writes(args, workdir, size)
-        n = _bench_notice(args, workdir, w["emg"])
-        s = _bench_steps(args, workdir)
-        figures = {
+        figures: dict[str, Any] = {
             "emergency_vs_raw": round(w["emg"] / w["raw"], 4),
             "emergency_vs_dcp": round(w["emg"] / w["dcp"], 4),
-            "notice_to_commit_s": round(n["n2c"], 4),
-            "step_overhead": round(s["overhead"], 5),
-            "step_overhead_mean": round(s["overhead_mean"], 5),
-            "step_overhead_direct": round(s["overhead_direct"], 5),
             "emergency_vs_raw_paired": round(w["paired_raw"], 4),
             "emergency_vs_dcp_paired": round(w["paired_dcp"], 4),
             "raw_gbps": round(w["raw"], 4),
             "dcp_gbps": round(w["dcp"], 4),
             "dcp_nocrc_gbps": round(w["dcp_nocrc"], 4),
             "emergency_gbps": round(w["emg"], 4),
-            "step_s": round(s["plain"], 6),
-            "sdk_step_s": round(s["sdk"], 6),
-            "blocking_step_s": round(s["blocking"], 6),
-            "blocking_agree_overhead": round(s["blocking_overhead"], 5),
-            "sdk_call_s": round(s["sdk_call"], 7),
-            "blocking_call_s": round(s["blocking_call"], 7),
-            "notice_bytes": n["n_bytes"],
+            "emergency_cpu_vs_dcp": round(w["cpu_emg"] / w["cpu_dcp"], 4),
+            "raw_cpu_s_per_gb": round(w["cpu_raw"], 4),
+            "dcp_cpu_s_per_gb": round(w["cpu_dcp"], 4),
+            "dcp_nocrc_cpu_s_per_gb": round(w["cpu_dcp_nocrc"], 4),
+            "emergency_cpu_s_per_gb": round(w["cpu_emg"], 4),
+            "dir": str(workdir),
             "size_gib": args.size_gib,
             "reps": args.reps,
-            "steps": args.steps,
         }
+        if not args.writes_only:
+            n = _bench_notice(args, workdir, w["emg"])
+            s = _bench_steps(args, workdir)
+            figures |= {
+                "notice_to_commit_s": round(n["n2c"], 4),
+                "step_overhead": round(s["overhead"], 5),
+                "step_overhead_mean": round(s["overhead_mean"], 5),
+                "step_overhead_direct": round(s["overhead_direct"], 5),
+                "step_s": round(s["plain"], 6),
+                "sdk_step_s": round(s["sdk"], 6),
+                "blocking_step_s": round(s["blocking"], 6),
+                "blocking_agree_overhead": round(s["blocking_overhead"], 5),
+                "sdk_call_s": round(s["sdk_call"], 7),
+                "blocking_call_s": round(s["blocking_call"], 7),
+                "notice_bytes": n["n_bytes"],
+                "steps": args.steps,
+            }
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print_figures(figures)
@@ -257,6 +273,19 @@ def _bench_writes(args: argparse.Namespace, workdir: Path, size: int) -> dict[st
     print(f"    within each round, median: {paired_raw:.2f} x raw, {paired_dcp:.2f} x DCP")
     for mode in ("raw", "dcp", "dcp_nocrc", "emergency"):
         print(f"    {mode:10s} seconds per round: {' '.join(f'{s:.3f}' for s in w[mode])}")
+    # CPU-seconds per GB: both ranks' process CPU over each timed span (every thread).
+    cpu = {m: med(w[f"cpu_{m}"]) / (size / 1e9) for m in ("raw", "dcp", "dcp_nocrc", "emergency")}
+    print(
+        f"    CPU-seconds per GB: raw {cpu['raw']:.3f}, DCP {cpu['dcp']:.3f} (CRC off "
+        f"{cpu['dcp_nocrc']:.3f}), emergency {cpu['emergency']:.3f} = "
+        f"{cpu['emergency'] / cpu['dcp']:.2f} x DCP's (target <= 1.00)",
+        flush=True,
+    )
+    # CPU-seconds per GB x GB per second: the cores a mode kept busy while it wrote. Short of
+    # the machine's, the disk (or memory) limited it, not the save's own CPU.
+    rates = {"raw": raw, "dcp": dcp, "dcp_nocrc": dcp_nocrc, "emergency": emg}
+    busy = ", ".join(f"{m} {cpu[m] * rates[m]:.2f}" for m in rates)
+    print(f"    cores busy while writing (of {os.cpu_count()}): {busy}", flush=True)
     return {
         "raw": raw,
         "dcp": dcp,
@@ -264,6 +293,10 @@ def _bench_writes(args: argparse.Namespace, workdir: Path, size: int) -> dict[st
         "emg": emg,
         "paired_raw": paired_raw,
         "paired_dcp": paired_dcp,
+        "cpu_raw": cpu["raw"],
+        "cpu_dcp": cpu["dcp"],
+        "cpu_dcp_nocrc": cpu["dcp_nocrc"],
+        "cpu_emg": cpu["emergency"],
     }
 
 
@@ -378,6 +411,7 @@ def rank_write(args: argparse.Namespace, workdir: Path) -> None:
     group = dist.new_group(backend="gloo")  # as the SDK: a group of its own
     times: dict[str, list[float]] = {"raw": [], "dcp": [], "dcp_nocrc": [], "emergency": []}
     modes = list(times)
+    cpu: dict[str, list[float]] = {m: [] for m in modes}  # this rank's CPU-seconds per round
     n = 0
 
     def timed(fn: Any) -> float:
@@ -400,6 +434,7 @@ def rank_write(args: argparse.Namespace, workdir: Path) -> None:
         for mode in order if rep % 2 else order[::-1]:  # vary who follows whom
             n += 1
             path = ckdir.step_path(n) if mode == "emergency" else workdir / f"{mode}-{n}"
+            c0 = time.process_time()
             if mode == "raw":
                 dt = 0.0
                 if rank == 0:
@@ -425,9 +460,11 @@ def rank_write(args: argparse.Namespace, workdir: Path) -> None:
                         thread_count=4,
                     )
                 )
-            print(f"round {rep} {mode}: {dt:.3f} s", flush=True)
+            c1 = time.process_time()
+            print(f"round {rep} {mode}: {dt:.3f} s, {c1 - c0:.3f} CPU-s", flush=True)
             if rep > 0:
                 times[mode].append(dt)
+                cpu[mode].append(c1 - c0)
             if rank == 0:
                 if path.is_dir():
                     shutil.rmtree(path)
@@ -438,7 +475,11 @@ def rank_write(args: argparse.Namespace, workdir: Path) -> None:
                 os.sync()
                 time.sleep(0.5)
             dist.barrier()
+    ranks: list[Any] = [None] * WORLD
+    dist.all_gather_object(ranks, cpu)
     if rank == 0:
+        for mode in modes:
+            times[f"cpu_{mode}"] = [sum(r) for r in zip(*(c[mode] for c in ranks), strict=True)]
         (workdir / "write.json").write_text(json.dumps(times))
     dist.barrier()
     dist.destroy_process_group()

@@ -18,7 +18,6 @@ import shutil
 import threading
 import time
 import warnings
-import zlib
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from torch.futures import Future as TorchFuture
 from .directory import CheckpointDir
 from .failpoints import armed, failpoint
 from .files import CheckpointDirError, StaleCommitError, describe_os_error
-from .manifest import FileSum, Manifest
+from .manifest import FileSum, Manifest, crc32
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +85,16 @@ class _ChecksumFile(io.RawIOBase):
         if self._tear and n > 1:
             # Half of this write on disk, then the failpoint; if it is not this write's turn
             # to die, the other half follows (never the whole buffer again).
-            self.crc = zlib.crc32(view, self.crc)
+            self.crc = crc32(view, self.crc)
             self._write_all(view[: n // 2])
             failpoint("shard")
             self._write_all(view[n // 2 :])
         elif n >= _OVERLAP_MIN:
-            fut: Future[int] = _crc_pool.submit(zlib.crc32, view, self.crc)
+            fut: Future[int] = _crc_pool.submit(crc32, view, self.crc)
             self._write_all(view)
             self.crc = fut.result()
         else:
-            self.crc = zlib.crc32(view, self.crc)
+            self.crc = crc32(view, self.crc)
             self._write_all(view)
         self.size += n
         return n
